@@ -1,0 +1,53 @@
+# Finds gflags, glog, libibverbs/librdmacm and CUDA; logs every decision.
+
+find_package(gflags CONFIG QUIET)
+if(NOT TARGET gflags)
+  pkg_check_modules(GFLAGS REQUIRED IMPORTED_TARGET gflags)
+  add_library(gflags ALIAS PkgConfig::GFLAGS)
+endif()
+find_package(glog CONFIG REQUIRED)
+message(STATUS "shardps: glog ${glog_VERSION}, gflags ${gflags_VERSION}")
+
+# ---- verbs ----
+set(SHARDPS_HAVE_VERBS OFF)
+if(NOT SHARDPS_WITH_VERBS STREQUAL "OFF")
+  find_path(IBVERBS_INCLUDE infiniband/verbs.h)
+  find_library(IBVERBS_LIB ibverbs)
+  find_path(RDMACM_INCLUDE rdma/rdma_cma.h)
+  find_library(RDMACM_LIB rdmacm)
+  if(IBVERBS_INCLUDE AND IBVERBS_LIB AND RDMACM_INCLUDE AND RDMACM_LIB)
+    set(SHARDPS_HAVE_VERBS ON)
+    add_library(shardps_verbs_deps INTERFACE)
+    target_include_directories(shardps_verbs_deps SYSTEM INTERFACE ${IBVERBS_INCLUDE}
+                               ${RDMACM_INCLUDE})
+    target_link_libraries(shardps_verbs_deps INTERFACE ${IBVERBS_LIB} ${RDMACM_LIB})
+    message(STATUS "shardps: verbs provider: ON (${IBVERBS_LIB}, ${RDMACM_LIB})")
+  elseif(SHARDPS_WITH_VERBS STREQUAL "ON")
+    message(FATAL_ERROR "shardps: SHARDPS_WITH_VERBS=ON but libibverbs-dev/librdmacm-dev "
+                        "were not found (apt-get install libibverbs-dev librdmacm-dev)")
+  else()
+    message(STATUS "shardps: verbs provider: OFF (libibverbs-dev/librdmacm-dev not found)")
+  endif()
+else()
+  message(STATUS "shardps: verbs provider: OFF (SHARDPS_WITH_VERBS=OFF)")
+endif()
+
+# ---- CUDA ----
+set(SHARDPS_HAVE_CUDA OFF)
+if(NOT SHARDPS_WITH_CUDA STREQUAL "OFF")
+  if(NOT CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
+  endif()
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    set(SHARDPS_HAVE_CUDA ON)
+    message(STATUS "shardps: CUDA: ON (toolkit ${CUDAToolkit_VERSION} at "
+                   "${CUDAToolkit_BIN_DIR})")
+  elseif(SHARDPS_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "shardps: SHARDPS_WITH_CUDA=ON but no CUDA toolkit was found")
+  else()
+    message(STATUS "shardps: CUDA: OFF (no CUDA toolkit found)")
+  endif()
+else()
+  message(STATUS "shardps: CUDA: OFF (SHARDPS_WITH_CUDA=OFF)")
+endif()

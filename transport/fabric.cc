@@ -1,0 +1,172 @@
+// Provider selection, descriptor encoding and the small shared helpers of transport.h.
+#include <glog/logging.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "transport/providers.h"
+#include "transport/transport.h"
+
+namespace shardps::transport {
+
+const char* AccessName(Access a) {
+  switch (a) {
+    case Access::kLocalOnly: return "local-only";
+    case Access::kRemoteRead: return "remote-read";
+    case Access::kRemoteWrite: return "remote-write";
+    case Access::kRemoteReadWrite: return "remote-read-write";
+  }
+  return "?";
+}
+
+const char* OpTypeName(OpType t) {
+  switch (t) {
+    case OpType::kWrite: return "write";
+    case OpType::kWriteImm: return "write-imm";
+    case OpType::kRead: return "read";
+    case OpType::kRecvImm: return "recv-imm";
+  }
+  return "?";
+}
+
+const char* WcStatusName(WcStatus s) {
+  switch (s) {
+    case WcStatus::kSuccess: return "success";
+    case WcStatus::kRemoteAccessError: return "remote-access-error";
+    case WcStatus::kFlushed: return "flushed";
+    case WcStatus::kRetryExceeded: return "retry-exceeded";
+    case WcStatus::kRemoteDisconnected: return "remote-disconnected";
+    case WcStatus::kLocalError: return "local-error";
+    case WcStatus::kRemoteOperationError: return "remote-operation-error";
+  }
+  return "?";
+}
+
+namespace {
+
+// Descriptor wire format, version 1 (little-endian; see docs/transport.md):
+//   u8 version=1 | u8 access | u16 provider_len | u32 rkey | u64 addr | u64 length |
+//   u32 provider_data_len | provider bytes | provider_data bytes
+constexpr uint8_t kDescriptorVersion = 1;
+constexpr size_t kDescriptorFixed = 1 + 1 + 2 + 4 + 8 + 8 + 4;
+constexpr size_t kMaxProviderName = 32;
+constexpr size_t kMaxProviderData = 4096;
+
+void PutLe(std::string* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(const unsigned char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+std::string RegionDescriptor::Encode() const {
+  std::string out;
+  out.reserve(kDescriptorFixed + provider.size() + provider_data.size());
+  PutLe(&out, kDescriptorVersion, 1);
+  PutLe(&out, static_cast<uint32_t>(access), 1);
+  PutLe(&out, provider.size(), 2);
+  PutLe(&out, rkey, 4);
+  PutLe(&out, addr, 8);
+  PutLe(&out, length, 8);
+  PutLe(&out, provider_data.size(), 4);
+  out += provider;
+  out += provider_data;
+  return out;
+}
+
+StatusOr<RegionDescriptor> RegionDescriptor::Decode(std::string_view bytes) {
+  if (bytes.size() < kDescriptorFixed) {
+    return InvalidArgumentError("region descriptor: truncated (" + std::to_string(bytes.size()) +
+                                " bytes)");
+  }
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  if (p[0] != kDescriptorVersion) {
+    return InvalidArgumentError("region descriptor: unknown version " + std::to_string(p[0]));
+  }
+  RegionDescriptor d;
+  if (p[1] > 3) return InvalidArgumentError("region descriptor: bad access bits");
+  d.access = static_cast<Access>(p[1]);
+  const size_t provider_len = GetLe(p + 2, 2);
+  d.rkey = static_cast<uint32_t>(GetLe(p + 4, 4));
+  d.addr = GetLe(p + 8, 8);
+  d.length = GetLe(p + 16, 8);
+  const size_t data_len = GetLe(p + 24, 4);
+  if (provider_len == 0 || provider_len > kMaxProviderName || data_len > kMaxProviderData) {
+    return InvalidArgumentError("region descriptor: bad field lengths");
+  }
+  if (bytes.size() != kDescriptorFixed + provider_len + data_len) {
+    return InvalidArgumentError("region descriptor: length mismatch");
+  }
+  if (d.addr + d.length < d.addr) return InvalidArgumentError("region descriptor: wraps around");
+  d.provider.assign(bytes.substr(kDescriptorFixed, provider_len));
+  d.provider_data.assign(bytes.substr(kDescriptorFixed + provider_len, data_len));
+  return d;
+}
+
+std::string RegionDescriptor::DebugString() const {
+  std::ostringstream os;
+  os << provider << "{addr=0x" << std::hex << addr << std::dec << " len=" << length
+     << " rkey=0x" << std::hex << rkey << std::dec << " " << AccessName(access);
+  if (!provider_data.empty()) os << " +" << provider_data.size() << "B";
+  os << "}";
+  return os.str();
+}
+
+std::string CompiledProviders() {
+  std::string s = "tcp,shm";
+#ifdef SHARDPS_HAVE_VERBS
+  s += ",verbs";
+#endif
+  return s;
+}
+
+StatusOr<std::unique_ptr<Fabric>> Fabric::Open(const FabricOptions& options) {
+  const std::string& name = options.provider;
+  if (name == "tcp") {
+    auto f = OpenTcpFabric(options);
+    if (f.ok()) LOG(INFO) << "transport: tcp (asked for by name): " << (*f)->DebugString();
+    return f;
+  }
+  if (name == "shm") {
+    auto f = OpenShmFabric(options);
+    if (f.ok()) LOG(INFO) << "transport: shm (asked for by name): " << (*f)->DebugString();
+    return f;
+  }
+  if (name == "verbs") {
+#ifdef SHARDPS_HAVE_VERBS
+    auto f = OpenVerbsFabric(options);
+    if (f.ok()) LOG(INFO) << "transport: verbs (asked for by name): " << (*f)->DebugString();
+    return f;
+#else
+    return UnavailableError(
+        "transport 'verbs' was asked for, but this binary was built without verbs support "
+        "(configure with -DSHARDPS_WITH_VERBS=ON and libibverbs-dev/librdmacm-dev installed)");
+#endif
+  }
+  if (name == "auto") {
+#ifdef SHARDPS_HAVE_VERBS
+    auto f = OpenVerbsFabric(options);
+    if (f.ok()) {
+      LOG(INFO) << "transport: auto picked verbs, because an active RDMA port was found: "
+                << (*f)->DebugString();
+      return f;
+    }
+    const std::string why = f.status().ToString();
+#else
+    const std::string why = "built without verbs support";
+#endif
+    auto t = OpenTcpFabric(options);
+    if (t.ok()) {
+      LOG(INFO) << "transport: auto picked tcp, because verbs is not usable (" << why
+                << "): " << (*t)->DebugString();
+    }
+    return t;
+  }
+  return InvalidArgumentError("unknown transport '" + name + "' (known: verbs, tcp, shm, auto)");
+}
+
+}  // namespace shardps::transport

@@ -1,0 +1,295 @@
+// The byte-moving layer: one-sided access to memory in another process.
+//
+// A Fabric is one provider ("verbs", "tcp" or "shm") opened by name at run time. It registers
+// memory regions, creates completion queues, and connects endpoints to peers. An Endpoint posts
+// one-sided operations (write, write-with-immediate, read) against a peer's registered memory;
+// their outcomes arrive as Completions on the endpoint's CompletionQueue.
+//
+// Nothing here knows what the bytes mean. The full contract of every operation (ordering,
+// visibility, errors, thread safety) is written out in docs/transport.md; the summary:
+//
+//  * Ordering. Operations posted on one endpoint are executed at the target in post order and
+//    complete at the initiator in post order. A read posted after a write on the same endpoint
+//    observes that write (read-after-write). No ordering holds across endpoints.
+//  * Visibility. A kWrite/kRead completion at the initiator means the bytes are in the target's
+//    memory (write) or in the local buffer (read). A kRecvImm completion at the target is
+//    delivered only after the whole payload of that write is visible in the target's memory.
+//  * Errors. Any failed operation (bad rkey, out of bounds, missing access right, peer gone,
+//    retry exceeded) puts the endpoint into the error state, exactly like an RC queue pair: the
+//    failing operation completes with its error, every later-posted and still-outstanding one
+//    completes with kFlushed, and Endpoint::status() explains why. An error never aborts the
+//    process and never touches the target region.
+//  * Flow control. Every post takes one credit of the endpoint's send queue and of its
+//    completion queue's quota before it is handed to the provider; when none is left the post
+//    fails with kResourceExhausted and nothing is queued. Polling returns credits. A completion
+//    queue therefore can never overflow.
+//
+// Thread safety: a Fabric is thread-safe (setup calls take an internal lock). A CompletionQueue
+// and every Endpoint attached to it belong to one polling thread: posts, polls and destruction
+// happen on that thread. MemoryRegion accessors are const and thread-safe; destroying a region
+// while operations on it are outstanding is a caller bug (as with ibv_dereg_mr).
+#ifndef SHARDPS_TRANSPORT_TRANSPORT_H_
+#define SHARDPS_TRANSPORT_TRANSPORT_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace shardps::transport {
+
+// Remote access rights of a region. Local access (as a source or sink of this process's own
+// operations) is always allowed.
+enum class Access : uint32_t {
+  kLocalOnly = 0,
+  kRemoteRead = 1,
+  kRemoteWrite = 2,
+  kRemoteReadWrite = 3,
+};
+inline bool AllowsRemoteRead(Access a) { return static_cast<uint32_t>(a) & 1u; }
+inline bool AllowsRemoteWrite(Access a) { return static_cast<uint32_t>(a) & 2u; }
+const char* AccessName(Access a);
+
+enum class MemoryKind : uint32_t {
+  kHost = 0,
+  kCuda = 1,  // device memory; only when built with CUDA (SHARDPS_HAVE_CUDA)
+};
+
+// What the control plane needs to name a region to a peer. Serializable with Encode/Decode
+// (a versioned, fixed-layout little-endian byte string; see docs/transport.md).
+struct RegionDescriptor {
+  std::string provider;        // name of the fabric that registered it
+  uint64_t addr = 0;           // the address an initiator names in a RemoteSlice
+  uint64_t length = 0;         // bytes
+  uint32_t rkey = 0;           // remote key
+  Access access = Access::kLocalOnly;
+  std::string provider_data;   // opaque provider fields (may be empty)
+
+  std::string Encode() const;
+  static StatusOr<RegionDescriptor> Decode(std::string_view bytes);
+  std::string DebugString() const;
+};
+
+// Registered memory. Destroying it deregisters it: later remote accesses naming its rkey fail
+// with a remote-access error at the initiator.
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+
+  void* data() const { return data_; }
+  size_t length() const { return length_; }
+  Access access() const { return access_; }
+  MemoryKind kind() const { return kind_; }
+  // Full descriptor, for the control plane.
+  virtual RegionDescriptor descriptor() const = 0;
+
+ protected:
+  MemoryRegion(void* data, size_t length, Access access, MemoryKind kind)
+      : data_(data), length_(length), access_(access), kind_(kind) {}
+
+ private:
+  void* const data_;
+  const size_t length_;
+  const Access access_;
+  const MemoryKind kind_;
+};
+
+// [offset, offset+length) of a local region: the source of a write, the sink of a read.
+struct LocalSlice {
+  const MemoryRegion* region = nullptr;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// A place in a peer's region, as named by its descriptor: addr is descriptor.addr + offset.
+struct RemoteSlice {
+  uint64_t addr = 0;
+  uint32_t rkey = 0;
+};
+inline RemoteSlice AtOffset(const RegionDescriptor& d, uint64_t offset) {
+  return RemoteSlice{d.addr + offset, d.rkey};
+}
+
+enum class OpType : uint8_t {
+  kWrite = 0,     // initiator: a one-sided write finished
+  kWriteImm = 1,  // initiator: a write-with-immediate finished
+  kRead = 2,      // initiator: a one-sided read finished
+  kRecvImm = 3,   // target: a write-with-immediate's payload is visible; imm is valid
+};
+const char* OpTypeName(OpType t);
+
+// Outcome of one operation, in the spirit of ibv_wc_status but provider-neutral.
+enum class WcStatus : uint8_t {
+  kSuccess = 0,
+  kRemoteAccessError = 1,   // bad rkey, out of bounds, missing right, deregistered region
+  kFlushed = 2,             // never executed: the endpoint was already in the error state
+  kRetryExceeded = 3,       // the peer stopped answering (dead process, broken link)
+  kRemoteDisconnected = 4,  // the peer closed or reset the connection
+  kLocalError = 5,          // local protection/length error, or an internal provider failure
+  kRemoteOperationError = 6,
+};
+const char* WcStatusName(WcStatus s);
+
+struct Completion {
+  uint64_t context = 0;      // the caller's context of the post; for kRecvImm, 0
+  uint64_t endpoint_id = 0;  // the id given when the endpoint was created
+  OpType op = OpType::kWrite;
+  WcStatus status = WcStatus::kSuccess;
+  uint32_t imm = 0;          // kRecvImm (and kWriteImm at the initiator: the value sent)
+  uint32_t byte_len = 0;     // kRecvImm: payload length (saturated at 2^32-1); kRead: length
+  bool ok() const { return status == WcStatus::kSuccess; }
+};
+
+// Post flags.
+enum PostFlags : uint32_t {
+  kSignaled = 0,
+  // Selective signaling: a successful unsignaled op produces no completion. Its credits are
+  // returned when a later signaled op on the same endpoint completes. A failed one always
+  // produces a completion.
+  kUnsignaled = 1u << 0,
+};
+
+// A completion queue, shared by all endpoints of one polling thread.
+class CompletionQueue {
+ public:
+  virtual ~CompletionQueue() = default;
+  CompletionQueue(const CompletionQueue&) = delete;
+  CompletionQueue& operator=(const CompletionQueue&) = delete;
+
+  // Non-blocking: drives provider progress if it needs the caller's thread, then stores up to
+  // max completions in out. Returns how many (0 if none).
+  virtual int Poll(Completion* out, int max) = 0;
+
+  // Number of completion slots (the quota shared by the attached endpoints).
+  virtual int depth() const = 0;
+
+ protected:
+  CompletionQueue() = default;
+};
+
+struct EndpointOptions {
+  uint64_t endpoint_id = 0;   // echoed in every Completion of this endpoint
+  int send_depth = 256;       // max operations outstanding (posted, not yet completed)
+  int recv_depth = 256;       // max unreaped kRecvImm completions at this side as target
+  std::chrono::milliseconds connect_timeout{10000};
+};
+
+// A connection to one peer. Owned and used by the polling thread of its CompletionQueue.
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  // One-sided write of src into the peer's memory at dst. src.region must be local to this
+  // fabric; dst must lie inside one peer region that allows remote write.
+  virtual Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
+                           uint32_t flags = kSignaled) = 0;
+  // Like PostWrite, then the peer's CQ receives kRecvImm with imm, after the data is visible.
+  // If the target has recv_depth kRecvImm completions of this endpoint not yet polled, the
+  // operation waits (verbs: RNR retry; tcp: the target stops reading; shm: the doorbell ring
+  // entry is pushed from a later Poll) rather than failing.
+  virtual Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
+                              uint64_t context, uint32_t flags = kSignaled) = 0;
+  // One-sided read of the peer's memory at src into dst.
+  virtual Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
+                          uint32_t flags = kSignaled) = 0;
+
+  // OK while healthy; the first error that moved the endpoint into the error state otherwise.
+  virtual Status status() const = 0;
+  // Operations posted and not yet completed (unsignaled ones included).
+  virtual int outstanding() const = 0;
+  uint64_t endpoint_id() const { return endpoint_id_; }
+  // "provider:local->remote" for logs.
+  virtual std::string DebugString() const = 0;
+
+ protected:
+  explicit Endpoint(uint64_t endpoint_id) : endpoint_id_(endpoint_id) {}
+
+ private:
+  const uint64_t endpoint_id_;
+};
+
+// Accepts connections on an address. Owned by one thread.
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+
+  // The address peers pass to Fabric::Connect (port 0 and empty names are resolved).
+  virtual std::string address() const = 0;
+  // Waits up to timeout for one peer; the endpoint is attached to cq.
+  virtual StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq,
+                                                     const EndpointOptions& options,
+                                                     std::chrono::milliseconds timeout) = 0;
+
+ protected:
+  Listener() = default;
+};
+
+struct FabricOptions {
+  // "verbs", "tcp", "shm" or "auto". A named provider that cannot start is an error.
+  std::string provider = "auto";
+  // verbs: device name ("" = the device that owns bind_ip, else the first active one).
+  std::string rdma_device;
+  int rdma_port = 1;
+  int rdma_gid_index = -1;   // -1 = automatic RoCEv2 IPv4 GID selection
+  // Address this fabric binds for listening and as connection source ("" = any / default).
+  std::string bind_ip;
+  // verbs: payloads up to this many bytes are posted inline (clamped to the QP's max).
+  int max_inline = 128;
+  // verbs: one signaled work request in every `signal_interval` unsignaled ones.
+  int signal_interval = 32;
+  // verbs: QP local ACK timeout exponent (4.096us * 2^t) and retry count: peer-death bound.
+  int rdma_timeout = 14;
+  int rdma_retry_count = 7;
+};
+
+class Fabric {
+ public:
+  virtual ~Fabric() = default;
+  Fabric(const Fabric&) = delete;
+  Fabric& operator=(const Fabric&) = delete;
+
+  // Opens a provider by name (options.provider). Logs the choice, and for "auto" the reason.
+  static StatusOr<std::unique_ptr<Fabric>> Open(const FabricOptions& options);
+
+  virtual std::string name() const = 0;
+  // Human-readable: device, port, GID for verbs; address for tcp/shm.
+  virtual std::string DebugString() const = 0;
+
+  // Registers caller-owned memory [addr, addr+length). The memory must outlive the region.
+  // shm can expose to peers only memory it allocated: it refuses remote access rights here.
+  virtual StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
+                                                                 Access access,
+                                                                 MemoryKind kind) = 0;
+  // Allocates and registers length bytes, zero-filled, page aligned, owned by the region.
+  // Works for remote access on every provider.
+  virtual StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length,
+                                                                 Access access) = 0;
+
+  virtual StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(int depth) = 0;
+
+  // address: "host:port" for verbs and tcp (port 0 = pick one); a name for shm ("" = pick one).
+  virtual StatusOr<std::unique_ptr<Listener>> Listen(const std::string& address) = 0;
+  virtual StatusOr<std::unique_ptr<Endpoint>> Connect(const std::string& address,
+                                                      CompletionQueue* cq,
+                                                      const EndpointOptions& options) = 0;
+
+ protected:
+  Fabric() = default;
+};
+
+// Providers compiled into this binary, e.g. {"tcp", "shm", "verbs"}.
+std::string CompiledProviders();
+
+}  // namespace shardps::transport
+
+#endif  // SHARDPS_TRANSPORT_TRANSPORT_H_
