@@ -166,6 +166,11 @@ class CompletionQueue {
   // max completions in out. Returns how many (0 if none).
   virtual int Poll(Completion* out, int max) = 0;
 
+  // Like Poll, but if nothing is ready it waits up to timeout (spinning briefly, then sleeping
+  // on a provider event: a completion channel, a condition variable, a futex). Returns 0 on
+  // timeout. For servers and benchmarks that must not burn a core while idle.
+  virtual int Wait(Completion* out, int max, std::chrono::microseconds timeout) = 0;
+
   // Number of completion slots (the quota shared by the attached endpoints).
   virtual int depth() const = 0;
 
