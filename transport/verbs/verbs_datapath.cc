@@ -34,29 +34,29 @@ constexpr auto kWaitSpin = std::chrono::microseconds(50);
 constexpr unsigned kAckEventsBatch = 64;
 static_assert(kPollBatch > 0 && kAckEventsBatch > 0, "batch sizes must be positive");
 
-Status StatusForWc(const ibv_wc& wc, const std::string& what) {
-  const std::string detail = what + " (" + ibv_wc_status_str(wc.status) + ", vendor_err 0x" +
-                             [&] {
-                               char b[16];
-                               snprintf(b, sizeof(b), "%x", wc.vendor_err);
-                               return std::string(b);
-                             }() +
-                             ")";
+// The endpoint's status() after an error completion: the cause first, then where and the raw
+// verbs status, e.g. "remote access error (bad rkey, out of bounds or missing access right):
+// write on verbs:a->b [ibv: remote access error, vendor_err 0x0]".
+Status StatusForWc(const ibv_wc& wc, const std::string& where) {
+  char vendor[16];
+  snprintf(vendor, sizeof(vendor), "%x", wc.vendor_err);
+  const std::string tail =
+      ": " + where + " [ibv: " + ibv_wc_status_str(wc.status) + ", vendor_err 0x" + vendor + "]";
   switch (wc.status) {
     case IBV_WC_REM_ACCESS_ERR:
       return PermissionDeniedError(
-          "remote access error: bad rkey, out of bounds or missing access right; " + detail);
+          "remote access error (bad rkey, out of bounds or missing access right)" + tail);
     case IBV_WC_RETRY_EXC_ERR:
-      return UnavailableError("retry exceeded: peer not answering; " + detail);
+      return UnavailableError("retry exceeded: peer not answering" + tail);
     case IBV_WC_RNR_RETRY_EXC_ERR:
-      return UnavailableError("RNR retry exceeded: peer not receiving; " + detail);
+      return UnavailableError("RNR retry exceeded: peer not receiving" + tail);
     case IBV_WC_REM_OP_ERR:
     case IBV_WC_REM_INV_REQ_ERR:
     case IBV_WC_REM_INV_RD_REQ_ERR:
     case IBV_WC_REM_ABORT_ERR:
-      return AbortedError("remote operation error; " + detail);
+      return AbortedError("remote operation error" + tail);
     default:
-      return InternalError("local error; " + detail);
+      return InternalError("local error" + tail);
   }
 }
 
@@ -249,8 +249,7 @@ void VerbsEndpoint::onSendWcOnPollingThread(const ibv_wc& wc) {
   } else {
     if (covered > 0) credits_.Return(covered);
     if (st != WcStatus::kSuccess && was_healthy) {
-      enterError(StatusForWc(wc, "verbs: " + config_.description + ": " + OpTypeName(slot.op) +
-                                     " failed: "),
+      enterError(StatusForWc(wc, std::string(OpTypeName(slot.op)) + " on " + config_.description),
                  st);
     }
     // Success reported after the error (the op raced the flush) is still a success.
@@ -300,7 +299,7 @@ void VerbsEndpoint::onRecvWcOnPollingThread(const ibv_wc& wc) {
     return;
   }
   const WcStatus st = MapWcStatus(wc.status);
-  enterError(StatusForWc(wc, "verbs: " + config_.description + ": receive failed: "), st);
+  enterError(StatusForWc(wc, "receive on " + config_.description), st);
   CqState::Pending p;
   p.completion.endpoint_id = endpoint_id();
   p.completion.op = OpType::kRecvImm;
@@ -320,7 +319,7 @@ void VerbsEndpoint::probeLivenessOnPollingThread() {
   if (!error_.ok() || bootstrap_.get() < 0) return;
   Status s = ProbePeer(bootstrap_.get());
   if (!s.ok()) {
-    enterError(UnavailableError("verbs: " + config_.description + ": " + s.message()),
+    enterError(UnavailableError(s.message() + ": " + config_.description),
                WcStatus::kRemoteDisconnected);
   }
 }

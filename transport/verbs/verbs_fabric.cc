@@ -289,11 +289,23 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
                            IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
                            "INIT"));
 
-  // 2. Exchange attributes over the bootstrap socket.
+  // 2. The endpoint owns the QP from here on. Attaching it reserves its CQ quota (a full CQ
+  //    fails here, before anything is sent), and its receives are posted before RTR so a peer
+  //    that reaches RTS first never finds an empty receive queue.
+  EndpointConfig config;
+  config.options = options;
+  config.max_inline = max_inline;
+  config.signal_interval = std::clamp(options_.signal_interval, 1, options.send_depth);
+  config.description = "verbs:" + local + "->" + remote;
+  ibv_qp* raw_qp = qp.get();
+  auto ep = std::make_unique<VerbsEndpoint>(device_, vcq->state(), std::move(qp), config);
+  RETURN_IF_ERROR(ep->start());
+
+  // 3. Exchange attributes over the bootstrap socket.
   QpInfo mine;
   mine.link_layer = device_->is_roce() ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_INFINIBAND;
   mine.mtu = static_cast<uint8_t>(device_->active_mtu());
-  mine.qpn = qp->qp_num;
+  mine.qpn = raw_qp->qp_num;
   mine.psn = RandomPsn();
   mine.lid = device_->lid();
   mine.responder_resources =
@@ -311,17 +323,8 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
                                 std::to_string(mine.link_layer) + ")");
   }
 
-  // 3. The endpoint owns the QP from here on; it posts its receives before RTR so a peer that
-  //    reaches RTS first never finds an empty receive queue.
-  EndpointConfig config;
-  config.options = options;
-  config.max_inline = max_inline;
-  config.signal_interval = std::clamp(options_.signal_interval, 1, options.send_depth);
-  config.description = "verbs:" + local + "(qpn " + std::to_string(mine.qpn) + ")->" + remote +
-                       "(qpn " + std::to_string(peer.qpn) + ")";
-  ibv_qp* raw_qp = qp.get();
-  auto ep = std::make_unique<VerbsEndpoint>(device_, vcq->state(), std::move(qp), config);
-  RETURN_IF_ERROR(ep->start());
+  ep->setDescription("verbs:" + local + "(qpn " + std::to_string(mine.qpn) + ")->" + remote +
+                    "(qpn " + std::to_string(peer.qpn) + ")");
 
   // 4. RTR, then RTS.
   attr = {};
@@ -369,7 +372,7 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
     return InvalidArgumentError("verbs handshake: malformed peer message: bad ready marker");
   }
   ep->adoptBootstrap(std::move(fd));
-  VLOG(1) << "verbs: connected " << config.description << " mtu "
+  VLOG(1) << "verbs: connected " << ep->DebugString() << " mtu "
           << (128 << static_cast<int>(attr.path_mtu)) << " inline " << max_inline
           << " signal_interval " << config.signal_interval;
   return std::unique_ptr<Endpoint>(std::move(ep));

@@ -168,6 +168,7 @@ class VerbsEndpoint final : public Endpoint {
   Status start();
   // Takes the bootstrap socket once the handshake is over; it becomes the liveness channel.
   void adoptBootstrap(UniqueFd fd) { bootstrap_ = std::move(fd); }
+  void setDescription(std::string d) { config_.description = std::move(d); }
 
   Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
                    uint32_t flags) override;
@@ -205,7 +206,7 @@ class VerbsEndpoint final : public Endpoint {
   std::shared_ptr<CqState> cq_;
   QpPtr qp_;
   UniqueFd bootstrap_;
-  const EndpointConfig config_;
+  EndpointConfig config_;  // fixed once the handshake is over
   SendCredits credits_;
   std::vector<OpSlot> ring_;     // send_depth slots
   uint32_t head_seq_ = 0;        // next post
