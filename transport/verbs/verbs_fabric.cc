@@ -16,6 +16,7 @@
 
 #include "transport/providers.h"
 #include "transport/verbs/verbs_internal.h"
+#include "transport/verbs/verbs_testing.h"
 
 namespace shardps::transport::verbs {
 namespace {
@@ -29,6 +30,26 @@ constexpr int kMaxRdAtomic = 16;
 constexpr int kHopLimit = 64;
 // One extra send-queue entry per QP for the drain marker posted after an error.
 constexpr int kDrainWrs = 1;
+// Soft-RoCE (rdma_rxe) reports this vendor id. Its completer treats retry_cnt == 7 as "retry
+// forever" (rxe_comp.c: `if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--;`), unlike the IB
+// spec where only rnr_retry 7 is infinite, so a dead peer would never be reported there.
+constexpr uint32_t kRxeVendorId = 0xffffff;
+constexpr int kRxeMaxFiniteRetry = 6;
+
+// The retry count to program: options.rdma_retry_count, except that on rxe 7 becomes 6 so
+// that peer death stays bounded (see kRxeVendorId).
+int EffectiveRetryCount(const VerbsDevice& device, int requested) {
+  if (device.device_attr().vendor_id == kRxeVendorId && requested > kRxeMaxFiniteRetry) {
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      LOG(WARNING) << "verbs: " << device.name() << " is Soft-RoCE (rxe), which treats "
+                   << "retry_cnt 7 as infinite; using " << kRxeMaxFiniteRetry
+                   << " so that a dead peer is reported (retry exceeded) in bounded time";
+    });
+    return kRxeMaxFiniteRetry;
+  }
+  return requested;
+}
 
 int IbvAccess(Access access) {
   int a = IBV_ACCESS_LOCAL_WRITE;
@@ -350,7 +371,7 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   attr = {};
   attr.qp_state = IBV_QPS_RTS;
   attr.timeout = static_cast<uint8_t>(options_.rdma_timeout);
-  attr.retry_cnt = static_cast<uint8_t>(options_.rdma_retry_count);
+  attr.retry_cnt = static_cast<uint8_t>(EffectiveRetryCount(*device_, options_.rdma_retry_count));
   attr.rnr_retry = kRnrRetryInfinite;
   attr.sq_psn = mine.psn;
   attr.max_rd_atomic = static_cast<uint8_t>(
@@ -394,3 +415,14 @@ StatusOr<std::unique_ptr<Fabric>> OpenVerbsFabric(const FabricOptions& options) 
 }
 
 }  // namespace shardps::transport
+
+namespace shardps::transport::verbs {
+
+Status DropLivenessChannelForTesting(Endpoint* endpoint) {
+  auto* ep = dynamic_cast<VerbsEndpoint*>(endpoint);
+  if (ep == nullptr) return InvalidArgumentError("not a verbs endpoint");
+  ep->adoptBootstrap(UniqueFd());
+  return Status::OK();
+}
+
+}  // namespace shardps::transport::verbs

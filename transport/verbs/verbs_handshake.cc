@@ -313,12 +313,16 @@ Status RecvAll(int fd, void* data, size_t len, Deadline deadline) {
 }
 
 Status ProbePeer(int fd) {
-  uint8_t b;
-  ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-  if (n > 0) return Status::OK();  // unexpected bytes; not a death notice
-  if (n == 0) return UnavailableError("peer closed its bootstrap connection (process exited?)");
-  if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::OK();
-  return ErrnoError("bootstrap connection to the peer failed", errno);
+  uint8_t buf[64];
+  for (;;) {
+    // Nothing is sent after `ready`: stray bytes are discarded (so the socket does not stay
+    // readable and keep Wait spinning); only EOF or an error is a death notice.
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n > 0) continue;
+    if (n == 0) return UnavailableError("peer closed its bootstrap connection (process exited?)");
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::OK();
+    return ErrnoError("bootstrap connection to the peer failed", errno);
+  }
 }
 
 }  // namespace shardps::transport::verbs
