@@ -114,10 +114,21 @@ Status SetNonBlocking(int fd) {
   return Status::OK();
 }
 
+// The bootstrap socket is idle after the handshake; keepalive probes make a peer host that
+// vanished without a FIN (power loss, cable pull) an error on the socket within about
+// kKeepIdle + kKeepCount * kKeepInterval = 4 s, which ProbePeer then reports. This bounds
+// peer-death detection even where the QP retry budget does not (rxe with retry_cnt 7).
+constexpr int kKeepIdleS = 1;
+constexpr int kKeepIntervalS = 1;
+constexpr int kKeepCount = 3;
+
 void TuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &kKeepIdleS, sizeof(kKeepIdleS));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &kKeepIntervalS, sizeof(kKeepIntervalS));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &kKeepCount, sizeof(kKeepCount));
 }
 
 }  // namespace
