@@ -35,7 +35,7 @@ constexpr int kDrainWrs = 1;
 // spec where only rnr_retry 7 is infinite. We still pass 7 through: rxe's responder does not
 // pace large RDMA READ responses (the veth drops them, "Failed sending ACK"), and only endless
 // retries get a 16 MiB read through there. A dead peer is then reported by the bootstrap
-// socket instead (EOF within milliseconds, TCP keepalive within ~4 s; verbs_handshake.cc).
+// socket instead (EOF within milliseconds, TCP keepalive within ~15 s; verbs_handshake.cc).
 constexpr uint32_t kRxeVendorId = 0xffffff;
 
 void LogRetryPolicy(const VerbsDevice& device, int retry_count) {
@@ -44,7 +44,7 @@ void LogRetryPolicy(const VerbsDevice& device, int retry_count) {
     std::call_once(once, [&] {
       LOG(INFO) << "verbs: " << device.name() << " is Soft-RoCE (rxe), which treats retry_cnt 7 "
                 << "as infinite: peer death is bounded by the bootstrap socket (EOF, or TCP "
-                << "keepalive ~4 s), not by the QP retry budget";
+                << "keepalive ~15 s), not by the QP retry budget";
     });
   }
 }

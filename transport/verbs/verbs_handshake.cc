@@ -116,11 +116,13 @@ Status SetNonBlocking(int fd) {
 
 // The bootstrap socket is idle after the handshake; keepalive probes make a peer host that
 // vanished without a FIN (power loss, cable pull) an error on the socket within about
-// kKeepIdle + kKeepCount * kKeepInterval = 4 s, which ProbePeer then reports. This bounds
-// peer-death detection even where the QP retry budget does not (rxe with retry_cnt 7).
-constexpr int kKeepIdleS = 1;
-constexpr int kKeepIntervalS = 1;
-constexpr int kKeepCount = 3;
+// kKeepIdle + kKeepCount * kKeepInterval = 15 s, which ProbePeer then reports. This bounds
+// peer-death detection even where the QP retry budget does not (rxe with retry_cnt 7). It is
+// deliberately not tighter: with 1 s / 3 x 1 s, a 64 MiB RDMA READ on rxe under emulation
+// starved the (loopback) probes long enough to declare a live peer dead.
+constexpr int kKeepIdleS = 5;
+constexpr int kKeepIntervalS = 2;
+constexpr int kKeepCount = 5;
 
 void TuneSocket(int fd) {
   int one = 1;
