@@ -532,7 +532,8 @@ class ShmListener final : public Listener {
 
  private:
   StatusOr<std::unique_ptr<Endpoint>> Handshake(UniqueFd sock, std::shared_ptr<CqState> cq,
-                                                const EndpointOptions& options);
+                                                const EndpointOptions& options,
+                                                Clock::time_point deadline);
   std::shared_ptr<FabricCore> core_;
   UniqueFd fd_;
   const std::string address_;
@@ -547,7 +548,13 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
   const auto deadline = Clock::now() + timeout;
   for (;;) {
     const int s = accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (s >= 0) return Handshake(UniqueFd(s), std::move(cq_state), options);
+    if (s >= 0) {
+      // A peer that connected but stays silent may hold Accept a little past its timeout,
+      // never longer than kHandshakeTimeout.
+      const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
+                                          Clock::now() + kHandshakeTimeout);
+      return Handshake(UniqueFd(s), std::move(cq_state), options, hs_deadline);
+    }
     if (errno == EINTR || errno == ECONNABORTED) continue;
     if (errno != EAGAIN) return ErrnoError("shm: accept on " + address_, errno);
     Status w = WaitFd(fd_.get(), POLLIN, deadline, "waiting for a peer");
@@ -557,11 +564,11 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
 
 StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
                                                            std::shared_ptr<CqState> cq,
-                                                           const EndpointOptions& options) {
+                                                           const EndpointOptions& options,
+                                                           Clock::time_point deadline) {
   const int slots = options.send_depth + options.recv_depth;
   RETURN_IF_ERROR(cq->quota.Reserve(slots));
   QuotaGuard guard(cq.get(), slots);
-  const auto deadline = Clock::now() + kHandshakeTimeout;
 
   Hello peer{};
   std::vector<UniqueFd> fds;
