@@ -1,8 +1,13 @@
 // Tests of the shm provider through the public transport API: two fabrics in one process.
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <cstddef>
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
@@ -130,7 +135,8 @@ TEST_F(ShmTransportTest, WriteAndReadAreByteExactAtOddOffsets) {
     const size_t loff = 7, roff = 4093;
     std::memset(rb, 0, kRegion);
     Fill(src.data() + loff, n, n);
-    ASSERT_TRUE(iep_->PostWrite({s->get(), loff, n}, AtOffset(rd, roff), ++ctx).ok());
+    Status ps = iep_->PostWrite({s->get(), loff, n}, AtOffset(rd, roff), ++ctx);
+    ASSERT_TRUE(ps.ok()) << ps;
     auto c = Collect(1);
     ASSERT_TRUE(c[0].ok());
     EXPECT_EQ(c[0].op, OpType::kWrite);
@@ -485,6 +491,83 @@ TEST_F(ShmTransportTest, CorruptRegionTableEntryIsRefused) {
   auto c = Collect(1);
   EXPECT_EQ(c[0].status, WcStatus::kRemoteAccessError) << WcStatusName(c[0].status);
   EXPECT_FALSE(iep_->status().ok());
+}
+
+int CountMappings(const char* name) {
+  FILE* maps = fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof(line), maps) != nullptr) n += strstr(line, name) != nullptr;
+  fclose(maps);
+  return n;
+}
+
+// A raw client that speaks garbage: Accept fails with an error (no crash, no hang past its
+// timeout), and the listener still accepts a real peer afterwards.
+TEST_F(ShmTransportTest, HostileHandshakeIsAnErrorNotACrash) {
+  auto tcq = target_->CreateCompletionQueue(1024);
+  auto icq = initiator_->CreateCompletionQueue(1024);
+  ASSERT_TRUE(tcq.ok() && icq.ok());
+  auto l = target_->Listen("");
+  ASSERT_TRUE(l.ok());
+  const std::string addr = (*l)->address();
+  ASSERT_EQ(addr[0], '@');
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path + 1, addr.data() + 1, addr.size() - 1);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa),
+                      offsetof(sockaddr_un, sun_path) + addr.size()),
+              0);
+    std::vector<uint8_t> junk(variant == 0 ? 56 : variant == 1 ? 7 : 4096);
+    Fill(junk.data(), junk.size(), variant);
+    if (variant == 0) {  // right size and magic, but no fds attached
+      const uint64_t magic = 0x3130484c50485353ull;
+      std::memcpy(junk.data(), &magic, 8);
+    }
+    ASSERT_EQ(send(fd, junk.data(), junk.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(junk.size()));
+    auto ep = (*l)->Accept(tcq->get(), eo, milliseconds(2000));
+    EXPECT_FALSE(ep.ok());
+    close(fd);
+  }
+  StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not run");
+  std::thread t([&] { iep = initiator_->Connect(addr, icq->get(), eo); });
+  auto tep = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+  t.join();
+  EXPECT_TRUE(tep.ok()) << tep.status();
+  EXPECT_TRUE(iep.ok()) << iep.status();
+}
+
+// Two connections between the same two fabrics map each peer arena once per side.
+TEST_F(ShmTransportTest, PeerArenaIsMappedOncePerFabricPair) {
+  ASSERT_NO_FATAL_FAILURE(Connect(8, 8));
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 4);  // 2 own + 2 peer
+  auto l = target_->Listen("");
+  ASSERT_TRUE(l.ok());
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not run");
+  std::thread t([&] { iep = initiator_->Connect((*l)->address(), icq_.get(), eo); });
+  auto tep = (*l)->Accept(tcq_.get(), eo, milliseconds(10000));
+  t.join();
+  ASSERT_TRUE(tep.ok() && iep.ok());
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 4);
+  EXPECT_EQ(CountMappings("shardps-shm-doorbell"), 4);  // one per connection per side
+  iep_.reset();
+  tep_.reset();
+  (*iep).reset();
+  (*tep).reset();
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 2) << "peer arenas must be unmapped";
+  EXPECT_EQ(CountMappings("shardps-shm-doorbell"), 0);
 }
 
 TEST_F(ShmTransportTest, UnsignaledOpsReturnCreditsWithNextSignaled) {
