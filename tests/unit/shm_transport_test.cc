@@ -574,7 +574,9 @@ TEST_F(ShmTransportTest, UnsignaledOpsReturnCreditsWithNextSignaled) {
   auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
   auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
   const RemoteSlice dst = AtOffset(remote->descriptor(), 0);
-  for (int i = 0; i < 7; ++i) ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, dst, i, kUnsignaled).ok());
+  for (int i = 0; i < 7; ++i) {
+    ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, dst, i, kUnsignaled).ok());
+  }
   Completion wc[8];
   EXPECT_EQ(icq_->Poll(wc, 8), 0);
   EXPECT_EQ(iep_->outstanding(), 7);

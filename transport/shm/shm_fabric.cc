@@ -265,7 +265,8 @@ StatusOr<std::shared_ptr<CqState>> CqOf(CompletionQueue* cq) {
   return s->state();
 }
 
-// Releases a CQ quota reservation unless disarmed (the endpoint took it over).
+// Releases a CQ quota reservation unless disarmed (the endpoint took it over). Lives on the
+// stack of the thread running Connect/Accept.
 class QuotaGuard {
  public:
   QuotaGuard(CqState* cq, int slots) : cq_(cq), slots_(slots) {}
