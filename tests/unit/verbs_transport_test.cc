@@ -418,6 +418,77 @@ TEST_F(VerbsTransportTest, VerbsMalformedHandshakeFailsOnlyThatAccept) {
   EXPECT_TRUE(One(initiator_cq_.get()).ok());
 }
 
+// Several endpoints share one CQ per side: completions carry the right endpoint id, and the
+// death of one peer puts only its endpoint into the error state (the CQ watches every bootstrap
+// socket in one epoll set).
+TEST_F(VerbsTransportTest, VerbsManyEndpointsShareOneCqAndFailAlone) {
+  constexpr int kEps = 8;
+  std::vector<std::unique_ptr<Endpoint>> ini, tgt;
+  for (int i = 0; i < kEps; ++i) {
+    EndpointOptions io, to;
+    io.endpoint_id = 1000 + i;
+    to.endpoint_id = 2000 + i;
+    io.send_depth = to.send_depth = 32;
+    io.recv_depth = to.recv_depth = 32;
+    StatusOr<std::unique_ptr<Endpoint>> conn = UnavailableError("not run");
+    std::thread th([&] { conn = initiator_->Connect(listener_->address(), initiator_cq_.get(), io); });
+    auto acc = listener_->Accept(target_cq_.get(), to, milliseconds(10000));
+    th.join();
+    ASSERT_TRUE(acc.ok()) << acc.status();
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    ini.push_back(std::move(conn).value());
+    tgt.push_back(std::move(acc).value());
+  }
+  const size_t kChunk = 4096;
+  auto remote = Alloc(target_.get(), kChunk * kEps, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), kChunk * kEps, Access::kLocalOnly);
+  Fill(static_cast<uint8_t*>(src->data()), kChunk * kEps, 77);
+  const RegionDescriptor d = remote->descriptor();
+  for (int i = 0; i < kEps; ++i) {
+    ASSERT_TRUE(ini[i]->PostWriteImm({src.get(), i * kChunk, kChunk}, AtOffset(d, i * kChunk),
+                                     500 + i, 300 + i).ok());
+  }
+  auto ic = Collect(initiator_cq_.get(), kEps);
+  auto tc = Collect(target_cq_.get(), kEps);
+  ASSERT_EQ(ic.size(), static_cast<size_t>(kEps));
+  ASSERT_EQ(tc.size(), static_cast<size_t>(kEps));
+  std::vector<int> seen(kEps, 0);
+  for (const Completion& c : ic) {
+    ASSERT_TRUE(c.ok());
+    ASSERT_GE(c.endpoint_id, 1000u);
+    ASSERT_LT(c.endpoint_id, 1000u + kEps);
+    EXPECT_EQ(c.context, 300 + (c.endpoint_id - 1000));
+    ++seen[c.endpoint_id - 1000];
+  }
+  for (const Completion& c : tc) {
+    ASSERT_TRUE(c.ok());
+    ASSERT_EQ(c.op, OpType::kRecvImm);
+    EXPECT_EQ(c.imm, 500 + (c.endpoint_id - 2000));
+  }
+  for (int v : seen) EXPECT_EQ(v, 1);
+  EXPECT_EQ(std::memcmp(remote->data(), src->data(), kChunk * kEps), 0);
+
+  // Initiator endpoint 3 goes away: target endpoint 3, and only it, notices from Poll.
+  ini[3].reset();
+  const auto t0 = Clock::now();
+  Completion buf[8];
+  while (tgt[3]->status().ok() && Clock::now() - t0 < milliseconds(5000)) {
+    target_cq_->Wait(buf, 8, std::chrono::microseconds(10000));
+  }
+  EXPECT_FALSE(tgt[3]->status().ok());
+  std::cout << "[          ] target noticed the initiator's close after "
+            << std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count() << " ms\n";
+  for (int i = 0; i < kEps; ++i) {
+    if (i != 3) {
+      EXPECT_TRUE(tgt[i]->status().ok()) << i;
+    }
+  }
+  ASSERT_TRUE(ini[5]->PostWrite({src.get(), 0, 64}, AtOffset(d, 0), 9).ok());
+  Completion c = One(initiator_cq_.get());
+  EXPECT_TRUE(c.ok());
+  EXPECT_EQ(c.endpoint_id, 1005u);
+}
+
 TEST_F(VerbsTransportTest, VerbsGidAutoSelectionPicksIpv4MappedRoceV2) {
   const std::string ds = initiator_->DebugString();
   EXPECT_NE(ds.find("device=rxe0"), std::string::npos) << ds;

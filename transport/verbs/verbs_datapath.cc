@@ -16,6 +16,7 @@
 #include <arpa/inet.h>
 #include <glog/logging.h>
 #include <poll.h>
+#include <sys/epoll.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -27,8 +28,9 @@ namespace shardps::transport::verbs {
 namespace {
 
 constexpr int kPollBatch = 32;
-// Bootstrap sockets are probed for EOF at most this often from Poll (one recv(MSG_PEEK) per
-// endpoint); Wait also sleeps on them, so a dead peer is noticed within a few milliseconds.
+// The CQ's epoll set of bootstrap sockets is checked at most this often from Poll (one
+// epoll_wait, then a recv only on the sockets that turned readable); Wait also sleeps on it, so a
+// dead peer is noticed within a few milliseconds.
 constexpr auto kLivenessInterval = std::chrono::milliseconds(2);
 constexpr auto kWaitSpin = std::chrono::microseconds(50);
 constexpr unsigned kAckEventsBatch = 64;
@@ -92,10 +94,17 @@ VerbsEndpoint::VerbsEndpoint(std::shared_ptr<VerbsDevice> device, std::shared_pt
       ring_(static_cast<size_t>(config_.options.send_depth)) {}
 
 VerbsEndpoint::~VerbsEndpoint() {
+  if (bootstrap_.get() >= 0 && error_.ok()) cq_->unwatchBootstrap(bootstrap_.get());
   if (attached_) {
     cq_->detach(this, cq_slot_, config_.options.send_depth + config_.options.recv_depth);
   }
   // Members then go in reverse order: socket (the peer sees EOF), QP, CQ, device.
+}
+
+void VerbsEndpoint::adoptBootstrap(UniqueFd fd) {
+  if (bootstrap_.get() >= 0 && error_.ok()) cq_->unwatchBootstrap(bootstrap_.get());
+  bootstrap_ = std::move(fd);
+  if (bootstrap_.get() >= 0 && error_.ok()) cq_->watchBootstrap(bootstrap_.get(), cq_slot_, gen_);
 }
 
 Status VerbsEndpoint::start() {
@@ -328,6 +337,9 @@ void VerbsEndpoint::enterError(Status why, WcStatus first_status) {
   if (!error_.ok()) return;
   error_ = std::move(why);
   pending_first_status_ = first_status;
+  // An EOF stays readable: stop watching, or Wait would wake up for it forever. The socket
+  // itself stays open until destruction, which is when the peer learns we are gone.
+  if (bootstrap_.get() >= 0) cq_->unwatchBootstrap(bootstrap_.get());
   LOG(WARNING) << "verbs: endpoint " << endpoint_id() << " entered the error state: " << error_
                << " (" << (head_seq_ - tail_seq_) << " ops outstanding)";
   ibv_qp_attr attr{};
@@ -412,12 +424,34 @@ void CqState::processWc(const ibv_wc& wc) {
   }
 }
 
+void CqState::watchBootstrap(int fd, uint32_t cq_slot, uint32_t gen) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = (static_cast<uint64_t>(gen) << 32) | cq_slot;
+  if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+    PLOG(WARNING) << "verbs: epoll_ctl(ADD) of a bootstrap socket; its peer's death will be "
+                     "noticed by the QP retry budget only";
+  }
+}
+
+void CqState::unwatchBootstrap(int fd) {
+  if (epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr) != 0 && errno != ENOENT) {
+    PLOG(WARNING) << "verbs: epoll_ctl(DEL) of a bootstrap socket";
+  }
+}
+
 void CqState::checkLivenessIfDue() {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_liveness_check_) return;
   next_liveness_check_ = now + kLivenessInterval;
-  for (const EndpointSlot& s : slots_) {
-    if (s.ep != nullptr) s.ep->probeLivenessOnPollingThread();
+  epoll_event evs[16];
+  const int n = epoll_wait(epoll_.get(), evs, 16, 0);  // level-triggered: the rest come next
+  for (int i = 0; i < n; ++i) {
+    const uint32_t idx = static_cast<uint32_t>(evs[i].data.u64);
+    const uint32_t gen = static_cast<uint32_t>(evs[i].data.u64 >> 32);
+    if (idx < slots_.size() && slots_[idx].ep != nullptr && slots_[idx].gen == gen) {
+      slots_[idx].ep->probeLivenessOnPollingThread();
+    }
   }
 }
 
@@ -474,19 +508,13 @@ int CqState::WaitOnPollingThread(Completion* out, int max, std::chrono::microsec
     if ((n = PollOnPollingThread(out, max)) > 0) return n;
     const auto now = Clock::now();
     if (now >= deadline) return 0;
-    pollfds_.clear();
-    pollfds_.push_back({channel_->fd, POLLIN, 0});
-    for (const EndpointSlot& s : slots_) {
-      if (s.ep != nullptr && s.ep->healthy() && s.ep->bootstrap_fd() >= 0) {
-        pollfds_.push_back({s.ep->bootstrap_fd(), static_cast<short>(POLLIN | POLLRDHUP), 0});
-      }
-    }
+    pollfd fds[2] = {{channel_->fd, POLLIN, 0}, {epoll_.get(), POLLIN, 0}};
     auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
     if (!armed_) left = std::min<std::chrono::nanoseconds>(left, std::chrono::milliseconds(1));
     timespec ts{static_cast<time_t>(left.count() / 1000000000),
                 static_cast<long>(left.count() % 1000000000)};
-    int rc = ppoll(pollfds_.data(), pollfds_.size(), &ts, nullptr);
-    if (rc > 0 && (pollfds_[0].revents & POLLIN)) {
+    int rc = ppoll(fds, 2, &ts, nullptr);
+    if (rc > 0 && (fds[0].revents & POLLIN)) {
       ibv_cq* ev_cq = nullptr;
       void* ev_ctx = nullptr;
       if (ibv_get_cq_event(channel_.get(), &ev_cq, &ev_ctx) == 0) {
@@ -497,7 +525,7 @@ int CqState::WaitOnPollingThread(Completion* out, int max, std::chrono::microsec
         }
       }
     }
-    if (rc > 0) next_liveness_check_ = {};  // a socket event: probe now
+    if (rc > 0 && (fds[1].revents & POLLIN)) next_liveness_check_ = {};  // probe now
   }
 }
 

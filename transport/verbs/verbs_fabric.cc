@@ -1,6 +1,7 @@
 // Setup half of the verbs provider: fabric, memory registration, completion queue creation and
 // the RC connection handshake (INIT -> RTR -> RTS). The data path is in verbs_datapath.cc.
 #include <glog/logging.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -190,6 +191,8 @@ Status CqState::init() {
   int entries = 2 * quota_.depth() + 64;
   entries = std::min(entries, device_->device_attr().max_cqe);
   ASSIGN_OR_RETURN(cq_, createCq(device_->context(), entries, channel_.get()));
+  epoll_ = UniqueFd(epoll_create1(EPOLL_CLOEXEC));
+  if (epoll_.get() < 0) return ErrnoError("verbs: epoll_create1", errno);
   pending_.resize(static_cast<size_t>(quota_.depth()) + 1);
   return Status::OK();
 }

@@ -15,8 +15,6 @@
 #ifndef SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
 #define SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
 
-#include <poll.h>
-
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -96,6 +94,10 @@ class CqState {
   void detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots);
   void push(const Pending& p);             // from an endpoint, while processing completions
   void markSoftwareProgress(VerbsEndpoint* ep);
+  // The CQ's epoll set holds the bootstrap sockets of its healthy endpoints, so liveness costs
+  // one epoll_wait per check (and one extra fd in Wait) however many endpoints are attached.
+  void watchBootstrap(int fd, uint32_t cq_slot, uint32_t gen);
+  void unwatchBootstrap(int fd);
 
   ibv_cq* cq() const { return cq_.get(); }
   int depth() const { return quota_.depth(); }
@@ -115,6 +117,7 @@ class CqState {
   std::shared_ptr<VerbsDevice> device_;
   CompChannelPtr channel_;
   CqPtr cq_;
+  UniqueFd epoll_;  // bootstrap sockets of the attached endpoints
   CqQuota quota_;
   unsigned unacked_events_ = 0;
   bool armed_ = false;
@@ -127,7 +130,6 @@ class CqState {
   size_t pending_count_ = 0;
   std::vector<VerbsEndpoint*> software_progress_;  // errored endpoints with unposted ops
   std::chrono::steady_clock::time_point next_liveness_check_{};
-  std::vector<pollfd> pollfds_;  // scratch for Wait
 };
 
 class VerbsCompletionQueue final : public CompletionQueue {
@@ -170,7 +172,7 @@ class VerbsEndpoint final : public Endpoint {
   // Posts the initial receives and registers with the CQ (setup, before hand-out).
   Status start();
   // Takes the bootstrap socket once the handshake is over; it becomes the liveness channel.
-  void adoptBootstrap(UniqueFd fd) { bootstrap_ = std::move(fd); }
+  void adoptBootstrap(UniqueFd fd);
   void setDescription(std::string d) { config_.description = std::move(d); }
 
   Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
@@ -185,8 +187,6 @@ class VerbsEndpoint final : public Endpoint {
 
   // Called by CqState on the polling thread.
   uint32_t qp_num() const { return qp_->qp_num; }
-  int bootstrap_fd() const { return bootstrap_.get(); }
-  bool healthy() const { return error_.ok(); }
   void onSendWcOnPollingThread(const ibv_wc& wc);
   void onRecvWcOnPollingThread(const ibv_wc& wc);
   void onDrainWcOnPollingThread();
