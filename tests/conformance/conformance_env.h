@@ -21,6 +21,9 @@ struct ProviderEnv {
   std::string listen_address;  // for the target's Listen
   // Upper bound for detecting a killed peer (verbs: QP retry timeouts under TCG emulation).
   std::chrono::seconds peer_death_bound{10};
+  // How long one operation may take to complete (SoftRoCE under TCG emulation moves ~1 MB/s
+  // on large reads when the guest is loaded).
+  std::chrono::seconds op_timeout{60};
 };
 
 ProviderEnv EnvFor(const std::string& provider);

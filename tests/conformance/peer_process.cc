@@ -76,6 +76,7 @@ ProviderEnv EnvFor(const std::string& provider) {
     env.initiator.rdma_timeout = 12;
     env.target.rdma_timeout = 12;
     env.peer_death_bound = std::chrono::seconds(30);
+    env.op_timeout = std::chrono::seconds(300);
   }
   return env;
 }

@@ -109,7 +109,8 @@ class TransportConformance : public ::testing::TestWithParam<std::string> {
   }
 
   // Polls both CQs until `n` initiator completions arrived (kept in order) or the deadline.
-  std::vector<Completion> WaitInitiator(size_t n, seconds timeout = seconds(60)) {
+  std::vector<Completion> WaitInitiator(size_t n, seconds timeout = seconds(0)) {
+    if (timeout.count() == 0) timeout = env_.op_timeout;
     std::vector<Completion> got;
     const auto deadline = Clock::now() + timeout;
     Completion wc[64];
@@ -129,7 +130,7 @@ class TransportConformance : public ::testing::TestWithParam<std::string> {
     for (int j = 0; j < k; ++j) target_events_.push_back(wc[j]);
   }
 
-  Completion WaitOne(seconds timeout = seconds(60)) {
+  Completion WaitOne(seconds timeout = seconds(0)) {
     auto v = WaitInitiator(1, timeout);
     return v.empty() ? Completion{} : v[0];
   }
