@@ -9,6 +9,7 @@
 // a ring of send_depth entries, the send queue is a ring that grows only while the peer is
 // slower than we post.
 #include <sys/socket.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -91,7 +92,16 @@ void TcpCompletionQueue::Push(const Completion& c, TcpEndpoint* ep, uint32_t cre
 }
 
 int TcpCompletionQueue::Poll(Completion* out, int max) {
-  if (max <= 0 || count_.load(std::memory_order_acquire) == 0) return 0;
+  if (max <= 0) return 0;
+  if (count_.load(std::memory_order_acquire) == 0) {
+    engine_->TryProgress();
+    if (count_.load(std::memory_order_acquire) == 0) {
+      // A spinning poller must not starve the threads it is waiting for: socket wakeups are
+      // "sync" wakeups that the scheduler places on the waker's core, behind this spinner.
+      sched_yield();
+      return 0;
+    }
+  }
   std::lock_guard<std::mutex> l(mu_);
   int n = 0;
   while (n < max && size_ > 0) {
@@ -119,6 +129,7 @@ int TcpCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds
     if (count_.load(std::memory_order_acquire) != 0) return Poll(out, max);
     CpuRelax();
   }
+  engine_->Unpark();
   {
     std::unique_lock<std::mutex> lk(mu_);
     ++waiters_;
@@ -417,7 +428,8 @@ void TcpEndpoint::OnReadable() {
           break;
         }
         hdr_got_ += static_cast<size_t>(n);
-        if (hdr_got_ < kHeaderSize) continue;
+        // A short read drained the socket: new data raises a new edge, no need to see EAGAIN.
+        if (hdr_got_ < kHeaderSize) break;
       }
       hdr_got_ = 0;
       std::memcpy(&rx_hdr_, hdr_buf_, kHeaderSize);
@@ -431,12 +443,14 @@ void TcpEndpoint::OnReadable() {
     iovec iov[2];
     iov[0] = {to_mem ? rx_dest_ : engine_->scratch(), chunk};
     iov[1] = {hdr_buf_, kHeaderSize};
-    const ssize_t n = ::readv(fd_.get(), iov, chunk == rx_left_ ? 2 : 1);
+    const int iovcnt = chunk == rx_left_ ? 2 : 1;
+    const ssize_t n = ::readv(fd_.get(), iov, iovcnt);
     if (n <= 0) {
       if (HandleIoError(n) == IoResult::kRetry) continue;
       break;
     }
     uint64_t got = static_cast<uint64_t>(n);
+    const bool drained = got < chunk + (iovcnt == 2 ? kHeaderSize : 0);
     if (got > chunk) {
       hdr_got_ = got - chunk;
       got = chunk;
@@ -444,6 +458,7 @@ void TcpEndpoint::OnReadable() {
     if (to_mem) rx_dest_ += got;
     rx_left_ -= got;
     if (rx_left_ == 0) FinishPayload();
+    if (drained) break;
   }
   if (!rx_dead_) MaybeAck();
 }
