@@ -32,6 +32,8 @@ constexpr int kMaxIov = 64;
 constexpr uint64_t kMaxIovBytes = 1ull << 30;
 constexpr uint64_t kAckEveryOps = 64;
 constexpr uint64_t kAckEveryBytes = 4ull << 20;
+// Bytes one endpoint may read per round before the others get their turn (fairness).
+constexpr uint64_t kReadBudgetBytes = 16ull << 20;
 constexpr auto kWaitSpin = std::chrono::microseconds(30);
 
 uint32_t SaturateLen(uint64_t n) {
@@ -419,7 +421,12 @@ TcpEndpoint::IoResult TcpEndpoint::HandleIoError(ssize_t n) {
 // Reads until the socket is drained, the endpoint pauses (recv_depth) or dies; then sends the
 // coalesced ACK and any queued responses.
 void TcpEndpoint::OnReadable() {
+  uint64_t budget = kReadBudgetBytes;
   while (!rx_dead_ && !rx_paused_.load(std::memory_order_relaxed)) {
+    if (budget == 0) {
+      engine_->AddAgain(this);  // edge-triggered: nobody would come back otherwise
+      break;
+    }
     if (rx_state_ == RxState::kHeader) {
       if (hdr_got_ < kHeaderSize) {
         const ssize_t n = ::recv(fd_.get(), hdr_buf_ + hdr_got_, kHeaderSize - hdr_got_, 0);
@@ -428,6 +435,7 @@ void TcpEndpoint::OnReadable() {
           break;
         }
         hdr_got_ += static_cast<size_t>(n);
+        budget -= std::min<uint64_t>(budget, 4096);  // a header costs like a page
         // A short read drained the socket: new data raises a new edge, no need to see EAGAIN.
         if (hdr_got_ < kHeaderSize) break;
       }
@@ -450,6 +458,7 @@ void TcpEndpoint::OnReadable() {
       break;
     }
     uint64_t got = static_cast<uint64_t>(n);
+    budget -= std::min(budget, got);
     const bool drained = got < chunk + (iovcnt == 2 ? kHeaderSize : 0);
     if (got > chunk) {
       hdr_got_ = got - chunk;
@@ -723,15 +732,14 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
   if (rx_dead_) return;
   rx_dead_ = true;
   rx_paused_.store(false);
+  uint64_t failed = 0;
   {
     std::lock_guard<std::mutex> l(op_mu_);
     if (!errored_) {
       errored_ = true;
       error_ = why;
-      bool first = true;
       for (uint64_t s = acked_seq_ + 1; s <= post_seq_; ++s) {
-        CompleteLocked(ring_[s % send_depth_], first ? wc : WcStatus::kFlushed);
-        first = false;
+        CompleteLocked(ring_[s % send_depth_], failed++ == 0 ? wc : WcStatus::kFlushed);
       }
       acked_seq_ = post_seq_;
     }
@@ -744,8 +752,14 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
   }
   ::shutdown(fd_.get(), SHUT_RDWR);
   engine_->Unwatch(fd_.get());
-  LOG(INFO) << "tcp: endpoint " << DebugString() << " (id " << endpoint_id()
-            << ") entered the error state: " << why;
+  if (failed == 0 && wc == WcStatus::kRemoteDisconnected) {
+    VLOG(1) << "tcp: endpoint " << DebugString() << " (id " << endpoint_id()
+            << ") disconnected: " << why;
+  } else {
+    LOG(INFO) << "tcp: endpoint " << DebugString() << " (id " << endpoint_id()
+              << ") entered the error state with " << failed
+              << " operation(s) outstanding: " << why;
+  }
 }
 
 void TcpEndpoint::OnRegionGone(const char* base, uint64_t length) {

@@ -338,6 +338,11 @@ void TcpEngine::HandleEvents(const epoll_event* evs, int n) {
     if (evs[i].data.ptr == nullptr) continue;  // the eventfd: handled by the progress thread
     static_cast<TcpEndpoint*>(evs[i].data.ptr)->OnEvents(evs[i].events);
   }
+  if (!again_.empty()) {
+    std::vector<TcpEndpoint*> list;
+    list.swap(again_);
+    for (TcpEndpoint* ep : list) ep->OnReadable();
+  }
   if (!paused_.empty()) ResumePaused();
 }
 
@@ -351,6 +356,10 @@ void TcpEngine::Loop() {
       park_cv_.wait_for(lk, std::chrono::nanoseconds(kParkNs), [&] { return park_wake_; });
       park_wake_ = false;
       timeout = 0;
+    }
+    {
+      std::lock_guard<std::mutex> l(progress_mu_);
+      if (!again_.empty()) timeout = 0;
     }
     const int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout);
     if (n < 0) {
@@ -388,11 +397,7 @@ void TcpEngine::TryProgress() {
   const int n = epoll_wait(epoll_fd_.get(), evs, 16, 0);
   // Events a concurrent epoll_wait of the progress thread took are handled there; endpoints
   // removed by closures cannot appear here because closures run under progress_mu_.
-  if (n > 0) {
-    HandleEvents(evs, n);
-  } else if (!paused_.empty()) {
-    ResumePaused();
-  }
+  if (n > 0 || !again_.empty() || !paused_.empty()) HandleEvents(evs, std::max(n, 0));
   progress_mu_.unlock();
 }
 
@@ -419,6 +424,7 @@ void TcpEngine::RemoveEndpoint(TcpEndpoint* ep) {
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, ep->fd(), nullptr);  // may already be gone
   endpoints_.erase(std::remove(endpoints_.begin(), endpoints_.end(), ep), endpoints_.end());
   paused_.erase(std::remove(paused_.begin(), paused_.end(), ep), paused_.end());
+  again_.erase(std::remove(again_.begin(), again_.end(), ep), again_.end());
 }
 
 void TcpEngine::Unwatch(int fd) { epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr); }

@@ -109,6 +109,9 @@ class TcpEngine {
   Status AddEndpoint(TcpEndpoint* ep);
   void RemoveEndpoint(TcpEndpoint* ep);
   void AddPaused(TcpEndpoint* ep) { paused_.push_back(ep); }
+  // An endpoint that used up its read budget with data still pending: read it again on the
+  // next round, after the others had their turn.
+  void AddAgain(TcpEndpoint* ep) { again_.push_back(ep); }
   // Progress thread: stop watching a failed endpoint's socket.
   void Unwatch(int fd);
   char* scratch() { return scratch_.data(); }
@@ -162,6 +165,7 @@ class TcpEngine {
   // Guarded by progress_mu_.
   std::vector<TcpEndpoint*> endpoints_;
   std::vector<TcpEndpoint*> paused_;
+  std::vector<TcpEndpoint*> again_;
   std::vector<char> scratch_;
   std::vector<std::pair<void*, size_t>> zero_maps_;
 };
@@ -249,6 +253,7 @@ class TcpEndpoint final : public Endpoint {
 
   // Progress thread.
   void OnEvents(uint32_t events);
+  void OnReadable();
   bool TryResume();  // true when no longer waiting for the app to reap immediates
   void OnRegionGone(const char* base, uint64_t length);
 
@@ -281,7 +286,6 @@ class TcpEndpoint final : public Endpoint {
   void PushSegmentLocked(const Segment& s);
   Status FlushLocked();
   // Progress thread.
-  void OnReadable();
   IoResult HandleIoError(ssize_t n);
   void HandleHeader();
   void StartPayload(char* dest, uint64_t len, RxAction action);
