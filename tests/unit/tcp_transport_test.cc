@@ -519,3 +519,50 @@ TEST_F(TcpTransportTest, TeardownInAnyOrder) {
 
 }  // namespace
 }  // namespace shardps::transport
+
+namespace shardps::transport {
+namespace {
+
+// The target deregisters (and unmaps) a region while a large write into it is in flight: the
+// rest of the payload must go to the sink, never into freed memory, and the write must either
+// have completed before or fail with a remote access error.
+TEST_F(TcpTransportTest, DeregisterDuringInboundWriteIsSafe) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 64 << 20;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    auto remote = Alloc(target_.get(), n, Access::kRemoteWrite);
+    auto src = Alloc(initiator_.get(), n, Access::kLocalOnly);
+    auto keep = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+    ASSERT_TRUE(iep_->PostWrite({src.get(), 0, n}, AtOffset(remote->descriptor(), 0), 1).ok());
+    std::this_thread::sleep_for(milliseconds(round));
+    remote.reset();  // munmap: touching it now would crash
+    auto cs = WaitInitiator(1);
+    ASSERT_EQ(cs.size(), 1u);
+    if (!cs[0].ok()) {
+      EXPECT_EQ(cs[0].status, WcStatus::kRemoteAccessError) << WcStatusName(cs[0].status);
+      EXPECT_TRUE(AllZero(keep->data(), 4096));
+      // The endpoint is in error: reconnect for the next round.
+      iep_.reset();
+      tep_.reset();
+      ASSERT_NO_FATAL_FAILURE(Connect());
+    }
+  }
+}
+
+// Likewise while a large read is being served from the region: no crash, no hang.
+TEST_F(TcpTransportTest, DeregisterDuringOutboundReadIsSafe) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 64 << 20;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteRead);
+  auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(iep_->PostRead({dst.get(), 0, n}, AtOffset(remote->descriptor(), 0), 1).ok());
+  std::this_thread::sleep_for(milliseconds(2));
+  remote.reset();
+  auto cs = WaitInitiator(1);
+  ASSERT_EQ(cs.size(), 1u);
+  EXPECT_EQ(cs[0].context, 1u);
+}
+
+}  // namespace
+}  // namespace shardps::transport
