@@ -102,8 +102,8 @@ class TcpTransportTest : public ::testing::Test {
     return r.ok() ? std::move(*r) : nullptr;
   }
 
-  std::vector<Completion> WaitInitiator(size_t n, std::chrono::seconds timeout =
-                                                      std::chrono::seconds(30)) {
+  std::vector<Completion> WaitInitiator(size_t n,
+                                        std::chrono::seconds timeout = std::chrono::seconds(30)) {
     std::vector<Completion> got;
     const auto deadline = Clock::now() + timeout;
     Completion wc[64];
@@ -297,8 +297,7 @@ struct AccessCase {
   const char* message;
 };
 
-class TcpAccessTest : public TcpTransportTest,
-                      public ::testing::WithParamInterface<AccessCase> {};
+class TcpAccessTest : public TcpTransportTest, public ::testing::WithParamInterface<AccessCase> {};
 
 TEST_P(TcpAccessTest, RejectedTouchesNothingAndLaterOpsFlush) {
   const AccessCase& ac = GetParam();
@@ -352,8 +351,7 @@ INSTANTIATE_TEST_SUITE_P(
                    "not registered"},
         AccessCase{"StraddlesEnd", Access::kRemoteReadWrite, false, (1 << 16) - 10, 0, 4096,
                    "outside the region"},
-        AccessCase{"StartsBefore", Access::kRemoteReadWrite, true, -8, 0, 64,
-                   "outside the region"},
+        AccessCase{"StartsBefore", Access::kRemoteReadWrite, true, -8, 0, 64, "outside the region"},
         AccessCase{"WrapsAround", Access::kRemoteReadWrite, false, INT64_MIN / 2, 0, 4096,
                    "outside the region"},
         AccessCase{"NoRemoteWrite", Access::kRemoteRead, false, 0, 0, 4096, "remote write"},
@@ -409,12 +407,12 @@ TEST_F(TcpTransportTest, HostileFramesCloseOnlyThatConnection) {
   };
   static_assert(sizeof(Frame) == 40);
   const Frame frames[] = {
-      {0x00, 1, 0, 0, 0, rd.rkey, 0, rd.addr, 8, 1},         // bad magic
-      {0xA5, 77, 0, 0, 0, rd.rkey, 0, rd.addr, 8, 1},        // unknown opcode
+      {0x00, 1, 0, 0, 0, rd.rkey, 0, rd.addr, 8, 1},           // bad magic
+      {0xA5, 77, 0, 0, 0, rd.rkey, 0, rd.addr, 8, 1},          // unknown opcode
       {0xA5, 1, 0, 0, 0, rd.rkey, 0, rd.addr, ~0ull >> 2, 1},  // absurd length
-      {0xA5, 1, 0, 0, 0, rd.rkey, 0, rd.addr, 8, 5},         // sequence gap
-      {0xA5, 5, 0, 0, 0, 0, 0, 0, 0, 42},                    // ACK for nothing posted
-      {0xA5, 4, 0, 0, 0, 0, 0, 0, 1 << 20, 1},               // READ_RESP nobody asked for
+      {0xA5, 1, 0, 0, 0, rd.rkey, 0, rd.addr, 8, 5},           // sequence gap
+      {0xA5, 5, 0, 0, 0, 0, 0, 0, 0, 42},                      // ACK for nothing posted
+      {0xA5, 4, 0, 0, 0, 0, 0, 0, 1 << 20, 1},                 // READ_RESP nobody asked for
   };
   int id = 0;
   for (const Frame& f : frames) {
@@ -473,8 +471,7 @@ TEST_F(TcpTransportTest, PeerEndpointDestroyedFlushesOutstanding) {
   // Fill the target's recv_depth so it stops reading; later ops stay outstanding.
   for (int i = 0; i < 16; ++i) {
     ASSERT_TRUE(
-        iep_->PostWriteImm({src.get(), 0, 1 << 16}, AtOffset(remote->descriptor(), 0), i, i)
-            .ok());
+        iep_->PostWriteImm({src.get(), 0, 1 << 16}, AtOffset(remote->descriptor(), 0), i, i).ok());
   }
   std::this_thread::sleep_for(milliseconds(100));
   const auto t0 = Clock::now();

@@ -8,9 +8,9 @@
 // payloads go to a scratch sink. No heap allocation per operation: pending operations live in
 // a ring of send_depth entries, the send queue is a ring that grows only while the peer is
 // slower than we post.
-#include <sys/socket.h>
 #include <sched.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -48,10 +48,14 @@ std::string Hex(uint64_t v) {
 
 uint8_t NakFor(AccessCheck c) {
   switch (c) {
-    case AccessCheck::kUnknownRkey: return kNakUnknownRkey;
-    case AccessCheck::kOutOfBounds: return kNakOutOfBounds;
-    case AccessCheck::kNoAccess: return kNakNoAccess;
-    case AccessCheck::kOk: break;
+    case AccessCheck::kUnknownRkey:
+      return kNakUnknownRkey;
+    case AccessCheck::kOutOfBounds:
+      return kNakOutOfBounds;
+    case AccessCheck::kNoAccess:
+      return kNakNoAccess;
+    case AccessCheck::kOk:
+      break;
   }
   return kNakNone;
 }
@@ -225,8 +229,9 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
                          uint32_t imm, uint64_t context, uint32_t flags) {
   const auto* region = dynamic_cast<const TcpRegion*>(local.region);
   if (region == nullptr || region->engine() != engine_.get()) {
-    return InvalidArgumentError("tcp: the local slice's region is not registered with this "
-                                "fabric");
+    return InvalidArgumentError(
+        "tcp: the local slice's region is not registered with this "
+        "fabric");
   }
   if (local.offset > region->length() || local.length > region->length() - local.offset) {
     return OutOfRangeError("tcp: local slice [" + std::to_string(local.offset) + ", +" +
@@ -239,8 +244,8 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
   }
   RETURN_IF_ERROR(credits_.Take());
   char* lptr = static_cast<char*>(region->data()) + local.offset;
-  const PendingOp op{context,     local.length, lptr, remote.addr, remote.rkey,
-                     imm,         type,         (flags & kUnsignaled) == 0};
+  const PendingOp op{context,     local.length, lptr, remote.addr,
+                     remote.rkey, imm,          type, (flags & kUnsignaled) == 0};
   Segment seg;
   {
     std::lock_guard<std::mutex> l(op_mu_);
@@ -555,7 +560,9 @@ void TcpEndpoint::HandleHeader() {
       const char* what = op.type == OpType::kRead ? "read" : "write";
       std::string why = "remote access error: ";
       switch (h.reason) {
-        case kNakUnknownRkey: why += "rkey " + Hex(op.rkey) + " not registered at the target"; break;
+        case kNakUnknownRkey:
+          why += "rkey " + Hex(op.rkey) + " not registered at the target";
+          break;
         case kNakOutOfBounds:
           why += std::string(what) + " [" + Hex(op.raddr) + ", +" + std::to_string(op.length) +
                  ") is outside the region of rkey " + Hex(op.rkey);
@@ -566,7 +573,9 @@ void TcpEndpoint::HandleHeader() {
         case kNakDeregistered:
           why += "region of rkey " + Hex(op.rkey) + " was deregistered during the " + what;
           break;
-        default: why += "reason " + std::to_string(h.reason); break;
+        default:
+          why += "reason " + std::to_string(h.reason);
+          break;
       }
       return Fail(WcStatus::kRemoteAccessError, PermissionDeniedError(why));
     }
@@ -597,7 +606,8 @@ void TcpEndpoint::FinishPayload() {
   rx_state_ = RxState::kHeader;
   rx_action_ = RxAction::kNone;
   switch (action) {
-    case RxAction::kNone: return;
+    case RxAction::kNone:
+      return;
     case RxAction::kWrite:
       exec_seq_ = h.seq;
       unacked_bytes_ += h.length;
@@ -610,7 +620,8 @@ void TcpEndpoint::FinishPayload() {
       CompleteUpToLocked(h.seq);
       return;
     }
-    case RxAction::kNak: return SendNak(h, rx_nak_reason_);
+    case RxAction::kNak:
+      return SendNak(h, rx_nak_reason_);
     case RxAction::kReadRespGone:
       return Fail(WcStatus::kLocalError,
                   InternalError("tcp: the local region of a read was deregistered while the "

@@ -32,7 +32,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kSocketBufferBytes = 4 << 20;
-constexpr int kUserTimeoutMs = 30000;  // unacknowledged data (or a shut window) this old kills the link
+constexpr int kUserTimeoutMs =
+    30000;  // unacknowledged data (or a shut window) this old kills the link
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 
 int RemainingMs(Clock::time_point deadline) {
@@ -79,7 +80,8 @@ Status SendAll(int fd, const void* buf, size_t len, Clock::time_point deadline) 
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd pf{fd, POLLOUT, 0};
       const int ms = RemainingMs(deadline);
-      if (ms == 0 || ::poll(&pf, 1, ms) == 0) return DeadlineExceededError("handshake: send timed out");
+      if (ms == 0 || ::poll(&pf, 1, ms) == 0)
+        return DeadlineExceededError("handshake: send timed out");
       continue;
     }
     return ErrnoError("handshake: send", errno);
@@ -129,10 +131,9 @@ Status Handshake(int fd, const EndpointOptions& options, Clock::time_point deadl
     return DataLossError(buf);
   }
   if (peer.version != kWireVersion || peer.header_size != kHeaderSize) {
-    return FailedPreconditionError("handshake: peer speaks wire version " +
-                                   std::to_string(peer.version) + " (header " +
-                                   std::to_string(peer.header_size) + " bytes), we speak " +
-                                   std::to_string(kWireVersion));
+    return FailedPreconditionError(
+        "handshake: peer speaks wire version " + std::to_string(peer.version) + " (header " +
+        std::to_string(peer.header_size) + " bytes), we speak " + std::to_string(kWireVersion));
   }
   return Status::OK();
 }
@@ -154,8 +155,9 @@ std::string PeerAddress(int fd) {
 Status CheckEndpointOptions(const EndpointOptions& o) {
   if (o.send_depth <= 0 || o.recv_depth < 0 || o.send_depth > (1 << 20) ||
       o.recv_depth > (1 << 20)) {
-    return InvalidArgumentError("endpoint options: send_depth must be in [1, 2^20] and "
-                                "recv_depth in [0, 2^20]");
+    return InvalidArgumentError(
+        "endpoint options: send_depth must be in [1, 2^20] and "
+        "recv_depth in [0, 2^20]");
   }
   return Status::OK();
 }
@@ -216,8 +218,7 @@ std::string SockaddrToString(const sockaddr_in& sa) {
 // ---------------------------------------------------------------------------------------------
 // TcpEngine
 
-TcpEngine::TcpEngine(const FabricOptions& options)
-    : options_(options), scratch_(256 << 10) {
+TcpEngine::TcpEngine(const FabricOptions& options) : options_(options), scratch_(256 << 10) {
   // Start rkeys at a time-derived value so keys of a restarted process rarely collide with
   // stale descriptors; never 0.
   const uint64_t t = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
@@ -268,8 +269,7 @@ namespace {
 // long; it is also the longest a parked thread waits before it checks again.
 constexpr int64_t kParkNs = 200 * 1000;
 int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             Clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
       .count();
 }
 }  // namespace
@@ -459,8 +459,7 @@ void TcpEngine::DeregisterRegion(uint32_t rkey, char* base, uint64_t length) {
   });
 }
 
-AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write,
-                              char** out) {
+AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write, char** out) {
   std::lock_guard<std::mutex> l(reg_mu_);
   auto it = regions_.find(rkey);
   if (it == regions_.end()) return AccessCheck::kUnknownRkey;
@@ -480,8 +479,8 @@ AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool w
 // ---------------------------------------------------------------------------------------------
 // TcpRegion
 
-TcpRegion::TcpRegion(std::shared_ptr<TcpEngine> engine, void* data, size_t length,
-                     Access access, size_t owned_map_bytes)
+TcpRegion::TcpRegion(std::shared_ptr<TcpEngine> engine, void* data, size_t length, Access access,
+                     size_t owned_map_bytes)
     : MemoryRegion(data, length, access, MemoryKind::kHost),
       engine_(std::move(engine)),
       rkey_(engine_->RegisterRegion(static_cast<char*>(data), length, access)),
@@ -541,8 +540,8 @@ void UnreserveCq(TcpEngine* engine, TcpCompletionQueue* cq, const EndpointOption
   cq->quota().Release(options.send_depth + options.recv_depth);
 }
 
-StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine,
-                                                 Fd fd, TcpCompletionQueue* cq,
+StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine, Fd fd,
+                                                 TcpCompletionQueue* cq,
                                                  const EndpointOptions& options) {
   const std::string local = LocalAddress(fd.get());
   const std::string remote = PeerAddress(fd.get());
@@ -607,8 +606,7 @@ class TcpFabric final : public Fabric {
            "}";
   }
 
-  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
-                                                         Access access,
+  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length, Access access,
                                                          MemoryKind kind) override {
     if (kind == MemoryKind::kCuda) {
       return UnimplementedError(
@@ -679,8 +677,7 @@ class TcpFabric final : public Fabric {
   }
 
  private:
-  StatusOr<Fd> Dial(const sockaddr_in& sa, const std::string& address,
-                    Clock::time_point deadline) {
+  StatusOr<Fd> Dial(const sockaddr_in& sa, const std::string& address, Clock::time_point deadline) {
     Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return ErrnoError("socket", errno);
     if (!engine_->options().bind_ip.empty()) {

@@ -236,8 +236,8 @@ class TcpEndpoint final : public Endpoint {
 
   Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
                    uint32_t flags) override;
-  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                      uint64_t context, uint32_t flags) override;
+  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm, uint64_t context,
+                      uint32_t flags) override;
   Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
                   uint32_t flags) override;
   Status status() const override;
@@ -337,10 +337,10 @@ class TcpEndpoint final : public Endpoint {
   bool rx_discard_ = false;  // a NAK was sent: later requests are discarded
   bool rx_dead_ = false;
   bool resp_pending_ = false;  // responses queued, not yet flushed
-  uint64_t exec_seq_ = 0;        // last request executed (target role)
-  uint64_t acked_sent_ = 0;      // last seq acknowledged to the peer
+  uint64_t exec_seq_ = 0;      // last request executed (target role)
+  uint64_t acked_sent_ = 0;    // last seq acknowledged to the peer
   uint64_t unacked_bytes_ = 0;
-  uint64_t pend_seq_ = 0;        // a kRecvImm waiting for the app to reap (paused)
+  uint64_t pend_seq_ = 0;  // a kRecvImm waiting for the app to reap (paused)
   uint32_t pend_imm_ = 0;
   uint64_t pend_len_ = 0;
   std::atomic<bool> rx_paused_{false};
