@@ -561,5 +561,42 @@ TEST_F(TcpTransportTest, DeregisterDuringOutboundReadIsSafe) {
   EXPECT_EQ(cs[0].context, 1u);
 }
 
+// Wait in both roles: a target sleeping for an immediate (no operation of its own
+// outstanding) and an initiator sleeping for its completion are both woken promptly.
+TEST_F(TcpTransportTest, WaitWakesTargetAndInitiator) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
+  Fill(src->data(), 4096, 21);
+  for (int round = 0; round < 20; ++round) {
+    Completion got{};
+    int n = 0;
+    std::thread target([&] {
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      while (n == 0 && Clock::now() < deadline) {
+        n = tcq_->Wait(&got, 1, std::chrono::microseconds(2000000));
+      }
+    });
+    std::this_thread::sleep_for(milliseconds(5));
+    ASSERT_TRUE(
+        iep_->PostWriteImm({src.get(), 0, 4096}, AtOffset(remote->descriptor(), 0), round, round)
+            .ok());
+    Completion mine{};
+    int m = 0;
+    const auto t0 = Clock::now();
+    while (m == 0 && Clock::now() - t0 < std::chrono::seconds(10)) {
+      m = icq_->Wait(&mine, 1, std::chrono::microseconds(2000000));
+    }
+    target.join();
+    ASSERT_EQ(m, 1);
+    EXPECT_TRUE(mine.ok());
+    ASSERT_EQ(n, 1);
+    EXPECT_EQ(got.op, OpType::kRecvImm);
+    EXPECT_EQ(got.imm, static_cast<uint32_t>(round));
+    EXPECT_EQ(std::memcmp(remote->data(), src->data(), 4096), 0);
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1)) << "a Wait slept through its event";
+  }
+}
+
 }  // namespace
 }  // namespace shardps::transport

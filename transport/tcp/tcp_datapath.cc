@@ -8,8 +8,10 @@
 // payloads go to a scratch sink. No heap allocation per operation: pending operations live in
 // a ring of send_depth entries, the send queue is a ring that grows only while the peer is
 // slower than we post.
+#include <poll.h>
 #include <sched.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -72,7 +74,14 @@ inline void CpuRelax() {
 // TcpCompletionQueue
 
 TcpCompletionQueue::TcpCompletionQueue(std::shared_ptr<TcpEngine> engine, int depth)
-    : engine_(std::move(engine)), depth_(depth), quota_(depth), ring_(depth) {}
+    : engine_(std::move(engine)),
+      depth_(depth),
+      quota_(depth),
+      event_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+      ring_(depth) {
+  // Without the eventfd, Wait degrades to sleeping in short ppoll slices (see Wait).
+  if (!event_fd_.valid()) PLOG(ERROR) << "tcp: eventfd for a completion queue";
+}
 
 TcpCompletionQueue::~TcpCompletionQueue() {
   // Endpoints should be gone first; if not, they stop delivering here.
@@ -94,7 +103,13 @@ void TcpCompletionQueue::Push(const Completion& c, TcpEndpoint* ep, uint32_t cre
   ring_[(head_ + size_) % ring_.size()] = Entry{c, ep, credits};
   ++size_;
   count_.store(size_, std::memory_order_release);
-  if (waiters_ > 0) cv_.notify_one();
+  if (waiters_ > 0) {
+    const uint64_t one = 1;
+    ssize_t rc;
+    do {
+      rc = ::write(event_fd_.get(), &one, sizeof(one));
+    } while (rc < 0 && errno == EINTR);
+  }
 }
 
 int TcpCompletionQueue::Poll(Completion* out, int max) {
@@ -125,6 +140,10 @@ int TcpCompletionQueue::Poll(Completion* out, int max) {
   return n;
 }
 
+// Spins on Poll (which does progress work inline) for a short while, then sleeps in ppoll on
+// the engine's epoll fd and this queue's eventfd: data for this fabric wakes this thread
+// directly (it then does the work itself), and completions pushed by the progress thread wake
+// it through the eventfd.
 int TcpCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds timeout) {
   int n = Poll(out, max);
   if (n != 0) return n;
@@ -132,15 +151,47 @@ int TcpCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds
   const auto deadline = start + timeout;
   const auto spin_end = start + std::min<std::chrono::microseconds>(timeout, kWaitSpin);
   while (Clock::now() < spin_end) {
-    if (count_.load(std::memory_order_acquire) != 0) return Poll(out, max);
-    CpuRelax();
+    n = Poll(out, max);
+    if (n != 0) return n;
   }
-  engine_->Unpark();
+  // Wait for the fabric's sockets only while an operation of ours is outstanding (its
+  // response is what we wait for); a server waiting for immediates leaves the sockets to the
+  // progress thread and is woken only for completions.
+  bool expecting = false;
   {
-    std::unique_lock<std::mutex> lk(mu_);
-    ++waiters_;
-    cv_.wait_until(lk, deadline, [&] { return size_ > 0; });
-    --waiters_;
+    std::lock_guard<std::mutex> l(engine_->setup_mu());
+    for (TcpEndpoint* ep : attached_) expecting = expecting || ep->outstanding() > 0;
+  }
+  if (!expecting) engine_->Unpark();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (size_ > 0) break;
+      ++waiters_;
+    }
+    const auto left = deadline - Clock::now();
+    int64_t left_ns =
+        std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
+    if (!event_fd_.valid()) left_ns = std::min<int64_t>(left_ns, 1000000);  // no wakeups: slices
+    timespec ts{static_cast<time_t>(left_ns / 1000000000), static_cast<long>(left_ns % 1000000000)};
+    pollfd fds[2] = {{expecting ? engine_->epoll_fd() : -1, POLLIN, 0},
+                     {event_fd_.get(), POLLIN, 0}};
+    const int rc = left_ns > 0 ? ::ppoll(fds, 2, &ts, nullptr) : 0;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      --waiters_;
+    }
+    if (fds[1].revents != 0) {
+      uint64_t v;
+      while (::read(event_fd_.get(), &v, sizeof(v)) > 0) {
+      }
+    }
+    if (rc > 0 && fds[0].revents != 0) engine_->TryProgress();
+    if (count_.load(std::memory_order_acquire) != 0 || Clock::now() >= deadline) break;
+    if (rc > 0 && fds[0].revents != 0 && fds[1].revents == 0) {
+      // Another thread is handling the ready events; let it finish before polling again.
+      sched_yield();
+    }
   }
   return Poll(out, max);
 }

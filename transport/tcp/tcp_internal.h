@@ -104,6 +104,7 @@ class TcpEngine {
   void TryProgress();
   // A thread about to sleep in CompletionQueue::Wait: the progress thread takes over now.
   void Unpark();
+  int epoll_fd() const { return epoll_fd_.get(); }
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
   // Progress thread: endpoint membership and the set of read-paused endpoints.
   Status AddEndpoint(TcpEndpoint* ep);
@@ -217,8 +218,8 @@ class TcpCompletionQueue final : public CompletionQueue {
   CqQuota quota_;
   std::unordered_set<TcpEndpoint*> attached_;
 
+  Fd event_fd_;  // signalled by Push while a Wait sleeps
   std::mutex mu_;
-  std::condition_variable cv_;
   std::vector<Entry> ring_;  // guarded by mu_
   size_t head_ = 0;          // guarded by mu_
   size_t size_ = 0;          // guarded by mu_
