@@ -1,14 +1,22 @@
 // Internal classes of the tcp provider. See tcp_wire.h for the wire format.
 //
 // Threading model:
-//  * TcpEngine owns one progress thread per fabric (epoll, blocking in epoll_wait). It serves
-//    every inbound request (target role), receives every response (initiator role), pushes
-//    completions into CQs and continues partial sends when a socket becomes writable.
+//  * TcpEngine owns one progress thread per fabric (epoll, edge-triggered, blocking in
+//    epoll_wait). It serves every inbound request (target role), receives every response
+//    (initiator role), pushes completions into CQs and continues partial sends when a socket
+//    becomes writable. The target application never has to call anything for its memory to
+//    be served.
+//  * Progress work runs under the engine's progress mutex. CompletionQueue::Poll/Wait on the
+//    application's thread try to take it and do the work inline (TryProgress); while they keep
+//    doing so the progress thread parks (condition variable, re-checked every 200 us), so on a
+//    2-core machine a spinning poller and the progress thread do not fight over the events.
 //  * The application's polling thread posts (the send is attempted inline, under the
 //    endpoint's send mutex), polls CQs and destroys endpoints/CQs/regions.
 //  * Setup (Connect/Accept/Listen/registration) may run on any thread; it takes the engine's
 //    setup mutex. State the progress thread owns is changed only by closures run on it
 //    (TcpEngine::RunSync), which is how endpoints and regions leave safely.
+// Lock order: setup_mu -> op_mu -> cq.mu -> park_mu; progress_mu -> send_mu; progress_mu ->
+// cl_mu. No lock is held across a blocking call except send_mu across a non-blocking sendmsg.
 #ifndef SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
 #define SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
 
