@@ -15,8 +15,8 @@
 //  * Setup (Connect/Accept/Listen/registration) may run on any thread; it takes the engine's
 //    setup mutex. State the progress thread owns is changed only by closures run on it
 //    (TcpEngine::RunSync), which is how endpoints and regions leave safely.
-// Lock order: setup_mu -> op_mu -> cq.mu -> park_mu; progress_mu -> send_mu; progress_mu ->
-// cl_mu. No lock is held across a blocking call except send_mu across a non-blocking sendmsg.
+// Lock order: setup_mu -> op_mu -> cq.mu -> park_mu; progress_mu -> {op_mu, send_mu, reg_mu,
+// cl_mu}. No lock is held across a blocking call except send_mu across a non-blocking sendmsg.
 #ifndef SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
 #define SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
 
