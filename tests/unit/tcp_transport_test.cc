@@ -598,5 +598,56 @@ TEST_F(TcpTransportTest, WaitWakesTargetAndInitiator) {
   }
 }
 
+// One-sided for real: the target application never polls (nor even has a thread running);
+// its progress thread alone serves eight initiator endpoints doing writes and reads at once.
+TEST_F(TcpTransportTest, TargetServesManyEndpointsWithoutPolling) {
+  const int kEps = 8, kOps = 64;
+  const size_t kChunk = 64 << 10;
+  auto remote = Alloc(target_.get(), kChunk * kEps * kOps, Access::kRemoteReadWrite);
+  auto src = Alloc(initiator_.get(), kChunk * kEps * kOps, Access::kLocalOnly);
+  auto back = Alloc(initiator_.get(), kChunk * kEps * kOps, Access::kLocalOnly);
+  Fill(src->data(), kChunk * kEps * kOps, 33);
+  std::vector<std::unique_ptr<Endpoint>> ieps, teps;
+  for (int e = 0; e < kEps; ++e) {
+    EndpointOptions o;
+    o.endpoint_id = 100 + e;
+    o.send_depth = 2 * kOps;
+    o.recv_depth = 4;
+    StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not connected");
+    std::thread c([&] { iep = initiator_->Connect(listener_->address(), icq_.get(), o); });
+    auto tep = listener_->Accept(tcq_.get(), o, milliseconds(10000));
+    c.join();
+    ASSERT_TRUE(iep.ok() && tep.ok());
+    ieps.push_back(std::move(*iep));
+    teps.push_back(std::move(*tep));
+  }
+  const RegionDescriptor rd = remote->descriptor();
+  for (int i = 0; i < kOps; ++i) {
+    for (int e = 0; e < kEps; ++e) {
+      const uint64_t off = (static_cast<uint64_t>(e) * kOps + i) * kChunk;
+      ASSERT_TRUE(ieps[e]->PostWrite({src.get(), off, kChunk}, AtOffset(rd, off), off).ok());
+      ASSERT_TRUE(ieps[e]->PostRead({back.get(), off, kChunk}, AtOffset(rd, off), off + 1).ok());
+    }
+  }
+  std::vector<uint64_t> last(kEps, 0);
+  int got = 0;
+  Completion wc[64];
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (got < 2 * kEps * kOps && Clock::now() < deadline) {
+    const int k = icq_->Poll(wc, 64);  // the target CQ is never polled
+    for (int j = 0; j < k; ++j) {
+      ASSERT_TRUE(wc[j].ok()) << WcStatusName(wc[j].status);
+      const int e = static_cast<int>(wc[j].endpoint_id - 100);
+      ASSERT_TRUE(e >= 0 && e < kEps);
+      ASSERT_GE(wc[j].context, last[e]) << "out of order on endpoint " << e;
+      last[e] = wc[j].context;
+    }
+    got += k;
+  }
+  ASSERT_EQ(got, 2 * kEps * kOps);
+  EXPECT_EQ(std::memcmp(remote->data(), src->data(), kChunk * kEps * kOps), 0);
+  EXPECT_EQ(std::memcmp(back->data(), src->data(), kChunk * kEps * kOps), 0);
+}
+
 }  // namespace
 }  // namespace shardps::transport
