@@ -5,12 +5,14 @@
 // once. All integers are little-endian (the provider refuses to build on big-endian hosts).
 //
 //   stream     = hello *frame
-//   hello      = magic version header_size reserved send_depth recv_depth endpoint_id
+//   hello      = magic version header_size reserved send_depth recv_depth reserved
+//                endpoint_id                 ; 32 bytes
 //   magic      = u32 0x43545053 ("SPTC")       ; both sides send a hello, then read the peer's
 //   version    = u16 1                         ; a mismatch closes the connection
 //   header_size= u16 40
 //   reserved   = u32 0
 //   send_depth = u32, recv_depth = u32         ; informational
+//   reserved   = u32 0
 //   endpoint_id= u64                           ; informational (logs)
 //
 //   frame      = header [payload]
@@ -27,9 +29,17 @@
 //   length     = u64 payload bytes (WRITE, WRITE_IMM, READ_RESP) or bytes asked (READ_REQ)
 //   seq        = u64 request sequence number, 1, 2, 3... per direction
 //
+// A peer whose hello is wrong is dropped by Accept, which keeps waiting for a real peer. After
+// the hello, a frame with a bad fmagic, an unknown opcode, a length above 2^40, a request seq
+// out of order, or a response that matches no outstanding request closes the connection (the
+// endpoint fails with kRemoteOperationError, status "protocol error ...").
+//
 // Requests (initiator -> target): WRITE and WRITE_IMM carry `length` payload bytes, which the
 // target receives straight into the region (or into a scratch sink when the access check
-// fails). READ_REQ has no payload. A target executes requests strictly in seq order.
+// fails). READ_REQ has no payload. A target executes requests strictly in seq order. A
+// WRITE_IMM counts as executed once its payload is in memory and its kRecvImm is queued; while
+// the target endpoint has recv_depth immediates unreaped, its target stops reading the socket
+// (TCP flow control then holds the initiator back), so nothing is dropped or failed.
 //
 // Responses (target -> initiator), all cumulative: ACK(seq) says every request up to seq was
 // executed; READ_RESP(seq) carries the read's bytes (sent straight from the region) and also
