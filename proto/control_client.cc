@@ -1,0 +1,158 @@
+#include "proto/control_client.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+
+#include <glog/logging.h>
+
+#include "common/net.h"
+
+namespace shardps::control {
+
+using Clock = std::chrono::steady_clock;
+
+StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(
+    const ControlClientOptions& options) {
+  std::unique_ptr<ControlClient> c(new ControlClient());
+  ASSIGN_OR_RETURN(c->fd_, net::ConnectTcp(options.coordinator_address, "",
+                                           options.connect_timeout));
+  RETURN_IF_ERROR(SendMagic(c->fd_.get(), options.connect_timeout));
+  Envelope e;
+  *e.mutable_join() = options.join;
+  e.mutable_join()->set_cluster_token(options.cluster_token);
+  RETURN_IF_ERROR(c->Send(e));
+  ASSIGN_OR_RETURN(Envelope r,
+                   ReceiveEnvelope(c->fd_.get(), &c->decoder_, options.connect_timeout));
+  if (r.body_case() != Envelope::kJoinReply) {
+    return InternalError(std::string("coordinator answered the join with ") + BodyName(r));
+  }
+  if (!r.join_reply().accepted()) {
+    return PermissionDeniedError("coordinator refused the join: " + r.join_reply().error());
+  }
+  c->reply_ = r.join_reply();
+  c->counters_.messages_received = 1;
+  c->thread_ = std::thread([p = c.get()] { p->Loop(); });
+  return c;
+}
+
+ControlClient::~ControlClient() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+Status ControlClient::Send(const Envelope& e) {
+  std::lock_guard<std::mutex> l(send_mu_);
+  if (!fd_.valid()) return UnavailableError("control connection closed");
+  RETURN_IF_ERROR(SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000)));
+  std::lock_guard<std::mutex> l2(mu_);
+  if (e.body_case() == Envelope::kHeartbeat) {
+    ++counters_.heartbeats_sent;
+  } else {
+    ++counters_.other_messages_sent;
+  }
+  return Status::OK();
+}
+
+void ControlClient::Fail(const Status& s) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (status_.ok()) {
+    status_ = s;
+    LOG(WARNING) << "control: lost the coordinator: " << s;
+  }
+  cv_.notify_all();
+}
+
+void ControlClient::Loop() {
+  const auto interval = std::chrono::milliseconds(
+      std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
+  auto next_hb = Clock::now();
+  while (!stop_.load()) {
+    if (Clock::now() >= next_hb) {
+      Envelope hb;
+      hb.mutable_heartbeat()->set_member_id(reply_.member_id());
+      hb.mutable_heartbeat()->set_epoch(epoch());
+      Status s = Send(hb);
+      if (!s.ok()) {
+        Fail(s);
+        return;
+      }
+      next_hb = Clock::now() + interval;
+    }
+    pollfd p{fd_.get(), POLLIN, 0};
+    const int r = poll(&p, 1, 20);
+    if (r <= 0) continue;
+    char buf[64 << 10];
+    const ssize_t k = recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT);
+    if (k == 0) {
+      Fail(UnavailableError("coordinator closed the control connection"));
+      return;
+    }
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      Fail(ErrnoError("control recv", errno));
+      return;
+    }
+    decoder_.Feed(buf, static_cast<size_t>(k));
+    Envelope env;
+    while (true) {
+      auto got = decoder_.Next(&env);
+      if (!got.ok()) {
+        Fail(got.status());
+        return;
+      }
+      if (!*got) break;
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.messages_received;
+      if (env.body_case() == Envelope::kMembership &&
+          env.membership().epoch() > membership_.epoch()) {
+        membership_ = env.membership();
+        cv_.notify_all();
+      }
+    }
+  }
+}
+
+Membership ControlClient::membership() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return membership_;
+}
+
+uint64_t ControlClient::epoch() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return membership_.epoch();
+}
+
+Status ControlClient::status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return status_;
+}
+
+ControlCounters ControlClient::counters() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return counters_;
+}
+
+StatusOr<Membership> ControlClient::WaitFor(
+    const std::function<bool(const Membership&)>& pred, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  const bool ok = cv_.wait_for(l, timeout, [&] { return !status_.ok() || pred(membership_); });
+  if (!status_.ok()) return status_;
+  if (!ok) return DeadlineExceededError("membership condition not met in time");
+  return membership_;
+}
+
+Status ControlClient::Leave(const std::string& reason) {
+  Envelope e;
+  e.mutable_leave()->set_member_id(reply_.member_id());
+  e.mutable_leave()->set_reason(reason);
+  Status s = Send(e);
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> l(send_mu_);
+  fd_.Reset();
+  return s;
+}
+
+}  // namespace shardps::control
