@@ -105,11 +105,12 @@ void ControlClient::Loop() {
       if (!*got) break;
       std::lock_guard<std::mutex> l(mu_);
       ++counters_.messages_received;
-      if (env.body_case() == Envelope::kMembership &&
-          env.membership().epoch() > membership_.epoch()) {
-        membership_ = env.membership();
-        cv_.notify_all();
+      if (env.body_case() == Envelope::kMembership) {
+        if (env.membership().epoch() > membership_.epoch()) membership_ = env.membership();
+      } else {
+        inbox_.push_back(env);
       }
+      cv_.notify_all();
     }
   }
 }
@@ -141,6 +142,28 @@ StatusOr<Membership> ControlClient::WaitFor(
   if (!status_.ok()) return status_;
   if (!ok) return DeadlineExceededError("membership condition not met in time");
   return membership_;
+}
+
+StatusOr<Envelope> ControlClient::WaitMessage(Envelope::BodyCase body,
+                                              std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
+      if (it->body_case() == body || it->body_case() == Envelope::kError) {
+        Envelope e = std::move(*it);
+        inbox_.erase(it);
+        if (e.body_case() == Envelope::kError && body != Envelope::kError) {
+          return FailedPreconditionError("coordinator: " + e.error().message());
+        }
+        return e;
+      }
+    }
+    if (!status_.ok()) return status_;
+    if (cv_.wait_until(l, deadline) == std::cv_status::timeout) {
+      return DeadlineExceededError("control: no message of the expected kind in time");
+    }
+  }
 }
 
 Status ControlClient::Leave(const std::string& reason) {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -54,13 +55,19 @@ class ControlClient {
   // Waits until pred(membership) holds, the connection fails, or the timeout passes.
   StatusOr<Membership> WaitFor(const std::function<bool(const Membership&)>& pred,
                                std::chrono::milliseconds timeout);
+  // Sends a control message (register_model, shards_ready, ...). Counted in
+  // counters().other_messages_sent.
+  Status Send(const Envelope& e);
+  // Waits for the next message with the given body (join replies, heartbeats and membership
+  // are handled internally; an Error from the coordinator is returned as an error).
+  StatusOr<Envelope> WaitMessage(Envelope::BodyCase body, std::chrono::milliseconds timeout);
+
   // Sends Leave and closes; the coordinator publishes the departure.
   Status Leave(const std::string& reason);
 
  private:
   ControlClient() = default;
   void Loop();
-  Status Send(const Envelope& e);
   void Fail(const Status& s);
 
   UniqueFd fd_;
@@ -73,6 +80,7 @@ class ControlClient {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Membership membership_;
+  std::deque<Envelope> inbox_;
   Status status_;
   ControlCounters counters_;
 };

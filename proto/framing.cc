@@ -111,6 +111,10 @@ const char* BodyName(const Envelope& e) {
     case Envelope::kLeave: return "leave";
     case Envelope::kMembership: return "membership";
     case Envelope::kError: return "error";
+    case Envelope::kRegisterModel: return "register_model";
+    case Envelope::kAssignShards: return "assign_shards";
+    case Envelope::kShardsReady: return "shards_ready";
+    case Envelope::kShardMap: return "shard_map";
     case Envelope::BODY_NOT_SET: return "none";
   }
   return "unknown";

@@ -11,6 +11,7 @@
 #include <glog/logging.h>
 
 #include "common/net.h"
+#include "proto/shard_plan.h"
 
 namespace shardps::control {
 
@@ -183,6 +184,20 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
     return;
   }
   switch (e.body_case()) {
+    case Envelope::kRegisterModel:
+      if (c->member.role() != ROLE_WORKER) {
+        Close(c, "register_model from a non-worker", true);
+        return;
+      }
+      HandleRegisterModel(c, e.register_model());
+      return;
+    case Envelope::kShardsReady:
+      if (c->member.role() != ROLE_SERVER) {
+        Close(c, "shards_ready from a non-server", true);
+        return;
+      }
+      HandleShardsReady(c, e.shards_ready());
+      return;
     case Envelope::kHeartbeat:
       if (e.heartbeat().member_id() != c->member.member_id()) {
         Close(c, "heartbeat names another member", true);
@@ -267,6 +282,158 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
             << (m.role() == ROLE_SERVER ? "server" : "worker") << " rank " << rank << " ("
             << c->peer << ")";
   Publish("member " + std::to_string(m.member_id()) + " joined", 0);
+  if (m.role() == ROLE_SERVER) MaybeAssignShards();
+}
+
+namespace {
+
+StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
+                                  uint64_t default_partition) {
+  std::vector<TensorSpec> specs;
+  for (const auto& t : m.tensors()) {
+    if (t.dtype() != 0) return InvalidArgumentError("tensor '" + t.name() + "': only float32");
+    TensorSpec s;
+    s.name = t.name();
+    s.shape.assign(t.shape().begin(), t.shape().end());
+    specs.push_back(std::move(s));
+  }
+  if (specs.empty()) return InvalidArgumentError("a model without tensors");
+  const uint64_t part = m.partition_bytes() ? m.partition_bytes() : default_partition;
+  return PlanShards(specs, num_servers, part);
+}
+
+}  // namespace
+
+void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
+  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  auto plan = PlanFromModel(m, num_servers, options_.config.partition_bytes());
+  if (!plan.ok()) {
+    Envelope err;
+    err.mutable_error()->set_message("model refused: " + plan.status().ToString());
+    Queue(c, err);
+    FlushOutput(c);
+    Close(c, "model refused: " + plan.status().ToString(), true);
+    return;
+  }
+  if (!model_registered_) {
+    model_registered_ = true;
+    model_ = m;
+    plan_fingerprint_ = plan->Fingerprint();
+    LOG(INFO) << "coordinator: model registered by member " << c->member.member_id() << ": "
+              << plan->tensors.size() << " tensors, " << plan->chunks.size() << " chunks over "
+              << num_servers << " servers (imbalance " << plan->imbalance() << ")";
+  } else if (plan->Fingerprint() != plan_fingerprint_) {
+    Envelope err;
+    err.mutable_error()->set_message(
+        "model differs from the one already registered (same tensors, shapes and order "
+        "are required on every worker)");
+    Queue(c, err);
+    FlushOutput(c);
+    Close(c, "model mismatch", true);
+    return;
+  }
+  if (shard_map_ready_) {
+    Envelope e;
+    *e.mutable_shard_map() = shard_map_;
+    e.mutable_shard_map()->set_epoch(epoch());
+    Queue(c, e);
+  } else {
+    awaiting_map_.push_back(c->member.member_id());
+    MaybeAssignShards();
+  }
+}
+
+Coordinator::Conn* Coordinator::ServerByRank(uint32_t rank) {
+  for (auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing && c->member.role() == ROLE_SERVER && c->member.rank() == rank) {
+      return c.get();
+    }
+  }
+  return nullptr;
+}
+
+void Coordinator::MaybeAssignShards() {
+  if (!model_registered_ || shards_assigned_) return;
+  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  for (uint32_t r = 0; r < num_servers; ++r) {
+    if (ServerByRank(r) == nullptr) return;  // wait for every server rank
+  }
+  auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes());
+  if (!plan.ok()) return;  // checked when registered
+  const uint32_t max_workers = std::max<uint32_t>(
+      options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
+  for (uint32_t r = 0; r < num_servers; ++r) {
+    Envelope e;
+    AssignShards* a = e.mutable_assign_shards();
+    for (const auto& ch : plan->chunks) {
+      if (ch.server != r) continue;
+      a->add_chunk_ids(ch.chunk_id);
+      a->add_chunk_bytes(ch.bytes);
+    }
+    a->set_max_workers(max_workers);
+    a->set_plan_fingerprint(plan_fingerprint_);
+    Queue(ServerByRank(r), e);
+  }
+  shards_assigned_ = true;
+  // Remember the plan in the map we will publish.
+  shard_map_.Clear();
+  for (const auto& t : plan->tensors) {
+    TensorSpecProto* p = shard_map_.add_tensors();
+    p->set_name(t.name);
+    p->set_dtype(0);
+    for (auto d : t.shape) p->add_shape(d);
+  }
+  for (const auto& ch : plan->chunks) {
+    ChunkEntry* e = shard_map_.add_chunks();
+    e->set_chunk_id(ch.chunk_id);
+    e->set_tensor(ch.tensor);
+    e->set_offset(ch.offset);
+    e->set_bytes(ch.bytes);
+    e->set_server_rank(ch.server);
+    e->set_slot(ch.server_slot);
+  }
+  shard_map_.set_max_workers(max_workers);
+  shard_map_.set_partition_bytes(plan->partition_bytes);
+  shard_map_.set_plan_fingerprint(plan_fingerprint_);
+  LOG(INFO) << "coordinator: shards assigned to " << num_servers << " servers";
+}
+
+void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
+  if (!shards_assigned_ || r.plan_fingerprint() != plan_fingerprint_) {
+    Close(c, "shards_ready for a plan that was not assigned", true);
+    return;
+  }
+  ready_[c->member.rank()] = r;
+  MaybePublishShardMap();
+}
+
+void Coordinator::MaybePublishShardMap() {
+  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  if (shard_map_ready_ || ready_.size() < num_servers) return;
+  shard_map_.clear_servers();
+  for (uint32_t r = 0; r < num_servers; ++r) {
+    Conn* s = ServerByRank(r);
+    if (s == nullptr) return;
+    ServerEntry* e = shard_map_.add_servers();
+    e->set_rank(r);
+    e->set_member_id(s->member.member_id());
+    e->set_data_address(s->member.data_address());
+    *e->mutable_regions() = ready_[r].regions();
+  }
+  shard_map_ready_ = true;
+  shard_map_.set_epoch(epoch());
+  LOG(INFO) << "coordinator: shard map ready (" << shard_map_.chunks_size() << " chunks, "
+            << num_servers << " servers); sending to " << awaiting_map_.size() << " workers";
+  Envelope e;
+  *e.mutable_shard_map() = shard_map_;
+  for (auto& [fd, c] : conns_) {
+    if (!c->joined || c->closing) continue;
+    if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
+        awaiting_map_.end()) {
+      Queue(c.get(), e);
+    }
+  }
+  awaiting_map_.clear();
 }
 
 void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/fd.h"
 #include "common/status.h"
@@ -76,6 +77,12 @@ class Coordinator {
   void FlushOutput(Conn* c);
   void Publish(const std::string& reason, uint32_t departed);
   void CheckTimeouts();
+  // Model / shard-map state machine (docs/control-protocol.md, "Model setup").
+  void HandleRegisterModel(Conn* c, const RegisterModel& m);
+  void HandleShardsReady(Conn* c, const ShardsReady& r);
+  void MaybeAssignShards();
+  void MaybePublishShardMap();
+  Conn* ServerByRank(uint32_t rank);
 
   CoordinatorOptions options_;
   UniqueFd listen_fd_;
@@ -87,6 +94,15 @@ class Coordinator {
   // Loop-thread state.
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   uint32_t next_member_id_ = 1;
+  // Model state (loop thread).
+  bool model_registered_ = false;
+  RegisterModel model_;
+  std::string plan_fingerprint_;
+  bool shards_assigned_ = false;
+  std::map<uint32_t, ShardsReady> ready_;  // by server rank
+  bool shard_map_ready_ = false;
+  ShardMap shard_map_;
+  std::vector<uint32_t> awaiting_map_;  // member ids of workers waiting for the map
 
   mutable std::mutex mu_;  // guards the snapshot below
   Membership membership_;  // epoch + members
