@@ -94,6 +94,9 @@ class ServerLayout {
     return push_header_offset(worker, slot, parity) + kAlign;
   }
 
+  // Where a worker's hello lands: the first bytes of its inbox area (valid with zero slots).
+  uint64_t hello_offset(uint32_t worker) const { return worker * inbox_stride_; }
+
   uint64_t acks_bytes() const { return AlignUp(sizeof(uint64_t) * slots()) * max_workers_; }
   uint64_t ack_offset(uint32_t worker, uint32_t slot) const {
     return worker * AlignUp(sizeof(uint64_t) * slots()) + slot * sizeof(uint64_t);
