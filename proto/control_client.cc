@@ -67,6 +67,12 @@ void ControlClient::Fail(const Status& s) {
 void ControlClient::Loop() {
   const auto interval = std::chrono::milliseconds(
       std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
+  // Frames that arrived together with the join reply are already in the decoder.
+  Status first = DrainDecoder();
+  if (!first.ok()) {
+    Fail(first);
+    return;
+  }
   auto next_hb = Clock::now();
   while (!stop_.load()) {
     if (Clock::now() >= next_hb) {
@@ -95,23 +101,27 @@ void ControlClient::Loop() {
       return;
     }
     decoder_.Feed(buf, static_cast<size_t>(k));
-    Envelope env;
-    while (true) {
-      auto got = decoder_.Next(&env);
-      if (!got.ok()) {
-        Fail(got.status());
-        return;
-      }
-      if (!*got) break;
-      std::lock_guard<std::mutex> l(mu_);
-      ++counters_.messages_received;
-      if (env.body_case() == Envelope::kMembership) {
-        if (env.membership().epoch() > membership_.epoch()) membership_ = env.membership();
-      } else {
-        inbox_.push_back(env);
-      }
-      cv_.notify_all();
+    Status st = DrainDecoder();
+    if (!st.ok()) {
+      Fail(st);
+      return;
     }
+  }
+}
+
+Status ControlClient::DrainDecoder() {
+  Envelope env;
+  while (true) {
+    ASSIGN_OR_RETURN(bool got, decoder_.Next(&env));
+    if (!got) return Status::OK();
+    std::lock_guard<std::mutex> l(mu_);
+    ++counters_.messages_received;
+    if (env.body_case() == Envelope::kMembership) {
+      if (env.membership().epoch() > membership_.epoch()) membership_ = env.membership();
+    } else {
+      inbox_.push_back(env);
+    }
+    cv_.notify_all();
   }
 }
 

@@ -68,6 +68,7 @@ class ControlClient {
  private:
   ControlClient() = default;
   void Loop();
+  Status DrainDecoder();  // decodes every buffered frame (loop thread)
   void Fail(const Status& s);
 
   UniqueFd fd_;

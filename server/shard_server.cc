@@ -217,6 +217,11 @@ Status ShardServer::Serve() {
   }
   LOG(INFO) << "server rank " << rank_ << ": stopping";
   if (control_) control_->Leave("server stopping").IgnoreError();
+  // Tear the data path down now, as a process exit would: peers see their endpoints fail.
+  endpoints_.clear();
+  endpoint_worker_.clear();
+  listener_.reset();
+  cq_.reset();
   return Status::OK();
 }
 
