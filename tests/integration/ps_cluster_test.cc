@@ -1,6 +1,8 @@
 // The parameter server end to end, in one process: a coordinator, shard servers on their own
 // threads and workers on theirs, over a real transport (tcp and shm here; verbs in the SoftRoCE
 // guest). Every test asserts on weights.
+#include <dirent.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -14,6 +16,7 @@
 #include "server/coordinator.h"
 #include "server/shard_server.h"
 #include "shardps/client.h"
+#include "transport/transport.h"
 
 namespace shardps {
 namespace {
@@ -33,6 +36,36 @@ struct ClusterSpec {
   bool average = true;
   int heartbeat_timeout_ms = 1500;
 };
+
+// Where each role binds: loopback for tcp/shm; for verbs two rxe devices (the SoftRoCE
+// guest's rxe0/rxe1 by default) so that every operation crosses a wire.
+std::string ServerIp(const std::string& transport) {
+  if (transport != "verbs") return "127.0.0.1";
+  const char* ip = getenv("SHARDPS_TEST_VERBS_TARGET_IP");
+  return ip ? ip : "192.168.77.2";
+}
+std::string WorkerIp(const std::string& transport) {
+  if (transport != "verbs") return "127.0.0.1";
+  const char* ip = getenv("SHARDPS_TEST_VERBS_INITIATOR_IP");
+  return ip ? ip : "192.168.77.1";
+}
+
+// Empty when the transport can run here; the reason otherwise. SHARDPS_REQUIRE_VERBS=1 (set
+// inside the SoftRoCE guest) turns a verbs skip into a failure.
+std::string SkipReason(const std::string& transport) {
+  if (transport != "verbs") return "";
+  const char* req = getenv("SHARDPS_REQUIRE_VERBS");
+  if (req != nullptr && std::string(req) == "1") return "";
+  if (transport::CompiledProviders().find("verbs") == std::string::npos) {
+    return "built without verbs";
+  }
+  bool any = false;
+  if (DIR* d = opendir("/sys/class/infiniband")) {
+    while (dirent* e = readdir(d)) any |= e->d_name[0] != '.';
+    closedir(d);
+  }
+  return any ? "" : "no RDMA device here; the verbs tier runs in the SoftRoCE guest";
+}
 
 class Cluster {
  public:
@@ -54,7 +87,7 @@ class Cluster {
     for (int i = 0; i < spec.servers; ++i) {
       server::ShardServerOptions so;
       so.fabric.provider = spec.transport;
-      so.fabric.bind_ip = "127.0.0.1";
+      so.fabric.bind_ip = ServerIp(spec.transport);
       so.coordinator = coordinator_->address();
       so.cluster_token = kToken;
       so.requested_rank = i;
@@ -83,7 +116,7 @@ class Cluster {
     o.cluster_token = kToken;
     o.requested_rank = rank;
     o.transport = spec_.transport;
-    o.bind_ip = "127.0.0.1";
+    o.bind_ip = WorkerIp(spec_.transport);
     o.setup_timeout = milliseconds(30000);
     o.wait_timeout = milliseconds(15000);
     return o;
@@ -108,7 +141,13 @@ float Grad(int worker, int step, size_t i) {
          0.125f;
 }
 
-class PsClusterTest : public ::testing::TestWithParam<std::string> {};
+class PsClusterTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const std::string why = SkipReason(GetParam());
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
 
 TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
   ClusterSpec spec;
@@ -361,7 +400,7 @@ TEST_P(PsClusterTest, DeadServerGivesAClearErrorNotAHang) {
             << std::chrono::duration_cast<milliseconds>(took).count() << " ms: " << st << "\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, PsClusterTest, ::testing::Values("tcp", "shm"),
+INSTANTIATE_TEST_SUITE_P(Transports, PsClusterTest, ::testing::Values("tcp", "shm", "verbs"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
