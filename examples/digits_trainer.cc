@@ -50,7 +50,9 @@ DEFINE_int32(epochs, 15, "Passes over the training set");
 DEFINE_int32(batch_size, 32, "Samples per worker per step (global batch = workers x this)");
 DEFINE_uint64(seed, 1, "Seed of the initial weights and of the per-epoch shuffles");
 DEFINE_int32(log_every, 20, "Print a progress line every this many steps (0: per epoch only)");
-DEFINE_string(dump_weights, "", "Write the final weights here (format: docs/operations.md)");
+DEFINE_string(dump_weights, "",
+              "Write the final weights here (format: docs/operations.md); {rank} in the path "
+              "becomes this worker's rank");
 DEFINE_double(min_accuracy, 0.0, "Exit 3 if the final test accuracy is below this");
 
 DEFINE_bool(standalone, false, "No cluster: local SGD with the same math and global batch");
@@ -275,7 +277,10 @@ int Main() {
   }
   std::fflush(stdout);
   if (!FLAGS_dump_weights.empty()) {
-    shardps::Status st = DumpWeights(FLAGS_dump_weights, *model);
+    std::string path = FLAGS_dump_weights;
+    const size_t at = path.find("{rank}");
+    if (at != std::string::npos) path.replace(at, 6, std::to_string(run.rank));
+    shardps::Status st = DumpWeights(path, *model);
     if (!st.ok()) {
       LOG(ERROR) << st;
       return 1;
