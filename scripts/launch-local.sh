@@ -9,7 +9,7 @@
 #   --workers M            workers (default 2)
 #   --transport T          verbs, tcp, shm or auto (default $SHARDPS_TRANSPORT, else auto)
 #   --consistency C        bsp, ssp, asp or vsgd (default bsp)
-#   --staleness S          SSP/VSGD bound (default 0; ssp/vsgd with 0 is refused here)
+#   --staleness S          SSP/VSGD staleness bound (default 0)
 #   --optimizer O          servers' optimizer: sgd, momentum, adam (default momentum)
 #   --lr X                 servers' learning rate (default 0.2)
 #   --partition-bytes B    coordinator's chunk size (default: the coordinator's, 4 MiB)
@@ -204,5 +204,7 @@ if [[ -n $failed ]] || ((worker_rc != 0)) || [[ -z $final ]]; then
   echo "launch-local: logs in $run_dir" >&2
   exit 1
 fi
+why=$(grep -h -m1 'transport: auto picked' "$run_dir/server-0.log" 2>/dev/null | sed 's/.*transport: //' || true)
+[[ -z $why ]] || echo "launch-local: transport: $why"
 echo "launch-local: $final"
 echo "launch-local: logs in $run_dir"
