@@ -200,7 +200,10 @@ fi
 final=$(grep -h '^final:' "$run_dir"/worker-*[0-9].log || true)
 if [[ -n $failed ]] || ((worker_rc != 0)) || [[ -z $final ]]; then
   show_logs
-  echo "launch-local: FAILED: ${failed:-${final:+worker exit status $worker_rc}}${final:-no final line from rank 0}" >&2
+  why=${failed:-}
+  ((worker_rc == 0)) || why="${why:+$why; }a worker exited with status $worker_rc"
+  [[ -n $final ]] || why="${why:+$why; }no final line from rank 0"
+  echo "launch-local: FAILED: $why" >&2
   echo "launch-local: logs in $run_dir" >&2
   exit 1
 fi
