@@ -70,8 +70,8 @@ shardps::StatusOr<Model> Model::Create(ModelKind kind, uint32_t features, uint32
   auto add = [&m](const std::string& name, std::vector<int64_t> shape) {
     size_t n = 1;
     for (int64_t s : shape) n *= static_cast<size_t>(s);
-    m.tensors_.push_back(Tensor{name, std::move(shape), std::vector<float>(n, 0.0f),
-                                std::vector<float>(n, 0.0f), {}});
+    m.tensors_.push_back(Tensor{
+        name, std::move(shape), std::vector<float>(n, 0.0f), std::vector<float>(n, 0.0f), {}});
   };
   std::mt19937_64 rng(seed);
   if (kind == ModelKind::kMlp) {

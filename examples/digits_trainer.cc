@@ -200,11 +200,12 @@ int Main() {
                << " training samples";
     return 2;
   }
-  std::printf("%s %s: %s (%zu parameters), %u train / %u test samples, batch %u per worker "
-              "(global %u), %u steps/epoch, transport %s, consistency %s%s\n",
-              tag, FLAGS_standalone ? "standalone" : "joined", model->Describe().c_str(),
-              model->num_parameters(), train->n, test->n, B, W * B, steps_per_epoch,
-              run.transport.c_str(), run.consistency.c_str(), MpiRankForLogging().c_str());
+  std::printf(
+      "%s %s: %s (%zu parameters), %u train / %u test samples, batch %u per worker "
+      "(global %u), %u steps/epoch, transport %s, consistency %s%s\n",
+      tag, FLAGS_standalone ? "standalone" : "joined", model->Describe().c_str(),
+      model->num_parameters(), train->n, test->n, B, W * B, steps_per_epoch, run.transport.c_str(),
+      run.consistency.c_str(), MpiRankForLogging().c_str());
   std::fflush(stdout);
 
   const uint64_t control_before = run.client ? run.client->counters().control_messages_sent : 0;
@@ -243,10 +244,12 @@ int Main() {
       ++window_steps;
       const bool epoch_end = s + 1 == steps_per_epoch;
       const bool log_now = FLAGS_log_every > 0 ? step % FLAGS_log_every == 0 : epoch_end;
-      if (run.rank == 0 && (log_now || (epoch_end && epoch + 1 == static_cast<uint32_t>(FLAGS_epochs)))) {
+      if (run.rank == 0 &&
+          (log_now || (epoch_end && epoch + 1 == static_cast<uint32_t>(FLAGS_epochs)))) {
         const double dt = Seconds(Clock::now() - window_start);
         const double mine = dt > 0 ? window_steps * B * (FLAGS_standalone ? W : 1) / dt : 0;
-        std::printf("%s step %" PRIu64 " epoch %u/%d loss %.4f | %.0f samples/s this worker, "
+        std::printf("%s step %" PRIu64
+                    " epoch %u/%d loss %.4f | %.0f samples/s this worker, "
                     "~%.0f cluster-wide | %.2f ms/step | %s, %s\n",
                     tag, step, epoch + 1, FLAGS_epochs, loss_sum / loss_count, mine,
                     FLAGS_standalone ? mine : mine * W, dt * 1e3 / window_steps,
@@ -261,15 +264,17 @@ int Main() {
   }
   const double elapsed = Seconds(Clock::now() - t0);
   const double control_per_step =
-      run.client ? static_cast<double>(run.client->counters().control_messages_sent -
-                                       control_before) / static_cast<double>(step)
-                 : 0.0;
+      run.client
+          ? static_cast<double>(run.client->counters().control_messages_sent - control_before) /
+                static_cast<double>(step)
+          : 0.0;
   const double accuracy = model->Accuracy(*test);
   const double cluster_rate = static_cast<double>(step) * W * B / elapsed;
   std::printf("%s test accuracy %.4f (%u samples), train accuracy %.4f\n", tag, accuracy, test->n,
               model->Accuracy(*train));
   if (run.rank == 0) {
-    std::printf("final: test accuracy %.4f after %" PRIu64 " steps, %.0f samples/s, transport %s, "
+    std::printf("final: test accuracy %.4f after %" PRIu64
+                " steps, %.0f samples/s, transport %s, "
                 "control messages per step %g, step %.2f ms (in Step() %.2f ms), "
                 "consistency %s, %u workers\n",
                 accuracy, step, cluster_rate, run.transport.c_str(), control_per_step,

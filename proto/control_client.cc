@@ -23,9 +23,10 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(
   const auto deadline = Clock::now() + options.connect_timeout;
   bool logged = false;
   while (true) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     StatusOr<UniqueFd> fd = net::ConnectTcp(options.coordinator_address, "",
-                                         std::max(left, std::chrono::milliseconds(1)));
+                                            std::max(left, std::chrono::milliseconds(1)));
     if (fd.ok()) {
       c->fd_ = std::move(*fd);
       break;

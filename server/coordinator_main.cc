@@ -88,8 +88,8 @@ int main(int argc, char** argv) {
       servers += m.role() == ROLE_SERVER;
     }
     most_workers = std::max(most_workers, workers);
-    const bool done = workers == 0 && most_workers >= static_cast<size_t>(
-                                                         std::max(1, FLAGS_num_workers));
+    const bool done =
+        workers == 0 && most_workers >= static_cast<size_t>(std::max(1, FLAGS_num_workers));
     if (!done) continue;
     const auto now = std::chrono::steady_clock::now();
     if (workers_gone_at == std::chrono::steady_clock::time_point::max()) {
