@@ -3,7 +3,9 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #include <glog/logging.h>
 
@@ -16,8 +18,31 @@ using Clock = std::chrono::steady_clock;
 StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(
     const ControlClientOptions& options) {
   std::unique_ptr<ControlClient> c(new ControlClient());
-  ASSIGN_OR_RETURN(c->fd_, net::ConnectTcp(options.coordinator_address, "",
-                                           options.connect_timeout));
+  // Launchers (mpirun MPMD, ssh, schedulers) start members and the coordinator together, so a
+  // refused or unreachable coordinator is retried until connect_timeout, then reported.
+  const auto deadline = Clock::now() + options.connect_timeout;
+  bool logged = false;
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    StatusOr<UniqueFd> fd = net::ConnectTcp(options.coordinator_address, "",
+                                            std::max(left, std::chrono::milliseconds(1)));
+    if (fd.ok()) {
+      c->fd_ = std::move(*fd);
+      break;
+    }
+    if (fd.status().code() != StatusCode::kUnavailable ||
+        Clock::now() + std::chrono::milliseconds(200) >= deadline) {
+      return fd.status();
+    }
+    if (!logged) {
+      LOG(INFO) << "coordinator " << options.coordinator_address << " not reachable yet ("
+                << fd.status().message() << "); retrying for up to "
+                << options.connect_timeout.count() << " ms";
+      logged = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
   RETURN_IF_ERROR(SendMagic(c->fd_.get(), options.connect_timeout));
   Envelope e;
   *e.mutable_join() = options.join;

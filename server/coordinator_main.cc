@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
@@ -24,6 +25,10 @@ DEFINE_int32(heartbeat_timeout_ms, 3000, "A member silent this long is declared 
 DEFINE_string(data_transport, "", "If set, members must use this transport (verbs, tcp, shm)");
 DEFINE_uint64(partition_bytes, 4u << 20, "Chunk size for sharding tensors");
 DEFINE_string(address_file, "", "Write the bound address here once listening (for scripts)");
+DEFINE_bool(exit_when_done, false,
+            "Exit once all --num_workers workers have joined and left again, after the servers "
+            "have left too (or --exit_grace_ms has passed): batch jobs under mpirun or scripts");
+DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
 
 namespace {
 std::atomic<bool> g_stop{false};
@@ -71,7 +76,34 @@ int main(int argc, char** argv) {
   }
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  size_t most_workers = 0;
+  auto workers_gone_at = std::chrono::steady_clock::time_point::max();
+  while (!g_stop) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!FLAGS_exit_when_done) continue;
+    size_t workers = 0, servers = 0;
+    const Membership membership = (*c)->membership();
+    for (const Member& m : membership.members()) {
+      workers += m.role() == ROLE_WORKER;
+      servers += m.role() == ROLE_SERVER;
+    }
+    most_workers = std::max(most_workers, workers);
+    const bool done =
+        workers == 0 && most_workers >= static_cast<size_t>(std::max(1, FLAGS_num_workers));
+    if (!done) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (workers_gone_at == std::chrono::steady_clock::time_point::max()) {
+      workers_gone_at = now;
+      LOG(INFO) << "coordinator: all " << most_workers << " workers have left; waiting for "
+                << servers << " server(s) to leave (--exit_when_done)";
+    }
+    if (servers == 0) break;
+    if (now - workers_gone_at > std::chrono::milliseconds(FLAGS_exit_grace_ms)) {
+      LOG(WARNING) << "coordinator: " << servers << " server(s) still present after "
+                   << FLAGS_exit_grace_ms << " ms; exiting anyway";
+      break;
+    }
+  }
   LOG(INFO) << "coordinator: stopping at epoch " << (*c)->epoch();
   return 0;
 }

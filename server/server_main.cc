@@ -25,6 +25,8 @@ DEFINE_double(weight_decay, 0.0, "L2 weight decay");
 DEFINE_string(aggregation, "average", "average or sum of the workers' gradients");
 DEFINE_double(vsgd_lambda, 1.0, "VSGD: lr / (1 + lambda * relative weight drift)");
 DEFINE_int32(vsgd_history, 8, "VSGD: weight versions kept per chunk");
+DEFINE_bool(exit_when_done, false,
+            "Exit once every expected worker has joined and all have left (batch jobs, mpirun)");
 
 namespace {
 std::atomic<shardps::server::ShardServer*> g_server{nullptr};
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
   o.average = FLAGS_aggregation == "average";
   o.vsgd_lambda = static_cast<float>(FLAGS_vsgd_lambda);
   o.vsgd_history = FLAGS_vsgd_history;
+  o.exit_when_workers_done = FLAGS_exit_when_done;
   ShardServer server(o);
   g_server = &server;
   signal(SIGINT, OnSignal);

@@ -169,6 +169,13 @@ void ShardServer::RefreshMembership() {
   }
   for (uint32_t r : now) departed_workers_.erase(r);
   member_workers_ = now;
+  most_workers_seen_ = std::max(most_workers_seen_, now.size());
+  if (options_.exit_when_workers_done && now.empty() &&
+      most_workers_seen_ >= std::max<size_t>(1, config_.num_workers())) {
+    LOG(INFO) << "server rank " << rank_ << ": all " << most_workers_seen_
+              << " workers have left (epoch " << e << "); stopping (--exit_when_done)";
+    stop_ = true;
+  }
   // A departure may complete BSP aggregations or raise SSP min clocks.
   for (uint32_t s = 0; s < chunks_.size(); ++s) {
     if (config_.mode() == control::BSP) {

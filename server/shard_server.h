@@ -46,6 +46,9 @@ struct ShardServerOptions {
   float vsgd_lambda = 1.0f;     // VSGD strength
   int vsgd_history = 8;         // versions of weights kept per chunk for VSGD
   std::chrono::milliseconds setup_timeout{120000};
+  // Batch jobs (mpirun, scripts): stop once every expected worker has joined and all of them
+  // have left again. Off by default: an elastic cluster may be empty of workers for a while.
+  bool exit_when_workers_done = false;
 };
 
 struct ShardServerCounters {
@@ -110,6 +113,7 @@ class ShardServer {
   std::vector<std::unique_ptr<Chunk>> chunks_;  // by slot
   std::map<uint32_t, std::unique_ptr<WorkerState>> workers_;  // by rank
   std::set<uint32_t> member_workers_;   // worker ranks in the latest membership
+  size_t most_workers_seen_ = 0;        // for exit_when_workers_done
   std::set<uint32_t> departed_workers_;
   uint64_t seen_epoch_ = 0;
 

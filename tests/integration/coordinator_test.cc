@@ -191,5 +191,54 @@ TEST(CoordinatorTest, ClientSeesCoordinatorLoss) {
   EXPECT_FALSE((*w)->status().ok());
 }
 
+// Launchers start members and the coordinator together: a join retries a refused coordinator
+// until connect_timeout, and succeeds once it listens.
+TEST(CoordinatorTest, JoinRetriesUntilTheCoordinatorListens) {
+  std::string bound;
+  auto probe = net::ListenTcp("127.0.0.1:0", &bound);  // a port nobody listens on once closed
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  probe->Reset();
+  std::unique_ptr<Coordinator> c;
+  std::thread late([&] {
+    std::this_thread::sleep_for(milliseconds(600));
+    CoordinatorOptions o;
+    o.listen_address = bound;
+    o.cluster_token = kToken;
+    auto started = Coordinator::Start(o);
+    ASSERT_TRUE(started.ok()) << started.status();
+    c = std::move(*started);
+  });
+  ControlClientOptions o;
+  o.coordinator_address = bound;
+  o.cluster_token = kToken;
+  o.join.set_role(ROLE_WORKER);
+  o.connect_timeout = milliseconds(5000);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = ControlClient::Join(o);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  late.join();
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_GE(waited, milliseconds(500));
+}
+
+TEST(CoordinatorTest, JoinGivesUpOnAnUnreachableCoordinatorAfterTheBound) {
+  std::string bound;
+  auto probe = net::ListenTcp("127.0.0.1:0", &bound);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  probe->Reset();
+  ControlClientOptions o;
+  o.coordinator_address = bound;
+  o.cluster_token = kToken;
+  o.join.set_role(ROLE_WORKER);
+  o.connect_timeout = milliseconds(800);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = ControlClient::Join(o);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kUnavailable) << w.status();
+  EXPECT_GE(waited, milliseconds(500));
+  EXPECT_LT(waited, milliseconds(3000));
+}
+
 }  // namespace
 }  // namespace shardps::control
