@@ -162,7 +162,10 @@ TEST(CoordinatorTest, HostileBytesCloseOnlyThatConnection) {
   auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_TRUE((*s0)->status().ok());
-  EXPECT_EQ(c->membership().members_size(), 2);
+  // The reply can reach the worker before the coordinator's snapshot is updated: wait for it.
+  auto m = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
+                          milliseconds(3000));
+  EXPECT_TRUE(m.ok()) << m.status();
 }
 
 TEST(CoordinatorTest, LeaveIsPublished) {
