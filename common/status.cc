@@ -1,9 +1,18 @@
 #include "common/status.h"
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace shardps {
+
+namespace internal {
+void StatusOrValueOnError(const char* what, const std::string& status) {
+  std::fprintf(stderr, "shardps: %s %s\n", what, status.c_str());
+  std::abort();
+}
+}  // namespace internal
 
 const char* StatusCodeName(StatusCode code) {
   switch (code) {

@@ -9,6 +9,7 @@ PKGS=(
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest
   iperf3 python3
+  python3-sklearn openmpi-bin
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -1,0 +1,42 @@
+// UniqueFd: owns a file descriptor, closes it once. The one RAII wrapper for fds.
+// Thread safety: a value type; one owner.
+#ifndef SHARDPS_COMMON_FD_H_
+#define SHARDPS_COMMON_FD_H_
+
+#include <unistd.h>
+
+#include <utility>
+
+namespace shardps {
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { Reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int Release() { return std::exchange(fd_, -1); }
+  void Reset(int fd = -1) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace shardps
+
+#endif  // SHARDPS_COMMON_FD_H_

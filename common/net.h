@@ -1,0 +1,39 @@
+// Small blocking TCP helpers for setup paths (control plane, bootstrap). Data paths do not use
+// these. Thread safety: free functions, no shared state.
+#ifndef SHARDPS_COMMON_NET_H_
+#define SHARDPS_COMMON_NET_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "common/fd.h"
+#include "common/status.h"
+
+namespace shardps::net {
+
+struct HostPort {
+  std::string host;
+  uint16_t port = 0;
+};
+
+// "host:port", "[v6]:port". The port must be 0..65535.
+StatusOr<HostPort> ParseHostPort(const std::string& s);
+
+// Listens on host:port (port 0 = pick one); returns the socket and the bound "ip:port".
+StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int backlog = 128);
+// Connects within timeout, optionally binding the source IP first. TCP_NODELAY is set.
+StatusOr<UniqueFd> ConnectTcp(const std::string& address, const std::string& bind_ip,
+                              std::chrono::milliseconds timeout);
+// Accepts one connection within timeout (DEADLINE_EXCEEDED otherwise).
+StatusOr<UniqueFd> AcceptTcp(int listen_fd, std::chrono::milliseconds timeout);
+
+// Sends/receives exactly n bytes within timeout; EOF is UNAVAILABLE("peer closed").
+Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout);
+Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout);
+
+Status SetNonBlocking(int fd, bool on);
+
+}  // namespace shardps::net
+
+#endif  // SHARDPS_COMMON_NET_H_

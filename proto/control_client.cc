@@ -1,0 +1,216 @@
+#include "proto/control_client.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <thread>
+
+#include <glog/logging.h>
+
+#include "common/net.h"
+
+namespace shardps::control {
+
+using Clock = std::chrono::steady_clock;
+
+StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(
+    const ControlClientOptions& options) {
+  std::unique_ptr<ControlClient> c(new ControlClient());
+  // Launchers (mpirun MPMD, ssh, schedulers) start members and the coordinator together, so a
+  // refused or unreachable coordinator is retried until connect_timeout, then reported.
+  const auto deadline = Clock::now() + options.connect_timeout;
+  bool logged = false;
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    StatusOr<UniqueFd> fd = net::ConnectTcp(options.coordinator_address, "",
+                                            std::max(left, std::chrono::milliseconds(1)));
+    if (fd.ok()) {
+      c->fd_ = std::move(*fd);
+      break;
+    }
+    if (fd.status().code() != StatusCode::kUnavailable ||
+        Clock::now() + std::chrono::milliseconds(200) >= deadline) {
+      return fd.status();
+    }
+    if (!logged) {
+      LOG(INFO) << "coordinator " << options.coordinator_address << " not reachable yet ("
+                << fd.status().message() << "); retrying for up to "
+                << options.connect_timeout.count() << " ms";
+      logged = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  RETURN_IF_ERROR(SendMagic(c->fd_.get(), options.connect_timeout));
+  Envelope e;
+  *e.mutable_join() = options.join;
+  e.mutable_join()->set_cluster_token(options.cluster_token);
+  RETURN_IF_ERROR(c->Send(e));
+  ASSIGN_OR_RETURN(Envelope r,
+                   ReceiveEnvelope(c->fd_.get(), &c->decoder_, options.connect_timeout));
+  if (r.body_case() != Envelope::kJoinReply) {
+    return InternalError(std::string("coordinator answered the join with ") + BodyName(r));
+  }
+  if (!r.join_reply().accepted()) {
+    return PermissionDeniedError("coordinator refused the join: " + r.join_reply().error());
+  }
+  c->reply_ = r.join_reply();
+  c->counters_.messages_received = 1;
+  c->thread_ = std::thread([p = c.get()] { p->Loop(); });
+  return c;
+}
+
+ControlClient::~ControlClient() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+Status ControlClient::Send(const Envelope& e) {
+  std::lock_guard<std::mutex> l(send_mu_);
+  if (!fd_.valid()) return UnavailableError("control connection closed");
+  RETURN_IF_ERROR(SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000)));
+  std::lock_guard<std::mutex> l2(mu_);
+  if (e.body_case() == Envelope::kHeartbeat) {
+    ++counters_.heartbeats_sent;
+  } else {
+    ++counters_.other_messages_sent;
+  }
+  return Status::OK();
+}
+
+void ControlClient::Fail(const Status& s) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (status_.ok()) {
+    status_ = s;
+    LOG(WARNING) << "control: lost the coordinator: " << s;
+  }
+  cv_.notify_all();
+}
+
+void ControlClient::Loop() {
+  const auto interval = std::chrono::milliseconds(
+      std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
+  // Frames that arrived together with the join reply are already in the decoder.
+  Status first = DrainDecoder();
+  if (!first.ok()) {
+    Fail(first);
+    return;
+  }
+  auto next_hb = Clock::now();
+  while (!stop_.load()) {
+    if (Clock::now() >= next_hb) {
+      Envelope hb;
+      hb.mutable_heartbeat()->set_member_id(reply_.member_id());
+      hb.mutable_heartbeat()->set_epoch(epoch());
+      Status s = Send(hb);
+      if (!s.ok()) {
+        Fail(s);
+        return;
+      }
+      next_hb = Clock::now() + interval;
+    }
+    pollfd p{fd_.get(), POLLIN, 0};
+    const int r = poll(&p, 1, 20);
+    if (r <= 0) continue;
+    char buf[64 << 10];
+    const ssize_t k = recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT);
+    if (k == 0) {
+      Fail(UnavailableError("coordinator closed the control connection"));
+      return;
+    }
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      Fail(ErrnoError("control recv", errno));
+      return;
+    }
+    decoder_.Feed(buf, static_cast<size_t>(k));
+    Status st = DrainDecoder();
+    if (!st.ok()) {
+      Fail(st);
+      return;
+    }
+  }
+}
+
+Status ControlClient::DrainDecoder() {
+  Envelope env;
+  while (true) {
+    ASSIGN_OR_RETURN(bool got, decoder_.Next(&env));
+    if (!got) return Status::OK();
+    std::lock_guard<std::mutex> l(mu_);
+    ++counters_.messages_received;
+    if (env.body_case() == Envelope::kMembership) {
+      if (env.membership().epoch() > membership_.epoch()) membership_ = env.membership();
+    } else {
+      inbox_.push_back(env);
+    }
+    cv_.notify_all();
+  }
+}
+
+Membership ControlClient::membership() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return membership_;
+}
+
+uint64_t ControlClient::epoch() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return membership_.epoch();
+}
+
+Status ControlClient::status() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return status_;
+}
+
+ControlCounters ControlClient::counters() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return counters_;
+}
+
+StatusOr<Membership> ControlClient::WaitFor(
+    const std::function<bool(const Membership&)>& pred, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  const bool ok = cv_.wait_for(l, timeout, [&] { return !status_.ok() || pred(membership_); });
+  if (!status_.ok()) return status_;
+  if (!ok) return DeadlineExceededError("membership condition not met in time");
+  return membership_;
+}
+
+StatusOr<Envelope> ControlClient::WaitMessage(Envelope::BodyCase body,
+                                              std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> l(mu_);
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
+      if (it->body_case() == body || it->body_case() == Envelope::kError) {
+        Envelope e = std::move(*it);
+        inbox_.erase(it);
+        if (e.body_case() == Envelope::kError && body != Envelope::kError) {
+          return FailedPreconditionError("coordinator: " + e.error().message());
+        }
+        return e;
+      }
+    }
+    if (!status_.ok()) return status_;
+    if (cv_.wait_until(l, deadline) == std::cv_status::timeout) {
+      return DeadlineExceededError("control: no message of the expected kind in time");
+    }
+  }
+}
+
+Status ControlClient::Leave(const std::string& reason) {
+  Envelope e;
+  e.mutable_leave()->set_member_id(reply_.member_id());
+  e.mutable_leave()->set_reason(reason);
+  Status s = Send(e);
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> l(send_mu_);
+  fd_.Reset();
+  return s;
+}
+
+}  // namespace shardps::control

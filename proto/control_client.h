@@ -1,0 +1,91 @@
+// ControlClient: a member's side of the control plane (servers and workers use it alike).
+// Join() connects to the coordinator, presents the cluster token and waits for the reply; a
+// background thread then sends heartbeats and receives Membership updates.
+//
+// Thread safety: all public methods may be called from any thread. The background thread owns
+// the socket's receive side; sends are serialised by a mutex.
+#ifndef SHARDPS_PROTO_CONTROL_CLIENT_H_
+#define SHARDPS_PROTO_CONTROL_CLIENT_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/fd.h"
+#include "common/status.h"
+#include "proto/control.pb.h"
+#include "proto/framing.h"
+
+namespace shardps::control {
+
+struct ControlClientOptions {
+  std::string coordinator_address;
+  std::string cluster_token;
+  JoinRequest join;  // role, hostname, pid, data_address, transport, regions...
+  std::chrono::milliseconds connect_timeout{10000};
+};
+
+struct ControlCounters {
+  uint64_t heartbeats_sent = 0;
+  uint64_t other_messages_sent = 0;  // everything but heartbeats
+  uint64_t messages_received = 0;
+};
+
+class ControlClient {
+ public:
+  static StatusOr<std::unique_ptr<ControlClient>> Join(const ControlClientOptions& options);
+  ~ControlClient();
+  ControlClient(const ControlClient&) = delete;
+  ControlClient& operator=(const ControlClient&) = delete;
+
+  const JoinReply& reply() const { return reply_; }
+  uint32_t member_id() const { return reply_.member_id(); }
+  Membership membership() const;
+  uint64_t epoch() const;
+  // OK while the coordinator is reachable; the reason otherwise.
+  Status status() const;
+  ControlCounters counters() const;
+
+  // Waits until pred(membership) holds, the connection fails, or the timeout passes.
+  StatusOr<Membership> WaitFor(const std::function<bool(const Membership&)>& pred,
+                               std::chrono::milliseconds timeout);
+  // Sends a control message (register_model, shards_ready, ...). Counted in
+  // counters().other_messages_sent.
+  Status Send(const Envelope& e);
+  // Waits for the next message with the given body (join replies, heartbeats and membership
+  // are handled internally; an Error from the coordinator is returned as an error).
+  StatusOr<Envelope> WaitMessage(Envelope::BodyCase body, std::chrono::milliseconds timeout);
+
+  // Sends Leave and closes; the coordinator publishes the departure.
+  Status Leave(const std::string& reason);
+
+ private:
+  ControlClient() = default;
+  void Loop();
+  Status DrainDecoder();  // decodes every buffered frame (loop thread)
+  void Fail(const Status& s);
+
+  UniqueFd fd_;
+  JoinReply reply_;
+  FrameDecoder decoder_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::mutex send_mu_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Membership membership_;
+  std::deque<Envelope> inbox_;
+  Status status_;
+  ControlCounters counters_;
+};
+
+}  // namespace shardps::control
+
+#endif  // SHARDPS_PROTO_CONTROL_CLIENT_H_

@@ -1,0 +1,103 @@
+#include "proto/shard_plan.h"
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+namespace shardps {
+
+size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+  }
+  return 0;
+}
+
+uint64_t TensorSpec::elements() const {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+uint64_t TensorSpec::bytes() const { return elements() * DTypeSize(dtype); }
+
+double ShardPlan::imbalance() const {
+  if (server_bytes.empty()) return 1.0;
+  const double total = std::accumulate(server_bytes.begin(), server_bytes.end(), 0.0);
+  if (total == 0) return 1.0;
+  const double mean = total / server_bytes.size();
+  return *std::max_element(server_bytes.begin(), server_bytes.end()) / mean;
+}
+
+std::string ShardPlan::Fingerprint() const {
+  std::ostringstream os;
+  os << partition_bytes << "|";
+  for (const auto& t : tensors) {
+    os << t.name << ":" << static_cast<int>(t.dtype);
+    for (auto d : t.shape) os << "x" << d;
+    os << ";";
+  }
+  os << "|";
+  for (const auto& c : chunks) os << c.tensor << "@" << c.offset << "+" << c.bytes << ">" << c.server << ",";
+  return os.str();
+}
+
+StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
+                               uint64_t partition_bytes) {
+  if (num_servers == 0) return InvalidArgumentError("shard plan: no servers");
+  if (partition_bytes < 64) return InvalidArgumentError("shard plan: partition size below 64 B");
+  ShardPlan plan;
+  plan.tensors = tensors;
+  plan.partition_bytes = partition_bytes;
+  plan.server_bytes.assign(num_servers, 0);
+  for (uint32_t ti = 0; ti < tensors.size(); ++ti) {
+    const TensorSpec& t = tensors[ti];
+    if (t.name.empty()) return InvalidArgumentError("shard plan: tensor without a name");
+    for (int64_t d : t.shape) {
+      if (d <= 0) return InvalidArgumentError("shard plan: tensor '" + t.name + "' has a dimension <= 0");
+    }
+    for (uint32_t tj = 0; tj < ti; ++tj) {
+      if (tensors[tj].name == t.name) {
+        return InvalidArgumentError("shard plan: tensor '" + t.name + "' registered twice");
+      }
+    }
+    const uint64_t esize = DTypeSize(t.dtype);
+    const uint64_t elems = t.elements();
+    const uint64_t per_chunk_elems = std::max<uint64_t>(1, partition_bytes / esize);
+    uint64_t n = (elems + per_chunk_elems - 1) / per_chunk_elems;
+    // A tensor bigger than one partition is cut into a multiple of the server count, so every
+    // server gets an equal share of it (Herring's point: balance bytes, not keys).
+    if (n > 1 && n % num_servers != 0) n = std::min(elems, (n / num_servers + 1) * num_servers);
+    // Near-equal split: the first (elems % n) chunks get one element more.
+    const uint64_t base = elems / n, extra = elems % n;
+    uint64_t off = 0;
+    for (uint64_t k = 0; k < n; ++k) {
+      ChunkPlan c;
+      c.tensor = ti;
+      c.offset = off * esize;
+      c.bytes = (base + (k < extra ? 1 : 0)) * esize;
+      off += base + (k < extra ? 1 : 0);
+      plan.chunks.push_back(c);
+    }
+  }
+  // Largest first onto the least-loaded server (LPT); stable for determinism.
+  std::vector<size_t> order(plan.chunks.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return plan.chunks[a].bytes > plan.chunks[b].bytes; });
+  for (size_t idx : order) {
+    const uint32_t s = static_cast<uint32_t>(
+        std::min_element(plan.server_bytes.begin(), plan.server_bytes.end()) -
+        plan.server_bytes.begin());
+    plan.chunks[idx].server = s;
+    plan.server_bytes[s] += plan.chunks[idx].bytes;
+  }
+  std::vector<uint32_t> slots(num_servers, 0);
+  for (uint32_t i = 0; i < plan.chunks.size(); ++i) {
+    plan.chunks[i].chunk_id = i;
+    plan.chunks[i].server_slot = slots[plan.chunks[i].server]++;
+  }
+  return plan;
+}
+
+}  // namespace shardps

@@ -1,0 +1,54 @@
+// How tensors are cut into chunks and chunks assigned to servers. A pure, deterministic
+// function of (tensor specs, number of servers, partition size), so every worker computes the
+// same plan and the coordinator can check that they agree.
+//
+// Thread safety: free functions, no state.
+#ifndef SHARDPS_PROTO_SHARD_PLAN_H_
+#define SHARDPS_PROTO_SHARD_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace shardps {
+
+enum class DType : uint32_t { kFloat32 = 0 };
+size_t DTypeSize(DType t);
+
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  uint64_t bytes() const;
+  uint64_t elements() const;
+};
+
+struct ChunkPlan {
+  uint32_t chunk_id = 0;     // global, dense: 0..num_chunks-1
+  uint32_t tensor = 0;       // index into the spec list
+  uint64_t offset = 0;       // byte offset inside the tensor (element aligned)
+  uint64_t bytes = 0;
+  uint32_t server = 0;       // server rank
+  uint32_t server_slot = 0;  // index of this chunk among its server's chunks
+};
+
+struct ShardPlan {
+  std::vector<TensorSpec> tensors;
+  std::vector<ChunkPlan> chunks;
+  std::vector<uint64_t> server_bytes;  // bytes owned per server
+  uint64_t partition_bytes = 0;
+  // max(server_bytes) / mean(server_bytes); 1.0 is perfect balance.
+  double imbalance() const;
+  std::string Fingerprint() const;  // equal for equal plans
+};
+
+// Cuts each tensor into ceil(bytes / partition_bytes) near-equal, element-aligned chunks (for a
+// tensor above one partition, rounded up to a multiple of num_servers) and assigns chunks to servers largest first, each to the least-loaded server (ties: lowest rank).
+StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
+                               uint64_t partition_bytes);
+
+}  // namespace shardps
+
+#endif  // SHARDPS_PROTO_SHARD_PLAN_H_

@@ -1,0 +1,535 @@
+#include "server/coordinator.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <vector>
+
+#include <glog/logging.h>
+
+#include "common/net.h"
+#include "proto/shard_plan.h"
+
+namespace shardps::control {
+
+using Clock = std::chrono::steady_clock;
+
+struct Coordinator::Conn {
+  UniqueFd fd;
+  std::string peer;
+  Clock::time_point opened;
+  Clock::time_point last_heard;
+  bool magic_ok = false;
+  std::string magic_buf;
+  FrameDecoder decoder;
+  std::string out;  // pending output
+  size_t out_off = 0;
+  bool joined = false;
+  Member member;
+  bool closing = false;
+
+  explicit Conn(size_t max_frame) : decoder(max_frame) {}
+};
+
+Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {
+  ClusterConfig& c = options_.config;
+  if (c.heartbeat_interval_ms() == 0) c.set_heartbeat_interval_ms(500);
+  if (c.heartbeat_timeout_ms() == 0) c.set_heartbeat_timeout_ms(5 * c.heartbeat_interval_ms());
+}
+
+StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
+  if (options.cluster_token.empty()) {
+    return InvalidArgumentError("coordinator: an empty cluster token is not allowed");
+  }
+  std::unique_ptr<Coordinator> c(new Coordinator(options));
+  ASSIGN_OR_RETURN(c->listen_fd_, net::ListenTcp(options.listen_address, &c->address_));
+  RETURN_IF_ERROR(net::SetNonBlocking(c->listen_fd_.get(), true));
+  c->wake_fd_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!c->wake_fd_.valid()) return ErrnoError("eventfd", errno);
+  c->thread_ = std::thread([p = c.get()] { p->Loop(); });
+  LOG(INFO) << "coordinator: listening on " << c->address_ << ", heartbeat "
+            << c->options_.config.heartbeat_interval_ms() << " ms, timeout "
+            << c->options_.config.heartbeat_timeout_ms() << " ms";
+  return c;
+}
+
+Coordinator::~Coordinator() { Stop(); }
+
+void Coordinator::Stop() {
+  if (stop_.exchange(true)) return;
+  uint64_t one = 1;
+  if (write(wake_fd_.get(), &one, sizeof(one)) < 0) PLOG(WARNING) << "coordinator: wake";
+  if (thread_.joinable()) thread_.join();
+}
+
+uint64_t Coordinator::epoch() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return membership_.epoch();
+}
+
+Membership Coordinator::membership() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return membership_;
+}
+
+CoordinatorCounters Coordinator::counters() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return counters_;
+}
+
+void Coordinator::Loop() {
+  std::vector<pollfd> fds;
+  while (!stop_.load()) {
+    fds.clear();
+    fds.push_back({listen_fd_.get(), POLLIN, 0});
+    fds.push_back({wake_fd_.get(), POLLIN, 0});
+    for (auto& [fd, c] : conns_) {
+      short ev = POLLIN;
+      if (c->out_off < c->out.size()) ev |= POLLOUT;
+      fds.push_back({fd, ev, 0});
+    }
+    const int tick = std::max<int>(10, options_.config.heartbeat_interval_ms() / 4);
+    const int n = poll(fds.data(), fds.size(), tick);
+    if (n < 0 && errno != EINTR) {
+      PLOG(ERROR) << "coordinator: poll";
+      continue;
+    }
+    if (fds[0].revents & POLLIN) AcceptNew();
+    for (size_t i = 2; i < fds.size(); ++i) {
+      auto it = conns_.find(fds[i].fd);
+      if (it == conns_.end()) continue;
+      Conn* c = it->second.get();
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) ReadFrom(c);
+      if (!c->closing && (fds[i].revents & POLLOUT)) FlushOutput(c);
+    }
+    CheckTimeouts();
+    for (auto it = conns_.begin(); it != conns_.end();) {
+      it = it->second->closing ? conns_.erase(it) : std::next(it);
+    }
+  }
+  conns_.clear();
+}
+
+void Coordinator::AcceptNew() {
+  while (true) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    UniqueFd fd(accept4(listen_fd_.get(), reinterpret_cast<sockaddr*>(&ss), &len,
+                        SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd.valid()) {
+      if (errno != EAGAIN && errno != EINTR) PLOG(WARNING) << "coordinator: accept";
+      return;
+    }
+    auto c = std::make_unique<Conn>(options_.max_frame_bytes);
+    c->opened = c->last_heard = Clock::now();
+    c->peer = "fd" + std::to_string(fd.get());
+    c->fd = std::move(fd);
+    const int key = c->fd.get();
+    conns_[key] = std::move(c);
+  }
+}
+
+void Coordinator::ReadFrom(Conn* c) {
+  char buf[64 << 10];
+  while (!c->closing) {
+    const ssize_t k = recv(c->fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
+    if (k == 0) {
+      Close(c, "connection closed by peer", false);
+      return;
+    }
+    if (k < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      if (errno == EINTR) continue;
+      Close(c, std::string("recv: ") + strerror(errno), false);
+      return;
+    }
+    c->last_heard = Clock::now();
+    size_t off = 0;
+    if (!c->magic_ok) {
+      const size_t need = kMagic.size() - c->magic_buf.size();
+      const size_t take = std::min<size_t>(need, static_cast<size_t>(k));
+      c->magic_buf.append(buf, take);
+      off = take;
+      if (c->magic_buf.size() < kMagic.size()) continue;
+      if (c->magic_buf != kMagic) {
+        Close(c, "bad magic: not a ShardPS control connection", true);
+        return;
+      }
+      c->magic_ok = true;
+    }
+    c->decoder.Feed(buf + off, static_cast<size_t>(k) - off);
+    Envelope e;
+    while (!c->closing) {
+      auto got = c->decoder.Next(&e);
+      if (!got.ok()) {
+        Close(c, got.status().ToString(), true);
+        return;
+      }
+      if (!*got) break;
+      Handle(c, e);
+    }
+  }
+}
+
+void Coordinator::Handle(Conn* c, const Envelope& e) {
+  if (!c->joined) {
+    if (e.body_case() != Envelope::kJoin) {
+      Close(c, std::string("expected join, got ") + BodyName(e), true);
+      return;
+    }
+    HandleJoin(c, e.join());
+    return;
+  }
+  switch (e.body_case()) {
+    case Envelope::kRegisterModel:
+      if (c->member.role() != ROLE_WORKER) {
+        Close(c, "register_model from a non-worker", true);
+        return;
+      }
+      HandleRegisterModel(c, e.register_model());
+      return;
+    case Envelope::kShardsReady:
+      if (c->member.role() != ROLE_SERVER) {
+        Close(c, "shards_ready from a non-server", true);
+        return;
+      }
+      HandleShardsReady(c, e.shards_ready());
+      return;
+    case Envelope::kHeartbeat:
+      if (e.heartbeat().member_id() != c->member.member_id()) {
+        Close(c, "heartbeat names another member", true);
+      }
+      return;  // last_heard already updated
+    case Envelope::kLeave:
+      Close(c, "left: " + e.leave().reason(), false);
+      return;
+    default:
+      Close(c, std::string("unexpected message ") + BodyName(e) + " from a member", true);
+      return;
+  }
+}
+
+void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
+  Envelope reply;
+  JoinReply* r = reply.mutable_join_reply();
+  std::string refuse;
+  if (j.cluster_token() != options_.cluster_token) {
+    refuse = "wrong cluster token";
+  } else if (j.role() != ROLE_SERVER && j.role() != ROLE_WORKER) {
+    refuse = "join without a valid role";
+  } else if (!options_.config.transport().empty() && !j.transport().empty() &&
+             j.transport() != options_.config.transport()) {
+    refuse = "transport '" + j.transport() + "' differs from the cluster's '" +
+             options_.config.transport() + "'";
+  }
+  for (const Region& reg : j.regions()) {
+    if (reg.encoded_descriptor().size() > 4200 || reg.name().size() > 256) {
+      refuse = "oversized region descriptor";
+    }
+  }
+  if (!refuse.empty()) {
+    r->set_accepted(false);
+    r->set_error(refuse);
+    Queue(c, reply);
+    FlushOutput(c);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.joins_refused;
+    }
+    Close(c, "join refused: " + refuse, true);
+    return;
+  }
+  // Rank: the requested one if free, else the lowest free rank of that role.
+  std::vector<bool> used;
+  for (auto& [fd, o] : conns_) {
+    if (o->joined && o->member.role() == j.role()) {
+      if (used.size() <= o->member.rank()) used.resize(o->member.rank() + 1);
+      used[o->member.rank()] = true;
+    }
+  }
+  uint32_t rank = 0;
+  if (j.requested_rank() >= 0 &&
+      (static_cast<size_t>(j.requested_rank()) >= used.size() || !used[j.requested_rank()])) {
+    rank = static_cast<uint32_t>(j.requested_rank());
+  } else {
+    while (rank < used.size() && used[rank]) ++rank;
+  }
+  c->joined = true;
+  c->peer = j.hostname() + "/" + std::to_string(j.pid());
+  Member& m = c->member;
+  m.set_member_id(next_member_id_++);
+  m.set_role(j.role());
+  m.set_rank(rank);
+  m.set_hostname(j.hostname());
+  m.set_pid(j.pid());
+  m.set_data_address(j.data_address());
+  m.set_transport(j.transport());
+  *m.mutable_regions() = j.regions();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    ++counters_.joins_accepted;
+  }
+  r->set_accepted(true);
+  r->set_member_id(m.member_id());
+  r->set_rank(rank);
+  r->set_epoch(epoch() + 1);
+  *r->mutable_config() = options_.config;
+  Queue(c, reply);
+  LOG(INFO) << "coordinator: member " << m.member_id() << " joined as "
+            << (m.role() == ROLE_SERVER ? "server" : "worker") << " rank " << rank << " ("
+            << c->peer << ")";
+  Publish("member " + std::to_string(m.member_id()) + " joined", 0);
+  if (m.role() == ROLE_SERVER) MaybeAssignShards();
+}
+
+namespace {
+
+StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
+                                  uint64_t default_partition) {
+  std::vector<TensorSpec> specs;
+  for (const auto& t : m.tensors()) {
+    if (t.dtype() != 0) return InvalidArgumentError("tensor '" + t.name() + "': only float32");
+    TensorSpec s;
+    s.name = t.name();
+    s.shape.assign(t.shape().begin(), t.shape().end());
+    specs.push_back(std::move(s));
+  }
+  if (specs.empty()) return InvalidArgumentError("a model without tensors");
+  const uint64_t part = m.partition_bytes() ? m.partition_bytes() : default_partition;
+  return PlanShards(specs, num_servers, part);
+}
+
+}  // namespace
+
+void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
+  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  auto plan = PlanFromModel(m, num_servers, options_.config.partition_bytes());
+  if (!plan.ok()) {
+    Envelope err;
+    err.mutable_error()->set_message("model refused: " + plan.status().ToString());
+    Queue(c, err);
+    FlushOutput(c);
+    Close(c, "model refused: " + plan.status().ToString(), true);
+    return;
+  }
+  if (!model_registered_) {
+    model_registered_ = true;
+    model_ = m;
+    plan_fingerprint_ = plan->Fingerprint();
+    LOG(INFO) << "coordinator: model registered by member " << c->member.member_id() << ": "
+              << plan->tensors.size() << " tensors, " << plan->chunks.size() << " chunks over "
+              << num_servers << " servers (imbalance " << plan->imbalance() << ")";
+  } else if (plan->Fingerprint() != plan_fingerprint_) {
+    Envelope err;
+    err.mutable_error()->set_message(
+        "model differs from the one already registered (same tensors, shapes and order "
+        "are required on every worker)");
+    Queue(c, err);
+    FlushOutput(c);
+    Close(c, "model mismatch", true);
+    return;
+  }
+  if (shard_map_ready_) {
+    Envelope e;
+    *e.mutable_shard_map() = shard_map_;
+    e.mutable_shard_map()->set_epoch(epoch());
+    Queue(c, e);
+  } else {
+    awaiting_map_.push_back(c->member.member_id());
+    MaybeAssignShards();
+  }
+}
+
+Coordinator::Conn* Coordinator::ServerByRank(uint32_t rank) {
+  for (auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing && c->member.role() == ROLE_SERVER && c->member.rank() == rank) {
+      return c.get();
+    }
+  }
+  return nullptr;
+}
+
+void Coordinator::MaybeAssignShards() {
+  if (!model_registered_ || shards_assigned_) return;
+  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  for (uint32_t r = 0; r < num_servers; ++r) {
+    if (ServerByRank(r) == nullptr) return;  // wait for every server rank
+  }
+  auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes());
+  if (!plan.ok()) return;  // checked when registered
+  const uint32_t max_workers = std::max<uint32_t>(
+      options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
+  for (uint32_t r = 0; r < num_servers; ++r) {
+    Envelope e;
+    AssignShards* a = e.mutable_assign_shards();
+    for (const auto& ch : plan->chunks) {
+      if (ch.server != r) continue;
+      a->add_chunk_ids(ch.chunk_id);
+      a->add_chunk_bytes(ch.bytes);
+    }
+    a->set_max_workers(max_workers);
+    a->set_plan_fingerprint(plan_fingerprint_);
+    Queue(ServerByRank(r), e);
+  }
+  shards_assigned_ = true;
+  // Remember the plan in the map we will publish.
+  shard_map_.Clear();
+  for (const auto& t : plan->tensors) {
+    TensorSpecProto* p = shard_map_.add_tensors();
+    p->set_name(t.name);
+    p->set_dtype(0);
+    for (auto d : t.shape) p->add_shape(d);
+  }
+  for (const auto& ch : plan->chunks) {
+    ChunkEntry* e = shard_map_.add_chunks();
+    e->set_chunk_id(ch.chunk_id);
+    e->set_tensor(ch.tensor);
+    e->set_offset(ch.offset);
+    e->set_bytes(ch.bytes);
+    e->set_server_rank(ch.server);
+    e->set_slot(ch.server_slot);
+  }
+  shard_map_.set_max_workers(max_workers);
+  shard_map_.set_partition_bytes(plan->partition_bytes);
+  shard_map_.set_plan_fingerprint(plan_fingerprint_);
+  LOG(INFO) << "coordinator: shards assigned to " << num_servers << " servers";
+}
+
+void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
+  if (!shards_assigned_ || r.plan_fingerprint() != plan_fingerprint_) {
+    Close(c, "shards_ready for a plan that was not assigned", true);
+    return;
+  }
+  ready_[c->member.rank()] = r;
+  MaybePublishShardMap();
+}
+
+void Coordinator::MaybePublishShardMap() {
+  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  if (shard_map_ready_ || ready_.size() < num_servers) return;
+  shard_map_.clear_servers();
+  for (uint32_t r = 0; r < num_servers; ++r) {
+    Conn* s = ServerByRank(r);
+    if (s == nullptr) return;
+    ServerEntry* e = shard_map_.add_servers();
+    e->set_rank(r);
+    e->set_member_id(s->member.member_id());
+    e->set_data_address(s->member.data_address());
+    *e->mutable_regions() = ready_[r].regions();
+  }
+  shard_map_ready_ = true;
+  shard_map_.set_epoch(epoch());
+  LOG(INFO) << "coordinator: shard map ready (" << shard_map_.chunks_size() << " chunks, "
+            << num_servers << " servers); sending to " << awaiting_map_.size() << " workers";
+  Envelope e;
+  *e.mutable_shard_map() = shard_map_;
+  for (auto& [fd, c] : conns_) {
+    if (!c->joined || c->closing) continue;
+    if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
+        awaiting_map_.end()) {
+      Queue(c.get(), e);
+    }
+  }
+  awaiting_map_.clear();
+}
+
+void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
+  if (c->closing) return;
+  c->closing = true;
+  if (protocol_error) {
+    LOG(WARNING) << "coordinator: closing " << c->peer << ": " << why;
+    std::lock_guard<std::mutex> l(mu_);
+    ++counters_.protocol_errors;
+  } else {
+    LOG(INFO) << "coordinator: closing " << c->peer << ": " << why;
+  }
+  if (c->joined) {
+    c->joined = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.departures;
+    }
+    Publish("member " + std::to_string(c->member.member_id()) + " departed: " + why,
+            c->member.member_id());
+  }
+  c->fd.Reset();
+}
+
+void Coordinator::Queue(Conn* c, const Envelope& e) {
+  auto frame = EncodeFrame(e, options_.max_frame_bytes);
+  if (!frame.ok()) {
+    LOG(ERROR) << "coordinator: cannot encode " << BodyName(e) << ": " << frame.status();
+    return;
+  }
+  if (c->out.size() - c->out_off + frame->size() > options_.max_pending_output) {
+    Close(c, "too slow: pending output over the limit", false);
+    return;
+  }
+  if (c->out_off > 0 && c->out_off == c->out.size()) {
+    c->out.clear();
+    c->out_off = 0;
+  }
+  c->out += *frame;
+  FlushOutput(c);
+}
+
+void Coordinator::FlushOutput(Conn* c) {
+  while (!c->closing && c->out_off < c->out.size()) {
+    const ssize_t k = send(c->fd.get(), c->out.data() + c->out_off, c->out.size() - c->out_off,
+                           MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) {
+      c->out_off += static_cast<size_t>(k);
+      continue;
+    }
+    if (k < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    Close(c, std::string("send: ") + strerror(errno), false);
+    return;
+  }
+}
+
+void Coordinator::Publish(const std::string& reason, uint32_t departed) {
+  Envelope e;
+  Membership* m = e.mutable_membership();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    m->set_epoch(membership_.epoch() + 1);
+  }
+  m->set_reason(reason);
+  if (departed != 0) m->add_departed(departed);
+  for (auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing) *m->add_members() = c->member;
+  }
+  std::sort(m->mutable_members()->begin(), m->mutable_members()->end(),
+            [](const Member& a, const Member& b) { return a.member_id() < b.member_id(); });
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    membership_ = *m;
+  }
+  LOG(INFO) << "coordinator: epoch " << m->epoch() << " (" << m->members_size()
+            << " members): " << reason;
+  for (auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing) Queue(c.get(), e);
+  }
+}
+
+void Coordinator::CheckTimeouts() {
+  const auto now = Clock::now();
+  const auto hb_timeout = std::chrono::milliseconds(options_.config.heartbeat_timeout_ms());
+  for (auto& [fd, c] : conns_) {
+    if (c->closing) continue;
+    if (!c->joined && now - c->opened > options_.handshake_timeout) {
+      Close(c.get(), "no join within the handshake timeout", true);
+    } else if (c->joined && now - c->last_heard > hb_timeout) {
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ++counters_.heartbeat_timeouts;
+      }
+      Close(c.get(), "no heartbeat for " + std::to_string(hb_timeout.count()) + " ms", false);
+    }
+  }
+}
+
+}  // namespace shardps::control

@@ -1,0 +1,114 @@
+// The coordinator: owns membership and publishes it, with an epoch that grows by one on every
+// change. It runs as its own small process (shardps_coordinator) so that losing it never loses
+// a shard, and so that it can restart without the data path noticing (docs/control-protocol.md).
+//
+// Protocol duties:
+//  * a connection must send the magic and then a JoinRequest carrying the cluster token within
+//    the handshake timeout; anything else is refused and closed;
+//  * members send Heartbeats; one silent for heartbeat_timeout, or whose connection closes, is
+//    declared departed;
+//  * every change is broadcast to all members as a Membership message;
+//  * a malformed, oversized or unexpected message closes that connection (and removes the
+//    member) and is logged; the coordinator keeps running.
+//
+// Thread safety: Start/Stop/accessors from any thread; the event loop runs on its own thread and
+// owns all connection state. Accessors read a snapshot under a mutex.
+#ifndef SHARDPS_SERVER_COORDINATOR_H_
+#define SHARDPS_SERVER_COORDINATOR_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/status.h"
+#include "proto/control.pb.h"
+#include "proto/framing.h"
+
+namespace shardps::control {
+
+struct CoordinatorOptions {
+  std::string listen_address = "0.0.0.0:0";
+  std::string cluster_token;
+  ClusterConfig config;  // heartbeat_* are taken from here (defaults applied if 0)
+  size_t max_frame_bytes = kDefaultMaxFrameBytes;
+  std::chrono::milliseconds handshake_timeout{5000};
+  // A member whose unsent output exceeds this is too slow and is dropped.
+  size_t max_pending_output = 64u << 20;
+};
+
+struct CoordinatorCounters {
+  uint64_t joins_accepted = 0;
+  uint64_t joins_refused = 0;
+  uint64_t protocol_errors = 0;
+  uint64_t heartbeat_timeouts = 0;
+  uint64_t departures = 0;
+};
+
+class Coordinator {
+ public:
+  static StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options);
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  const std::string& address() const { return address_; }
+  uint64_t epoch() const;
+  Membership membership() const;
+  CoordinatorCounters counters() const;
+  void Stop();
+
+ private:
+  struct Conn;
+  explicit Coordinator(const CoordinatorOptions& options);
+  void Loop();
+  void AcceptNew();
+  void ReadFrom(Conn* c);
+  void Handle(Conn* c, const Envelope& e);
+  void HandleJoin(Conn* c, const JoinRequest& j);
+  void Close(Conn* c, const std::string& why, bool protocol_error);
+  void Queue(Conn* c, const Envelope& e);
+  void FlushOutput(Conn* c);
+  void Publish(const std::string& reason, uint32_t departed);
+  void CheckTimeouts();
+  // Model / shard-map state machine (docs/control-protocol.md, "Model setup").
+  void HandleRegisterModel(Conn* c, const RegisterModel& m);
+  void HandleShardsReady(Conn* c, const ShardsReady& r);
+  void MaybeAssignShards();
+  void MaybePublishShardMap();
+  Conn* ServerByRank(uint32_t rank);
+
+  CoordinatorOptions options_;
+  UniqueFd listen_fd_;
+  UniqueFd wake_fd_;  // eventfd to stop the loop
+  std::string address_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+
+  // Loop-thread state.
+  std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
+  uint32_t next_member_id_ = 1;
+  // Model state (loop thread).
+  bool model_registered_ = false;
+  RegisterModel model_;
+  std::string plan_fingerprint_;
+  bool shards_assigned_ = false;
+  std::map<uint32_t, ShardsReady> ready_;  // by server rank
+  bool shard_map_ready_ = false;
+  ShardMap shard_map_;
+  std::vector<uint32_t> awaiting_map_;  // member ids of workers waiting for the map
+
+  mutable std::mutex mu_;  // guards the snapshot below
+  Membership membership_;  // epoch + members
+  CoordinatorCounters counters_;
+};
+
+}  // namespace shardps::control
+
+#endif  // SHARDPS_SERVER_COORDINATOR_H_

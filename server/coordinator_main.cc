@@ -1,0 +1,109 @@
+// shardps_coordinator: owns membership and the cluster configuration (docs/control-protocol.md).
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+
+#include "server/coordinator.h"
+
+DEFINE_string(listen, "0.0.0.0:7070", "Control-plane listen address (host:port; port 0 picks)");
+DEFINE_string(cluster_token, "",
+              "Shared secret every member must present; empty reads $SHARDPS_CLUSTER_TOKEN");
+DEFINE_string(consistency, "bsp", "bsp, ssp, asp or vsgd");
+DEFINE_int32(staleness, 0, "SSP/VSGD staleness bound s");
+DEFINE_int32(num_servers, 1, "Servers expected at start");
+DEFINE_int32(num_workers, 1, "Workers expected at start");
+DEFINE_int32(heartbeat_interval_ms, 500, "Member heartbeat interval");
+DEFINE_int32(heartbeat_timeout_ms, 3000, "A member silent this long is declared dead");
+DEFINE_string(data_transport, "", "If set, members must use this transport (verbs, tcp, shm)");
+DEFINE_uint64(partition_bytes, 4u << 20, "Chunk size for sharding tensors");
+DEFINE_string(address_file, "", "Write the bound address here once listening (for scripts)");
+DEFINE_bool(exit_when_done, false,
+            "Exit once all --num_workers workers have joined and left again, after the servers "
+            "have left too (or --exit_grace_ms has passed): batch jobs under mpirun or scripts");
+DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
+
+namespace {
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("shardps_coordinator --listen=HOST:PORT --cluster_token=SECRET");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+
+  using namespace shardps::control;
+  CoordinatorOptions o;
+  o.listen_address = FLAGS_listen;
+  o.cluster_token = FLAGS_cluster_token;
+  if (o.cluster_token.empty() && getenv("SHARDPS_CLUSTER_TOKEN") != nullptr) {
+    o.cluster_token = getenv("SHARDPS_CLUSTER_TOKEN");
+  }
+  ConsistencyMode mode;
+  std::string m = FLAGS_consistency;
+  for (char& ch : m) ch = static_cast<char>(toupper(ch));
+  if (!ConsistencyMode_Parse(m, &mode)) {
+    LOG(ERROR) << "unknown --consistency=" << FLAGS_consistency << " (bsp, ssp, asp, vsgd)";
+    return 2;
+  }
+  o.config.set_mode(mode);
+  o.config.set_staleness(FLAGS_staleness);
+  o.config.set_num_servers(FLAGS_num_servers);
+  o.config.set_num_workers(FLAGS_num_workers);
+  o.config.set_heartbeat_interval_ms(FLAGS_heartbeat_interval_ms);
+  o.config.set_heartbeat_timeout_ms(FLAGS_heartbeat_timeout_ms);
+  o.config.set_transport(FLAGS_data_transport);
+  o.config.set_partition_bytes(FLAGS_partition_bytes);
+  auto c = Coordinator::Start(o);
+  if (!c.ok()) {
+    LOG(ERROR) << "coordinator: " << c.status();
+    return 1;
+  }
+  if (!FLAGS_address_file.empty()) {
+    std::ofstream f(FLAGS_address_file + ".tmp");
+    f << (*c)->address() << "\n";
+    f.close();
+    std::rename((FLAGS_address_file + ".tmp").c_str(), FLAGS_address_file.c_str());
+  }
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  size_t most_workers = 0;
+  auto workers_gone_at = std::chrono::steady_clock::time_point::max();
+  while (!g_stop) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!FLAGS_exit_when_done) continue;
+    size_t workers = 0, servers = 0;
+    const Membership membership = (*c)->membership();
+    for (const Member& m : membership.members()) {
+      workers += m.role() == ROLE_WORKER;
+      servers += m.role() == ROLE_SERVER;
+    }
+    most_workers = std::max(most_workers, workers);
+    const bool done =
+        workers == 0 && most_workers >= static_cast<size_t>(std::max(1, FLAGS_num_workers));
+    if (!done) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (workers_gone_at == std::chrono::steady_clock::time_point::max()) {
+      workers_gone_at = now;
+      LOG(INFO) << "coordinator: all " << most_workers << " workers have left; waiting for "
+                << servers << " server(s) to leave (--exit_when_done)";
+    }
+    if (servers == 0) break;
+    if (now - workers_gone_at > std::chrono::milliseconds(FLAGS_exit_grace_ms)) {
+      LOG(WARNING) << "coordinator: " << servers << " server(s) still present after "
+                   << FLAGS_exit_grace_ms << " ms; exiting anyway";
+      break;
+    }
+  }
+  LOG(INFO) << "coordinator: stopping at epoch " << (*c)->epoch();
+  return 0;
+}

@@ -1,0 +1,130 @@
+// The memory a server registers once at start, and how workers address it. This is the
+// contract between server/ and worker/; docs/region-layout.md draws it.
+//
+// A server owning chunks c_0..c_{k-1} (its "slots") registers three regions:
+//
+//  weights (remote-read only)   per slot: ChunkHeader, then two buffers of the chunk's bytes
+//  inbox   (remote-write only)  per worker w, per slot, per parity p in {0,1}:
+//                               PushHeader, then the gradient bytes
+//  acks    (remote-read only)   per worker w, per slot: the highest push seq consumed
+//
+// Everything is 64-byte aligned. Offsets are pure functions of (chunk sizes, max_workers), so
+// both sides compute them from the shard plan; the control plane ships only the three region
+// descriptors per server.
+#ifndef SHARDPS_SERVER_LAYOUT_H_
+#define SHARDPS_SERVER_LAYOUT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace shardps::layout {
+
+constexpr size_t kAlign = 64;
+inline uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) & ~(kAlign - 1); }
+
+// Published state of one chunk, read by workers with one-sided reads.
+//   state         = version << 1 | buf: the buffer that holds `version` (one 64-bit word, so a
+//                   read can never see a version paired with the wrong buffer)
+//   gen[b]        incremented (release) BEFORE the server starts overwriting buffer b
+//   min_clock[b]  every live worker's pushes with clock <= min_clock[b] are in buffer b
+//                 (stored as clock+1 so that 0 means "none yet")
+//   version[b]    the version buffer b holds
+// A worker reads header, data of buffer b, header again (posted back to back on one endpoint,
+// executed in order); the data is a consistent snapshot iff gen[b] did not change.
+struct alignas(kAlign) ChunkHeader {
+  std::atomic<uint64_t> state;
+  std::atomic<uint64_t> gen[2];
+  std::atomic<uint64_t> min_clock_plus1[2];
+  std::atomic<uint64_t> version[2];
+  uint64_t reserved;
+};
+static_assert(sizeof(ChunkHeader) == kAlign, "ChunkHeader is one cache line");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "lock-free 64-bit atomics required");
+
+// Written by a worker after the gradient bytes, on the same endpoint, with the immediate.
+struct alignas(kAlign) PushHeader {
+  uint64_t seq;           // per (worker, chunk), starts at 1, +1 per push: duplicates show
+  uint64_t clock;         // the worker's clock when it computed the gradient
+  uint64_t base_version;  // version of the weights the gradient was computed on (VSGD)
+  uint32_t chunk_id;      // global chunk id, checked against the slot
+  uint32_t worker;        // the worker's rank, checked against the endpoint
+  uint64_t bytes;         // gradient bytes, checked against the chunk
+  uint64_t epoch;         // membership epoch the worker was in (fencing)
+  uint64_t magic;         // kPushMagic
+  uint64_t reserved;
+};
+static_assert(sizeof(PushHeader) == kAlign, "PushHeader is one cache line");
+constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
+
+// The 32-bit immediate of a worker's write-with-immediate to a server.
+//   [31:28] kind, [27:0] argument
+enum class ImmKind : uint32_t {
+  kHello = 1,  // argument: worker rank; first message on a new endpoint
+  kPush = 2,   // argument: slot << 1 | parity
+  kInit = 3,   // argument: slot; the payload is initial weights (rank 0 only)
+};
+inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
+  return (static_cast<uint32_t>(k) << 28) | (arg & 0x0fffffffu);
+}
+inline ImmKind ImmKindOf(uint32_t imm) { return static_cast<ImmKind>(imm >> 28); }
+inline uint32_t ImmArg(uint32_t imm) { return imm & 0x0fffffffu; }
+
+// Offsets for one server, from the byte sizes of its chunks (in slot order).
+class ServerLayout {
+ public:
+  ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t max_workers);
+
+  uint32_t slots() const { return static_cast<uint32_t>(chunk_bytes_.size()); }
+  uint32_t max_workers() const { return max_workers_; }
+  uint64_t chunk_bytes(uint32_t slot) const { return chunk_bytes_[slot]; }
+
+  uint64_t weights_bytes() const { return weights_total_; }
+  uint64_t header_offset(uint32_t slot) const { return weights_off_[slot]; }
+  uint64_t buffer_offset(uint32_t slot, uint32_t b) const {
+    return weights_off_[slot] + kAlign + b * AlignUp(chunk_bytes_[slot]);
+  }
+
+  uint64_t inbox_bytes() const { return inbox_stride_ * max_workers_; }
+  uint64_t push_header_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
+    return worker * inbox_stride_ + inbox_off_[slot] + parity * (kAlign + AlignUp(chunk_bytes_[slot]));
+  }
+  uint64_t push_data_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
+    return push_header_offset(worker, slot, parity) + kAlign;
+  }
+
+  // Where a worker's hello lands: the first bytes of its inbox area (valid with zero slots).
+  uint64_t hello_offset(uint32_t worker) const { return worker * inbox_stride_; }
+
+  uint64_t acks_bytes() const { return AlignUp(sizeof(uint64_t) * slots()) * max_workers_; }
+  uint64_t ack_offset(uint32_t worker, uint32_t slot) const {
+    return worker * AlignUp(sizeof(uint64_t) * slots()) + slot * sizeof(uint64_t);
+  }
+  uint64_t acks_of_worker_offset(uint32_t worker) const { return ack_offset(worker, 0); }
+  uint64_t acks_of_worker_bytes() const { return sizeof(uint64_t) * slots(); }
+
+ private:
+  std::vector<uint64_t> chunk_bytes_;
+  uint32_t max_workers_;
+  std::vector<uint64_t> weights_off_;
+  uint64_t weights_total_ = 0;
+  std::vector<uint64_t> inbox_off_;
+  uint64_t inbox_stride_ = 0;
+};
+
+inline ServerLayout::ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t max_workers)
+    : chunk_bytes_(std::move(chunk_bytes)), max_workers_(max_workers) {
+  for (uint64_t b : chunk_bytes_) {
+    weights_off_.push_back(weights_total_);
+    weights_total_ += kAlign + 2 * AlignUp(b);
+    inbox_off_.push_back(inbox_stride_);
+    inbox_stride_ += 2 * (kAlign + AlignUp(b));
+  }
+  if (weights_total_ == 0) weights_total_ = kAlign;
+  if (inbox_stride_ == 0) inbox_stride_ = kAlign;
+}
+
+}  // namespace shardps::layout
+
+#endif  // SHARDPS_SERVER_LAYOUT_H_

@@ -1,0 +1,84 @@
+// shardps_server: owns shards of the model in registered memory and applies the gradients that
+// workers write into it.
+#include <signal.h>
+
+#include <atomic>
+#include <thread>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+
+#include "server/shard_server.h"
+#include "transport/flags.h"
+
+DEFINE_string(coordinator, "127.0.0.1:7070", "shardps_coordinator address (host:port)");
+DEFINE_string(cluster_token, "", "Cluster secret; empty reads $SHARDPS_CLUSTER_TOKEN");
+DEFINE_string(data_listen, "", "Data-path listen address (empty: --bind_ip with port 0)");
+DEFINE_int32(rank, -1, "Requested server rank (-1: the coordinator picks)");
+DEFINE_string(optimizer, "sgd", "sgd, momentum or adam");
+DEFINE_double(lr, 0.1, "Learning rate");
+DEFINE_double(momentum, 0.9, "Momentum (momentum optimizer)");
+DEFINE_double(beta1, 0.9, "Adam beta1");
+DEFINE_double(beta2, 0.999, "Adam beta2");
+DEFINE_double(eps, 1e-8, "Adam epsilon");
+DEFINE_double(weight_decay, 0.0, "L2 weight decay");
+DEFINE_string(aggregation, "average", "average or sum of the workers' gradients");
+DEFINE_double(vsgd_lambda, 1.0, "VSGD: lr / (1 + lambda * relative weight drift)");
+DEFINE_int32(vsgd_history, 8, "VSGD: weight versions kept per chunk");
+DEFINE_bool(exit_when_done, false,
+            "Exit once every expected worker has joined and all have left (batch jobs, mpirun)");
+
+namespace {
+std::atomic<shardps::server::ShardServer*> g_server{nullptr};
+void OnSignal(int) {
+  if (auto* s = g_server.load()) s->Stop();
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("shardps_server --coordinator=HOST:PORT --transport=verbs|tcp|shm");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  using namespace shardps::server;
+  ShardServerOptions o;
+  o.fabric = shardps::transport::FabricOptionsFromFlags();
+  o.data_listen = FLAGS_data_listen;
+  o.coordinator = FLAGS_coordinator;
+  o.cluster_token = FLAGS_cluster_token;
+  if (o.cluster_token.empty() && getenv("SHARDPS_CLUSTER_TOKEN")) {
+    o.cluster_token = getenv("SHARDPS_CLUSTER_TOKEN");
+  }
+  o.requested_rank = FLAGS_rank;
+  auto kind = ParseOptimizerKind(FLAGS_optimizer);
+  if (!kind.ok()) {
+    LOG(ERROR) << kind.status();
+    return 2;
+  }
+  o.optimizer.kind = *kind;
+  o.optimizer.lr = static_cast<float>(FLAGS_lr);
+  o.optimizer.momentum = static_cast<float>(FLAGS_momentum);
+  o.optimizer.beta1 = static_cast<float>(FLAGS_beta1);
+  o.optimizer.beta2 = static_cast<float>(FLAGS_beta2);
+  o.optimizer.eps = static_cast<float>(FLAGS_eps);
+  o.optimizer.weight_decay = static_cast<float>(FLAGS_weight_decay);
+  if (FLAGS_aggregation != "average" && FLAGS_aggregation != "sum") {
+    LOG(ERROR) << "--aggregation must be average or sum";
+    return 2;
+  }
+  o.average = FLAGS_aggregation == "average";
+  o.vsgd_lambda = static_cast<float>(FLAGS_vsgd_lambda);
+  o.vsgd_history = FLAGS_vsgd_history;
+  o.exit_when_workers_done = FLAGS_exit_when_done;
+  ShardServer server(o);
+  g_server = &server;
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  shardps::Status s = server.Run();
+  g_server = nullptr;
+  if (!s.ok()) {
+    LOG(ERROR) << "shardps_server: " << s;
+    return 1;
+  }
+  return 0;
+}

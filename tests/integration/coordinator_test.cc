@@ -1,0 +1,247 @@
+// The coordinator against real sockets: auth, membership epochs, heartbeats, hostile input.
+#include <sys/socket.h>
+
+#include <chrono>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "common/net.h"
+#include "proto/control_client.h"
+#include "server/coordinator.h"
+
+namespace shardps::control {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr char kToken[] = "s3cret";
+
+std::unique_ptr<Coordinator> StartCoordinator(int hb_ms = 50, int timeout_ms = 400) {
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.cluster_token = kToken;
+  o.config.set_mode(SSP);
+  o.config.set_staleness(2);
+  o.config.set_heartbeat_interval_ms(hb_ms);
+  o.config.set_heartbeat_timeout_ms(timeout_ms);
+  o.handshake_timeout = milliseconds(500);
+  auto c = Coordinator::Start(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+ControlClientOptions ClientOptions(const Coordinator& c, Role role, const std::string& token) {
+  ControlClientOptions o;
+  o.coordinator_address = c.address();
+  o.cluster_token = token;
+  o.join.set_role(role);
+  o.join.set_hostname("test");
+  o.join.set_pid(42);
+  o.join.set_requested_rank(-1);
+  o.connect_timeout = milliseconds(3000);
+  return o;
+}
+
+TEST(CoordinatorTest, JoinWithWrongTokenIsRefused) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  auto bad = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, "guess"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(bad.status().message().find("token"), std::string::npos);
+  EXPECT_EQ(c->counters().joins_refused, 1u);
+  EXPECT_EQ(c->membership().members_size(), 0);
+}
+
+TEST(CoordinatorTest, MembersGetRanksConfigAndEpochs) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
+  ASSERT_TRUE(s0.ok()) << s0.status();
+  auto w0 = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  auto w1 = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  ASSERT_TRUE(w0.ok() && w1.ok());
+  EXPECT_EQ((*s0)->reply().rank(), 0u);
+  EXPECT_EQ((*w0)->reply().rank(), 0u);
+  EXPECT_EQ((*w1)->reply().rank(), 1u);
+  EXPECT_EQ((*w1)->reply().config().mode(), SSP);
+  EXPECT_EQ((*w1)->reply().config().staleness(), 2u);
+  auto m = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 3; },
+                          milliseconds(3000));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->epoch(), 3u);  // one epoch per join
+  EXPECT_EQ(c->epoch(), 3u);
+}
+
+TEST(CoordinatorTest, DeadMemberLeavesWithinTheHeartbeatBound) {
+  auto c = StartCoordinator(50, 400);
+  ASSERT_TRUE(c);
+  auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
+  ASSERT_TRUE(s0.ok());
+  // A member that joins and then goes silent without closing its socket (a hung process).
+  auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(SendMagic(fd->get(), milliseconds(1000)).ok());
+  Envelope e;
+  e.mutable_join()->set_cluster_token(kToken);
+  e.mutable_join()->set_role(ROLE_WORKER);
+  ASSERT_TRUE(SendEnvelope(fd->get(), e, milliseconds(1000)).ok());
+  ASSERT_TRUE((*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
+                             milliseconds(3000))
+                  .ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto after = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; },
+                              milliseconds(5000));
+  ASSERT_TRUE(after.ok()) << after.status();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LE(took, milliseconds(400 + 500)) << "bound: timeout + one poll tick + slack";
+  EXPECT_EQ(after->departed_size(), 1);
+  EXPECT_EQ(c->counters().heartbeat_timeouts, 1u);
+  // The live member kept heartbeating and was not declared dead.
+  EXPECT_TRUE((*s0)->status().ok());
+}
+
+TEST(CoordinatorTest, ClosedConnectionLeavesImmediately) {
+  auto c = StartCoordinator(50, 10000);
+  ASSERT_TRUE(c);
+  auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
+  ASSERT_TRUE(s0.ok());
+  {
+    auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
+                               milliseconds(3000))
+                    .ok());
+  }  // destroyed: socket closed, as when a process dies
+  auto after = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; },
+                              milliseconds(2000));
+  ASSERT_TRUE(after.ok()) << "heartbeat timeout is 10 s: EOF must be enough";
+}
+
+TEST(CoordinatorTest, HostileBytesCloseOnlyThatConnection) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
+  ASSERT_TRUE(s0.ok());
+  const std::string attacks[] = {
+      "GET / HTTP/1.1\r\n\r\n",                       // bad magic
+      std::string("SHPSCTL1") + std::string("\xff\xff\xff\x7f", 4),  // 2 GiB frame
+      std::string("SHPSCTL1") + std::string("\x05\x00\x00\x00\xff\xff\xff\xff\xff", 9),
+  };
+  for (const std::string& a : attacks) {
+    auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
+    ASSERT_TRUE(fd.ok());
+    ASSERT_TRUE(net::SendAll(fd->get(), a.data(), a.size(), milliseconds(1000)).ok());
+    char b;
+    // The coordinator closes the connection: recv sees EOF (or a reset).
+    auto r = net::RecvAll(fd->get(), &b, 1, milliseconds(3000));
+    EXPECT_EQ(r.code(), StatusCode::kUnavailable) << r;
+  }
+  // A heartbeat before join is a protocol error too.
+  {
+    auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
+    ASSERT_TRUE(fd.ok());
+    ASSERT_TRUE(SendMagic(fd->get(), milliseconds(1000)).ok());
+    Envelope hb;
+    hb.mutable_heartbeat()->set_member_id(1);
+    ASSERT_TRUE(SendEnvelope(fd->get(), hb, milliseconds(1000)).ok());
+    char b;
+    EXPECT_FALSE(net::RecvAll(fd->get(), &b, 1, milliseconds(3000)).ok());
+  }
+  // A silent connection is dropped after the handshake timeout.
+  {
+    auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
+    ASSERT_TRUE(fd.ok());
+    char b;
+    auto r = net::RecvAll(fd->get(), &b, 1, milliseconds(3000));
+    EXPECT_EQ(r.code(), StatusCode::kUnavailable) << r;
+  }
+  EXPECT_GE(c->counters().protocol_errors, 5u);
+  // The coordinator still works, and the good member is untouched.
+  auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_TRUE((*s0)->status().ok());
+  // The reply can reach the worker before the coordinator's snapshot is updated: wait for it.
+  auto m = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
+                          milliseconds(3000));
+  EXPECT_TRUE(m.ok()) << m.status();
+}
+
+TEST(CoordinatorTest, LeaveIsPublished) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
+  auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  ASSERT_TRUE(s0.ok() && w.ok());
+  const uint32_t wid = (*w)->member_id();
+  ASSERT_TRUE((*w)->Leave("done").ok());
+  auto m = (*s0)->WaitFor(
+      [&](const Membership& m) { return m.departed_size() == 1 && m.departed(0) == wid; },
+      milliseconds(3000));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_NE(m->reason().find("done"), std::string::npos);
+}
+
+TEST(CoordinatorTest, ClientSeesCoordinatorLoss) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  ASSERT_TRUE(w.ok());
+  c.reset();
+  auto r = (*w)->WaitFor([](const Membership&) { return false; }, milliseconds(3000));
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status();
+  EXPECT_FALSE((*w)->status().ok());
+}
+
+// Launchers start members and the coordinator together: a join retries a refused coordinator
+// until connect_timeout, and succeeds once it listens.
+TEST(CoordinatorTest, JoinRetriesUntilTheCoordinatorListens) {
+  std::string bound;
+  auto probe = net::ListenTcp("127.0.0.1:0", &bound);  // a port nobody listens on once closed
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  probe->Reset();
+  std::unique_ptr<Coordinator> c;
+  std::thread late([&] {
+    std::this_thread::sleep_for(milliseconds(600));
+    CoordinatorOptions o;
+    o.listen_address = bound;
+    o.cluster_token = kToken;
+    auto started = Coordinator::Start(o);
+    ASSERT_TRUE(started.ok()) << started.status();
+    c = std::move(*started);
+  });
+  ControlClientOptions o;
+  o.coordinator_address = bound;
+  o.cluster_token = kToken;
+  o.join.set_role(ROLE_WORKER);
+  o.connect_timeout = milliseconds(5000);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = ControlClient::Join(o);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  late.join();
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_GE(waited, milliseconds(500));
+}
+
+TEST(CoordinatorTest, JoinGivesUpOnAnUnreachableCoordinatorAfterTheBound) {
+  std::string bound;
+  auto probe = net::ListenTcp("127.0.0.1:0", &bound);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  probe->Reset();
+  ControlClientOptions o;
+  o.coordinator_address = bound;
+  o.cluster_token = kToken;
+  o.join.set_role(ROLE_WORKER);
+  o.connect_timeout = milliseconds(800);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = ControlClient::Join(o);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kUnavailable) << w.status();
+  EXPECT_GE(waited, milliseconds(500));
+  EXPECT_LT(waited, milliseconds(3000));
+}
+
+}  // namespace
+}  // namespace shardps::control

@@ -1,0 +1,65 @@
+#include "server/optimizer.h"
+
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+namespace shardps::server {
+namespace {
+
+TEST(OptimizerTest, SgdAveragesAndSteps) {
+  OptimizerConfig c;
+  c.lr = 0.5f;
+  ChunkOptimizer o(c, 2);
+  const float w[2] = {1.0f, -2.0f}, g[2] = {4.0f, 8.0f};  // sum of 4 workers' gradients
+  float out[2];
+  o.Apply(w, g, 0.25f, 1.0f, out);
+  EXPECT_FLOAT_EQ(out[0], 1.0f - 0.5f * 1.0f);
+  EXPECT_FLOAT_EQ(out[1], -2.0f - 0.5f * 2.0f);
+  EXPECT_EQ(o.steps(), 1u);
+}
+
+TEST(OptimizerTest, MomentumAccumulatesVelocity) {
+  OptimizerConfig c;
+  c.kind = OptimizerKind::kMomentum;
+  c.lr = 0.1f;
+  c.momentum = 0.9f;
+  ChunkOptimizer o(c, 1);
+  float w = 1.0f, next;
+  const float g = 1.0f;
+  o.Apply(&w, &g, 1.0f, 1.0f, &next);  // v=1, w=0.9
+  EXPECT_FLOAT_EQ(next, 0.9f);
+  w = next;
+  o.Apply(&w, &g, 1.0f, 1.0f, &next);  // v=1.9, w=0.9-0.19
+  EXPECT_NEAR(next, 0.71f, 1e-6);
+  EXPECT_NEAR(o.state1()[0], 1.9f, 1e-6);
+}
+
+TEST(OptimizerTest, AdamFirstStepMovesByLr) {
+  OptimizerConfig c;
+  c.kind = OptimizerKind::kAdam;
+  c.lr = 0.01f;
+  ChunkOptimizer o(c, 3);
+  const float w[3] = {0.0f, 1.0f, -1.0f}, g[3] = {0.3f, -5.0f, 1e-3f};
+  float out[3];
+  o.Apply(w, g, 1.0f, 1.0f, out);
+  // Bias-corrected first step: m_hat = g, v_hat = g^2, so the step is lr * sign(g).
+  EXPECT_NEAR(out[0], -0.01f, 1e-5);
+  EXPECT_NEAR(out[1], 1.01f, 1e-5);
+  EXPECT_NEAR(out[2], -1.01f, 1e-4);
+}
+
+TEST(OptimizerTest, VsgdScaleShrinksWithDrift) {
+  const float now[2] = {3.0f, 4.0f};  // norm 5
+  const float same[2] = {3.0f, 4.0f};
+  const float far[2] = {0.0f, 0.0f};  // drift 5 -> relative 1
+  float drift = -1;
+  EXPECT_FLOAT_EQ(VsgdScale(now, same, 2, 2.0f, &drift), 1.0f);
+  EXPECT_FLOAT_EQ(drift, 0.0f);
+  EXPECT_NEAR(VsgdScale(now, far, 2, 2.0f, &drift), 1.0f / 3.0f, 1e-6);
+  EXPECT_NEAR(drift, 1.0f, 1e-6);
+  EXPECT_FLOAT_EQ(VsgdScale(now, far, 2, 0.0f), 1.0f);
+}
+
+}  // namespace
+}  // namespace shardps::server

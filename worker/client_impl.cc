@@ -1,0 +1,624 @@
+#include "worker/client_impl.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include <glog/logging.h>
+
+namespace shardps {
+
+StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto c = std::make_unique<worker::ClientImpl>(options);
+  RETURN_IF_ERROR(c->Init());
+  return std::unique_ptr<Client>(std::move(c));
+}
+
+namespace worker {
+
+using transport::Access;
+using transport::Completion;
+using transport::LocalSlice;
+using transport::RemoteSlice;
+using transport::WcStatus;
+using SteadyClock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kSendDepth = 512;
+constexpr uint32_t kStagingPerChunk = 4 * layout::kAlign;  // 2 push headers + 2 header reads
+
+uint64_t MakeContext(uint32_t kind, uint32_t chunk, uint64_t handle) {
+  return (static_cast<uint64_t>(kind) << 60) | (static_cast<uint64_t>(chunk & 0x0fffffff) << 32) |
+         (handle & 0xffffffffull);
+}
+uint32_t ContextKind(uint64_t c) { return static_cast<uint32_t>(c >> 60); }
+uint32_t ContextChunk(uint64_t c) { return static_cast<uint32_t>((c >> 32) & 0x0fffffff); }
+uint64_t ContextHandle(uint64_t c) { return c & 0xffffffffull; }
+
+std::string Hostname() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+}  // namespace
+
+ClientImpl::~ClientImpl() { Close().IgnoreError(); }
+
+Status ClientImpl::Init() {
+  transport::FabricOptions fo;
+  fo.provider = options_.transport;
+  fo.bind_ip = options_.bind_ip;
+  fo.rdma_device = options_.rdma_device;
+  fo.rdma_gid_index = options_.rdma_gid_index;
+  ASSIGN_OR_RETURN(fabric_, transport::Fabric::Open(fo));
+  control::ControlClientOptions co;
+  co.coordinator_address = options_.coordinator;
+  co.cluster_token = options_.cluster_token;
+  co.join.set_role(control::ROLE_WORKER);
+  co.join.set_hostname(Hostname());
+  co.join.set_pid(static_cast<uint32_t>(getpid()));
+  co.join.set_transport(fabric_->name());
+  co.join.set_requested_rank(options_.requested_rank);
+  co.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+  ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
+  rank_ = control_->reply().rank();
+  config_ = control_->reply().config();
+  LOG(INFO) << "worker rank " << rank_ << ": joined (member " << control_->member_id()
+            << "), data path " << fabric_->name() << ", " << consistency();
+  return Status::OK();
+}
+
+Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float* grads,
+                                  const std::vector<int64_t>& shape) {
+  if (started_) return FailedPreconditionError("RegisterTensor after Start()");
+  if (tensor_index_.count(name)) return AlreadyExistsError("tensor '" + name + "' registered twice");
+  if (weights == nullptr || grads == nullptr) return InvalidArgumentError("null tensor buffer");
+  Tensor t;
+  t.name = name;
+  t.weights = weights;
+  t.grads = grads;
+  t.shape = shape;
+  uint64_t n = 1;
+  for (int64_t d : shape) {
+    if (d <= 0) return InvalidArgumentError("tensor '" + name + "' has a dimension <= 0");
+    n *= static_cast<uint64_t>(d);
+  }
+  t.bytes = n * sizeof(float);
+  // Registered once: pulls land straight in `weights`, pushes leave straight from `grads`.
+  ASSIGN_OR_RETURN(t.wmr, fabric_->RegisterMemory(weights, t.bytes, Access::kLocalOnly,
+                                                  transport::MemoryKind::kHost));
+  ASSIGN_OR_RETURN(t.gmr, fabric_->RegisterMemory(grads, t.bytes, Access::kLocalOnly,
+                                                  transport::MemoryKind::kHost));
+  tensor_index_[name] = static_cast<uint32_t>(tensors_.size());
+  tensors_.push_back(std::move(t));
+  return Status::OK();
+}
+
+uint32_t ClientImpl::num_workers() const {
+  uint32_t n = 0;
+  const control::Membership membership = control_->membership();
+  for (const auto& m : membership.members()) n += m.role() == control::ROLE_WORKER;
+  return n;
+}
+
+std::string ClientImpl::consistency() const {
+  std::string m = control::ConsistencyMode_Name(config_.mode());
+  for (char& ch : m) ch = static_cast<char>(tolower(ch));
+  if (config_.mode() == control::SSP || config_.mode() == control::VSGD) {
+    m += "(s=" + std::to_string(config_.staleness()) + ")";
+  }
+  return m;
+}
+
+std::string ClientImpl::transport_name() const { return fabric_ ? fabric_->name() : ""; }
+
+ClientCounters ClientImpl::counters() const {
+  ClientCounters c = counters_;
+  const control::ControlCounters cc = control_->counters();
+  c.control_messages_sent = cc.other_messages_sent;
+  c.heartbeats_sent = cc.heartbeats_sent;
+  return c;
+}
+
+char* ClientImpl::Staging(uint32_t chunk, int which) {
+  return static_cast<char*>(staging_->data()) + StagingOffset(chunk, which);
+}
+
+uint64_t ClientImpl::StagingOffset(uint32_t chunk, int which) const {
+  return static_cast<uint64_t>(chunk) * kStagingPerChunk + which * layout::kAlign;
+}
+
+Status ClientImpl::ServerError(uint32_t server, const std::string& what) const {
+  const Server& s = servers_[server];
+  Status st = s.ep ? s.ep->status() : UnavailableError("not connected");
+  return UnavailableError("server rank " + std::to_string(s.rank) + " at " + s.address + ": " +
+                          what + (st.ok() ? "" : " (" + st.ToString() + ")"));
+}
+
+Status ClientImpl::Start() {
+  if (started_) return FailedPreconditionError("Start() called twice");
+  if (tensors_.empty()) return FailedPreconditionError("Start() without registered tensors");
+  // Every expected worker must be there before step 0, or BSP's first steps would average
+  // over fewer workers than the job has.
+  const uint32_t want = std::max<uint32_t>(1, config_.num_workers());
+  auto ready = control_->WaitFor(
+      [&](const control::Membership& m) {
+        uint32_t n = 0;
+        for (const auto& mem : m.members()) n += mem.role() == control::ROLE_WORKER;
+        return n >= want;
+      },
+      options_.setup_timeout);
+  if (!ready.ok()) {
+    return ready.status().WithContext("waiting for " + std::to_string(want) + " workers to join");
+  }
+  control::Envelope reg;
+  for (const Tensor& t : tensors_) {
+    control::TensorSpecProto* p = reg.mutable_register_model()->add_tensors();
+    p->set_name(t.name);
+    p->set_dtype(0);
+    for (int64_t d : t.shape) p->add_shape(d);
+  }
+  RETURN_IF_ERROR(control_->Send(reg));
+  ASSIGN_OR_RETURN(control::Envelope env,
+                   control_->WaitMessage(control::Envelope::kShardMap, options_.setup_timeout));
+  const control::ShardMap& map = env.shard_map();
+  if (map.tensors_size() != static_cast<int>(tensors_.size())) {
+    return FailedPreconditionError("shard map names a different model");
+  }
+  for (int i = 0; i < map.tensors_size(); ++i) {
+    if (map.tensors(i).name() != tensors_[i].name) {
+      return FailedPreconditionError("shard map tensor " + std::to_string(i) + " is '" +
+                                     map.tensors(i).name() + "', not '" + tensors_[i].name + "'");
+    }
+  }
+  if (rank_ >= map.max_workers()) {
+    return ResourceExhaustedError("worker rank " + std::to_string(rank_) +
+                                  " has no inbox slot (max_workers " +
+                                  std::to_string(map.max_workers()) + ")");
+  }
+  // Servers and their regions.
+  servers_.resize(map.servers_size());
+  for (const auto& se : map.servers()) {
+    if (se.rank() >= servers_.size()) return InvalidArgumentError("shard map: bad server rank");
+    Server& s = servers_[se.rank()];
+    s.rank = se.rank();
+    s.address = se.data_address();
+    for (const auto& r : se.regions()) {
+      ASSIGN_OR_RETURN(transport::RegionDescriptor d,
+                       transport::RegionDescriptor::Decode(r.encoded_descriptor()));
+      if (r.name() == "weights") s.weights = d;
+      if (r.name() == "inbox") s.inbox = d;
+      if (r.name() == "acks") s.acks = d;
+    }
+  }
+  chunks_.resize(map.chunks_size());
+  std::vector<std::vector<uint64_t>> slot_bytes(servers_.size());
+  for (const auto& ce : map.chunks()) {
+    if (ce.chunk_id() >= chunks_.size() || ce.tensor() >= tensors_.size() ||
+        ce.server_rank() >= servers_.size() ||
+        ce.offset() + ce.bytes() > tensors_[ce.tensor()].bytes) {
+      return InvalidArgumentError("shard map: chunk out of range");
+    }
+    ChunkRt& c = chunks_[ce.chunk_id()];
+    c.id = ce.chunk_id();
+    c.tensor = ce.tensor();
+    c.offset = ce.offset();
+    c.bytes = ce.bytes();
+    c.server = ce.server_rank();
+    c.slot = ce.slot();
+    tensors_[c.tensor].chunks.push_back(c.id);
+    auto& sb = slot_bytes[c.server];
+    if (sb.size() <= c.slot) sb.resize(c.slot + 1);
+    sb[c.slot] = c.bytes;
+    auto& cos = servers_[c.server].chunk_of_slot;
+    if (cos.size() <= c.slot) cos.resize(c.slot + 1);
+    cos[c.slot] = c.id;
+  }
+  for (size_t s = 0; s < servers_.size(); ++s) {
+    servers_[s].layout = std::make_unique<layout::ServerLayout>(slot_bytes[s], map.max_workers());
+    if (servers_[s].inbox.length < servers_[s].layout->inbox_bytes() ||
+        servers_[s].weights.length < servers_[s].layout->weights_bytes()) {
+      return FailedPreconditionError("server " + std::to_string(s) +
+                                     "'s regions are smaller than its layout");
+    }
+  }
+  // Staging: per chunk 2 push headers + 2 header reads; then per server an acks buffer.
+  acks_staging_offset_ = layout::AlignUp(chunks_.size() * kStagingPerChunk + layout::kAlign);
+  uint64_t staging_bytes = acks_staging_offset_;
+  for (const auto& s : servers_) staging_bytes += layout::AlignUp(s.layout->acks_of_worker_bytes());
+  ASSIGN_OR_RETURN(staging_, fabric_->AllocateMemory(staging_bytes, Access::kLocalOnly));
+
+  // Endpoints, one per server, all on one CQ owned by this thread.
+  ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(
+                            static_cast<int>(servers_.size()) * (kSendDepth + 8) + 64));
+  for (Server& s : servers_) {
+    transport::EndpointOptions eo;
+    eo.endpoint_id = s.rank;
+    eo.send_depth = kSendDepth;
+    eo.recv_depth = 4;
+    eo.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+    auto ep = fabric_->Connect(s.address, cq_.get(), eo);
+    if (!ep.ok()) return ep.status().WithContext("connecting to server " + std::to_string(s.rank));
+    s.ep = std::move(*ep);
+  }
+  // Hello: tells each server which worker this endpoint belongs to.
+  const uint64_t hello_off = chunks_.size() * kStagingPerChunk;
+  for (Server& s : servers_) {
+    RETURN_IF_ERROR(PostWithCredit([&] {
+      return s.ep->PostWriteImm({staging_.get(), hello_off, 8},
+                                transport::AtOffset(s.inbox, s.layout->hello_offset(rank_)),
+                                layout::MakeImm(layout::ImmKind::kHello, rank_),
+                                MakeContext(kOpSetup, 0, 0));
+    }));
+  }
+  RETURN_IF_ERROR(WaitSetupOps(static_cast<int>(servers_.size())));
+  // Rank 0's weights become the initial weights.
+  if (rank_ == 0) {
+    for (ChunkRt& c : chunks_) {
+      Server& s = servers_[c.server];
+      RETURN_IF_ERROR(PostWithCredit([&] {
+        return s.ep->PostWriteImm({tensors_[c.tensor].wmr.get(), c.offset, c.bytes},
+                                  transport::AtOffset(s.inbox,
+                                                      s.layout->push_data_offset(0, c.slot, 0)),
+                                  layout::MakeImm(layout::ImmKind::kInit, c.slot),
+                                  MakeContext(kOpSetup, c.id, 0));
+      }));
+    }
+    RETURN_IF_ERROR(WaitSetupOps(static_cast<int>(chunks_.size())));
+  }
+  started_ = true;
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    ASSIGN_OR_RETURN(Handle h, Pull(tensors_[t].name));
+    RETURN_IF_ERROR(Wait(h));
+  }
+  control_baseline_ = control_->counters().other_messages_sent;
+  LOG(INFO) << "worker rank " << rank_ << ": started: " << tensors_.size() << " tensors, "
+            << chunks_.size() << " chunks on " << servers_.size() << " servers";
+  return Status::OK();
+}
+
+Status ClientImpl::WaitSetupOps(int count) {
+  setup_done_ = 0;
+  setup_error_ = Status::OK();
+  const auto deadline = SteadyClock::now() + options_.setup_timeout;
+  while (setup_done_ < count) {
+    RETURN_IF_ERROR(Progress());
+    if (!setup_error_.ok()) return setup_error_;
+    if (SteadyClock::now() > deadline) return DeadlineExceededError("setup writes timed out");
+  }
+  return setup_error_;
+}
+
+Status ClientImpl::PostWithCredit(const std::function<Status()>& post) {
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  while (true) {
+    Status s = post();
+    if (s.code() != StatusCode::kResourceExhausted) return s;
+    RETURN_IF_ERROR(Progress());  // reap completions, returning credits
+    if (SteadyClock::now() > deadline) return s;
+  }
+}
+
+Status ClientImpl::Progress() {
+  Completion wc[64];
+  const int n = cq_->Poll(wc, 64);
+  for (int i = 0; i < n; ++i) OnCompletion(wc[i]);
+  return Status::OK();
+}
+
+void ClientImpl::OnCompletion(const Completion& wc) {
+  const uint32_t kind = ContextKind(wc.context);
+  const uint32_t chunk = ContextChunk(wc.context);
+  const uint64_t handle = ContextHandle(wc.context);
+  const Status err = wc.ok() ? Status::OK()
+                             : ServerError(static_cast<uint32_t>(wc.endpoint_id),
+                                           std::string(transport::WcStatusName(wc.status)));
+  switch (kind) {
+    case kOpSetup:
+      if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
+      ++setup_done_;
+      return;
+    case kOpAcks:
+      --acks_pending_;
+      if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
+      return;
+    case kOpPush: {
+      if (chunk >= chunks_.size()) return;
+      FinishChunk(handle, err);
+      return;
+    }
+    case kOpPull: {
+      if (chunk >= chunks_.size()) return;
+      ChunkRt& c = chunks_[chunk];
+      if (c.pull_handle != handle) return;  // a flushed leftover of a finished pull
+      if (!wc.ok()) {
+        c.pull_handle = 0;
+        FinishChunk(handle, err);
+        return;
+      }
+      EvaluatePull(c);
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void ClientImpl::FinishChunk(uint64_t handle, const Status& s) {
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return;
+  if (!s.ok() && it->second.error.ok()) it->second.error = s;
+  --it->second.pending;
+}
+
+uint64_t ClientImpl::RequiredPlus1() const {
+  switch (config_.mode()) {
+    case control::BSP:
+      return clock_;  // min_clock >= clock-1
+    case control::SSP:
+    case control::VSGD:
+      return clock_ > config_.staleness() ? clock_ - config_.staleness() : 0;
+    default:
+      return 0;
+  }
+}
+
+Status ClientImpl::EnsureAcked(ChunkRt& c, uint64_t need) {
+  if (c.known_acked >= need) return Status::OK();
+  Server& s = servers_[c.server];
+  uint64_t off = acks_staging_offset_;
+  for (uint32_t i = 0; i < c.server; ++i) {
+    off += layout::AlignUp(servers_[i].layout->acks_of_worker_bytes());
+  }
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  while (c.known_acked < need) {
+    acks_pending_ = 1;
+    setup_error_ = Status::OK();
+    RETURN_IF_ERROR(PostWithCredit([&] {
+      return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
+                            transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
+                            MakeContext(kOpAcks, c.id, 0));
+    }));
+    while (acks_pending_ > 0) {
+      RETURN_IF_ERROR(Progress());
+      if (SteadyClock::now() > deadline) {
+        return DeadlineExceededError("waiting for server " + std::to_string(c.server) +
+                                     " to acknowledge pushes");
+      }
+    }
+    if (!setup_error_.ok()) return setup_error_;
+    const auto* acks = reinterpret_cast<const uint64_t*>(static_cast<char*>(staging_->data()) + off);
+    for (uint32_t slot = 0; slot < s.chunk_of_slot.size(); ++slot) {
+      ChunkRt& o = chunks_[s.chunk_of_slot[slot]];
+      o.known_acked = std::max(o.known_acked, acks[slot]);
+    }
+    if (c.known_acked < need) std::this_thread::yield();
+  }
+  return Status::OK();
+}
+
+StatusOr<Handle> ClientImpl::Push(const std::string& name) {
+  if (!started_) return FailedPreconditionError("Push before Start()");
+  auto it = tensor_index_.find(name);
+  if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
+  const Tensor& t = tensors_[it->second];
+  const uint64_t h = next_handle_++ & 0xffffffffull;
+  HandleState& hs = handles_[h];
+  for (uint32_t id : t.chunks) {
+    ChunkRt& c = chunks_[id];
+    Server& s = servers_[c.server];
+    const uint64_t seq = c.seq + 1;
+    const uint32_t parity = static_cast<uint32_t>(seq & 1);
+    // The inbox slot of this parity was last used by push seq-2: it must be consumed.
+    if (seq > 2) {
+      Status st = EnsureAcked(c, seq - 2);
+      if (!st.ok()) {
+        hs.error = st;
+        break;
+      }
+    }
+    c.seq = seq;
+    auto* ph = reinterpret_cast<layout::PushHeader*>(Staging(id, static_cast<int>(parity)));
+    std::memset(ph, 0, sizeof(*ph));
+    ph->seq = seq;
+    ph->clock = clock_;
+    ph->base_version = c.pulled_version;
+    ph->chunk_id = c.id;
+    ph->worker = rank_;
+    ph->bytes = c.bytes;
+    ph->epoch = control_->epoch();
+    ph->magic = layout::kPushMagic;
+    Status st = PostWithCredit([&] {
+      return s.ep->PostWrite({t.gmr.get(), c.offset, c.bytes},
+                             transport::AtOffset(s.inbox, s.layout->push_data_offset(rank_, c.slot, parity)),
+                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
+    });
+    if (st.ok()) {
+      st = PostWithCredit([&] {
+        return s.ep->PostWriteImm(
+            {staging_.get(), StagingOffset(id, static_cast<int>(parity)), sizeof(layout::PushHeader)},
+            transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
+            layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
+            MakeContext(kOpPush, id, h));
+      });
+    }
+    if (!st.ok()) {
+      hs.error = st;
+      break;
+    }
+    ++hs.pending;
+    ++counters_.pushes;
+    counters_.bytes_pushed += c.bytes;
+  }
+  return Handle{h};
+}
+
+void ClientImpl::StartPull(ChunkRt& c, PullPhase phase) {
+  Server& s = servers_[c.server];
+  const Tensor& t = tensors_[c.tensor];
+  c.phase = phase;
+  const uint64_t hdr = s.layout->header_offset(c.slot);
+  Status st;
+  const uint64_t ctx = MakeContext(kOpPull, c.id, c.pull_handle);
+  if (phase == PullPhase::kHeaderOnly) {
+    st = PostWithCredit([&] {
+      return s.ep->PostRead({staging_.get(), StagingOffset(c.id, 2), layout::kAlign},
+                            transport::AtOffset(s.weights, hdr), ctx);
+    });
+  } else {
+    // kAll: header, data of the guessed buffer, header; kDataCheck: data then header.
+    if (phase == PullPhase::kAll) {
+      st = PostWithCredit([&] {
+        return s.ep->PostRead({staging_.get(), StagingOffset(c.id, 2), layout::kAlign},
+                              transport::AtOffset(s.weights, hdr), ctx, transport::kUnsignaled);
+      });
+    }
+    if (st.ok()) {
+      st = PostWithCredit([&] {
+        return s.ep->PostRead({t.wmr.get(), c.offset, c.bytes},
+                              transport::AtOffset(s.weights, s.layout->buffer_offset(c.slot, c.guess)),
+                              ctx, transport::kUnsignaled);
+      });
+    }
+    if (st.ok()) {
+      st = PostWithCredit([&] {
+        return s.ep->PostRead({staging_.get(), StagingOffset(c.id, 3), layout::kAlign},
+                              transport::AtOffset(s.weights, hdr), ctx);
+      });
+    }
+  }
+  if (!st.ok()) {
+    const uint64_t h = c.pull_handle;
+    c.pull_handle = 0;
+    FinishChunk(h, st);
+  }
+}
+
+void ClientImpl::EvaluatePull(ChunkRt& c) {
+  const auto* h1 = reinterpret_cast<const layout::ChunkHeader*>(Staging(c.id, 2));
+  const auto* h2 = reinterpret_cast<const layout::ChunkHeader*>(Staging(c.id, 3));
+  const uint64_t state = h1->state.load(std::memory_order_relaxed);
+  const uint64_t v = state >> 1;
+  const uint32_t b = static_cast<uint32_t>(state & 1);
+  const bool ready = v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
+  if (!ready) {
+    if (SteadyClock::now() > c.pull_deadline) {
+      const uint64_t h = c.pull_handle;
+      c.pull_handle = 0;
+      FinishChunk(h, DeadlineExceededError(
+                         "chunk " + std::to_string(c.id) + " on server " +
+                         std::to_string(c.server) + " did not reach the consistency bound (" +
+                         consistency() + ", clock " + std::to_string(clock_) + ") within " +
+                         std::to_string(options_.wait_timeout.count()) + " ms"));
+      return;
+    }
+    ++counters_.pull_retries;
+    StartPull(c, PullPhase::kHeaderOnly);
+    return;
+  }
+  if (c.phase == PullPhase::kHeaderOnly || b != c.guess) {
+    // Now we know the buffer: read it, then the header again.
+    if (c.phase != PullPhase::kHeaderOnly) ++counters_.pull_retries;
+    c.guess = b;
+    StartPull(c, PullPhase::kDataCheck);
+    return;
+  }
+  if (h2->gen[b].load(std::memory_order_relaxed) != h1->gen[b].load(std::memory_order_relaxed)) {
+    ++counters_.pull_retries;  // torn: the server began rewriting buffer b during our read
+    StartPull(c, PullPhase::kHeaderOnly);
+    return;
+  }
+  c.pulled_version = v;
+  c.last_buf = b;
+  const uint64_t h = c.pull_handle;
+  c.pull_handle = 0;
+  ++counters_.pulls;
+  counters_.bytes_pulled += c.bytes;
+  FinishChunk(h, Status::OK());
+}
+
+StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
+  if (!started_) return FailedPreconditionError("Pull before Start()");
+  auto it = tensor_index_.find(name);
+  if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
+  const uint64_t h = next_handle_++ & 0xffffffffull;
+  HandleState& hs = handles_[h];
+  for (uint32_t id : tensors_[it->second].chunks) {
+    ChunkRt& c = chunks_[id];
+    if (c.pull_handle != 0) {
+      hs.error = FailedPreconditionError("a pull of tensor '" + name + "' is already in flight");
+      break;
+    }
+    c.pull_handle = h;
+    c.required_plus1 = RequiredPlus1();
+    c.pull_deadline = SteadyClock::now() + options_.wait_timeout;
+    // In steady state every step publishes one new version per chunk, in the other buffer.
+    c.guess = c.pulled_version == 0 ? 0 : 1 - c.last_buf;
+    ++hs.pending;
+    StartPull(c, PullPhase::kAll);
+  }
+  return Handle{h};
+}
+
+Status ClientImpl::Wait(Handle handle) {
+  auto it = handles_.find(handle.id);
+  if (it == handles_.end()) return NotFoundError("unknown handle");
+  // Bounded: every pending chunk has its own deadline, and endpoints fail within the
+  // transport's bound when a server dies; this is the backstop.
+  const auto deadline = SteadyClock::now() + options_.wait_timeout + std::chrono::seconds(30);
+  while (it->second.pending > 0) {
+    RETURN_IF_ERROR(Progress());
+    if (SteadyClock::now() > deadline) {
+      return DeadlineExceededError("Wait timed out with " + std::to_string(it->second.pending) +
+                                   " chunks outstanding");
+    }
+  }
+  Status s = it->second.error;
+  handles_.erase(it);
+  return s;
+}
+
+Status ClientImpl::Clock() {
+  ++clock_;
+  return Status::OK();
+}
+
+Status ClientImpl::Step() {
+  std::vector<Handle> hs;
+  for (const Tensor& t : tensors_) {
+    ASSIGN_OR_RETURN(Handle h, Push(t.name));
+    hs.push_back(h);
+  }
+  Status first;
+  for (Handle h : hs) {
+    Status s = Wait(h);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  RETURN_IF_ERROR(first);
+  RETURN_IF_ERROR(Clock());
+  hs.clear();
+  for (const Tensor& t : tensors_) {
+    ASSIGN_OR_RETURN(Handle h, Pull(t.name));
+    hs.push_back(h);
+  }
+  for (Handle h : hs) {
+    Status s = Wait(h);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+Status ClientImpl::Close() {
+  if (closed_) return Status::OK();
+  closed_ = true;
+  for (Server& s : servers_) s.ep.reset();
+  if (control_) return control_->Leave("worker closing");
+  return Status::OK();
+}
+
+}  // namespace worker
+}  // namespace shardps

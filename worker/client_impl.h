@@ -1,0 +1,136 @@
+// The implementation of shardps::Client (worker/include/shardps/client.h). Internal.
+//
+// Data path per chunk (server/layout.h has the offsets):
+//   push  = WRITE grads -> inbox[rank][slot][parity].data            (unsignaled)
+//           WRITE_IMM push header -> inbox[rank][slot][parity].hdr   (imm = kPush slot|parity)
+//   pull  = READ header, READ buffer b, READ header   (one round trip when b is guessed right)
+//           consistent iff gen[b] is the same in both header reads; retried otherwise.
+// Inbox slots alternate by the parity of the push sequence number, so a push may be posted
+// while the previous one is still being applied; the one before that must be acknowledged
+// (acks region) first.
+//
+// Thread safety: one thread (the trainer's), like the public Client.
+#ifndef SHARDPS_WORKER_CLIENT_IMPL_H_
+#define SHARDPS_WORKER_CLIENT_IMPL_H_
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "proto/control_client.h"
+#include "server/layout.h"
+#include "shardps/client.h"
+#include "transport/transport.h"
+
+namespace shardps::worker {
+
+class ClientImpl final : public Client {
+ public:
+  explicit ClientImpl(const ClientOptions& options) : options_(options) {}
+  ~ClientImpl() override;
+
+  Status Init();  // fabric + control plane join
+
+  Status RegisterTensor(const std::string& name, float* weights, float* grads,
+                        const std::vector<int64_t>& shape) override;
+  Status Start() override;
+  StatusOr<Handle> Push(const std::string& name) override;
+  StatusOr<Handle> Pull(const std::string& name) override;
+  Status Wait(Handle handle) override;
+  Status Clock() override;
+  Status Step() override;
+  uint32_t rank() const override { return rank_; }
+  uint32_t num_workers() const override;
+  uint64_t clock() const override { return clock_; }
+  std::string consistency() const override;
+  ClientCounters counters() const override;
+  std::string transport_name() const override;
+  Status Close() override;
+
+ private:
+  struct Tensor {
+    std::string name;
+    float* weights = nullptr;
+    float* grads = nullptr;
+    std::vector<int64_t> shape;
+    uint64_t bytes = 0;
+    std::unique_ptr<transport::MemoryRegion> wmr;
+    std::unique_ptr<transport::MemoryRegion> gmr;
+    std::vector<uint32_t> chunks;  // global chunk ids
+  };
+  struct Server {
+    uint32_t rank = 0;
+    std::string address;
+    transport::RegionDescriptor weights, inbox, acks;
+    std::unique_ptr<layout::ServerLayout> layout;
+    std::unique_ptr<transport::Endpoint> ep;
+    std::vector<uint32_t> chunk_of_slot;
+  };
+  enum class PullPhase { kAll, kHeaderOnly, kDataCheck };
+  struct ChunkRt {
+    uint32_t id = 0;
+    uint32_t tensor = 0;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+    uint32_t server = 0;
+    uint32_t slot = 0;
+    uint64_t seq = 0;
+    uint64_t known_acked = 0;
+    uint64_t pulled_version = 0;
+    uint32_t last_buf = 1;  // version 1 is published into buffer 0
+    // Pull state machine.
+    uint64_t pull_handle = 0;
+    PullPhase phase = PullPhase::kAll;
+    uint32_t guess = 0;
+    uint64_t required_plus1 = 0;
+    std::chrono::steady_clock::time_point pull_deadline;
+  };
+  struct HandleState {
+    int pending = 0;  // chunks not yet finished
+    Status error;
+  };
+  enum OpKind : uint32_t { kOpPush = 0, kOpPull = 1, kOpAcks = 2, kOpSetup = 3 };
+
+  Status Progress();  // polls the CQ once, dispatches
+  Status PostWithCredit(const std::function<Status()>& post);
+  void OnCompletion(const transport::Completion& c);
+  void StartPull(ChunkRt& c, PullPhase phase);
+  void EvaluatePull(ChunkRt& c);
+  void FinishChunk(uint64_t handle, const Status& s);
+  Status EnsureAcked(ChunkRt& c, uint64_t need);
+  Status WaitSetupOps(int count);
+  uint64_t RequiredPlus1() const;
+  char* Staging(uint32_t chunk, int which);  // 0,1: push headers; 2,3: header reads
+  uint64_t StagingOffset(uint32_t chunk, int which) const;
+  Status ServerError(uint32_t server, const std::string& what) const;
+
+  ClientOptions options_;
+  std::unique_ptr<transport::Fabric> fabric_;
+  std::unique_ptr<control::ControlClient> control_;
+  control::ClusterConfig config_;
+  std::unique_ptr<transport::CompletionQueue> cq_;
+  std::unique_ptr<transport::MemoryRegion> staging_;
+  uint64_t acks_staging_offset_ = 0;
+  uint32_t rank_ = 0;
+  uint64_t clock_ = 0;
+  bool started_ = false;
+  bool closed_ = false;
+  std::vector<Tensor> tensors_;
+  std::map<std::string, uint32_t> tensor_index_;
+  std::vector<Server> servers_;
+  std::vector<ChunkRt> chunks_;
+  std::unordered_map<uint64_t, HandleState> handles_;
+  uint64_t next_handle_ = 1;
+  int setup_done_ = 0;
+  Status setup_error_;
+  int acks_pending_ = 0;
+  ClientCounters counters_;
+  uint64_t control_baseline_ = 0;
+};
+
+}  // namespace shardps::worker
+
+#endif  // SHARDPS_WORKER_CLIENT_IMPL_H_

@@ -1,0 +1,103 @@
+// libshardps: the worker client library. A trainer registers its tensors (weights and
+// gradients, in its own memory), then each step pushes gradients into the servers' memory and
+// pulls weights back, with one-sided operations only. A steady-state step sends no control
+// message (counters().control_messages_sent stays flat).
+//
+//   shardps::ClientOptions o;
+//   o.coordinator = "10.0.0.1:7070";
+//   o.cluster_token = "secret";
+//   auto client = shardps::Client::Connect(o);             // joins the cluster
+//   (*client)->RegisterTensor("fc1.weight", w, g, {256, 64});
+//   (*client)->Start();                                     // shard map, endpoints, weights
+//   for (...) { compute gradients into g; (*client)->Step(); }   // push, clock, pull
+//
+// Thread safety: a Client belongs to one thread (the training loop's). Its control-plane
+// heartbeats run on an internal thread.
+#ifndef SHARDPS_CLIENT_H_
+#define SHARDPS_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardps/status.h"
+
+namespace shardps {
+
+struct ClientOptions {
+  std::string coordinator;    // host:port of shardps_coordinator
+  std::string cluster_token;  // must match the coordinator's
+  int requested_rank = -1;    // -1: the coordinator picks
+  // Data path.
+  std::string transport = "auto";  // verbs, tcp, shm, auto (must match the cluster's)
+  std::string bind_ip;             // local address for the data path (verbs: picks the NIC)
+  std::string rdma_device;         // verbs: device name, "" = by bind_ip or first active
+  int rdma_gid_index = -1;         // verbs: -1 = automatic RoCEv2 GID
+  // Setup and failure bounds.
+  std::chrono::milliseconds setup_timeout{60000};
+  // How long a pull may wait for the consistency condition before it reports an error
+  // (a dead server or a stuck cluster must not hang the trainer).
+  std::chrono::milliseconds wait_timeout{30000};
+};
+
+struct ClientCounters {
+  uint64_t control_messages_sent = 0;  // excluding periodic heartbeats
+  uint64_t heartbeats_sent = 0;
+  uint64_t pushes = 0;                 // chunk pushes
+  uint64_t pulls = 0;                  // chunk pulls (consistent snapshots)
+  uint64_t pull_retries = 0;           // torn or not-yet-ready reads that were repeated
+  uint64_t bytes_pushed = 0;
+  uint64_t bytes_pulled = 0;
+};
+
+// Handle of an asynchronous Push or Pull.
+struct Handle {
+  uint64_t id = 0;
+};
+
+class Client {
+ public:
+  static StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  virtual ~Client() = default;
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Registers a float32 tensor. `weights` receives pulled weights; `grads` is the source of
+  // pushes. Both stay owned by the caller and must outlive the client. Before Start() only;
+  // every worker registers the same tensors in the same order.
+  virtual Status RegisterTensor(const std::string& name, float* weights, float* grads,
+                                const std::vector<int64_t>& shape) = 0;
+  // Publishes the model, receives the shard map, connects to every server. Rank 0's current
+  // weights become the initial weights; every worker then pulls them.
+  virtual Status Start() = 0;
+
+  // Asynchronous push of a tensor's gradients at the current clock; Wait() before reusing grads.
+  virtual StatusOr<Handle> Push(const std::string& name) = 0;
+  // Asynchronous pull of a tensor's weights, satisfying the consistency mode at the current
+  // clock; Wait() before reading weights.
+  virtual StatusOr<Handle> Pull(const std::string& name) = 0;
+  virtual Status Wait(Handle handle) = 0;
+  // Advances this worker's clock by one.
+  virtual Status Clock() = 0;
+  // One training step: push every tensor, wait, Clock(), pull every tensor, wait.
+  virtual Status Step() = 0;
+
+  virtual uint32_t rank() const = 0;
+  virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
+  virtual uint64_t clock() const = 0;
+  virtual std::string consistency() const = 0;  // "bsp", "ssp(s=2)", ...
+  virtual ClientCounters counters() const = 0;
+  virtual std::string transport_name() const = 0;
+
+  // Leaves the cluster cleanly (also done by the destructor).
+  virtual Status Close() = 0;
+
+ protected:
+  Client() = default;
+};
+
+}  // namespace shardps
+
+#endif  // SHARDPS_CLIENT_H_
