@@ -480,9 +480,10 @@ StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int ar
 }
 
 std::string FabricCore::NextListenName() {
-  return "@shardps-" + std::to_string(getpid()) + "-" +
-         std::to_string(reinterpret_cast<uintptr_t>(this) & 0xffffff) + "-" +
-         std::to_string(listen_seq_.fetch_add(1));
+  // Unique in this process across fabrics and listeners: a process-wide counter (an object
+  // address is not: per-thread malloc arenas are 64 MiB aligned, so low bits repeat).
+  static std::atomic<uint64_t> seq{0};
+  return "@shardps-" + std::to_string(getpid()) + "-" + std::to_string(seq.fetch_add(1));
 }
 
 // ---- ShmRegion --------------------------------------------------------------------------------

@@ -73,7 +73,6 @@ class FabricCore {
   std::mutex mu_;
   std::map<uint64_t, uint64_t> free_;  // offset -> bytes, coalesced; guarded by mu_
   std::vector<uint32_t> free_slots_;   // guarded by mu_
-  std::atomic<uint32_t> listen_seq_{0};
   // (arena inode, table inode) -> live mapping; guarded by mu_. A live entry keeps its files
   // open through the mapping, so the inode numbers cannot be reused while it is live.
   std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PeerMemory>> peers_;
