@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages ShardPS builds and tests with. Idempotent: apt-get runs only
+# when something is missing. Needs root (or sudo) on a fresh machine.
+set -euo pipefail
+
+PKGS=(
+  cmake make g++ pkg-config git
+  libgflags-dev libgoogle-glog-dev libprotobuf-dev protobuf-compiler
+  libgtest-dev libgmock-dev
+  libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest
+  iperf3 python3
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[deps] installing: ${missing[*]}"
+  SUDO=""
+  [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "[deps] all ${#PKGS[@]} packages present"
+fi

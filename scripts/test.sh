@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Runs every ShardPS test tier from a fresh machine: installs packages, builds, then
+#   1. unit + conformance (tcp, shm) + benchmark smoke on the host, through ctest;
+#   2. the verbs tier for real on SoftRoCE inside the qemu guest of ../shared/softroce
+#      (two rxe devices joined by a veth). SHARDPS_REQUIRE_VERBS=1 there turns a skip into a
+#      failure. If the harness is missing, the tier fails on a machine with /dev/kvm and is
+#      reported as not run elsewhere.
+# Ends with one line "tests: N passed, N failed, N skipped" counted from the gtest XML reports.
+# Env: SHARDPS_SOFTROCE_DIR (default ../shared/softroce), SHARDPS_SKIP_VERBS=1 (host tiers only),
+#      SHARDPS_BUILD_DIR (default build), CTEST_ARGS (extra ctest arguments).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUILD=${SHARDPS_BUILD_DIR:-build}
+RESULTS="$ROOT/$BUILD/test-results"
+SOFTROCE=${SHARDPS_SOFTROCE_DIR:-$ROOT/../shared/softroce}
+
+"$ROOT/scripts/deps.sh" || { echo "test.sh: installing packages failed" >&2; exit 1; }
+"$ROOT/scripts/build.sh" || { echo "test.sh: build failed" >&2; exit 1; }
+
+rm -rf "$RESULTS" && mkdir -p "$RESULTS/host" "$RESULTS/verbs"
+status=0
+
+echo "=== host tiers: unit, conformance (tcp, shm), benchmark smoke ==="
+GTEST_OUTPUT="xml:$RESULTS/host/" ctest --test-dir "$BUILD" --output-on-failure \
+  --timeout 900 -j 2 ${CTEST_ARGS:-} || status=1
+
+verbs_ran=0
+if [[ ${SHARDPS_SKIP_VERBS:-0} == 1 ]]; then
+  echo "=== verbs tier: skipped (SHARDPS_SKIP_VERBS=1) ==="
+elif [[ -x "$SOFTROCE/run-in-guest.sh" ]]; then
+  echo "=== verbs tier: SoftRoCE guest ($SOFTROCE) ==="
+  if "$SOFTROCE/build-guest.sh"; then
+    "$SOFTROCE/run-in-guest.sh" --timeout 1500 --rw "$RESULTS/verbs" \
+      --env SHARDPS_REQUIRE_VERBS=1 --env "GLOG_logtostderr=1" -- sh -c "
+        set -e
+        '$SOFTROCE/softroce-up.sh' 2
+        before=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
+        rc=0
+        '$BUILD/tests/unit_tests' --gtest_color=no --gtest_filter='Verbs*' \
+          --gtest_output=xml:'$RESULTS/verbs/unit_verbs.xml' || rc=1
+        '$BUILD/tests/transport_conformance_test' --gtest_color=no --gtest_filter='*/verbs' \
+          --gtest_output=xml:'$RESULTS/verbs/conformance_verbs.xml' || rc=1
+        after=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
+        echo \"rxe0 sent \$((after - before)) packets on the wire during the verbs tier\"
+        [ \$((after - before)) -gt 0 ] || { echo 'no packet crossed the wire' >&2; rc=1; }
+        exit \$rc"
+    rc=$?
+    [[ $rc -eq 0 ]] || { echo "verbs tier failed (rc $rc)" >&2; status=1; }
+    verbs_ran=1
+  else
+    echo "verbs tier: building the SoftRoCE guest failed" >&2
+    status=1
+  fi
+elif [[ -e /dev/kvm ]]; then
+  echo "verbs tier: NOT RUN — no SoftRoCE harness at $SOFTROCE, but this machine has /dev/kvm;" \
+       "set SHARDPS_SOFTROCE_DIR" >&2
+  status=1
+else
+  echo "=== verbs tier: not run (no SoftRoCE harness and no /dev/kvm here) ==="
+fi
+
+# Count gtest results from the XML reports (host and guest).
+/usr/bin/env python3 - "$RESULTS" "$verbs_ran" <<'PY' || status=1
+import glob, sys, xml.etree.ElementTree as ET
+root, verbs_ran = sys.argv[1], sys.argv[2] == "1"
+tot = {"host": [0, 0, 0], "verbs": [0, 0, 0]}
+for tier in tot:
+    for f in glob.glob(f"{root}/{tier}/*.xml"):
+        try:
+            tree = ET.parse(f)
+        except ET.ParseError as e:
+            print(f"unreadable report {f}: {e}"); tot[tier][1] += 1; continue
+        for tc in tree.iter("testcase"):
+            if tc.get("status") == "notrun":
+                continue
+            if tc.find("failure") is not None or tc.find("error") is not None:
+                tot[tier][1] += 1
+            elif tc.find("skipped") is not None or tc.get("result") == "skipped":
+                tot[tier][2] += 1
+            else:
+                tot[tier][0] += 1
+for tier, (p, f, s) in tot.items():
+    print(f"{tier} tier: {p} passed, {f} failed, {s} skipped")
+bad = False
+if verbs_ran and tot["verbs"][0] == 0:
+    print("verbs tier ran no test"); bad = True
+if verbs_ran and tot["verbs"][2] > 0:
+    print("verbs tier skipped tests inside the SoftRoCE guest"); bad = True
+p = sum(v[0] for v in tot.values()); f = sum(v[1] for v in tot.values())
+s = sum(v[2] for v in tot.values())
+print(f"tests: {p} passed, {f} failed, {s} skipped")
+sys.exit(1 if bad or f else 0)
+PY
+exit $status
