@@ -255,6 +255,9 @@ struct FabricOptions {
   // verbs: QP local ACK timeout exponent (4.096us * 2^t) and retry count: peer-death bound.
   int rdma_timeout = 14;
   int rdma_retry_count = 7;
+  // shm: bytes of sparse address space each fabric reserves for AllocateMemory (0 = 64 GiB;
+  // nothing is committed until touched; smaller reservations are tried if this one fails).
+  uint64_t shm_arena_bytes = 0;
 };
 
 class Fabric {

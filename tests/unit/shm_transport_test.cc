@@ -1,0 +1,499 @@
+// Tests of the shm provider through the public transport API: two fabrics in one process.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "transport/transport.h"
+
+namespace shardps::transport {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+void Fill(void* p, size_t n, uint64_t seed) {
+  auto* b = static_cast<uint8_t*>(p);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 7;
+  for (size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b[i] = static_cast<uint8_t>(x >> 24);
+  }
+}
+
+bool AllZero(const void* p, size_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  for (size_t i = 0; i < n; ++i) {
+    if (b[i] != 0) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<Fabric> OpenShm(uint64_t arena = 0) {
+  FabricOptions o;
+  o.provider = "shm";
+  o.shm_arena_bytes = arena;
+  auto f = Fabric::Open(o);
+  EXPECT_TRUE(f.ok()) << f.status();
+  return f.ok() ? std::move(*f) : nullptr;
+}
+
+class ShmTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    target_ = OpenShm();
+    initiator_ = OpenShm();
+    ASSERT_TRUE(target_ && initiator_);
+  }
+
+  void Connect(int send_depth = 64, int recv_depth = 64, const std::string& address = "") {
+    auto tcq = target_->CreateCompletionQueue(4096);
+    auto icq = initiator_->CreateCompletionQueue(4096);
+    ASSERT_TRUE(tcq.ok() && icq.ok());
+    tcq_ = std::move(*tcq);
+    icq_ = std::move(*icq);
+    auto l = target_->Listen(address);
+    ASSERT_TRUE(l.ok()) << l.status();
+    address_ = (*l)->address();
+    EndpointOptions to;
+    to.endpoint_id = 1;
+    to.send_depth = send_depth;
+    to.recv_depth = recv_depth;
+    EndpointOptions io = to;
+    io.endpoint_id = 2;
+    StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not run");
+    std::thread t([&] { iep = initiator_->Connect(address_, icq_.get(), io); });
+    auto tep = (*l)->Accept(tcq_.get(), to, milliseconds(10000));
+    t.join();
+    ASSERT_TRUE(tep.ok()) << tep.status();
+    ASSERT_TRUE(iep.ok()) << iep.status();
+    tep_ = std::move(*tep);
+    iep_ = std::move(*iep);
+  }
+
+  std::unique_ptr<MemoryRegion> Alloc(Fabric* f, size_t n, Access a) {
+    auto r = f->AllocateMemory(n, a);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? std::move(*r) : nullptr;
+  }
+
+  // Polls the initiator CQ (and the target's, discarding) until n completions arrived.
+  std::vector<Completion> Collect(size_t n, milliseconds timeout = milliseconds(10000)) {
+    std::vector<Completion> got;
+    Completion wc[64];
+    const auto deadline = Clock::now() + timeout;
+    while (got.size() < n && Clock::now() < deadline) {
+      const int k = icq_->Poll(wc, 64);
+      got.insert(got.end(), wc, wc + k);
+    }
+    EXPECT_EQ(got.size(), n);
+    return got;
+  }
+
+  std::unique_ptr<Fabric> target_, initiator_;
+  std::unique_ptr<CompletionQueue> tcq_, icq_;
+  std::unique_ptr<Endpoint> tep_, iep_;
+  std::string address_;
+};
+
+TEST_F(ShmTransportTest, WriteAndReadAreByteExactAtOddOffsets) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t kRegion = 3u << 20;
+  auto remote = Alloc(target_.get(), kRegion, Access::kRemoteReadWrite);
+  ASSERT_TRUE(remote);
+  ASSERT_TRUE(AllZero(remote->data(), kRegion));
+  std::vector<uint8_t> src(kRegion), dst(kRegion);
+  auto s = initiator_->RegisterMemory(src.data(), src.size(), Access::kLocalOnly,
+                                      MemoryKind::kHost);
+  auto d = initiator_->RegisterMemory(dst.data(), dst.size(), Access::kLocalOnly,
+                                      MemoryKind::kHost);
+  ASSERT_TRUE(s.ok() && d.ok());
+  const RegionDescriptor rd = remote->descriptor();
+  EXPECT_EQ(rd.provider, "shm");
+  auto* rb = static_cast<uint8_t*>(remote->data());
+  uint64_t ctx = 0;
+  for (size_t n : {size_t{1}, size_t{3}, size_t{63}, size_t{4097}, size_t{1} << 20,
+                   (size_t{2} << 20) + 5}) {
+    SCOPED_TRACE(n);
+    const size_t loff = 7, roff = 4093;
+    std::memset(rb, 0, kRegion);
+    Fill(src.data() + loff, n, n);
+    ASSERT_TRUE(iep_->PostWrite({s->get(), loff, n}, AtOffset(rd, roff), ++ctx).ok());
+    auto c = Collect(1);
+    ASSERT_TRUE(c[0].ok());
+    EXPECT_EQ(c[0].op, OpType::kWrite);
+    EXPECT_EQ(c[0].context, ctx);
+    EXPECT_EQ(c[0].endpoint_id, 2u);
+    ASSERT_EQ(std::memcmp(rb + roff, src.data() + loff, n), 0);
+    EXPECT_TRUE(AllZero(rb, roff));
+    EXPECT_TRUE(AllZero(rb + roff + n, kRegion - roff - n));
+    std::memset(dst.data(), 0xEE, dst.size());
+    ASSERT_TRUE(iep_->PostRead({d->get(), 11, n}, AtOffset(rd, roff), ++ctx).ok());
+    c = Collect(1);
+    ASSERT_TRUE(c[0].ok());
+    EXPECT_EQ(c[0].op, OpType::kRead);
+    EXPECT_EQ(c[0].byte_len, n);
+    ASSERT_EQ(std::memcmp(dst.data() + 11, src.data() + loff, n), 0);
+    EXPECT_EQ(dst[10], 0xEE);
+    EXPECT_EQ(dst[11 + n], 0xEE);
+  }
+  EXPECT_EQ(iep_->outstanding(), 0);
+}
+
+// With recv_depth 4 at the target, 32 write-with-immediates: only 4 fit the doorbell ring, the
+// rest wait at the initiator (and so does a plain write posted behind them). Nothing is lost,
+// the order holds, and each payload is present when its immediate arrives.
+TEST_F(ShmTransportTest, WriteImmBackpressureKeepsOrderAndVisibility) {
+  ASSERT_NO_FATAL_FAILURE(Connect(64, 4));
+  const int kOps = 32;
+  const size_t kSlot = 8192;
+  auto remote = Alloc(target_.get(), kSlot * (kOps + 1), Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), kSlot * (kOps + 1), Access::kLocalOnly);
+  ASSERT_TRUE(remote && src);
+  auto* sb = static_cast<uint8_t*>(src->data());
+  auto* rb = static_cast<uint8_t*>(remote->data());
+  const RegionDescriptor rd = remote->descriptor();
+  for (int i = 0; i < kOps; ++i) {
+    const size_t len = 100 + i * 37;
+    Fill(sb + i * kSlot, len, 1000 + i);
+    ASSERT_TRUE(iep_->PostWriteImm({src.get(), i * kSlot, len}, AtOffset(rd, i * kSlot),
+                                   0xA000 + i, i)
+                    .ok());
+  }
+  // A plain write behind the blocked write-imms must not be executed ahead of them.
+  Fill(sb + kOps * kSlot, kSlot, 77);
+  ASSERT_TRUE(
+      iep_->PostWrite({src.get(), kOps * kSlot, kSlot}, AtOffset(rd, kOps * kSlot), 999).ok());
+  EXPECT_EQ(iep_->outstanding(), kOps + 1);
+  Completion wc[64];
+  int k = 0;
+  for (int spin = 0; spin < 100; ++spin) k += icq_->Poll(wc + k, 64 - k);
+  EXPECT_EQ(k, 4) << "only recv_depth write-imms can complete while the target is not polling";
+  EXPECT_TRUE(AllZero(rb + kOps * kSlot, kSlot)) << "a later write overtook blocked write-imms";
+
+  std::vector<uint8_t> expect(kSlot);
+  int received = 0, completed = k;
+  std::vector<uint64_t> contexts;
+  for (int i = 0; i < k; ++i) contexts.push_back(wc[i].context);
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while ((received < kOps || completed < kOps + 1) && Clock::now() < deadline) {
+    Completion t[3];
+    const int n = tcq_->Poll(t, 3);  // reap slowly
+    for (int j = 0; j < n; ++j) {
+      ASSERT_EQ(t[j].op, OpType::kRecvImm);
+      ASSERT_EQ(t[j].endpoint_id, 1u);
+      ASSERT_EQ(t[j].imm, 0xA000u + received);
+      const size_t len = 100 + received * 37;
+      ASSERT_EQ(t[j].byte_len, len);
+      Fill(expect.data(), len, 1000 + received);
+      ASSERT_EQ(std::memcmp(rb + received * kSlot, expect.data(), len), 0);
+      ++received;
+    }
+    const int m = icq_->Poll(wc, 64);
+    for (int j = 0; j < m; ++j) {
+      ASSERT_TRUE(wc[j].ok());
+      contexts.push_back(wc[j].context);
+    }
+    completed += m;
+  }
+  EXPECT_EQ(received, kOps);
+  ASSERT_EQ(completed, kOps + 1);
+  for (int i = 0; i < kOps; ++i) EXPECT_EQ(contexts[i], static_cast<uint64_t>(i));
+  EXPECT_EQ(contexts[kOps], 999u);
+  EXPECT_EQ(std::memcmp(rb + kOps * kSlot, sb + kOps * kSlot, kSlot), 0);
+  EXPECT_EQ(iep_->outstanding(), 0);
+}
+
+struct BadAccessCase {
+  const char* name;
+  int kind;  // 0 wrong rkey, 1 past the end, 2 address wraps, 3 no remote access, 4 deregistered
+};
+
+class ShmAccessErrorTest : public ShmTransportTest,
+                           public ::testing::WithParamInterface<BadAccessCase> {};
+
+TEST_P(ShmAccessErrorTest, RejectedTouchesNothingAndFlushesLaterOps) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 1 << 16;
+  auto remote = Alloc(target_.get(), n, GetParam().kind == 3 ? Access::kLocalOnly
+                                                             : Access::kRemoteReadWrite);
+  auto other = Alloc(target_.get(), n, Access::kRemoteReadWrite);
+  auto src = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(remote && other && src);
+  Fill(src->data(), n, 3);
+  RemoteSlice dst = AtOffset(remote->descriptor(), 0);
+  uint64_t len = 4096;
+  switch (GetParam().kind) {
+    case 0: dst.rkey += 1u << 16; break;  // right slot, wrong generation
+    case 1: dst.addr += n - 10; break;
+    case 2:
+      dst.addr = std::numeric_limits<uint64_t>::max() - 100;
+      len = 4096;
+      break;
+    case 3: break;
+    case 4: {
+      const RegionDescriptor d = remote->descriptor();
+      remote.reset();
+      remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);  // likely reuses the slot
+      ASSERT_TRUE(remote);
+      dst = AtOffset(d, 0);
+      break;
+    }
+  }
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, len}, dst, 1).ok());
+  // Later posts of every kind flush, in order.
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, AtOffset(other->descriptor(), 0), 2).ok());
+  ASSERT_TRUE(iep_->PostRead({src.get(), 0, 8}, AtOffset(other->descriptor(), 0), 3).ok());
+  ASSERT_TRUE(iep_->PostWriteImm({src.get(), 0, 8}, AtOffset(other->descriptor(), 0), 5, 4,
+                                 kUnsignaled)
+                  .ok());
+  auto c = Collect(4);
+  ASSERT_EQ(c.size(), 4u);
+  EXPECT_EQ(c[0].context, 1u);
+  EXPECT_EQ(c[0].status, WcStatus::kRemoteAccessError) << WcStatusName(c[0].status);
+  for (int i = 1; i < 4; ++i) {
+    EXPECT_EQ(c[i].context, static_cast<uint64_t>(i + 1));
+    EXPECT_EQ(c[i].status, WcStatus::kFlushed) << WcStatusName(c[i].status);
+  }
+  EXPECT_FALSE(iep_->status().ok());
+  EXPECT_EQ(iep_->outstanding(), 0);
+  EXPECT_TRUE(AllZero(remote->data(), n));
+  EXPECT_TRUE(AllZero(other->data(), n));
+  Completion t;
+  EXPECT_EQ(tcq_->Poll(&t, 1), 0) << "a flushed write-imm reached the target";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, ShmAccessErrorTest,
+    ::testing::Values(BadAccessCase{"WrongRkey", 0}, BadAccessCase{"PastTheEnd", 1},
+                      BadAccessCase{"AddressWraps", 2}, BadAccessCase{"NoRemoteAccess", 3},
+                      BadAccessCase{"Deregistered", 4}),
+    [](const ::testing::TestParamInfo<BadAccessCase>& i) { return std::string(i.param.name); });
+
+TEST_F(ShmTransportTest, RegisterMemoryRefusesRemoteAccessAndCuda) {
+  std::vector<uint8_t> buf(4096);
+  for (Access a : {Access::kRemoteRead, Access::kRemoteWrite, Access::kRemoteReadWrite}) {
+    auto r = target_->RegisterMemory(buf.data(), buf.size(), a, MemoryKind::kHost);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(r.status().message().find("AllocateMemory"), std::string::npos) << r.status();
+  }
+  auto cuda = target_->RegisterMemory(buf.data(), buf.size(), Access::kLocalOnly,
+                                      MemoryKind::kCuda);
+  EXPECT_EQ(cuda.status().code(), StatusCode::kUnimplemented);
+  auto ok = target_->RegisterMemory(buf.data(), buf.size(), Access::kLocalOnly,
+                                    MemoryKind::kHost);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->data(), buf.data());
+}
+
+TEST_F(ShmTransportTest, ArenaReusesFreedMemoryZeroFilled) {
+  auto f = OpenShm(64u << 20);
+  ASSERT_TRUE(f);
+  auto big = f->AllocateMemory(100u << 20, Access::kRemoteWrite);
+  EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
+  uint32_t last_rkey = 0;
+  for (int round = 0; round < 8; ++round) {
+    auto a = f->AllocateMemory(40u << 20, Access::kRemoteReadWrite);
+    ASSERT_TRUE(a.ok()) << "round " << round << ": " << a.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>((*a)->data()) % (2u << 20), 0u);
+    ASSERT_TRUE(AllZero((*a)->data(), (*a)->length()));
+    std::memset((*a)->data(), 0x5c, (*a)->length());
+    EXPECT_NE((*a)->descriptor().rkey, last_rkey) << "a reused slot needs a new generation";
+    last_rkey = (*a)->descriptor().rkey;
+  }
+  auto small = f->AllocateMemory(10, Access::kRemoteRead);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*small)->data()) % 4096, 0u);
+  EXPECT_EQ((*small)->length(), 10u);
+}
+
+TEST_F(ShmTransportTest, FilesystemPathAddressWorks) {
+  const std::string path = "/tmp/shardps-shm-test-" + std::to_string(getpid()) + ".sock";
+  ASSERT_NO_FATAL_FAILURE(Connect(16, 16, path));
+  EXPECT_EQ(address_, path);
+  auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
+  Fill(src->data(), 4096, 9);
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, AtOffset(remote->descriptor(), 0), 1).ok());
+  ASSERT_TRUE(Collect(1)[0].ok());
+  EXPECT_EQ(std::memcmp(remote->data(), src->data(), 4096), 0);
+}
+
+// The peer's endpoint goes away while a write-imm waits for ring space: that op completes with
+// kRemoteDisconnected, everything behind it and everything posted later with kFlushed.
+TEST_F(ShmTransportTest, PeerGoneFailsPendingAndFlushesLater) {
+  ASSERT_NO_FATAL_FAILURE(Connect(16, 1));
+  auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
+  const RegionDescriptor rd = remote->descriptor();
+  ASSERT_TRUE(iep_->PostWriteImm({src.get(), 0, 8}, AtOffset(rd, 0), 1, 1).ok());  // fits
+  ASSERT_TRUE(iep_->PostWriteImm({src.get(), 0, 8}, AtOffset(rd, 0), 2, 2).ok());  // blocked
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, AtOffset(rd, 0), 3).ok());        // behind
+  tep_.reset();
+  const auto t0 = Clock::now();
+  auto c = Collect(3, milliseconds(2000));
+  ASSERT_EQ(c.size(), 3u);
+  EXPECT_LT(Clock::now() - t0, milliseconds(500));
+  EXPECT_TRUE(c[0].ok());
+  EXPECT_EQ(c[1].status, WcStatus::kRemoteDisconnected) << WcStatusName(c[1].status);
+  EXPECT_EQ(c[2].status, WcStatus::kFlushed);
+  EXPECT_EQ(iep_->status().code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, AtOffset(rd, 0), 4).ok());
+  c = Collect(1);
+  EXPECT_EQ(c[0].status, WcStatus::kFlushed);
+  EXPECT_EQ(iep_->outstanding(), 0);
+}
+
+// Finds every doorbell mapping of this process (a hostile peer maps the same memfd read-write)
+// and fills its rings with garbage, indices included. Neither side may crash or read out of
+// bounds; the endpoints go to the error state.
+TEST_F(ShmTransportTest, HostileDoorbellScribblesDoNotCrash) {
+  ASSERT_NO_FATAL_FAILURE(Connect(16, 8));
+  auto remote = Alloc(target_.get(), 1 << 20, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 1 << 20, Access::kLocalOnly);
+  int scribbled = 0;
+  FILE* maps = fopen("/proc/self/maps", "r");
+  ASSERT_NE(maps, nullptr);
+  char line[512];
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  while (fgets(line, sizeof(line), maps) != nullptr) {
+    if (strstr(line, "shardps-shm-doorbell") == nullptr) continue;
+    unsigned long lo = 0, hi = 0;
+    ASSERT_EQ(sscanf(line, "%lx-%lx", &lo, &hi), 2);
+    ranges.emplace_back(lo, hi);
+  }
+  fclose(maps);
+  for (auto [lo, hi] : ranges) {
+    // Leave the header alone; garbage everywhere in the rings.
+    Fill(reinterpret_cast<uint8_t*>(lo) + 64, hi - lo - 64, 4242 + scribbled);
+    ++scribbled;
+  }
+  ASSERT_EQ(scribbled, 2) << "both sides map the connection's doorbell";
+  Completion wc[16];
+  for (int i = 0; i < 50; ++i) {
+    tcq_->Poll(wc, 16);
+    icq_->Poll(wc, 16);
+  }
+  EXPECT_FALSE(tep_->status().ok()) << "the target must notice the corrupt inbound ring";
+  Status s = iep_->PostWriteImm({src.get(), 0, 64}, AtOffset(remote->descriptor(), 0), 1, 1);
+  ASSERT_TRUE(s.ok()) << s;
+  auto c = Collect(1);
+  EXPECT_FALSE(c[0].ok()) << "a write-imm into a corrupt ring must not report success";
+  EXPECT_FALSE(iep_->status().ok());
+}
+
+// A corrupt region table at the target (an entry pointing outside the target's arena) is
+// refused by the initiator as a remote access error instead of being followed.
+TEST_F(ShmTransportTest, CorruptRegionTableEntryIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  auto remote = Alloc(target_.get(), 8192, Access::kRemoteReadWrite);
+  auto src = Alloc(initiator_.get(), 8192, Access::kLocalOnly);
+  const RegionDescriptor rd = remote->descriptor();
+  // The table: 64-byte header, then 32-byte entries {state, va, offset, length}. Find the
+  // owner's writable mapping whose entry for rd's slot names rd's address.
+  FILE* maps = fopen("/proc/self/maps", "r");
+  ASSERT_NE(maps, nullptr);
+  char line[512];
+  uint64_t* entry = nullptr;
+  while (fgets(line, sizeof(line), maps) != nullptr) {
+    if (strstr(line, "shardps-shm-regions") == nullptr || strstr(line, " rw") == nullptr) {
+      continue;
+    }
+    unsigned long lo = 0, hi = 0;
+    ASSERT_EQ(sscanf(line, "%lx-%lx", &lo, &hi), 2);
+    auto* e = reinterpret_cast<uint64_t*>(lo + 64 + 32 * (rd.rkey & 0xffff));
+    if (e[1] == rd.addr) entry = e;
+  }
+  fclose(maps);
+  ASSERT_NE(entry, nullptr);
+  entry[2] = ~0ull - 4096;  // arena offset far outside the arena
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 64}, AtOffset(rd, 0), 1).ok());
+  auto c = Collect(1);
+  EXPECT_EQ(c[0].status, WcStatus::kRemoteAccessError) << WcStatusName(c[0].status);
+  EXPECT_FALSE(iep_->status().ok());
+}
+
+TEST_F(ShmTransportTest, UnsignaledOpsReturnCreditsWithNextSignaled) {
+  ASSERT_NO_FATAL_FAILURE(Connect(8, 8));
+  auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
+  const RemoteSlice dst = AtOffset(remote->descriptor(), 0);
+  for (int i = 0; i < 7; ++i) ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, dst, i, kUnsignaled).ok());
+  Completion wc[8];
+  EXPECT_EQ(icq_->Poll(wc, 8), 0);
+  EXPECT_EQ(iep_->outstanding(), 7);
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, dst, 7).ok());
+  EXPECT_EQ(iep_->PostWrite({src.get(), 0, 8}, dst, 8).code(), StatusCode::kResourceExhausted);
+  auto c = Collect(1);
+  EXPECT_EQ(c[0].context, 7u);
+  EXPECT_EQ(iep_->outstanding(), 0);
+}
+
+TEST_F(ShmTransportTest, DestructionInAnyOrderIsSafe) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  auto remote = Alloc(target_.get(), 1 << 20, Access::kRemoteReadWrite);
+  auto src = Alloc(initiator_.get(), 1 << 20, Access::kLocalOnly);
+  ASSERT_TRUE(iep_->PostWriteImm({src.get(), 0, 100}, AtOffset(remote->descriptor(), 0), 1, 1)
+                  .ok());
+  // Fabrics first, then CQs, then endpoints, then regions.
+  target_.reset();
+  initiator_.reset();
+  tcq_.reset();
+  icq_.reset();
+  tep_.reset();
+  iep_.reset();
+  remote.reset();
+  src.reset();
+}
+
+// Not a pass/fail benchmark (the machine is shared): reports write/read bandwidth next to a
+// plain memcpy of the same size, and checks the ratio is not absurdly low.
+TEST_F(ShmTransportTest, BandwidthVersusMemcpy) {
+  ASSERT_NO_FATAL_FAILURE(Connect(64, 64));
+  for (size_t n : {size_t{1} << 20, size_t{16} << 20}) {
+    auto remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);
+    auto local = Alloc(initiator_.get(), n, Access::kLocalOnly);
+    std::vector<uint8_t> a(n, 1), b(n, 2);
+    std::memset(remote->data(), 3, n);
+    std::memset(local->data(), 4, n);
+    const int iters = n >= (16u << 20) ? 20 : 300;
+    auto gbps = [&](auto&& fn) {
+      fn();  // warm up (page faults)
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) fn();
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      return static_cast<double>(n) * iters / s / 1e9;
+    };
+    const double mc = gbps([&] { std::memcpy(b.data(), a.data(), n); });
+    auto op = [&](bool write) {
+      Status s = write ? iep_->PostWrite({local.get(), 0, n}, AtOffset(remote->descriptor(), 0), 0)
+                       : iep_->PostRead({local.get(), 0, n}, AtOffset(remote->descriptor(), 0), 0);
+      EXPECT_TRUE(s.ok());
+      Completion c;
+      while (icq_->Poll(&c, 1) == 0) {
+      }
+      EXPECT_TRUE(c.ok());
+    };
+    const double w = gbps([&] { op(true); });
+    const double r = gbps([&] { op(false); });
+    std::cerr << "[ bw ] " << (n >> 20) << " MiB: memcpy " << mc << " GB/s, write " << w
+              << " GB/s (" << w / mc << "x), read " << r << " GB/s (" << r / mc << "x)\n";
+    EXPECT_GT(w, 0.3 * mc);
+    EXPECT_GT(r, 0.3 * mc);
+  }
+}
+
+}  // namespace
+}  // namespace shardps::transport

@@ -1,0 +1,220 @@
+// Internal classes of the shm provider (same-host peers over shared memory). Setup lives in
+// shm_fabric.cc, the datapath (posts, polls) in shm_datapath.cc.
+//
+// Ownership: every object holds a shared_ptr to what it needs (FabricCore, CqState), so the
+// Fabric, its CQs, endpoints, listeners and regions may be destroyed in any order.
+#ifndef SHARDPS_TRANSPORT_SHM_SHM_INTERNAL_H_
+#define SHARDPS_TRANSPORT_SHM_SHM_INTERNAL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transport/flow_control.h"
+#include "transport/shm/shm_layout.h"
+#include "transport/transport.h"
+
+namespace shardps::transport::shm {
+
+constexpr uint64_t kDefaultArenaBytes = 64ull << 30;
+
+// One fabric's arena and region table. Thread-safe: the allocator and the table's slot
+// bookkeeping are under mu_; arena()/table accessors are immutable after Create.
+class FabricCore {
+ public:
+  static StatusOr<std::shared_ptr<FabricCore>> Create(uint64_t arena_reserve);
+  ~FabricCore();
+
+  struct Range {
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  // Carves a page-aligned (2 MiB aligned for >= 2 MiB) zero-filled range of the arena.
+  StatusOr<Range> Carve(uint64_t length);
+  // Punches the range out of the arena (memory goes back to the kernel) and frees it.
+  void Release(Range r);
+  // Publishes a live table entry; returns its rkey.
+  StatusOr<uint32_t> Publish(uint64_t va, uint64_t offset, uint64_t length, Access access);
+  // Marks the entry dead (release store) so every later remote access is rejected.
+  void Retract(uint32_t rkey);
+
+  uint8_t* arena() const { return arena_map_.data(); }
+  uint64_t arena_size() const { return arena_size_; }
+  int arena_fd() const { return arena_fd_.get(); }
+  int table_fd() const { return table_fd_.get(); }
+  std::string NextListenName();
+
+ private:
+  FabricCore() = default;
+
+  UniqueFd arena_fd_;
+  UniqueFd table_fd_;
+  Mapping arena_map_;
+  Mapping table_map_;
+  uint64_t arena_size_ = 0;
+  TableEntry* entries_ = nullptr;
+
+  std::mutex mu_;
+  std::map<uint64_t, uint64_t> free_;  // offset -> bytes, coalesced; guarded by mu_
+  std::vector<uint32_t> free_slots_;   // guarded by mu_
+  std::atomic<uint32_t> listen_seq_{0};
+};
+
+// A region of an shm fabric. Accessors are const and thread-safe; the destructor (any thread)
+// retracts the table entry before it returns the range to the arena.
+class ShmRegion final : public MemoryRegion {
+ public:
+  ShmRegion(std::shared_ptr<FabricCore> core, void* data, size_t length, Access access,
+            uint32_t rkey, bool published, FabricCore::Range range, bool owned)
+      : MemoryRegion(data, length, access, MemoryKind::kHost),
+        core_(std::move(core)),
+        rkey_(rkey),
+        published_(published),
+        range_(range),
+        owned_(owned) {}
+  ~ShmRegion() override;
+  RegionDescriptor descriptor() const override;
+  const FabricCore* core() const { return core_.get(); }
+
+ private:
+  std::shared_ptr<FabricCore> core_;
+  const uint32_t rkey_;
+  const bool published_;
+  const FabricCore::Range range_;
+  const bool owned_;
+};
+
+class ShmEndpoint;
+
+// State of one completion queue, shared by the CQ object and its endpoints. Used only by the
+// CQ's polling thread (attach and detach included, as flow_control.h requires).
+struct CqState {
+  explicit CqState(int depth) : quota(depth), ring(static_cast<size_t>(depth)) {}
+
+  struct Entry {
+    Completion wc;
+    ShmEndpoint* ep = nullptr;  // credits go back to it when the entry is delivered
+    int credits = 0;
+  };
+  // Initiator completions, in order. Capacity depth >= sum of send_depth of the attached
+  // endpoints >= entries ever queued (each holds a send credit until delivered).
+  void Push(const Entry& e);
+  void Purge(const ShmEndpoint* ep);  // drops the entries of a destroyed endpoint
+
+  CqQuota quota;
+  std::vector<Entry> ring;
+  size_t head = 0;
+  size_t count = 0;
+  std::vector<ShmEndpoint*> endpoints;
+  size_t next_inbound = 0;  // round-robin start of the inbound scan
+};
+
+// Thread-compatible: owned by its polling thread.
+class ShmCompletionQueue final : public CompletionQueue {
+ public:
+  explicit ShmCompletionQueue(int depth) : state_(std::make_shared<CqState>(depth)) {}
+  int Poll(Completion* out, int max) override;
+  int Wait(Completion* out, int max, std::chrono::microseconds timeout) override;
+  int depth() const override { return state_->quota.depth(); }
+  const std::shared_ptr<CqState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<CqState> state_;
+};
+
+// What Connect/Accept hand to the endpoint: the socket and every mapping of the connection.
+struct ConnectionParts {
+  UniqueFd sock;
+  Mapping peer_arena;    // read-write: the peer's memory to write into and read from
+  Mapping peer_table;    // read-only
+  Mapping doorbell;      // read-write, both rings
+  uint32_t cap0 = 0;     // ring 0: connector -> acceptor, capacity = acceptor's recv_depth
+  uint32_t cap1 = 0;     // ring 1: acceptor -> connector, capacity = connector's recv_depth
+  bool is_acceptor = false;
+  uint32_t peer_pid = 0;
+  std::string description;
+};
+
+// One connection. Owned and used by the polling thread of its CQ.
+class ShmEndpoint final : public Endpoint {
+ public:
+  // The CQ quota (send_depth + recv_depth) must already be reserved; the endpoint releases it.
+  ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqState> cq,
+              const EndpointOptions& options, ConnectionParts parts);
+  ~ShmEndpoint() override;
+
+  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
+                   uint32_t flags) override;
+  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
+                      uint64_t context, uint32_t flags) override;
+  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
+                  uint32_t flags) override;
+  Status status() const override { return status_; }
+  int outstanding() const override { return credits_.outstanding(); }
+  std::string DebugString() const override { return description_; }
+
+  // Called by the CQ's Poll.
+  void Progress(int64_t now_ns);                 // liveness check + backlog drain
+  int PollInbound(Completion* out, int max);     // kRecvImm from the inbound ring
+  void ReturnCredits(int n) { credits_.Return(n); }
+
+ private:
+  struct Op {
+    OpType op = OpType::kWrite;
+    LocalSlice local;
+    RemoteSlice remote;
+    uint32_t imm = 0;
+    uint64_t context = 0;
+    uint32_t flags = 0;
+    bool copied = false;  // the memcpy is done; only the doorbell push is left
+  };
+  enum class Outcome { kDone, kBlocked };
+
+  Status Post(const Op& op);
+  Outcome Execute(Op& op);
+  // Resolves [addr, addr+len) of the peer's region named by rkey to a local pointer, or
+  // explains why the access is refused.
+  bool Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_t** out,
+               std::string* why) const;
+  void Complete(const Op& op, WcStatus st);
+  // Moves into the error state (once): the backlog's front op gets front_status, the rest
+  // kFlushed.
+  void Fail(Status why, WcStatus front_status);
+  void FlushBacklog(WcStatus front_status);
+  void CheckPeer();
+
+  std::shared_ptr<FabricCore> core_;
+  std::shared_ptr<CqState> cq_;
+  ConnectionParts parts_;
+  const int recv_depth_;
+  SendCredits credits_;
+
+  // Peer's memory, validated at connect.
+  uint8_t* peer_arena_ = nullptr;
+  uint64_t peer_arena_size_ = 0;
+  const TableEntry* peer_entries_ = nullptr;
+  RingView out_;  // this side produces
+  RingView in_;   // this side consumes
+
+  Status status_;
+  bool error_ = false;
+  bool peer_gone_ = false;
+  bool inbound_broken_ = false;
+  int unsignaled_ = 0;  // successful unsignaled ops since the last queued completion
+  int64_t next_check_ns_ = 0;
+
+  // Ops waiting behind a write-with-immediate whose doorbell ring was full; post order.
+  std::vector<Op> backlog_;
+  size_t backlog_head_ = 0;
+  size_t backlog_count_ = 0;
+
+  std::string description_;
+};
+
+}  // namespace shardps::transport::shm
+
+#endif  // SHARDPS_TRANSPORT_SHM_SHM_INTERNAL_H_
