@@ -1,0 +1,335 @@
+// Internal classes of the tcp provider. See tcp_wire.h for the wire format.
+//
+// Threading model:
+//  * TcpEngine owns one progress thread per fabric (epoll, blocking in epoll_wait). It serves
+//    every inbound request (target role), receives every response (initiator role), pushes
+//    completions into CQs and continues partial sends when a socket becomes writable.
+//  * The application's polling thread posts (the send is attempted inline, under the
+//    endpoint's send mutex), polls CQs and destroys endpoints/CQs/regions.
+//  * Setup (Connect/Accept/Listen/registration) may run on any thread; it takes the engine's
+//    setup mutex. State the progress thread owns is changed only by closures run on it
+//    (TcpEngine::RunSync), which is how endpoints and regions leave safely.
+#ifndef SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
+#define SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
+
+#include <netinet/in.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "transport/flow_control.h"
+#include "transport/tcp/tcp_wire.h"
+#include "transport/transport.h"
+
+namespace shardps::transport::tcp {
+
+class TcpEndpoint;
+class TcpCompletionQueue;
+
+// An owned file descriptor (closed on destruction). Not thread-safe.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { Reset(); }
+  Fd(Fd&& o) noexcept : fd_(o.Release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      fd_ = o.Release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int Release() {
+    const int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void Reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// Result of checking a remote access against the registry, as an HCA would.
+enum class AccessCheck : uint8_t { kOk, kUnknownRkey, kOutOfBounds, kNoAccess };
+
+// Shared state of one tcp fabric: the rkey registry, the progress thread, the setup lock.
+// Held by shared_ptr by every object made from the fabric, so destroying them in any order is
+// safe. Thread-safe unless a method says "progress thread".
+class TcpEngine {
+ public:
+  static StatusOr<std::shared_ptr<TcpEngine>> Create(const FabricOptions& options);
+  ~TcpEngine();
+  TcpEngine(const TcpEngine&) = delete;
+  TcpEngine& operator=(const TcpEngine&) = delete;
+
+  const FabricOptions& options() const { return options_; }
+  std::mutex& setup_mu() { return setup_mu_; }
+
+  // Stops and joins the progress thread (fabric destruction). Later RunSync calls run inline.
+  void Shutdown();
+
+  // ---- region registry (any thread) ----
+  uint32_t RegisterRegion(char* base, uint64_t length, Access access);
+  // Removes the rkey, then fences the progress thread: when this returns, no receive or send
+  // of the engine touches [base, base+length) any more.
+  void DeregisterRegion(uint32_t rkey, char* base, uint64_t length);
+  // Progress thread (or anyone): checks [addr, addr+len) of rkey for the right; on kOk stores
+  // the local pointer.
+  AccessCheck Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write, char** out);
+
+  // ---- progress thread plumbing ----
+  // Runs fn on the progress thread and waits for it (inline when called from it, or when the
+  // thread is stopped).
+  void RunSync(const std::function<void()>& fn);
+  void Wake();
+  bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
+  // Progress thread: endpoint membership and the set of read-paused endpoints.
+  Status AddEndpoint(TcpEndpoint* ep);
+  void RemoveEndpoint(TcpEndpoint* ep);
+  void AddPaused(TcpEndpoint* ep) { paused_.push_back(ep); }
+  // Progress thread: stop watching a failed endpoint's socket.
+  void Unwatch(int fd);
+  char* scratch() { return scratch_.data(); }
+  size_t scratch_size() const { return scratch_.size(); }
+  // Progress thread: read-only zero bytes of at least n (replaces a vanished send source).
+  const char* Zeros(uint64_t n);
+
+ private:
+  explicit TcpEngine(const FabricOptions& options);
+  void Loop();
+  void RunClosures();
+  void ResumePaused();
+
+  const FabricOptions options_;
+  std::mutex setup_mu_;
+
+  std::mutex reg_mu_;
+  struct RegionEntry {
+    char* base;
+    uint64_t length;
+    Access access;
+  };
+  std::unordered_map<uint32_t, RegionEntry> regions_;  // guarded by reg_mu_
+  std::atomic<uint32_t> next_rkey_;
+
+  Fd epoll_fd_;
+  Fd event_fd_;
+  std::thread thread_;
+  std::thread::id thread_id_;
+  std::atomic<bool> stop_{false};
+
+  struct Closure {
+    const std::function<void()>* fn;
+    bool done;
+  };
+  std::mutex cl_mu_;
+  std::condition_variable cl_cv_;
+  std::vector<Closure*> closures_;  // guarded by cl_mu_
+  bool running_ = false;            // guarded by cl_mu_
+
+  // Progress thread only.
+  std::vector<TcpEndpoint*> endpoints_;
+  std::vector<TcpEndpoint*> paused_;
+  std::vector<char> scratch_;
+  std::vector<std::pair<void*, size_t>> zero_maps_;
+};
+
+// A registered region: an rkey registry entry; AllocateMemory regions own their mapping.
+// Accessors are const and thread-safe; destroy on any thread with no local ops outstanding.
+class TcpRegion final : public MemoryRegion {
+ public:
+  TcpRegion(std::shared_ptr<TcpEngine> engine, void* data, size_t length, Access access,
+            size_t owned_map_bytes);
+  ~TcpRegion() override;
+  RegionDescriptor descriptor() const override;
+  const TcpEngine* engine() const { return engine_.get(); }
+
+ private:
+  std::shared_ptr<TcpEngine> engine_;
+  const uint32_t rkey_;
+  const size_t owned_map_bytes_;  // 0: caller memory
+};
+
+// A CQ: a mutex-guarded ring filled by the progress thread (and by posts on errored
+// endpoints), drained by the polling thread. Poll/Wait/destruction: the polling thread only.
+class TcpCompletionQueue final : public CompletionQueue {
+ public:
+  TcpCompletionQueue(std::shared_ptr<TcpEngine> engine, int depth);
+  ~TcpCompletionQueue() override;
+  int Poll(Completion* out, int max) override;
+  int Wait(Completion* out, int max, std::chrono::microseconds timeout) override;
+  int depth() const override { return depth_; }
+
+  // Any thread. credits: send credits this completion returns to ep when polled (kRecvImm: 0).
+  void Push(const Completion& c, TcpEndpoint* ep, uint32_t credits);
+  // Polling thread: drops ep's entries (endpoint destruction).
+  void Purge(TcpEndpoint* ep);
+
+  const TcpEngine* engine() const { return engine_.get(); }
+  // Guarded by the engine's setup mutex.
+  CqQuota& quota() { return quota_; }
+  std::unordered_set<TcpEndpoint*>& attached() { return attached_; }
+
+ private:
+  struct Entry {
+    Completion c;
+    TcpEndpoint* ep;
+    uint32_t credits;
+  };
+  std::shared_ptr<TcpEngine> engine_;
+  const int depth_;
+  CqQuota quota_;
+  std::unordered_set<TcpEndpoint*> attached_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Entry> ring_;  // guarded by mu_
+  size_t head_ = 0;          // guarded by mu_
+  size_t size_ = 0;          // guarded by mu_
+  int waiters_ = 0;          // guarded by mu_
+  std::atomic<size_t> count_{0};
+};
+
+// One connection. Posts, status(), outstanding() and destruction: the polling thread of its
+// CQ. OnEvents/TryResume/OnRegionGone: the progress thread. See tcp_datapath.cc.
+class TcpEndpoint final : public Endpoint {
+ public:
+  TcpEndpoint(std::shared_ptr<TcpEngine> engine, Fd fd, TcpCompletionQueue* cq,
+              const EndpointOptions& options, std::string local, std::string remote);
+  ~TcpEndpoint() override;
+
+  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
+                   uint32_t flags) override;
+  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
+                      uint64_t context, uint32_t flags) override;
+  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
+                  uint32_t flags) override;
+  Status status() const override;
+  int outstanding() const override { return credits_.outstanding(); }
+  std::string DebugString() const override;
+
+  int fd() const { return fd_.get(); }
+
+  // Polling thread (from TcpCompletionQueue::Poll / destructor).
+  void ReturnCredits(uint32_t n) { credits_.Return(static_cast<int>(n)); }
+  void OnRecvImmReaped();
+  void DetachCq();
+
+  // Progress thread.
+  void OnEvents(uint32_t events);
+  bool TryResume();  // true when no longer waiting for the app to reap immediates
+  void OnRegionGone(const char* base, uint64_t length);
+
+ private:
+  struct PendingOp {
+    uint64_t context;
+    uint64_t length;
+    char* local;  // read sink
+    uint64_t raddr;
+    uint32_t rkey;
+    uint32_t imm;
+    OpType type;
+    bool signaled;
+  };
+  struct Segment {
+    FrameHeader hdr;
+    const char* payload;
+    uint64_t payload_len;
+  };
+  enum class RxState : uint8_t { kHeader, kPayload, kDrain };
+  enum class RxAction : uint8_t { kNone, kWrite, kWriteImm, kReadResp, kNak, kReadRespGone };
+  enum class IoResult : uint8_t { kAgain, kRetry, kDead };
+
+  Status Post(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+              uint64_t context, uint32_t flags);
+  // op_mu_ held.
+  void CompleteLocked(const PendingOp& op, WcStatus status);
+  void CompleteUpToLocked(uint64_t seq);
+  // send_mu_ held.
+  void PushSegmentLocked(const Segment& s);
+  Status FlushLocked();
+  // Progress thread.
+  void OnReadable();
+  IoResult HandleIoError(ssize_t n);
+  void HandleHeader();
+  void StartPayload(char* dest, uint64_t len, RxAction action);
+  void StartDrain(uint64_t len, RxAction action);
+  void FinishPayload();
+  bool TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len);
+  void MaybeAck();
+  void SendResponse(const Segment& s);
+  void SendNak(const FrameHeader& req, uint8_t reason);
+  void ProtocolError(const std::string& what);
+  void Fail(WcStatus wc, Status why);
+
+  std::shared_ptr<TcpEngine> engine_;
+  Fd fd_;
+  const int send_depth_;
+  const int recv_depth_;
+  const std::string local_;
+  const std::string remote_;
+  SendCredits credits_;  // polling thread
+
+  // Initiator side: pending operations, error state, CQ pointer.
+  mutable std::mutex op_mu_;
+  TcpCompletionQueue* cq_;           // guarded by op_mu_ (written by the polling thread)
+  std::vector<PendingOp> ring_;      // guarded by op_mu_; index seq % send_depth_
+  uint64_t post_seq_ = 0;            // guarded by op_mu_: last posted
+  uint64_t acked_seq_ = 0;           // guarded by op_mu_: last completed
+  uint32_t unsignaled_credits_ = 0;  // guarded by op_mu_
+  Status error_;                     // guarded by op_mu_
+  bool errored_ = false;             // guarded by op_mu_
+
+  // Send side (both roles).
+  std::mutex send_mu_;
+  std::vector<Segment> txq_;  // guarded by send_mu_ (ring)
+  size_t tx_head_ = 0;        // guarded by send_mu_
+  size_t tx_count_ = 0;       // guarded by send_mu_
+  uint64_t tx_off_ = 0;       // guarded by send_mu_: bytes of the head segment sent
+  bool tx_closed_ = false;    // guarded by send_mu_
+  Status tx_error_;           // guarded by send_mu_
+
+  // Receive side: progress thread only, except the atomics.
+  RxState rx_state_ = RxState::kHeader;
+  RxAction rx_action_ = RxAction::kNone;
+  FrameHeader rx_hdr_{};
+  alignas(8) char hdr_buf_[kHeaderSize];
+  size_t hdr_got_ = 0;
+  char* rx_dest_ = nullptr;
+  uint64_t rx_left_ = 0;
+  uint8_t rx_nak_reason_ = kNakNone;
+  bool rx_discard_ = false;  // a NAK was sent: later requests are discarded
+  bool rx_dead_ = false;
+  bool resp_pending_ = false;  // responses queued, not yet flushed
+  uint64_t exec_seq_ = 0;        // last request executed (target role)
+  uint64_t acked_sent_ = 0;      // last seq acknowledged to the peer
+  uint64_t unacked_bytes_ = 0;
+  uint64_t pend_seq_ = 0;        // a kRecvImm waiting for the app to reap (paused)
+  uint32_t pend_imm_ = 0;
+  uint64_t pend_len_ = 0;
+  std::atomic<bool> rx_paused_{false};
+  std::atomic<int> recv_unreaped_{0};
+};
+
+// Parses "host:port" (host may be a name; empty = any).
+Status ParseAddress(const std::string& address, struct sockaddr_in* out);
+std::string SockaddrToString(const struct sockaddr_in& sa);
+
+}  // namespace shardps::transport::tcp
+
+#endif  // SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_

@@ -1,0 +1,103 @@
+// Wire format of the tcp provider (version 1). Internal to transport/tcp/.
+//
+// A connection is one TCP stream per endpoint pair, full duplex: each side is an initiator
+// (sends requests, receives responses) and a target (receives requests, sends responses) at
+// once. All integers are little-endian (the provider refuses to build on big-endian hosts).
+//
+//   stream     = hello *frame
+//   hello      = magic version header_size reserved send_depth recv_depth endpoint_id
+//   magic      = u32 0x43545053 ("SPTC")       ; both sides send a hello, then read the peer's
+//   version    = u16 1                         ; a mismatch closes the connection
+//   header_size= u16 40
+//   reserved   = u32 0
+//   send_depth = u32, recv_depth = u32         ; informational
+//   endpoint_id= u64                           ; informational (logs)
+//
+//   frame      = header [payload]
+//   header     = fmagic opcode reason flags imm rkey reserved addr length seq   ; 40 bytes
+//   fmagic     = u8 0xA5                       ; resynchronisation guard
+//   opcode     = u8: 1 WRITE, 2 WRITE_IMM, 3 READ_REQ, 4 READ_RESP, 5 ACK, 6 NAK
+//   reason     = u8 (NAK only): 1 unknown rkey, 2 out of bounds, 3 access right missing,
+//                4 region deregistered during the transfer
+//   flags      = u8 0
+//   imm        = u32 (WRITE_IMM)
+//   rkey       = u32 (requests; echoed in NAK)
+//   reserved   = u32 0
+//   addr       = u64 target virtual address (requests; echoed in NAK)
+//   length     = u64 payload bytes (WRITE, WRITE_IMM, READ_RESP) or bytes asked (READ_REQ)
+//   seq        = u64 request sequence number, 1, 2, 3... per direction
+//
+// Requests (initiator -> target): WRITE and WRITE_IMM carry `length` payload bytes, which the
+// target receives straight into the region (or into a scratch sink when the access check
+// fails). READ_REQ has no payload. A target executes requests strictly in seq order.
+//
+// Responses (target -> initiator), all cumulative: ACK(seq) says every request up to seq was
+// executed; READ_RESP(seq) carries the read's bytes (sent straight from the region) and also
+// acknowledges every request before seq; NAK(seq, reason) says requests before seq were
+// executed and request seq was rejected; the target then discards (never executes) every later
+// request on that connection, and the initiator moves its endpoint into the error state and
+// closes the connection. ACKs are coalesced: one after draining what the socket had readable
+// (and at least every 64 requests / 4 MiB during a long drain).
+#ifndef SHARDPS_TRANSPORT_TCP_TCP_WIRE_H_
+#define SHARDPS_TRANSPORT_TCP_TCP_WIRE_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace shardps::transport::tcp {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "tcp wire format assumes little-endian");
+
+constexpr uint32_t kHelloMagic = 0x43545053;  // "SPTC"
+constexpr uint16_t kWireVersion = 1;
+constexpr uint8_t kFrameMagic = 0xA5;
+// Larger requests are treated as hostile (a peer could otherwise make us drain forever).
+constexpr uint64_t kMaxMessageBytes = 1ull << 40;
+
+struct Hello {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t header_size;
+  uint32_t reserved;
+  uint32_t send_depth;
+  uint32_t recv_depth;
+  uint32_t reserved2;
+  uint64_t endpoint_id;
+};
+static_assert(sizeof(Hello) == 32, "hello layout");
+
+enum Opcode : uint8_t {
+  kOpWrite = 1,
+  kOpWriteImm = 2,
+  kOpReadReq = 3,
+  kOpReadResp = 4,
+  kOpAck = 5,
+  kOpNak = 6,
+};
+
+enum NakReason : uint8_t {
+  kNakNone = 0,
+  kNakUnknownRkey = 1,
+  kNakOutOfBounds = 2,
+  kNakNoAccess = 3,
+  kNakDeregistered = 4,
+};
+
+struct FrameHeader {
+  uint8_t magic;
+  uint8_t opcode;
+  uint8_t reason;
+  uint8_t flags;
+  uint32_t imm;
+  uint32_t rkey;
+  uint32_t reserved;
+  uint64_t addr;
+  uint64_t length;
+  uint64_t seq;
+};
+constexpr size_t kHeaderSize = 40;
+static_assert(sizeof(FrameHeader) == kHeaderSize, "frame header layout");
+
+}  // namespace shardps::transport::tcp
+
+#endif  // SHARDPS_TRANSPORT_TCP_TCP_WIRE_H_
