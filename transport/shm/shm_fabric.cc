@@ -56,9 +56,29 @@ StatusOr<UniqueFd> MakeMemfd(const char* name) {
   return UniqueFd(fd);
 }
 
-StatusOr<Mapping> MapFd(int fd, size_t len, int prot, const char* what) {
-  void* p = mmap(nullptr, len, prot, MAP_SHARED | MAP_NORESERVE, fd, 0);
-  if (p == MAP_FAILED) return ErrnoError(std::string("shm: mmap ") + what, errno);
+// Maps fd shared at an address aligned to `align` (a power of two >= the page size): reserves
+// len + align bytes of address space, maps the file over the aligned part, trims the slack.
+StatusOr<Mapping> MapFd(int fd, size_t len, int prot, const char* what, size_t align = kPage) {
+  if (align <= kPage) {
+    void* p = mmap(nullptr, len, prot, MAP_SHARED | MAP_NORESERVE, fd, 0);
+    if (p == MAP_FAILED) return ErrnoError(std::string("shm: mmap ") + what, errno);
+    return Mapping(p, len);
+  }
+  void* r = mmap(nullptr, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (r == MAP_FAILED) return ErrnoError(std::string("shm: reserving space for ") + what, errno);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(r);
+  const uintptr_t aligned = (base + align - 1) & ~(static_cast<uintptr_t>(align) - 1);
+  void* p = mmap(reinterpret_cast<void*>(aligned), len, prot,
+                 MAP_SHARED | MAP_FIXED | MAP_NORESERVE, fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    munmap(r, len + align);
+    return ErrnoError(std::string("shm: mmap ") + what, err);
+  }
+  if (aligned > base) munmap(r, aligned - base);
+  const uintptr_t end = aligned + len;
+  if (base + len + align > end) munmap(reinterpret_cast<void*>(end), base + len + align - end);
   return Mapping(p, len);
 }
 
@@ -71,7 +91,8 @@ Status Seal(int fd, int seals, const char* what) {
 
 // Maps a memfd received from a peer after checking that it is a regular file of the expected
 // size that can no longer shrink (so the mapping can never SIGBUS this process).
-StatusOr<Mapping> MapPeerFd(int fd, uint64_t size, int prot, const char* what) {
+StatusOr<Mapping> MapPeerFd(int fd, uint64_t size, int prot, const char* what,
+                            size_t align = kPage) {
   struct stat st;
   if (fstat(fd, &st) != 0) return ErrnoError(std::string("shm: fstat peer ") + what, errno);
   if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) != size) {
@@ -83,7 +104,7 @@ StatusOr<Mapping> MapPeerFd(int fd, uint64_t size, int prot, const char* what) {
     return FailedPreconditionError(std::string("shm: peer's ") + what +
                                    " is not sealed against shrinking");
   }
-  return MapFd(fd, size, prot, what);
+  return MapFd(fd, size, prot, what, align);
 }
 
 // "@name" or "name": abstract namespace; anything with a '/': a filesystem path.
@@ -258,7 +279,7 @@ class QuotaGuard {
 // Maps the peer's arena (read-write) and table (read-only) and checks the table's header.
 Status MapPeerMemory(const Hello& h, int arena_fd, int table_fd, ConnectionParts* parts) {
   ASSIGN_OR_RETURN(parts->peer_arena,
-                   MapPeerFd(arena_fd, h.arena_size, PROT_READ | PROT_WRITE, "arena"));
+                   MapPeerFd(arena_fd, h.arena_size, PROT_READ | PROT_WRITE, "arena", kHugePage));
   ASSIGN_OR_RETURN(parts->peer_table, MapPeerFd(table_fd, kTableBytes, PROT_READ, "table"));
   const auto* th = reinterpret_cast<const TableHeader*>(parts->peer_table.data());
   if (th->magic.load(std::memory_order_acquire) != kTableMagic ||
@@ -305,7 +326,7 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   Status last;
   for (;;) {
     if (ftruncate(core->arena_fd_.get(), static_cast<off_t>(size)) == 0) {
-      auto m = MapFd(core->arena_fd_.get(), size, PROT_READ | PROT_WRITE, "arena");
+      auto m = MapFd(core->arena_fd_.get(), size, PROT_READ | PROT_WRITE, "arena", kHugePage);
       if (m.ok()) {
         core->arena_map_ = std::move(*m);
         break;
