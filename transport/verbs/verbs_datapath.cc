@@ -1,0 +1,504 @@
+// Data path of the verbs provider: posting, completion processing, selective signaling, the
+// RC error state, and Poll/Wait. Everything here runs on the polling thread of one CQ.
+//
+// Send-queue bookkeeping. Each endpoint numbers its posts with a 32-bit sequence; the op ring
+// slot is sequence % send_depth and the sequence travels in the wr_id. RC completes in post
+// order, so a completion for sequence s also completes every earlier unsignaled post: their
+// send credits ride on that completion (returned to the caller when it is polled, or at once
+// when the WR was signaled only so that the queue could be reaped). Because one WR in every
+// signal_interval (<= send_depth) is signaled, the send queue can always be reaped.
+//
+// Error state. The first error completion (or a dead bootstrap socket) moves the QP to ERR and
+// posts a signaled drain marker (the send queue has one spare entry for it, like the kernel's
+// ib_drain_sq). Everything still outstanding then completes with kFlushed, whether or not the
+// provider emits a flush completion for unsignaled WRs; posts made after the error are never
+// handed to the QP and complete with kFlushed from the next Poll, in post order.
+#include <arpa/inet.h>
+#include <glog/logging.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "transport/verbs/verbs_internal.h"
+
+namespace shardps::transport::verbs {
+namespace {
+
+constexpr int kPollBatch = 32;
+// Bootstrap sockets are probed for EOF at most this often from Poll (one recv(MSG_PEEK) per
+// endpoint); Wait also sleeps on them, so a dead peer is noticed within a few milliseconds.
+constexpr auto kLivenessInterval = std::chrono::milliseconds(2);
+constexpr auto kWaitSpin = std::chrono::microseconds(50);
+constexpr unsigned kAckEventsBatch = 64;
+static_assert(kPollBatch > 0 && kAckEventsBatch > 0, "batch sizes must be positive");
+
+// The endpoint's status() after an error completion: the cause first, then where and the raw
+// verbs status, e.g. "remote access error (bad rkey, out of bounds or missing access right):
+// write on verbs:a->b [ibv: remote access error, vendor_err 0x0]".
+Status StatusForWc(const ibv_wc& wc, const std::string& where) {
+  char vendor[16];
+  snprintf(vendor, sizeof(vendor), "%x", wc.vendor_err);
+  const std::string tail =
+      ": " + where + " [ibv: " + ibv_wc_status_str(wc.status) + ", vendor_err 0x" + vendor + "]";
+  switch (wc.status) {
+    case IBV_WC_REM_ACCESS_ERR:
+      return PermissionDeniedError(
+          "remote access error (bad rkey, out of bounds or missing access right)" + tail);
+    case IBV_WC_RETRY_EXC_ERR:
+      return UnavailableError("retry exceeded: peer not answering" + tail);
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return UnavailableError("RNR retry exceeded: peer not receiving" + tail);
+    case IBV_WC_REM_OP_ERR:
+    case IBV_WC_REM_INV_REQ_ERR:
+    case IBV_WC_REM_INV_RD_REQ_ERR:
+    case IBV_WC_REM_ABORT_ERR:
+      return AbortedError("remote operation error" + tail);
+    default:
+      return InternalError("local error" + tail);
+  }
+}
+
+}  // namespace
+
+WcStatus MapWcStatus(ibv_wc_status s) {
+  switch (s) {
+    case IBV_WC_SUCCESS: return WcStatus::kSuccess;
+    case IBV_WC_REM_ACCESS_ERR: return WcStatus::kRemoteAccessError;
+    case IBV_WC_RETRY_EXC_ERR:
+    case IBV_WC_RNR_RETRY_EXC_ERR: return WcStatus::kRetryExceeded;
+    case IBV_WC_WR_FLUSH_ERR: return WcStatus::kFlushed;
+    case IBV_WC_REM_OP_ERR:
+    case IBV_WC_REM_INV_REQ_ERR:
+    case IBV_WC_REM_INV_RD_REQ_ERR:
+    case IBV_WC_REM_ABORT_ERR:
+    case IBV_WC_BAD_RESP_ERR: return WcStatus::kRemoteOperationError;
+    default: return WcStatus::kLocalError;  // LOC_*, MW_BIND, FATAL, GENERAL, ...
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// VerbsEndpoint
+
+VerbsEndpoint::VerbsEndpoint(std::shared_ptr<VerbsDevice> device, std::shared_ptr<CqState> cq,
+                             QpPtr qp, EndpointConfig config)
+    : Endpoint(config.options.endpoint_id),
+      device_(std::move(device)),
+      cq_(std::move(cq)),
+      qp_(std::move(qp)),
+      config_(std::move(config)),
+      credits_(config_.options.send_depth),
+      ring_(static_cast<size_t>(config_.options.send_depth)) {}
+
+VerbsEndpoint::~VerbsEndpoint() {
+  if (attached_) {
+    cq_->detach(this, cq_slot_, config_.options.send_depth + config_.options.recv_depth);
+  }
+  // Members then go in reverse order: socket (the peer sees EOF), QP, CQ, device.
+}
+
+Status VerbsEndpoint::start() {
+  RETURN_IF_ERROR(cq_->attach(this, config_.options.send_depth + config_.options.recv_depth,
+                              &cq_slot_, &gen_));
+  attached_ = true;
+  return postRecv(config_.options.recv_depth);
+}
+
+Status VerbsEndpoint::postRecv(int count) {
+  for (int i = 0; i < count; ++i) {
+    ibv_recv_wr wr{};
+    wr.wr_id = MakeWrId(WrKind::kRecv, cq_slot_, gen_, 0);
+    wr.sg_list = nullptr;  // write-with-immediate consumes a receive but carries no payload
+    wr.num_sge = 0;
+    ibv_recv_wr* bad = nullptr;
+    if (int rc = ibv_post_recv(qp_.get(), &wr, &bad); rc != 0) {
+      return InternalError(std::string("verbs: ibv_post_recv: ") + strerror(rc));
+    }
+  }
+  return Status::OK();
+}
+
+Status VerbsEndpoint::PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
+                                uint32_t flags) {
+  return post(OpType::kWrite, src, dst, 0, context, flags);
+}
+Status VerbsEndpoint::PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
+                                   uint64_t context, uint32_t flags) {
+  return post(OpType::kWriteImm, src, dst, imm, context, flags);
+}
+Status VerbsEndpoint::PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
+                               uint32_t flags) {
+  return post(OpType::kRead, dst, src, 0, context, flags);
+}
+
+Status VerbsEndpoint::post(OpType op, const LocalSlice& local, const RemoteSlice& remote,
+                           uint32_t imm, uint64_t context, uint32_t flags) {
+  const auto* region = dynamic_cast<const VerbsMemoryRegion*>(local.region);
+  if (region == nullptr || region->device() != device_.get()) {
+    return InvalidArgumentError("verbs: the local region was not registered by this fabric");
+  }
+  if (local.offset > region->length() || local.length > region->length() - local.offset) {
+    return OutOfRangeError("verbs: local slice [" + std::to_string(local.offset) + ", +" +
+                           std::to_string(local.length) + ") exceeds its region of " +
+                           std::to_string(region->length()) + " bytes");
+  }
+  if (local.length > (uint64_t{1} << 31)) {
+    return InvalidArgumentError("verbs: one operation moves at most 2 GiB");
+  }
+  RETURN_IF_ERROR(credits_.Take());
+  const uint32_t seq = head_seq_++;
+  OpSlot& slot = ring_[seq % ring_.size()];
+  slot.context = context;
+  slot.imm = imm;
+  slot.length = static_cast<uint32_t>(local.length);
+  slot.op = op;
+  slot.user_signaled = !(flags & kUnsignaled);
+  slot.posted = false;
+  if (!error_.ok()) {
+    // Verbs-like: the op is accepted and completes with kFlushed from the next Poll.
+    if (drained_) cq_->markSoftwareProgress(this);
+    return Status::OK();
+  }
+
+  const bool signaled = slot.user_signaled || unsignaled_run_ + 1 >= config_.signal_interval;
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<uint64_t>(region->data()) + local.offset;
+  sge.length = static_cast<uint32_t>(local.length);
+  sge.lkey = region->lkey();
+  ibv_send_wr wr{};
+  wr.wr_id = MakeWrId(WrKind::kSend, cq_slot_, gen_, seq);
+  wr.sg_list = local.length > 0 ? &sge : nullptr;
+  wr.num_sge = local.length > 0 ? 1 : 0;
+  switch (op) {
+    case OpType::kWrite: wr.opcode = IBV_WR_RDMA_WRITE; break;
+    case OpType::kWriteImm:
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wr.imm_data = htonl(imm);
+      break;
+    default: wr.opcode = IBV_WR_RDMA_READ; break;
+  }
+  wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
+  if (op != OpType::kRead && local.length > 0 &&
+      local.length <= static_cast<uint64_t>(config_.max_inline)) {
+    wr.send_flags |= IBV_SEND_INLINE;
+  }
+  wr.wr.rdma.remote_addr = remote.addr;
+  wr.wr.rdma.rkey = remote.rkey;
+  ibv_send_wr* bad = nullptr;
+  if (int rc = ibv_post_send(qp_.get(), &wr, &bad); rc != 0) {
+    --head_seq_;
+    credits_.Return(1);
+    return InternalError(std::string("verbs: ibv_post_send: ") + strerror(rc) +
+                         " (nothing was posted)");
+  }
+  slot.posted = true;
+  unsignaled_run_ = signaled ? 0 : unsignaled_run_ + 1;
+  return Status::OK();
+}
+
+void VerbsEndpoint::emit(uint32_t seq, WcStatus status, int credits) {
+  const OpSlot& s = ring_[seq % ring_.size()];
+  CqState::Pending p;
+  p.completion.context = s.context;
+  p.completion.endpoint_id = endpoint_id();
+  p.completion.op = s.op;
+  p.completion.status = status;
+  p.completion.imm = s.op == OpType::kWriteImm ? s.imm : 0;
+  p.completion.byte_len = s.length;
+  p.endpoint = this;
+  p.credits = credits;
+  cq_->push(p);
+}
+
+// The status of the oldest op that fails without its own error: the cause for the first one
+// (e.g. kRemoteDisconnected when the bootstrap socket died), kFlushed afterwards.
+static WcStatus TakeFailure(bool* reported, WcStatus first, WcStatus own) {
+  if (*reported) return own;
+  *reported = true;
+  return own == WcStatus::kFlushed ? first : own;
+}
+
+void VerbsEndpoint::onSendWcOnPollingThread(const ibv_wc& wc) {
+  const uint32_t seq = WrIdSeq(wc.wr_id);
+  const uint32_t inflight = head_seq_ - tail_seq_;
+  if (seq - tail_seq_ >= inflight) {
+    VLOG(1) << config_.description << ": dropping a completion for sequence " << seq
+            << " that is no longer outstanding";
+    return;
+  }
+  const bool was_healthy = error_.ok();
+  const WcStatus st = MapWcStatus(wc.status);
+  // Earlier posts have no completion of their own: succeeded if the endpoint was healthy.
+  int covered = 0;
+  for (; tail_seq_ != seq; ++tail_seq_) {
+    if (was_healthy) {
+      ++covered;
+    } else {
+      emit(tail_seq_, TakeFailure(&first_failure_reported_, pending_first_status_,
+                                  WcStatus::kFlushed), 1);
+    }
+  }
+  const OpSlot& slot = ring_[seq % ring_.size()];
+  if (st == WcStatus::kSuccess && was_healthy) {
+    if (slot.user_signaled) {
+      emit(seq, st, covered + 1);
+    } else {
+      credits_.Return(covered + 1);  // signaled only to reap the send queue
+    }
+  } else {
+    if (covered > 0) credits_.Return(covered);
+    if (st != WcStatus::kSuccess && was_healthy) {
+      enterError(StatusForWc(wc, std::string(OpTypeName(slot.op)) + " on " + config_.description),
+                 st);
+    }
+    // Success reported after the error (the op raced the flush) is still a success.
+    const WcStatus final_st =
+        st == WcStatus::kSuccess ? st
+                                 : TakeFailure(&first_failure_reported_, pending_first_status_, st);
+    emit(seq, final_st, 1);
+  }
+  tail_seq_ = seq + 1;
+}
+
+void VerbsEndpoint::onDrainWcOnPollingThread() {
+  // Every WR the QP accepted is complete: the rest of the posted ones were flushed.
+  for (; tail_seq_ != head_seq_ && ring_[tail_seq_ % ring_.size()].posted; ++tail_seq_) {
+    emit(tail_seq_, TakeFailure(&first_failure_reported_, pending_first_status_,
+                                WcStatus::kFlushed), 1);
+  }
+  drained_ = true;
+  if (tail_seq_ != head_seq_) cq_->markSoftwareProgress(this);
+}
+
+void VerbsEndpoint::completeUnpostedOnPollingThread() {
+  in_software_list_ = false;
+  if (!drained_) return;
+  for (; tail_seq_ != head_seq_; ++tail_seq_) emit(tail_seq_, WcStatus::kFlushed, 1);
+}
+
+void VerbsEndpoint::onRecvWcOnPollingThread(const ibv_wc& wc) {
+  if (wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+    CqState::Pending p;
+    p.completion.context = 0;
+    p.completion.endpoint_id = endpoint_id();
+    p.completion.op = OpType::kRecvImm;
+    p.completion.status = WcStatus::kSuccess;
+    p.completion.imm = ntohl(wc.imm_data);
+    p.completion.byte_len = wc.byte_len;
+    p.endpoint = this;
+    p.repost_recv = true;
+    cq_->push(p);
+    return;
+  }
+  if (wc.status == IBV_WC_WR_FLUSH_ERR) return;  // receives are ours, not the caller's
+  if (wc.status == IBV_WC_SUCCESS) {
+    LOG(WARNING) << config_.description << ": unexpected receive opcode " << wc.opcode
+                 << " (the peer sent a two-sided message); ignored";
+    if (Status s = postRecv(1); !s.ok()) enterError(s, WcStatus::kLocalError);
+    return;
+  }
+  const WcStatus st = MapWcStatus(wc.status);
+  enterError(StatusForWc(wc, "receive on " + config_.description), st);
+  CqState::Pending p;
+  p.completion.endpoint_id = endpoint_id();
+  p.completion.op = OpType::kRecvImm;
+  p.completion.status = st;
+  p.endpoint = this;
+  cq_->push(p);
+}
+
+void VerbsEndpoint::onHandedOutOnPollingThread(int credits, bool repost_recv) {
+  if (credits > 0) credits_.Return(credits);
+  if (repost_recv && error_.ok()) {
+    if (Status s = postRecv(1); !s.ok()) enterError(s, WcStatus::kLocalError);
+  }
+}
+
+void VerbsEndpoint::probeLivenessOnPollingThread() {
+  if (!error_.ok() || bootstrap_.get() < 0) return;
+  Status s = ProbePeer(bootstrap_.get());
+  if (!s.ok()) {
+    enterError(UnavailableError(s.message() + ": " + config_.description),
+               WcStatus::kRemoteDisconnected);
+  }
+}
+
+void VerbsEndpoint::enterError(Status why, WcStatus first_status) {
+  if (!error_.ok()) return;
+  error_ = std::move(why);
+  pending_first_status_ = first_status;
+  LOG(WARNING) << "verbs: endpoint " << endpoint_id() << " entered the error state: " << error_
+               << " (" << (head_seq_ - tail_seq_) << " ops outstanding)";
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_ERR;
+  if (int rc = ibv_modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
+    LOG(ERROR) << "verbs: moving QP " << qp_->qp_num << " to ERR failed: " << strerror(rc);
+  }
+  ibv_send_wr wr{};
+  wr.wr_id = MakeWrId(WrKind::kDrain, cq_slot_, gen_, 0);
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.num_sge = 0;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  if (int rc = ibv_post_send(qp_.get(), &wr, &bad); rc == 0) {
+    drain_posted_ = true;
+  } else {
+    LOG(WARNING) << "verbs: posting the drain marker failed (" << strerror(rc)
+                 << "); flushing outstanding ops in software";
+    onDrainWcOnPollingThread();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CqState
+
+Status CqState::attach(VerbsEndpoint* ep, int slots, uint32_t* cq_slot, uint32_t* gen) {
+  RETURN_IF_ERROR(quota_.Reserve(slots));
+  uint32_t idx;
+  if (!free_slots_.empty()) {
+    idx = free_slots_.back();
+    free_slots_.pop_back();
+  } else if (slots_.size() < kMaxEndpointsPerCq) {
+    idx = static_cast<uint32_t>(slots_.size());
+    slots_.emplace_back();
+  } else {
+    quota_.Release(slots);
+    return ResourceExhaustedError("verbs: too many endpoints on one completion queue");
+  }
+  slots_[idx].ep = ep;
+  slots_[idx].gen = (slots_[idx].gen + 1) & ((1u << kGenBits) - 1);
+  *cq_slot = idx;
+  *gen = slots_[idx].gen;
+  return Status::OK();
+}
+
+void CqState::detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots) {
+  slots_[cq_slot].ep = nullptr;
+  free_slots_.push_back(cq_slot);
+  quota_.Release(slots);
+  for (size_t i = 0; i < pending_count_; ++i) {
+    Pending& p = pending_[(pending_head_ + i) % pending_.size()];
+    if (p.endpoint == ep) p.endpoint = nullptr;
+  }
+  software_progress_.erase(std::remove(software_progress_.begin(), software_progress_.end(), ep),
+                           software_progress_.end());
+}
+
+void CqState::push(const Pending& p) {
+  CHECK_LT(pending_count_, pending_.size())
+      << "verbs: completion backlog overflow; the CQ quota invariant is broken";
+  pending_[(pending_head_ + pending_count_) % pending_.size()] = p;
+  ++pending_count_;
+}
+
+void CqState::markSoftwareProgress(VerbsEndpoint* ep) {
+  if (ep->in_software_list_) return;
+  ep->in_software_list_ = true;
+  software_progress_.push_back(ep);
+}
+
+void CqState::processWc(const ibv_wc& wc) {
+  const uint32_t idx = WrIdSlot(wc.wr_id);
+  VerbsEndpoint* ep = idx < slots_.size() ? slots_[idx].ep : nullptr;
+  if (ep == nullptr || slots_[idx].gen != WrIdGen(wc.wr_id) || ep->qp_num() != wc.qp_num) {
+    VLOG(1) << "verbs: dropping a stale completion of QP " << wc.qp_num;
+    return;
+  }
+  switch (WrIdKind(wc.wr_id)) {
+    case WrKind::kSend: ep->onSendWcOnPollingThread(wc); break;
+    case WrKind::kRecv: ep->onRecvWcOnPollingThread(wc); break;
+    case WrKind::kDrain: ep->onDrainWcOnPollingThread(); break;
+  }
+}
+
+void CqState::checkLivenessIfDue() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_liveness_check_) return;
+  next_liveness_check_ = now + kLivenessInterval;
+  for (const EndpointSlot& s : slots_) {
+    if (s.ep != nullptr) s.ep->probeLivenessOnPollingThread();
+  }
+}
+
+int CqState::handOut(Completion* out, int max) {
+  int n = 0;
+  while (n < max && pending_count_ > 0) {
+    Pending p = pending_[pending_head_];
+    pending_head_ = (pending_head_ + 1) % pending_.size();
+    --pending_count_;
+    if (p.endpoint == nullptr) continue;
+    out[n++] = p.completion;
+    p.endpoint->onHandedOutOnPollingThread(p.credits, p.repost_recv);
+  }
+  return n;
+}
+
+int CqState::PollOnPollingThread(Completion* out, int max) {
+  if (max <= 0) return 0;
+  checkLivenessIfDue();
+  if (!software_progress_.empty()) {
+    std::vector<VerbsEndpoint*> eps;
+    eps.swap(software_progress_);
+    for (VerbsEndpoint* ep : eps) ep->completeUnpostedOnPollingThread();
+  }
+  if (pending_count_ < static_cast<size_t>(max)) {
+    ibv_wc wcs[kPollBatch];
+    int n = ibv_poll_cq(cq_.get(), kPollBatch, wcs);
+    if (n < 0) {
+      LOG_EVERY_N(ERROR, 1000) << "verbs: ibv_poll_cq failed: " << n;
+    }
+    for (int i = 0; i < n; ++i) processWc(wcs[i]);
+  }
+  return handOut(out, max);
+}
+
+int CqState::WaitOnPollingThread(Completion* out, int max, std::chrono::microseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + timeout;
+  int n = PollOnPollingThread(out, max);
+  if (n > 0) return n;
+  const auto spin_until = std::min(deadline, Clock::now() + kWaitSpin);
+  while (Clock::now() < spin_until) {
+    if ((n = PollOnPollingThread(out, max)) > 0) return n;
+  }
+  for (;;) {
+    if (!armed_) {
+      if (int rc = ibv_req_notify_cq(cq_.get(), 0); rc != 0) {
+        LOG_EVERY_N(ERROR, 1000) << "verbs: ibv_req_notify_cq failed: " << strerror(rc);
+      } else {
+        armed_ = true;
+      }
+    }
+    // Poll again after arming: a completion that arrived before the arm raises no event.
+    if ((n = PollOnPollingThread(out, max)) > 0) return n;
+    const auto now = Clock::now();
+    if (now >= deadline) return 0;
+    pollfds_.clear();
+    pollfds_.push_back({channel_->fd, POLLIN, 0});
+    for (const EndpointSlot& s : slots_) {
+      if (s.ep != nullptr && s.ep->healthy() && s.ep->bootstrap_fd() >= 0) {
+        pollfds_.push_back({s.ep->bootstrap_fd(), static_cast<short>(POLLIN | POLLRDHUP), 0});
+      }
+    }
+    auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+    if (!armed_) left = std::min<std::chrono::nanoseconds>(left, std::chrono::milliseconds(1));
+    timespec ts{static_cast<time_t>(left.count() / 1000000000),
+                static_cast<long>(left.count() % 1000000000)};
+    int rc = ppoll(pollfds_.data(), pollfds_.size(), &ts, nullptr);
+    if (rc > 0 && (pollfds_[0].revents & POLLIN)) {
+      ibv_cq* ev_cq = nullptr;
+      void* ev_ctx = nullptr;
+      if (ibv_get_cq_event(channel_.get(), &ev_cq, &ev_ctx) == 0) {
+        armed_ = false;
+        if (++unacked_events_ >= kAckEventsBatch) {
+          ibv_ack_cq_events(cq_.get(), unacked_events_);
+          unacked_events_ = 0;
+        }
+      }
+    }
+    if (rc > 0) next_liveness_check_ = {};  // a socket event: probe now
+  }
+}
+
+}  // namespace shardps::transport::verbs

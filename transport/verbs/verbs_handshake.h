@@ -1,0 +1,89 @@
+// Connection bootstrap of the verbs provider: a small TCP socket per endpoint carries the queue
+// pair attributes both ways, then stays open as a liveness side channel (EOF = peer gone).
+//
+// Wire format, version 1 (all integers little-endian), sent by both sides right after the TCP
+// connection is established, and read with the connect timeout:
+//
+//   qp_info  := magic:u32 = 0x42565053 ("SPVB") | version:u16 = 1 | link_layer:u8 (1 IB,
+//               2 Ethernet) | mtu:u8 (ibv_mtu 1..5 = 256..4096) | qpn:u32 (< 2^24, != 0) |
+//               psn:u32 (< 2^24) | lid:u16 (!= 0 on IB) | responder_resources:u8 (1..255,
+//               the peer's max_dest_rd_atomic) | reserved:u8 = 0 | recv_depth:u32 |
+//               gid:16 bytes (!= 0 on Ethernet)                                  -- 40 bytes
+//   ready    := magic:u32 = 0x59445452 ("RTDY")      -- sent once the local QP is in RTS
+//
+// Either side validates every field; a malformed or short message fails that connect/accept
+// only. After `ready` nothing more is sent; the socket's EOF or reset is the peer's death notice.
+//
+// Thread safety: free functions, no shared state.
+#ifndef SHARDPS_TRANSPORT_VERBS_VERBS_HANDSHAKE_H_
+#define SHARDPS_TRANSPORT_VERBS_VERBS_HANDSHAKE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+
+namespace shardps::transport::verbs {
+
+constexpr uint32_t kHandshakeMagic = 0x42565053;  // "SPVB" on the wire
+constexpr uint32_t kReadyMagic = 0x59445452;      // "RTDY" on the wire
+constexpr uint16_t kHandshakeVersion = 1;
+constexpr size_t kQpInfoWireSize = 40;
+
+struct QpInfo {
+  uint8_t link_layer = 0;  // 1 = InfiniBand, 2 = Ethernet (IBV_LINK_LAYER_*)
+  uint8_t mtu = 0;         // enum ibv_mtu
+  uint32_t qpn = 0;
+  uint32_t psn = 0;
+  uint16_t lid = 0;
+  uint8_t responder_resources = 0;
+  uint32_t recv_depth = 0;
+  uint8_t gid[16] = {};
+};
+
+void EncodeQpInfo(const QpInfo& info, uint8_t out[kQpInfoWireSize]);
+// Validates the message; the error says which field is wrong.
+StatusOr<QpInfo> DecodeQpInfo(const uint8_t* in, size_t len);
+
+using Deadline = std::chrono::steady_clock::time_point;
+
+// Owns a file descriptor; closes it on destruction.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.fd_;
+      o.fd_ = -1;
+    }
+    return *this;
+  }
+  int get() const { return fd_; }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// "host:port" (or "[v6]:port"); an empty host means `default_host`, and then any address.
+// *resolved receives "ip:port" of the bound socket.
+StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string& default_host,
+                             std::string* resolved_ip, int* resolved_port);
+// Waits until the deadline for one connection. *peer receives "ip:port".
+StatusOr<UniqueFd> TcpAccept(int listen_fd, Deadline deadline, std::string* peer);
+// Connects to "host:port", source bound to bind_ip when not empty.
+StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bind_ip,
+                              Deadline deadline, std::string* local);
+Status SendAll(int fd, const void* data, size_t len, Deadline deadline);
+Status RecvAll(int fd, void* data, size_t len, Deadline deadline);
+// Non-blocking liveness probe of a bootstrap socket: OK while the peer keeps it open.
+Status ProbePeer(int fd);
+
+}  // namespace shardps::transport::verbs
+
+#endif  // SHARDPS_TRANSPORT_VERBS_VERBS_HANDSHAKE_H_

@@ -1,0 +1,272 @@
+// The verbs provider's classes (internal to transport/verbs). Setup lives in verbs_fabric.cc,
+// the data path (posts, polling, error handling) in verbs_datapath.cc.
+//
+// Ownership: VerbsDevice (context + pd) is shared by everything a fabric creates. A
+// CompletionQueue is a handle to a shared CqState (comp channel + ibv_cq), which every attached
+// endpoint also holds, so the ibv_cq outlives its queue pairs whatever order the caller destroys
+// things in.
+//
+// Threading: VerbsFabric's setup calls are serialised by its mutex. A CqState and all endpoints
+// attached to it are used by that CQ's one polling thread (the contract of transport.h); the
+// functions named *OnPollingThread must only be called there.
+#ifndef SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
+#define SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
+
+#include <poll.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transport/flow_control.h"
+#include "transport/transport.h"
+#include "transport/verbs/verbs_device.h"
+#include "transport/verbs/verbs_handshake.h"
+#include "transport/verbs/verbs_ibv.h"
+
+namespace shardps::transport::verbs {
+
+class VerbsEndpoint;
+
+// wr_id layout: kind:2 | cq slot:16 | generation:14 | sequence:32. Send ops carry their
+// endpoint's 32-bit post sequence (ring slot = sequence % send_depth), so a completion maps back
+// to (endpoint, slot) with no per-op allocation.
+enum class WrKind : uint64_t { kSend = 0, kRecv = 1, kDrain = 2 };
+constexpr int kCqSlotBits = 16;
+constexpr int kGenBits = 14;
+constexpr uint64_t kMaxEndpointsPerCq = uint64_t{1} << kCqSlotBits;
+static_assert(2 + kCqSlotBits + kGenBits + 32 == 64, "wr_id fields must fill 64 bits");
+inline uint64_t MakeWrId(WrKind kind, uint32_t cq_slot, uint32_t gen, uint32_t seq) {
+  return (static_cast<uint64_t>(kind) << 62) | (static_cast<uint64_t>(cq_slot) << 46) |
+         (static_cast<uint64_t>(gen & ((1u << kGenBits) - 1)) << 32) | seq;
+}
+inline WrKind WrIdKind(uint64_t id) { return static_cast<WrKind>(id >> 62); }
+inline uint32_t WrIdSlot(uint64_t id) { return (id >> 46) & (kMaxEndpointsPerCq - 1); }
+inline uint32_t WrIdGen(uint64_t id) { return (id >> 32) & ((1u << kGenBits) - 1); }
+inline uint32_t WrIdSeq(uint64_t id) { return static_cast<uint32_t>(id); }
+
+class VerbsMemoryRegion final : public MemoryRegion {
+ public:
+  struct MmapDeleter {
+    size_t length = 0;
+    void operator()(void* p) const;
+  };
+  using MappingPtr = std::unique_ptr<void, MmapDeleter>;
+
+  VerbsMemoryRegion(std::shared_ptr<VerbsDevice> device, MappingPtr mapping, MrPtr mr,
+                    void* data, size_t length, Access access, MemoryKind kind);
+  RegionDescriptor descriptor() const override;
+  uint32_t lkey() const { return mr_->lkey; }
+  const VerbsDevice* device() const { return device_.get(); }
+
+ private:
+  // Dependency order: the MR is deregistered before the memory is unmapped.
+  std::shared_ptr<VerbsDevice> device_;
+  MappingPtr mapping_;  // only for AllocateMemory
+  MrPtr mr_;
+};
+
+// State of one CompletionQueue; shared with the endpoints attached to it.
+class CqState {
+ public:
+  CqState(std::shared_ptr<VerbsDevice> device, int depth);
+  ~CqState();
+  Status init();
+
+  // One user completion waiting to be handed out. Credits and receive buffers go back to the
+  // endpoint only when the caller actually polls the completion ("polling returns credits").
+  struct Pending {
+    Completion completion;
+    VerbsEndpoint* endpoint = nullptr;  // nullptr: its endpoint was destroyed; drop it
+    int credits = 0;                    // send credits this completion returns
+    bool repost_recv = false;           // a kRecvImm: give one receive back to the QP
+  };
+
+  int PollOnPollingThread(Completion* out, int max);
+  int WaitOnPollingThread(Completion* out, int max, std::chrono::microseconds timeout);
+
+  // Attach/detach (polling thread, or under the fabric lock before the endpoint is handed out).
+  Status attach(VerbsEndpoint* ep, int slots, uint32_t* cq_slot, uint32_t* gen);
+  void detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots);
+  void push(const Pending& p);             // from an endpoint, while processing completions
+  void markSoftwareProgress(VerbsEndpoint* ep);
+
+  ibv_cq* cq() const { return cq_.get(); }
+  int depth() const { return quota_.depth(); }
+  const VerbsDevice& device() const { return *device_; }
+
+ private:
+  void processWc(const ibv_wc& wc);
+  void checkLivenessIfDue();
+  int handOut(Completion* out, int max);
+
+  struct EndpointSlot {
+    VerbsEndpoint* ep = nullptr;
+    uint32_t gen = 0;
+  };
+
+  // Dependency order: the cq uses the channel, both use the device's context.
+  std::shared_ptr<VerbsDevice> device_;
+  CompChannelPtr channel_;
+  CqPtr cq_;
+  CqQuota quota_;
+  unsigned unacked_events_ = 0;
+  bool armed_ = false;
+  std::vector<EndpointSlot> slots_;
+  std::vector<uint32_t> free_slots_;
+  // Ring of completions not yet handed out; capacity depth()+1 suffices because every entry
+  // holds a send credit or a posted receive of an attached endpoint.
+  std::vector<Pending> pending_;
+  size_t pending_head_ = 0;
+  size_t pending_count_ = 0;
+  std::vector<VerbsEndpoint*> software_progress_;  // errored endpoints with unposted ops
+  std::chrono::steady_clock::time_point next_liveness_check_{};
+  std::vector<pollfd> pollfds_;  // scratch for Wait
+};
+
+class VerbsCompletionQueue final : public CompletionQueue {
+ public:
+  explicit VerbsCompletionQueue(std::shared_ptr<CqState> state) : state_(std::move(state)) {}
+  int Poll(Completion* out, int max) override { return state_->PollOnPollingThread(out, max); }
+  int Wait(Completion* out, int max, std::chrono::microseconds timeout) override {
+    return state_->WaitOnPollingThread(out, max, timeout);
+  }
+  int depth() const override { return state_->depth(); }
+  const std::shared_ptr<CqState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<CqState> state_;
+};
+
+// Tunables of one endpoint, fixed at connect time.
+struct EndpointConfig {
+  EndpointOptions options;
+  int max_inline = 0;       // effective: min(options.max_inline, the QP's max_inline_data)
+  int signal_interval = 1;  // effective: clamp(options.signal_interval, 1, send_depth)
+  std::string description;  // "verbs:local->remote"
+};
+
+class VerbsEndpoint final : public Endpoint {
+ public:
+  // One send-queue slot per outstanding operation.
+  struct OpSlot {
+    uint64_t context = 0;
+    uint32_t imm = 0;
+    uint32_t length = 0;
+    OpType op = OpType::kWrite;
+    bool user_signaled = false;  // the caller asked for a completion
+    bool posted = false;         // handed to the QP (false: posted after the error; software)
+  };
+
+  VerbsEndpoint(std::shared_ptr<VerbsDevice> device, std::shared_ptr<CqState> cq, QpPtr qp,
+                EndpointConfig config);
+  ~VerbsEndpoint() override;
+  // Posts the initial receives and registers with the CQ (setup, before hand-out).
+  Status start();
+  // Takes the bootstrap socket once the handshake is over; it becomes the liveness channel.
+  void adoptBootstrap(UniqueFd fd) { bootstrap_ = std::move(fd); }
+  void setDescription(std::string d) { config_.description = std::move(d); }
+
+  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
+                   uint32_t flags) override;
+  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
+                      uint64_t context, uint32_t flags) override;
+  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
+                  uint32_t flags) override;
+  Status status() const override { return error_; }
+  int outstanding() const override { return credits_.outstanding(); }
+  std::string DebugString() const override { return config_.description; }
+
+  // Called by CqState on the polling thread.
+  uint32_t qp_num() const { return qp_->qp_num; }
+  int bootstrap_fd() const { return bootstrap_.get(); }
+  bool healthy() const { return error_.ok(); }
+  void onSendWcOnPollingThread(const ibv_wc& wc);
+  void onRecvWcOnPollingThread(const ibv_wc& wc);
+  void onDrainWcOnPollingThread();
+  void onHandedOutOnPollingThread(int credits, bool repost_recv);
+  void completeUnpostedOnPollingThread();
+  void probeLivenessOnPollingThread();
+
+ private:
+  Status post(OpType op, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+              uint64_t context, uint32_t flags);
+  Status postRecv(int count);
+  // Moves the endpoint into the error state (first error wins), flushes the QP and posts the
+  // drain marker. `first_status` is reported by the oldest outstanding op if no error
+  // completion carries the cause itself.
+  void enterError(Status why, WcStatus first_status);
+  void emit(uint32_t seq, WcStatus status, int credits);
+
+  // Dependency order: the QP uses the CQ, both use the device.
+  std::shared_ptr<VerbsDevice> device_;
+  std::shared_ptr<CqState> cq_;
+  QpPtr qp_;
+  UniqueFd bootstrap_;
+  EndpointConfig config_;  // fixed once the handshake is over
+  SendCredits credits_;
+  std::vector<OpSlot> ring_;     // send_depth slots
+  uint32_t head_seq_ = 0;        // next post
+  uint32_t tail_seq_ = 0;        // oldest op whose completion is not yet generated
+  int unsignaled_run_ = 0;       // posts since the last signaled WR
+  uint32_t cq_slot_ = 0;
+  uint32_t gen_ = 0;
+  bool attached_ = false;
+  Status error_;
+  WcStatus pending_first_status_ = WcStatus::kFlushed;  // cause not carried by a completion
+  bool first_failure_reported_ = false;
+  bool drain_posted_ = false;
+  bool drained_ = false;         // every WR given to the QP has completed
+  bool in_software_list_ = false;
+  friend class CqState;
+};
+
+class VerbsListener final : public Listener {
+ public:
+  VerbsListener(class VerbsFabric* fabric, UniqueFd fd, std::string address)
+      : fabric_(fabric), fd_(std::move(fd)), address_(std::move(address)) {}
+  std::string address() const override { return address_; }
+  StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
+                                             std::chrono::milliseconds timeout) override;
+
+ private:
+  VerbsFabric* fabric_;  // the fabric outlives its listeners (caller contract)
+  UniqueFd fd_;
+  std::string address_;
+};
+
+class VerbsFabric final : public Fabric {
+ public:
+  VerbsFabric(std::shared_ptr<VerbsDevice> device, FabricOptions options)
+      : device_(std::move(device)), options_(std::move(options)) {}
+  std::string name() const override { return "verbs"; }
+  std::string DebugString() const override { return device_->DebugString(); }
+  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length, Access access,
+                                                         MemoryKind kind) override;
+  StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) override;
+  StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(int depth) override;
+  StatusOr<std::unique_ptr<Listener>> Listen(const std::string& address) override;
+  StatusOr<std::unique_ptr<Endpoint>> Connect(const std::string& address, CompletionQueue* cq,
+                                              const EndpointOptions& options) override;
+
+  // Runs the QP handshake over an established bootstrap socket (both sides).
+  StatusOr<std::unique_ptr<Endpoint>> establish(UniqueFd fd, CompletionQueue* cq,
+                                                const EndpointOptions& options,
+                                                const std::string& local,
+                                                const std::string& remote, Deadline deadline);
+
+ private:
+  std::shared_ptr<VerbsDevice> device_;
+  const FabricOptions options_;
+  std::mutex mu_;  // serialises setup calls
+};
+
+// Maps an ibv_wc_status to the provider-neutral WcStatus.
+WcStatus MapWcStatus(ibv_wc_status s);
+
+}  // namespace shardps::transport::verbs
+
+#endif  // SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
