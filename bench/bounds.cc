@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 
 #include <glog/logging.h>
 
@@ -20,53 +21,62 @@
 namespace shardps::bench {
 namespace {
 
-// Raw-TCP bound wire format: every request starts with this header (little-endian host order;
-// both ends are this binary on the same kind of machine).
+// Raw-TCP bound wire format: every request starts with this header (host byte order; both
+// ends are this binary on the same kind of machine). A request names `count` messages of `size`
+// bytes: kWriteKind is followed by count × size payload bytes and answered with one 8-byte ack
+// (the bound's analogue of one signaled completion per batch); kReadKind is answered with
+// count × size bytes. Payloads go straight into / out of the rotating slots (readv / writev).
 struct Header {
-  uint32_t kind;   // kEnd, kWrite (N payload bytes follow, 8-byte ack back), kRead (N bytes back)
-  uint32_t slots;  // the server rotates its buffer over this many N-byte slots
+  uint32_t kind;   // kEnd, kWriteKind, kReadKind
+  uint32_t slots;  // the server rotates its buffer over this many size-byte slots
   uint64_t size;
+  uint64_t count;  // messages in this request, 1..kMaxBatch
 };
-static_assert(sizeof(Header) == 16, "raw TCP header is 16 bytes");
+static_assert(sizeof(Header) == 24, "raw TCP header is 24 bytes");
 constexpr uint32_t kEnd = 0, kWriteKind = 1, kReadKind = 2;
+constexpr int kMaxBatch = 256;
 
-Status SendAll(int fd, const void* a, size_t na, const void* b = nullptr, size_t nb = 0) {
-  iovec iov[2] = {{const_cast<void*>(a), na}, {const_cast<void*>(b), nb}};
-  int cnt = nb > 0 ? 2 : 1;
-  iovec* v = iov;
-  while (cnt > 0) {
-    const ssize_t r = writev(fd, v, cnt);
+// Moves all bytes of iov[0..n) with writev / readv, across partial transfers.
+Status TransferV(int fd, iovec* iov, int n, bool send) {
+  while (n > 0) {
+    const ssize_t r = send ? writev(fd, iov, n) : readv(fd, iov, n);
+    if (r == 0 && !send) return UnavailableError("raw tcp: peer closed the connection");
     if (r < 0) {
       if (errno == EINTR) continue;
-      return ErrnoError("raw tcp send", errno);
+      return ErrnoError(send ? "raw tcp writev" : "raw tcp readv", errno);
     }
     size_t left = static_cast<size_t>(r);
-    while (cnt > 0 && left >= v->iov_len) {
-      left -= v->iov_len;
-      ++v;
-      --cnt;
+    while (n > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --n;
     }
-    if (cnt > 0) {
-      v->iov_base = static_cast<char*>(v->iov_base) + left;
-      v->iov_len -= left;
+    if (n > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
     }
   }
   return Status::OK();
 }
 
+Status SendAll(int fd, const void* p, size_t n) {
+  iovec v{const_cast<void*>(p), n};
+  return TransferV(fd, &v, 1, true);
+}
+
 Status RecvAll(int fd, void* p, size_t n) {
-  auto* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = recv(fd, c, n, MSG_WAITALL);
-    if (r == 0) return UnavailableError("raw tcp: peer closed the connection");
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError("raw tcp recv", errno);
-    }
-    c += r;
-    n -= static_cast<size_t>(r);
+  iovec v{p, n};
+  return TransferV(fd, &v, 1, false);
+}
+
+// iovecs for `count` consecutive slots starting at message number `first`.
+int SlotIovecs(char* base, uint64_t first, uint64_t count, uint32_t slots, uint64_t size,
+               iovec* out) {
+  for (uint64_t i = 0; i < count; ++i) {
+    out[i].iov_base = base + ((first + i) % slots) * size;
+    out[i].iov_len = size;
   }
-  return Status::OK();
+  return static_cast<int>(count);
 }
 
 StatusOr<sockaddr_in> ParseAddress(const std::string& addr) {
@@ -137,20 +147,26 @@ void RawTcpServer::Loop() {
 
 void RawTcpServer::Serve(int fd) {
   uint64_t counter = 0;
+  iovec iov[kMaxBatch];
   for (;;) {
     Header h;
     if (!RecvAll(fd, &h, sizeof h).ok() || h.kind == kEnd) return;
-    const size_t need = static_cast<size_t>(h.size) * std::max<uint32_t>(1, h.slots);
-    if (buf_.size() < need) {
-      buf_.assign(need, 0x5a);  // assign() touches every page: no faults while timed
+    const uint32_t slots = std::max<uint32_t>(1, h.slots);
+    if (h.count < 1 || h.count > kMaxBatch || h.size == 0) {
+      LOG(WARNING) << "raw tcp server: bad request (count " << h.count << ")";
+      return;
     }
-    char* slot = buf_.data() + (counter++ % std::max<uint32_t>(1, h.slots)) * h.size;
+    if (buf_.size() < h.size * slots) {
+      buf_.assign(h.size * slots, 0x5a);  // assign() touches every page: no faults while timed
+    }
+    const int n = SlotIovecs(buf_.data(), counter, h.count, slots, h.size, iov);
+    counter += h.count;
     if (h.kind == kWriteKind) {
-      if (!RecvAll(fd, slot, h.size).ok()) return;
+      if (!TransferV(fd, iov, n, false).ok()) return;
       const uint64_t ack = counter;
       if (!SendAll(fd, &ack, sizeof ack).ok()) return;
     } else if (h.kind == kReadKind) {
-      if (!SendAll(fd, slot, h.size).ok()) return;
+      if (!TransferV(fd, iov, n, true).ok()) return;
     } else {
       LOG(WARNING) << "raw tcp server: unknown request kind " << h.kind;
       return;
@@ -181,7 +197,7 @@ StatusOr<std::unique_ptr<RawTcpClient>> RawTcpClient::Connect(const std::string&
 
 RawTcpClient::~RawTcpClient() {
   if (fd_ >= 0) {
-    Header h{kEnd, 0, 0};
+    Header h{kEnd, 0, 0, 0};
     SendAll(fd_, &h, sizeof h).IgnoreError();
     close(fd_);
   }
@@ -191,42 +207,39 @@ void RawTcpClient::EnsureBuffer(size_t bytes) {
   if (buf_.size() < bytes) buf_.assign(bytes, 0x33);
 }
 
-// Keeps up to p.window requests outstanding until `seconds` have passed, then drains.
+// Keeps up to p.window messages outstanding, in requests of `batch` messages (window / 4, the
+// transport's signaling interval), until `seconds` have passed, then drains.
 Status RawTcpClient::RunWindow(BenchOp op, const PointParams& p, double seconds, uint64_t* ops) {
-  const int slots = std::max(1, p.slots);
+  const uint32_t slots = static_cast<uint32_t>(std::max(1, p.slots));
   EnsureBuffer(p.size * slots);
-  const Header h{op == BenchOp::kWrite ? kWriteKind : kReadKind, static_cast<uint32_t>(slots),
-                 p.size};
+  const int batch = std::clamp(p.batch > 0 ? p.batch : p.window / 4, 1, kMaxBatch);
+  std::deque<uint64_t> inflight;  // message counts of the outstanding requests, oldest first
   uint64_t posted = 0, done = 0;
-  size_t ack_bytes = 0;  // write: bytes of acks received so far (may be partial)
-  char acks[8 * 512];
+  iovec iov[kMaxBatch + 1];
   const double start = NowSeconds();
   for (;;) {
     const bool stop = NowSeconds() - start >= seconds;
     while (!stop && posted - done < static_cast<uint64_t>(p.window)) {
-      char* slot = buf_.data() + (posted % slots) * p.size;
-      if (op == BenchOp::kWrite) {
-        RETURN_IF_ERROR(SendAll(fd_, &h, sizeof h, slot, p.size));
-      } else {
-        RETURN_IF_ERROR(SendAll(fd_, &h, sizeof h));
-      }
-      ++posted;
+      const uint64_t k = std::min<uint64_t>(batch, p.window - (posted - done));
+      Header h{op == BenchOp::kWrite ? kWriteKind : kReadKind, slots, p.size, k};
+      iov[0] = {&h, sizeof h};
+      int n = 1;
+      if (op == BenchOp::kWrite) n += SlotIovecs(buf_.data(), posted, k, slots, p.size, iov + 1);
+      RETURN_IF_ERROR(TransferV(fd_, iov, n, true));
+      posted += k;
+      inflight.push_back(k);
     }
-    if (posted == done) break;
+    if (inflight.empty()) break;
+    const uint64_t k = inflight.front();
+    inflight.pop_front();
     if (op == BenchOp::kWrite) {
-      const size_t want = std::min(sizeof acks, (posted - done) * 8 - ack_bytes % 8);
-      const ssize_t r = recv(fd_, acks, want, 0);
-      if (r == 0) return UnavailableError("raw tcp: server closed");
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        return ErrnoError("raw tcp recv ack", errno);
-      }
-      ack_bytes += static_cast<size_t>(r);
-      done = ack_bytes / 8;
+      uint64_t ack;
+      RETURN_IF_ERROR(RecvAll(fd_, &ack, sizeof ack));
     } else {
-      RETURN_IF_ERROR(RecvAll(fd_, buf_.data() + (done % slots) * p.size, p.size));
-      ++done;
+      const int n = SlotIovecs(buf_.data(), done, k, slots, p.size, iov);
+      RETURN_IF_ERROR(TransferV(fd_, iov, n, false));
     }
+    done += k;
   }
   *ops = done;
   return Status::OK();
@@ -246,21 +259,21 @@ Status RawTcpClient::Bandwidth(BenchOp op, const PointParams& p, BwResult* out) 
 Status RawTcpClient::Latency(BenchOp op, const PointParams& p, LatResult* out) {
   PointParams one = p;
   one.window = 1;
+  one.batch = 1;
   uint64_t warm = 0;
   RETURN_IF_ERROR(RunWindow(op, one, 0.01, &warm));
-  const int slots = std::max(1, p.slots);
-  EnsureBuffer(p.size * slots);
-  const Header h{op == BenchOp::kWrite ? kWriteKind : kReadKind, static_cast<uint32_t>(slots),
-                 p.size};
+  const uint32_t slots = static_cast<uint32_t>(std::max(1, p.slots));
   out->us.clear();
   const double c0 = SelfCpuSeconds(), start = NowSeconds();
   for (int i = 0; i < p.lat_max_iters; ++i) {
     if (i >= p.lat_min_iters && NowSeconds() - start >= p.lat_seconds) break;
     char* slot = buf_.data() + (i % slots) * p.size;
+    Header h{op == BenchOp::kWrite ? kWriteKind : kReadKind, slots, p.size, 1};
     const double t0 = NowSeconds();
     if (op == BenchOp::kWrite) {
+      iovec iov[2] = {{&h, sizeof h}, {slot, p.size}};
       uint64_t ack;
-      RETURN_IF_ERROR(SendAll(fd_, &h, sizeof h, slot, p.size));
+      RETURN_IF_ERROR(TransferV(fd_, iov, 2, true));
       RETURN_IF_ERROR(RecvAll(fd_, &ack, sizeof ack));
     } else {
       RETURN_IF_ERROR(SendAll(fd_, &h, sizeof h));

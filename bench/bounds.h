@@ -2,12 +2,15 @@
 //
 //  * tcp: a raw TCP socket pair (blocking sockets, TCP_NODELAY) between the initiator process
 //    and the target process, on the same addresses as the provider.
-//      write bandwidth: the client streams [16-byte header | N bytes] messages, the server
-//        answers each with an 8-byte ack, at most `window` messages unacknowledged;
-//      read bandwidth: the client sends 16-byte requests, the server answers each with N
-//        bytes, at most `window` requests outstanding;
-//      latency: the same with window 1 (write = N bytes + 8-byte ack, as tcp_pingpong.c's
-//        "push"; read = 16-byte request + N-byte answer).
+//      write bandwidth: the client streams N-byte messages in requests of `batch` messages
+//        ([24-byte header | batch × N bytes], one writev), the server reads them straight into
+//        its slots (readv) and answers each request with an 8-byte ack; at most `window`
+//        messages unacknowledged. batch = window / 4 = the transport loop's signaling
+//        interval, so the bound gets one ack where the transport gets one completion;
+//      read bandwidth: 24-byte requests for `batch` messages, answered with batch × N bytes
+//        (writev from the slots), at most `window` messages outstanding;
+//      latency: one message in flight (write = N bytes + 8-byte ack, as tcp_pingpong.c's
+//        "push"; read = 24-byte request + N-byte answer).
 //  * shm: single-thread glibc memcpy of N bytes in this process, rotating over the same number
 //    of source and destination slots as the transport point (so both run equally cache-hot or
 //    equally cache-cold); latency = the time of one memcpy.
@@ -37,6 +40,8 @@ const char* BenchOpName(BenchOp op);
 struct PointParams {
   size_t size = 0;        // bytes per operation
   int window = 1;         // operations in flight (bandwidth)
+  int batch = 0;          // raw TCP: messages per request/ack (0 = window / 4, the signaling
+                          // interval of the transport loop)
   int slots = 1;          // distinct source / destination buffers rotated over
   double seconds = 0.3;   // minimum timed duration of a bandwidth point
   double lat_seconds = 0.3;

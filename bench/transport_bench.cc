@@ -239,6 +239,9 @@ class ProviderRun {
     p.size = size;
     p.window = s.window;
     p.slots = s.slots;
+    // The raw TCP bound acks once per `batch` messages, as the transport signals once per
+    // signal interval.
+    p.batch = FLAGS_unsignaled ? FLAGS_signal_every : 1;
     p.seconds = FLAGS_seconds;
     p.lat_seconds = FLAGS_lat_seconds;
     p.lat_min_iters = FLAGS_lat_min_iters;

@@ -11,8 +11,9 @@
 # Prints the ratios and which targets are met; exit 0 = ran (targets are reported, not enforced;
 # --enforce makes a missed target exit 3).
 #
-# usage: scripts/bench-transport.sh [--no-verbs] [--quick] [--enforce] [-- transport_bench args]
+# usage: scripts/bench-transport.sh [--no-verbs|--no-host] [--quick] [--enforce] [-- args]
 #   --quick   reps=1 and shorter points (a fast look, not for the committed figures)
+#   args after -- go to the host transport_bench run
 # Env: SHARDPS_BENCH_BUILD_DIR (default build), SOFTROCE_DIR, BENCH_GUEST_TIMEOUT (default 420).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,10 +22,11 @@ BUILD=${SHARDPS_BENCH_BUILD_DIR:-build}
 SOFTROCE=${SOFTROCE_DIR:-$ROOT/../shared/softroce}
 PY=/usr/bin/python3
 REPORT="$ROOT/bench/bench_report.py"
-VERBS=1 QUICK=0 ENFORCE=0
+VERBS=1 HOST=1 QUICK=0 ENFORCE=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-verbs) VERBS=0; shift ;;
+    --no-host) HOST=0; shift ;;
     --quick) QUICK=1; shift ;;
     --enforce) ENFORCE=1; shift ;;
     --) shift; break ;;
@@ -52,8 +54,9 @@ else
   HOST_ARGS=(--reps=3 --seconds=0.3 --lat_seconds=0.3)
 fi
 
-echo "=== host: tcp and shm (nproc $(nproc), kernel $(uname -r)) ==="
 RUNS=()
+if [[ $HOST == 1 ]]; then
+echo "=== host: tcp and shm (nproc $(nproc), kernel $(uname -r)) ==="
 "$BIN" --transport=tcp,shm "${HOST_ARGS[@]}" --json="$WORK/host.json" \
   --label="host $(hostname), loopback / same host" "${EXTRA[@]}" 2> "$WORK/host.log"
 rc=$?
@@ -62,6 +65,7 @@ if [[ $rc -ne 0 ]]; then
   echo "bench-transport.sh: host run failed (rc $rc)" >&2
 fi
 [[ -s "$WORK/host.json" ]] && RUNS+=("$WORK/host.json")
+fi
 
 if [[ $VERBS == 1 && -x "$SOFTROCE/run-in-guest.sh" ]]; then
   echo "=== SoftRoCE guest: perftest + transport_bench --transport=verbs (one boot) ==="
