@@ -11,6 +11,7 @@ lat_<op>_<size>.log (ib_<op>_lat).
 """
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -52,6 +53,9 @@ def perftest_bounds(logdir, out):
             continue
         kind, op, size = m.group(1), m.group(2), int(m.group(3))
         cols = parse_perftest(path, size)
+        if cols is not None and not all(math.isfinite(c) for c in cols[:8]):
+            print(f"perftest-bounds: non-finite figures in {path}, ignored", file=sys.stderr)
+            cols = None
         if cols is None:
             print(f"perftest-bounds: no result line in {path}", file=sys.stderr)
             continue
@@ -264,6 +268,28 @@ def summary(results):
     return 0 if ok else 3
 
 
+def counters(workdir):
+    """Prints the rxe hw_counters that moved in the perftest phase (0->1) and ours (1->2)."""
+    snaps = []
+    for i in range(3):
+        path = os.path.join(workdir, f"counters-{i}.txt")
+        if not os.path.exists(path):
+            return
+        d = {}
+        with open(path) as f:
+            for line in f:
+                tok = line.split()
+                if len(tok) == 3 and tok[2].isdigit():
+                    d[(tok[0], tok[1])] = int(tok[2])
+        snaps.append(d)
+    print(f"{'rxe counter':40} {'perftest':>10} {'transport_bench':>16}")
+    for k in sorted(snaps[0]):
+        a = snaps[1].get(k, 0) - snaps[0][k]
+        b = snaps[2].get(k, 0) - snaps[1].get(k, 0)
+        if a or b:
+            print(f"{k[0] + ' ' + k[1]:40} {a:>10} {b:>16}")
+
+
 def main(argv):
     if len(argv) >= 4 and argv[1] == "perftest-bounds":
         perftest_bounds(argv[2], argv[3])
@@ -271,6 +297,8 @@ def main(argv):
         merge(argv[2], argv[3:])
     elif len(argv) == 4 and argv[1] == "markdown":
         markdown(argv[2], argv[3])
+    elif len(argv) == 3 and argv[1] == "counters":
+        counters(argv[2])
     elif len(argv) == 3 and argv[1] == "summary":
         return summary(argv[2])
     else:

@@ -13,6 +13,7 @@
 #
 # usage: scripts/bench-transport.sh [--no-verbs|--no-host] [--quick] [--enforce] [-- args]
 #   --quick   reps=1 and shorter points (a fast look, not for the committed figures)
+#   --perftest-from DIR   reuse DIR/perftest/*.log of an earlier run instead of running perftest
 #   args after -- go to the host transport_bench run
 # Env: SHARDPS_BENCH_BUILD_DIR (default build), SOFTROCE_DIR, BENCH_GUEST_TIMEOUT (default 420).
 set -uo pipefail
@@ -22,11 +23,12 @@ BUILD=${SHARDPS_BENCH_BUILD_DIR:-build}
 SOFTROCE=${SOFTROCE_DIR:-$ROOT/../shared/softroce}
 PY=/usr/bin/python3
 REPORT="$ROOT/bench/bench_report.py"
-VERBS=1 HOST=1 QUICK=0 ENFORCE=0
+VERBS=1 HOST=1 QUICK=0 ENFORCE=0 PERFTEST_FROM=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-verbs) VERBS=0; shift ;;
     --no-host) HOST=0; shift ;;
+    --perftest-from) PERFTEST_FROM=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --enforce) ENFORCE=1; shift ;;
     --) shift; break ;;
@@ -93,7 +95,13 @@ perftest() { tool=\$1; log=\$2; shift 2; port=\$((port + 1))
   wait \$spid 2>/dev/null; kill \$killer 2>/dev/null
   echo "  \$tool \$* : \$(grep -E '^ *[0-9]+ +[0-9]+' "\$log" | tail -1)"
 }
+counters() { for d in rxe0 rxe1; do for f in /sys/class/infiniband/\$d/ports/1/hw_counters/*; do
+  echo "\$d \$(basename \$f) \$(cat \$f)"; done; done > "\$W/counters-\$1.txt"; }
+counters 0
 s0=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
+if [ -n '$PERFTEST_FROM' ]; then
+  cp '$PERFTEST_FROM'/perftest/*.log "\$W/perftest/" && echo "perftest: reusing $PERFTEST_FROM"
+else
 for op in write read; do
   for n in 4096 65536 1048576 4194304 16777216; do
     it=\$((16777216 / n)); [ \$it -lt 5 ] && it=5; [ \$it -gt 2000 ] && it=2000
@@ -103,7 +111,9 @@ for op in write read; do
     perftest ib_\${op}_lat "\$W/perftest/lat_\${op}_\${n}.log" -s \$n -n 300
   done
 done
+fi
 s1=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
+counters 1
 echo "rxe0 sent \$((s1 - s0)) packets during perftest"
 /usr/bin/python3 '$REPORT' perftest-bounds "\$W/perftest" "\$W/verbs-bounds.txt" > /dev/null
 "\$BIN" --transport=verbs --target_bind_ip=192.168.77.2 --initiator_bind_ip=192.168.77.1 \\
@@ -112,6 +122,7 @@ echo "rxe0 sent \$((s1 - s0)) packets during perftest"
   --label="SoftRoCE guest (qemu TCG), rxe0 -> rxe1 over veth" 2> "\$W/verbs.log"
 rc=\$?
 s2=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
+counters 2
 echo "rxe0 sent \$((s2 - s1)) packets during transport_bench"
 [ \$rc -eq 0 ] || tail -30 "\$W/verbs.log"
 exit \$rc
@@ -124,6 +135,8 @@ EOF
     rc=$?
     echo "guest: rc $rc, $(( $(date +%s) - t0 )) s"
     [[ -s "$WORK/verbs.json" ]] && RUNS+=("$WORK/verbs.json")
+    # rxe counters that moved: retransmissions, sequence errors, RNR, per phase.
+    $PY "$REPORT" counters "$WORK" || true
   else
     tail -20 "$WORK/build-guest.log" >&2
     echo "bench-transport.sh: building the SoftRoCE guest failed; verbs not measured" >&2
