@@ -85,15 +85,23 @@ def perftest_bounds(logdir, out):
 
 
 def merge(out, inputs):
+    # Files with the same label (one transport_bench invocation per point in the guest) are
+    # one run; its date is the first one's.
     res = {"runs": [], "rows": []}
+    labels = {}
     for path in inputs:
         with open(path) as f:
             d = json.load(f)
         meta = d.get("meta", {})
-        meta["file"] = os.path.basename(path)
-        res["runs"].append(meta)
+        label = meta.get("label", path)
+        if label not in labels:
+            meta["files"] = []
+            labels[label] = len(res["runs"])
+            res["runs"].append(meta)
+        run = labels[label]
+        res["runs"][run]["files"].append(os.path.basename(path))
         for r in d.get("rows", []):
-            r["run"] = len(res["runs"]) - 1
+            r["run"] = run
             res["rows"].append(r)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
@@ -269,7 +277,8 @@ def summary(results):
 
 
 def counters(workdir):
-    """Prints the rxe hw_counters that moved in the perftest phase (0->1) and ours (1->2)."""
+    """Prints the rxe hw_counters that moved in phase 1 (latency perftests) and phase 2
+    (bandwidth: perftest and transport_bench, alternating)."""
     snaps = []
     for i in range(3):
         path = os.path.join(workdir, f"counters-{i}.txt")
@@ -282,12 +291,12 @@ def counters(workdir):
                 if len(tok) == 3 and tok[2].isdigit():
                     d[(tok[0], tok[1])] = int(tok[2])
         snaps.append(d)
-    print(f"{'rxe counter':40} {'perftest':>10} {'transport_bench':>16}")
+    print(f"{'rxe counter':40} {'lat perftest':>12} {'bw perftest+ours':>16}")
     for k in sorted(snaps[0]):
         a = snaps[1].get(k, 0) - snaps[0][k]
         b = snaps[2].get(k, 0) - snaps[1].get(k, 0)
         if a or b:
-            print(f"{k[0] + ' ' + k[1]:40} {a:>10} {b:>16}")
+            print(f"{k[0] + ' ' + k[1]:40} {a:>12} {b:>16}")
 
 
 def main(argv):
