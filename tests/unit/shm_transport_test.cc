@@ -1,7 +1,12 @@
 // Tests of the shm provider through the public transport API: two fabrics in one process.
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
@@ -129,7 +134,8 @@ TEST_F(ShmTransportTest, WriteAndReadAreByteExactAtOddOffsets) {
     const size_t loff = 7, roff = 4093;
     std::memset(rb, 0, kRegion);
     Fill(src.data() + loff, n, n);
-    ASSERT_TRUE(iep_->PostWrite({s->get(), loff, n}, AtOffset(rd, roff), ++ctx).ok());
+    Status ps = iep_->PostWrite({s->get(), loff, n}, AtOffset(rd, roff), ++ctx);
+    ASSERT_TRUE(ps.ok()) << ps;
     auto c = Collect(1);
     ASSERT_TRUE(c[0].ok());
     EXPECT_EQ(c[0].op, OpType::kWrite);
@@ -281,6 +287,67 @@ INSTANTIATE_TEST_SUITE_P(
                       BadAccessCase{"Deregistered", 4}),
     [](const ::testing::TestParamInfo<BadAccessCase>& i) { return std::string(i.param.name); });
 
+// The target polls on its own thread (its CQ belongs to that thread): every immediate it sees
+// must find its payload complete, across cores, under a ring that is often full.
+TEST_F(ShmTransportTest, WriteImmVisibilityAcrossThreads) {
+  ASSERT_NO_FATAL_FAILURE(Connect(64, 16));
+  const int kOps = 5000, kSlots = 64;
+  const size_t kSlot = 16384;
+  auto remote = Alloc(target_.get(), kSlot * kSlots, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), kSlot * kSlots, Access::kLocalOnly);
+  ASSERT_TRUE(remote && src);
+  auto len_of = [](int i) { return size_t{1} + (static_cast<size_t>(i) * 7919) % 16384; };
+  std::atomic<int> bad{-1};
+  std::atomic<int> seen{0};
+  std::thread target([&] {
+    std::vector<uint8_t> expect(kSlot);
+    Completion wc[8];
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    int next = 0;
+    while (next < kOps && Clock::now() < deadline && bad.load() < 0) {
+      // Small batches (a slot is reused 64 ops later); Wait, so that two spinning threads do
+      // not starve each other on a loaded machine.
+      const int k = tcq_->Wait(wc, 8, std::chrono::microseconds(200));
+      for (int j = 0; j < k; ++j) {
+        const size_t len = len_of(next);
+        Fill(expect.data(), len, next);
+        if (wc[j].imm != static_cast<uint32_t>(next) || wc[j].byte_len != len ||
+            std::memcmp(static_cast<uint8_t*>(remote->data()) + (next % kSlots) * kSlot,
+                        expect.data(), len) != 0) {
+          bad.store(next);
+        }
+        ++next;
+      }
+      seen.store(next);
+    }
+  });
+  auto* sb = static_cast<uint8_t*>(src->data());
+  const RegionDescriptor rd = remote->descriptor();
+  Completion wc[64];
+  int posted = 0, done = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (done < kOps && Clock::now() < deadline && bad.load() < 0) {
+    // A slot is rewritten only when the target is at most 32 ops behind (ring 16 + batch 8 +
+    // the one memcpy'd op waiting for ring space), well inside the 64-slot distance.
+    while (posted < kOps && posted - seen.load() < 32 && iep_->outstanding() < 64) {
+      const size_t off = (posted % kSlots) * kSlot;
+      Fill(sb + off, len_of(posted), posted);
+      ASSERT_TRUE(iep_->PostWriteImm({src.get(), off, len_of(posted)}, AtOffset(rd, off),
+                                     static_cast<uint32_t>(posted), posted,
+                                     posted % 4 == 3 ? kSignaled : kUnsignaled)
+                      .ok());
+      ++posted;
+    }
+    const int k = icq_->Wait(wc, 64, std::chrono::microseconds(200));
+    for (int j = 0; j < k; ++j) ASSERT_TRUE(wc[j].ok());
+    done += 4 * k;
+  }
+  target.join();
+  EXPECT_EQ(bad.load(), -1) << "immediate " << bad.load() << " arrived before its payload";
+  EXPECT_EQ(seen.load(), kOps);
+  EXPECT_EQ(done, kOps);
+}
+
 TEST_F(ShmTransportTest, RegisterMemoryRefusesRemoteAccessAndCuda) {
   std::vector<uint8_t> buf(4096);
   for (Access a : {Access::kRemoteRead, Access::kRemoteWrite, Access::kRemoteReadWrite}) {
@@ -425,12 +492,91 @@ TEST_F(ShmTransportTest, CorruptRegionTableEntryIsRefused) {
   EXPECT_FALSE(iep_->status().ok());
 }
 
+int CountMappings(const char* name) {
+  FILE* maps = fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof(line), maps) != nullptr) n += strstr(line, name) != nullptr;
+  fclose(maps);
+  return n;
+}
+
+// A raw client that speaks garbage: Accept fails with an error (no crash, no hang past its
+// timeout), and the listener still accepts a real peer afterwards.
+TEST_F(ShmTransportTest, HostileHandshakeIsAnErrorNotACrash) {
+  auto tcq = target_->CreateCompletionQueue(1024);
+  auto icq = initiator_->CreateCompletionQueue(1024);
+  ASSERT_TRUE(tcq.ok() && icq.ok());
+  auto l = target_->Listen("");
+  ASSERT_TRUE(l.ok());
+  const std::string addr = (*l)->address();
+  ASSERT_EQ(addr[0], '@');
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path + 1, addr.data() + 1, addr.size() - 1);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa),
+                      offsetof(sockaddr_un, sun_path) + addr.size()),
+              0);
+    std::vector<uint8_t> junk(variant == 0 ? 56 : variant == 1 ? 7 : 4096);
+    Fill(junk.data(), junk.size(), variant);
+    if (variant == 0) {  // right size and magic, but no fds attached
+      const uint64_t magic = 0x3130484c50485353ull;
+      std::memcpy(junk.data(), &magic, 8);
+    }
+    ASSERT_EQ(send(fd, junk.data(), junk.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(junk.size()));
+    auto ep = (*l)->Accept(tcq->get(), eo, milliseconds(2000));
+    EXPECT_FALSE(ep.ok());
+    close(fd);
+  }
+  StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not run");
+  std::thread t([&] { iep = initiator_->Connect(addr, icq->get(), eo); });
+  auto tep = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+  t.join();
+  EXPECT_TRUE(tep.ok()) << tep.status();
+  EXPECT_TRUE(iep.ok()) << iep.status();
+}
+
+// Two connections between the same two fabrics map each peer arena once per side.
+TEST_F(ShmTransportTest, PeerArenaIsMappedOncePerFabricPair) {
+  ASSERT_NO_FATAL_FAILURE(Connect(8, 8));
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 4);  // 2 own + 2 peer
+  auto l = target_->Listen("");
+  ASSERT_TRUE(l.ok());
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not run");
+  std::thread t([&] { iep = initiator_->Connect((*l)->address(), icq_.get(), eo); });
+  auto tep = (*l)->Accept(tcq_.get(), eo, milliseconds(10000));
+  t.join();
+  ASSERT_TRUE(tep.ok() && iep.ok());
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 4);
+  EXPECT_EQ(CountMappings("shardps-shm-doorbell"), 4);  // one per connection per side
+  iep_.reset();
+  tep_.reset();
+  (*iep).reset();
+  (*tep).reset();
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 2) << "peer arenas must be unmapped";
+  EXPECT_EQ(CountMappings("shardps-shm-doorbell"), 0);
+}
+
 TEST_F(ShmTransportTest, UnsignaledOpsReturnCreditsWithNextSignaled) {
   ASSERT_NO_FATAL_FAILURE(Connect(8, 8));
   auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
   auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
   const RemoteSlice dst = AtOffset(remote->descriptor(), 0);
-  for (int i = 0; i < 7; ++i) ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, dst, i, kUnsignaled).ok());
+  for (int i = 0; i < 7; ++i) {
+    ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, dst, i, kUnsignaled).ok());
+  }
   Completion wc[8];
   EXPECT_EQ(icq_->Poll(wc, 8), 0);
   EXPECT_EQ(iep_->outstanding(), 7);
@@ -458,8 +604,9 @@ TEST_F(ShmTransportTest, DestructionInAnyOrderIsSafe) {
   src.reset();
 }
 
-// Not a pass/fail benchmark (the machine is shared): reports write/read bandwidth next to a
-// plain memcpy of the same size, and checks the ratio is not absurdly low.
+// Not a pass/fail benchmark (the machine may be shared): reports the best of several
+// interleaved rounds of write/read bandwidth next to a plain memcpy of the same size, and only
+// fails on a pathology (e.g. page faults on every operation).
 TEST_F(ShmTransportTest, BandwidthVersusMemcpy) {
   ASSERT_NO_FATAL_FAILURE(Connect(64, 64));
   for (size_t n : {size_t{1} << 20, size_t{16} << 20}) {
@@ -468,7 +615,8 @@ TEST_F(ShmTransportTest, BandwidthVersusMemcpy) {
     std::vector<uint8_t> a(n, 1), b(n, 2);
     std::memset(remote->data(), 3, n);
     std::memset(local->data(), 4, n);
-    const int iters = n >= (16u << 20) ? 20 : 300;
+    const RemoteSlice at = AtOffset(remote->descriptor(), 0);
+    const int iters = n >= (16u << 20) ? 10 : 100;
     auto gbps = [&](auto&& fn) {
       fn();  // warm up (page faults)
       const auto t0 = Clock::now();
@@ -476,22 +624,25 @@ TEST_F(ShmTransportTest, BandwidthVersusMemcpy) {
       const double s = std::chrono::duration<double>(Clock::now() - t0).count();
       return static_cast<double>(n) * iters / s / 1e9;
     };
-    const double mc = gbps([&] { std::memcpy(b.data(), a.data(), n); });
     auto op = [&](bool write) {
-      Status s = write ? iep_->PostWrite({local.get(), 0, n}, AtOffset(remote->descriptor(), 0), 0)
-                       : iep_->PostRead({local.get(), 0, n}, AtOffset(remote->descriptor(), 0), 0);
+      Status s = write ? iep_->PostWrite({local.get(), 0, n}, at, 0)
+                       : iep_->PostRead({local.get(), 0, n}, at, 0);
       EXPECT_TRUE(s.ok());
       Completion c;
       while (icq_->Poll(&c, 1) == 0) {
       }
       EXPECT_TRUE(c.ok());
     };
-    const double w = gbps([&] { op(true); });
-    const double r = gbps([&] { op(false); });
-    std::cerr << "[ bw ] " << (n >> 20) << " MiB: memcpy " << mc << " GB/s, write " << w
-              << " GB/s (" << w / mc << "x), read " << r << " GB/s (" << r / mc << "x)\n";
-    EXPECT_GT(w, 0.3 * mc);
-    EXPECT_GT(r, 0.3 * mc);
+    double mc = 0, w = 0, r = 0;
+    for (int round = 0; round < 7; ++round) {
+      mc = std::max(mc, gbps([&] { std::memcpy(b.data(), a.data(), n); }));
+      w = std::max(w, gbps([&] { op(true); }));
+      r = std::max(r, gbps([&] { op(false); }));
+    }
+    std::cerr << "[ bw ] " << (n >> 20) << " MiB, best of 7: memcpy " << mc << " GB/s, write "
+              << w << " GB/s (" << w / mc << "x), read " << r << " GB/s (" << r / mc << "x)\n";
+    EXPECT_GT(w, 0.2 * mc);
+    EXPECT_GT(r, 0.2 * mc);
   }
 }
 

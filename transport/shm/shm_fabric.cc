@@ -236,12 +236,15 @@ Status CheckHello(const Hello& h, int sock) {
   if (h.arena_size == 0 || h.arena_size > kMaxPeerArena || h.arena_size % kPage != 0) {
     return FailedPreconditionError("shm: peer's arena size is implausible");
   }
+  // The claimed pid is informational: a peer in another pid namespace (containers of one pod
+  // share the network namespace, hence abstract sockets, but not pids) legitimately differs
+  // from SO_PEERCRED's view, so a mismatch is logged, not refused.
   ucred cred{};
   socklen_t cl = sizeof(cred);
   if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 &&
       static_cast<uint32_t>(cred.pid) != h.pid) {
-    return FailedPreconditionError("shm: peer claims pid " + std::to_string(h.pid) +
-                                   " but the socket says " + std::to_string(cred.pid));
+    LOG(INFO) << "shm: peer says pid " << h.pid << ", the socket says pid " << cred.pid
+              << " (another pid namespace?)";
   }
   return Status::OK();
 }
@@ -262,7 +265,8 @@ StatusOr<std::shared_ptr<CqState>> CqOf(CompletionQueue* cq) {
   return s->state();
 }
 
-// Releases a CQ quota reservation unless disarmed (the endpoint took it over).
+// Releases a CQ quota reservation unless disarmed (the endpoint took it over). Lives on the
+// stack of the thread running Connect/Accept.
 class QuotaGuard {
  public:
   QuotaGuard(CqState* cq, int slots) : cq_(cq), slots_(slots) {}
@@ -275,21 +279,6 @@ class QuotaGuard {
   CqState* cq_;
   int slots_;
 };
-
-// Maps the peer's arena (read-write) and table (read-only) and checks the table's header.
-Status MapPeerMemory(const Hello& h, int arena_fd, int table_fd, ConnectionParts* parts) {
-  ASSIGN_OR_RETURN(parts->peer_arena,
-                   MapPeerFd(arena_fd, h.arena_size, PROT_READ | PROT_WRITE, "arena", kHugePage));
-  ASSIGN_OR_RETURN(parts->peer_table, MapPeerFd(table_fd, kTableBytes, PROT_READ, "table"));
-  const auto* th = reinterpret_cast<const TableHeader*>(parts->peer_table.data());
-  if (th->magic.load(std::memory_order_acquire) != kTableMagic ||
-      th->version.load(std::memory_order_relaxed) != kLayoutVersion ||
-      th->capacity.load(std::memory_order_relaxed) != kTableCapacity ||
-      th->arena_size.load(std::memory_order_relaxed) != h.arena_size) {
-    return FailedPreconditionError("shm: peer's region table header is invalid");
-  }
-  return Status::OK();
-}
 
 Status CheckDoorbell(const Mapping& m, uint32_t cap0, uint32_t cap1) {
   const auto* dh = reinterpret_cast<const DoorbellHeader*>(m.data());
@@ -455,6 +444,41 @@ void FabricCore::Retract(uint32_t rkey) {
   free_slots_.push_back(slot);
 }
 
+StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int arena_fd,
+                                                          int table_fd) {
+  struct stat a, t;
+  if (fstat(arena_fd, &a) != 0 || fstat(table_fd, &t) != 0) {
+    return ErrnoError("shm: fstat peer arena/table", errno);
+  }
+  const std::pair<uint64_t, uint64_t> key(a.st_ino, t.st_ino);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(key);
+    if (it != peers_.end()) {
+      if (auto live = it->second.lock()) {
+        if (live->arena.size() == h.arena_size) return live;
+      }
+    }
+  }
+  auto pm = std::make_shared<PeerMemory>();
+  ASSIGN_OR_RETURN(pm->arena,
+                   MapPeerFd(arena_fd, h.arena_size, PROT_READ | PROT_WRITE, "arena", kHugePage));
+  ASSIGN_OR_RETURN(pm->table, MapPeerFd(table_fd, kTableBytes, PROT_READ, "table"));
+  const auto* th = reinterpret_cast<const TableHeader*>(pm->table.data());
+  if (th->magic.load(std::memory_order_acquire) != kTableMagic ||
+      th->version.load(std::memory_order_relaxed) != kLayoutVersion ||
+      th->capacity.load(std::memory_order_relaxed) != kTableCapacity ||
+      th->arena_size.load(std::memory_order_relaxed) != h.arena_size) {
+    return FailedPreconditionError("shm: peer's region table header is invalid");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = peers_.begin(); it != peers_.end();) {  // forget peers nobody maps any more
+    it = it->second.expired() ? peers_.erase(it) : std::next(it);
+  }
+  peers_[key] = pm;
+  return pm;
+}
+
 std::string FabricCore::NextListenName() {
   return "@shardps-" + std::to_string(getpid()) + "-" +
          std::to_string(reinterpret_cast<uintptr_t>(this) & 0xffffff) + "-" +
@@ -491,9 +515,9 @@ ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqSta
       credits_(options.send_depth),
       backlog_(static_cast<size_t>(options.send_depth)),
       description_(parts_.description) {
-  peer_arena_ = parts_.peer_arena.data();
-  peer_arena_size_ = parts_.peer_arena.size();
-  peer_entries_ = reinterpret_cast<const TableEntry*>(parts_.peer_table.data() +
+  peer_arena_ = parts_.peer->arena.data();
+  peer_arena_size_ = parts_.peer->arena.size();
+  peer_entries_ = reinterpret_cast<const TableEntry*>(parts_.peer->table.data() +
                                                       sizeof(TableHeader));
   uint8_t* db = parts_.doorbell.data();
   const int out_ring = parts_.is_acceptor ? 1 : 0;
@@ -532,7 +556,8 @@ class ShmListener final : public Listener {
 
  private:
   StatusOr<std::unique_ptr<Endpoint>> Handshake(UniqueFd sock, std::shared_ptr<CqState> cq,
-                                                const EndpointOptions& options);
+                                                const EndpointOptions& options,
+                                                Clock::time_point deadline);
   std::shared_ptr<FabricCore> core_;
   UniqueFd fd_;
   const std::string address_;
@@ -547,7 +572,13 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
   const auto deadline = Clock::now() + timeout;
   for (;;) {
     const int s = accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (s >= 0) return Handshake(UniqueFd(s), std::move(cq_state), options);
+    if (s >= 0) {
+      // A peer that connected but stays silent may hold Accept a little past its timeout,
+      // never longer than kHandshakeTimeout.
+      const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
+                                          Clock::now() + kHandshakeTimeout);
+      return Handshake(UniqueFd(s), std::move(cq_state), options, hs_deadline);
+    }
     if (errno == EINTR || errno == ECONNABORTED) continue;
     if (errno != EAGAIN) return ErrnoError("shm: accept on " + address_, errno);
     Status w = WaitFd(fd_.get(), POLLIN, deadline, "waiting for a peer");
@@ -557,18 +588,18 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
 
 StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
                                                            std::shared_ptr<CqState> cq,
-                                                           const EndpointOptions& options) {
+                                                           const EndpointOptions& options,
+                                                           Clock::time_point deadline) {
   const int slots = options.send_depth + options.recv_depth;
   RETURN_IF_ERROR(cq->quota.Reserve(slots));
   QuotaGuard guard(cq.get(), slots);
-  const auto deadline = Clock::now() + kHandshakeTimeout;
 
   Hello peer{};
   std::vector<UniqueFd> fds;
   RETURN_IF_ERROR(RecvMsg(sock.get(), &peer, sizeof(peer), &fds, 2, deadline));
   RETURN_IF_ERROR(CheckHello(peer, sock.get()));
   ConnectionParts parts;
-  RETURN_IF_ERROR(MapPeerMemory(peer, fds[0].get(), fds[1].get(), &parts));
+  ASSIGN_OR_RETURN(parts.peer, core_->MapPeer(peer, fds[0].get(), fds[1].get()));
 
   parts.is_acceptor = true;
   parts.cap0 = static_cast<uint32_t>(options.recv_depth);
@@ -710,7 +741,7 @@ StatusOr<std::unique_ptr<Endpoint>> ShmFabric::Connect(const std::string& addres
                       .WithContext("connect to " + canonical));
   RETURN_IF_ERROR(CheckHello(peer, sock.get()));
   ConnectionParts parts;
-  RETURN_IF_ERROR(MapPeerMemory(peer, fds[0].get(), fds[1].get(), &parts));
+  ASSIGN_OR_RETURN(parts.peer, core_->MapPeer(peer, fds[0].get(), fds[1].get()));
   parts.is_acceptor = false;
   parts.cap0 = peer.recv_depth;
   parts.cap1 = static_cast<uint32_t>(options.recv_depth);

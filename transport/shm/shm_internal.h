@@ -22,6 +22,15 @@ namespace shardps::transport::shm {
 
 constexpr uint64_t kDefaultArenaBytes = 64ull << 30;
 
+struct Hello;
+
+// A peer fabric's arena (read-write) and region table (read-only), mapped once and shared by
+// every endpoint of this fabric connected to that peer fabric. Immutable after creation.
+struct PeerMemory {
+  Mapping arena;
+  Mapping table;
+};
+
 // One fabric's arena and region table. Thread-safe: the allocator and the table's slot
 // bookkeeping are under mu_; arena()/table accessors are immutable after Create.
 class FabricCore {
@@ -47,6 +56,9 @@ class FabricCore {
   int arena_fd() const { return arena_fd_.get(); }
   int table_fd() const { return table_fd_.get(); }
   std::string NextListenName();
+  // Maps a peer fabric's arena and table (validated), or returns the mapping this fabric
+  // already holds for the same pair of files.
+  StatusOr<std::shared_ptr<PeerMemory>> MapPeer(const Hello& hello, int arena_fd, int table_fd);
 
  private:
   FabricCore() = default;
@@ -62,6 +74,9 @@ class FabricCore {
   std::map<uint64_t, uint64_t> free_;  // offset -> bytes, coalesced; guarded by mu_
   std::vector<uint32_t> free_slots_;   // guarded by mu_
   std::atomic<uint32_t> listen_seq_{0};
+  // (arena inode, table inode) -> live mapping; guarded by mu_. A live entry keeps its files
+  // open through the mapping, so the inode numbers cannot be reused while it is live.
+  std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PeerMemory>> peers_;
 };
 
 // A region of an shm fabric. Accessors are const and thread-safe; the destructor (any thread)
@@ -129,8 +144,7 @@ class ShmCompletionQueue final : public CompletionQueue {
 // What Connect/Accept hand to the endpoint: the socket and every mapping of the connection.
 struct ConnectionParts {
   UniqueFd sock;
-  Mapping peer_arena;    // read-write: the peer's memory to write into and read from
-  Mapping peer_table;    // read-only
+  std::shared_ptr<PeerMemory> peer;  // the peer's arena and table
   Mapping doorbell;      // read-write, both rings
   uint32_t cap0 = 0;     // ring 0: connector -> acceptor, capacity = acceptor's recv_depth
   uint32_t cap1 = 0;     // ring 1: acceptor -> connector, capacity = connector's recv_depth
