@@ -9,6 +9,7 @@
 // a ring of send_depth entries, the send queue is a ring that grows only while the peer is
 // slower than we post.
 #include <sys/socket.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -31,6 +32,8 @@ constexpr int kMaxIov = 64;
 constexpr uint64_t kMaxIovBytes = 1ull << 30;
 constexpr uint64_t kAckEveryOps = 64;
 constexpr uint64_t kAckEveryBytes = 4ull << 20;
+// Bytes one endpoint may read per round before the others get their turn (fairness).
+constexpr uint64_t kReadBudgetBytes = 16ull << 20;
 constexpr auto kWaitSpin = std::chrono::microseconds(30);
 
 uint32_t SaturateLen(uint64_t n) {
@@ -91,7 +94,16 @@ void TcpCompletionQueue::Push(const Completion& c, TcpEndpoint* ep, uint32_t cre
 }
 
 int TcpCompletionQueue::Poll(Completion* out, int max) {
-  if (max <= 0 || count_.load(std::memory_order_acquire) == 0) return 0;
+  if (max <= 0) return 0;
+  if (count_.load(std::memory_order_acquire) == 0) {
+    engine_->TryProgress();
+    if (count_.load(std::memory_order_acquire) == 0) {
+      // A spinning poller must not starve the threads it is waiting for: socket wakeups are
+      // "sync" wakeups that the scheduler places on the waker's core, behind this spinner.
+      sched_yield();
+      return 0;
+    }
+  }
   std::lock_guard<std::mutex> l(mu_);
   int n = 0;
   while (n < max && size_ > 0) {
@@ -119,6 +131,7 @@ int TcpCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds
     if (count_.load(std::memory_order_acquire) != 0) return Poll(out, max);
     CpuRelax();
   }
+  engine_->Unpark();
   {
     std::unique_lock<std::mutex> lk(mu_);
     ++waiters_;
@@ -408,7 +421,12 @@ TcpEndpoint::IoResult TcpEndpoint::HandleIoError(ssize_t n) {
 // Reads until the socket is drained, the endpoint pauses (recv_depth) or dies; then sends the
 // coalesced ACK and any queued responses.
 void TcpEndpoint::OnReadable() {
+  uint64_t budget = kReadBudgetBytes;
   while (!rx_dead_ && !rx_paused_.load(std::memory_order_relaxed)) {
+    if (budget == 0) {
+      engine_->AddAgain(this);  // edge-triggered: nobody would come back otherwise
+      break;
+    }
     if (rx_state_ == RxState::kHeader) {
       if (hdr_got_ < kHeaderSize) {
         const ssize_t n = ::recv(fd_.get(), hdr_buf_ + hdr_got_, kHeaderSize - hdr_got_, 0);
@@ -417,7 +435,9 @@ void TcpEndpoint::OnReadable() {
           break;
         }
         hdr_got_ += static_cast<size_t>(n);
-        if (hdr_got_ < kHeaderSize) continue;
+        budget -= std::min<uint64_t>(budget, 4096);  // a header costs like a page
+        // A short read drained the socket: new data raises a new edge, no need to see EAGAIN.
+        if (hdr_got_ < kHeaderSize) break;
       }
       hdr_got_ = 0;
       std::memcpy(&rx_hdr_, hdr_buf_, kHeaderSize);
@@ -431,12 +451,15 @@ void TcpEndpoint::OnReadable() {
     iovec iov[2];
     iov[0] = {to_mem ? rx_dest_ : engine_->scratch(), chunk};
     iov[1] = {hdr_buf_, kHeaderSize};
-    const ssize_t n = ::readv(fd_.get(), iov, chunk == rx_left_ ? 2 : 1);
+    const int iovcnt = chunk == rx_left_ ? 2 : 1;
+    const ssize_t n = ::readv(fd_.get(), iov, iovcnt);
     if (n <= 0) {
       if (HandleIoError(n) == IoResult::kRetry) continue;
       break;
     }
     uint64_t got = static_cast<uint64_t>(n);
+    budget -= std::min(budget, got);
+    const bool drained = got < chunk + (iovcnt == 2 ? kHeaderSize : 0);
     if (got > chunk) {
       hdr_got_ = got - chunk;
       got = chunk;
@@ -444,6 +467,7 @@ void TcpEndpoint::OnReadable() {
     if (to_mem) rx_dest_ += got;
     rx_left_ -= got;
     if (rx_left_ == 0) FinishPayload();
+    if (drained) break;
   }
   if (!rx_dead_) MaybeAck();
 }
@@ -708,15 +732,14 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
   if (rx_dead_) return;
   rx_dead_ = true;
   rx_paused_.store(false);
+  uint64_t failed = 0;
   {
     std::lock_guard<std::mutex> l(op_mu_);
     if (!errored_) {
       errored_ = true;
       error_ = why;
-      bool first = true;
       for (uint64_t s = acked_seq_ + 1; s <= post_seq_; ++s) {
-        CompleteLocked(ring_[s % send_depth_], first ? wc : WcStatus::kFlushed);
-        first = false;
+        CompleteLocked(ring_[s % send_depth_], failed++ == 0 ? wc : WcStatus::kFlushed);
       }
       acked_seq_ = post_seq_;
     }
@@ -729,8 +752,14 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
   }
   ::shutdown(fd_.get(), SHUT_RDWR);
   engine_->Unwatch(fd_.get());
-  LOG(INFO) << "tcp: endpoint " << DebugString() << " (id " << endpoint_id()
-            << ") entered the error state: " << why;
+  if (failed == 0 && wc == WcStatus::kRemoteDisconnected) {
+    VLOG(1) << "tcp: endpoint " << DebugString() << " (id " << endpoint_id()
+            << ") disconnected: " << why;
+  } else {
+    LOG(INFO) << "tcp: endpoint " << DebugString() << " (id " << endpoint_id()
+              << ") entered the error state with " << failed
+              << " operation(s) outstanding: " << why;
+  }
 }
 
 void TcpEndpoint::OnRegionGone(const char* base, uint64_t length) {

@@ -263,7 +263,33 @@ void TcpEngine::Shutdown() {
   thread_.join();
 }
 
+namespace {
+// The progress thread stays parked while an application thread did progress work within this
+// long; it is also the longest a parked thread waits before it checks again.
+constexpr int64_t kParkNs = 200 * 1000;
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void TcpEngine::Unpark() {
+  if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) >= kParkNs) return;
+  last_inline_ns_.store(0, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> l(park_mu_);
+    park_wake_ = true;
+  }
+  park_cv_.notify_one();
+}
+
 void TcpEngine::Wake() {
+  {
+    std::lock_guard<std::mutex> l(park_mu_);
+    park_wake_ = true;
+  }
+  park_cv_.notify_one();
   const uint64_t one = 1;
   ssize_t n;
   do {
@@ -279,7 +305,9 @@ void TcpEngine::RunSync(const std::function<void()>& fn) {
   }
   std::unique_lock<std::mutex> lk(cl_mu_);
   if (!running_) {
-    fn();  // serialized by cl_mu_
+    lk.unlock();
+    std::lock_guard<std::mutex> p(progress_mu_);
+    fn();
     return;
   }
   Closure c{&fn, false};
@@ -305,28 +333,53 @@ void TcpEngine::RunClosures() {
   cl_cv_.notify_all();
 }
 
+void TcpEngine::HandleEvents(const epoll_event* evs, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (evs[i].data.ptr == nullptr) continue;  // the eventfd: handled by the progress thread
+    static_cast<TcpEndpoint*>(evs[i].data.ptr)->OnEvents(evs[i].events);
+  }
+  if (!again_.empty()) {
+    std::vector<TcpEndpoint*> list;
+    list.swap(again_);
+    for (TcpEndpoint* ep : list) ep->OnReadable();
+  }
+  if (!paused_.empty()) ResumePaused();
+}
+
 void TcpEngine::Loop() {
   thread_id_ = std::this_thread::get_id();
   epoll_event evs[64];
   while (!stop_.load(std::memory_order_acquire)) {
-    const int n = epoll_wait(epoll_fd_.get(), evs, 64, -1);
+    int timeout = -1;
+    if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) < kParkNs) {
+      std::unique_lock<std::mutex> lk(park_mu_);
+      park_cv_.wait_for(lk, std::chrono::nanoseconds(kParkNs), [&] { return park_wake_; });
+      park_wake_ = false;
+      timeout = 0;
+    }
+    {
+      std::lock_guard<std::mutex> l(progress_mu_);
+      if (!again_.empty()) timeout = 0;
+    }
+    const int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout);
     if (n < 0) {
       if (errno != EINTR) PLOG(ERROR) << "tcp: epoll_wait";
       continue;
     }
+    std::lock_guard<std::mutex> l(progress_mu_);
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.ptr == nullptr) {
         uint64_t v;
         while (::read(event_fd_.get(), &v, sizeof(v)) > 0) {
         }
-        continue;
       }
-      static_cast<TcpEndpoint*>(evs[i].data.ptr)->OnEvents(evs[i].events);
     }
+    HandleEvents(evs, n);
     // Closures run between batches, so no event of a removed endpoint is still pending.
     RunClosures();
     if (!paused_.empty()) ResumePaused();
   }
+  std::lock_guard<std::mutex> p(progress_mu_);
   std::lock_guard<std::mutex> l(cl_mu_);
   running_ = false;
   for (Closure* c : closures_) {
@@ -335,6 +388,17 @@ void TcpEngine::Loop() {
   }
   closures_.clear();
   cl_cv_.notify_all();
+}
+
+void TcpEngine::TryProgress() {
+  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.try_lock()) return;
+  epoll_event evs[16];
+  last_inline_ns_.store(NowNs(), std::memory_order_relaxed);
+  const int n = epoll_wait(epoll_fd_.get(), evs, 16, 0);
+  // Events a concurrent epoll_wait of the progress thread took are handled there; endpoints
+  // removed by closures cannot appear here because closures run under progress_mu_.
+  if (n > 0 || !again_.empty() || !paused_.empty()) HandleEvents(evs, std::max(n, 0));
+  progress_mu_.unlock();
 }
 
 void TcpEngine::ResumePaused() {
@@ -360,6 +424,7 @@ void TcpEngine::RemoveEndpoint(TcpEndpoint* ep) {
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, ep->fd(), nullptr);  // may already be gone
   endpoints_.erase(std::remove(endpoints_.begin(), endpoints_.end(), ep), endpoints_.end());
   paused_.erase(std::remove(paused_.begin(), paused_.end(), ep), paused_.end());
+  again_.erase(std::remove(again_.begin(), again_.end(), ep), again_.end());
 }
 
 void TcpEngine::Unwatch(int fd) { epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr); }

@@ -13,6 +13,7 @@
 #define SHARDPS_TRANSPORT_TCP_TCP_INTERNAL_H_
 
 #include <netinet/in.h>
+#include <sys/epoll.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -97,11 +98,20 @@ class TcpEngine {
   // thread is stopped).
   void RunSync(const std::function<void()>& fn);
   void Wake();
+  // Any thread (CompletionQueue::Poll): if no one else is doing progress work, handles what is
+  // ready without blocking. On a machine with few cores this lets a spinning application
+  // thread do the work itself instead of handing it to the progress thread.
+  void TryProgress();
+  // A thread about to sleep in CompletionQueue::Wait: the progress thread takes over now.
+  void Unpark();
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
   // Progress thread: endpoint membership and the set of read-paused endpoints.
   Status AddEndpoint(TcpEndpoint* ep);
   void RemoveEndpoint(TcpEndpoint* ep);
   void AddPaused(TcpEndpoint* ep) { paused_.push_back(ep); }
+  // An endpoint that used up its read budget with data still pending: read it again on the
+  // next round, after the others had their turn.
+  void AddAgain(TcpEndpoint* ep) { again_.push_back(ep); }
   // Progress thread: stop watching a failed endpoint's socket.
   void Unwatch(int fd);
   char* scratch() { return scratch_.data(); }
@@ -112,6 +122,7 @@ class TcpEngine {
  private:
   explicit TcpEngine(const FabricOptions& options);
   void Loop();
+  void HandleEvents(const struct epoll_event* evs, int n);  // progress_mu_ held
   void RunClosures();
   void ResumePaused();
 
@@ -130,8 +141,14 @@ class TcpEngine {
   Fd epoll_fd_;
   Fd event_fd_;
   std::thread thread_;
-  std::thread::id thread_id_;
+  std::atomic<std::thread::id> thread_id_{};
   std::atomic<bool> stop_{false};
+  // Parking: while an application thread keeps calling TryProgress, the progress thread
+  // sleeps on park_cv_ instead of competing for the same events (two cores are common).
+  std::atomic<int64_t> last_inline_ns_{0};
+  std::mutex park_mu_;
+  std::condition_variable park_cv_;
+  bool park_wake_ = false;  // guarded by park_mu_
 
   struct Closure {
     const std::function<void()>* fn;
@@ -142,9 +159,13 @@ class TcpEngine {
   std::vector<Closure*> closures_;  // guarded by cl_mu_
   bool running_ = false;            // guarded by cl_mu_
 
-  // Progress thread only.
+  // Held by whichever thread does progress work (the progress thread, or an application
+  // thread in TryProgress); "progress thread" methods below run under it.
+  std::mutex progress_mu_;
+  // Guarded by progress_mu_.
   std::vector<TcpEndpoint*> endpoints_;
   std::vector<TcpEndpoint*> paused_;
+  std::vector<TcpEndpoint*> again_;
   std::vector<char> scratch_;
   std::vector<std::pair<void*, size_t>> zero_maps_;
 };
@@ -232,6 +253,7 @@ class TcpEndpoint final : public Endpoint {
 
   // Progress thread.
   void OnEvents(uint32_t events);
+  void OnReadable();
   bool TryResume();  // true when no longer waiting for the app to reap immediates
   void OnRegionGone(const char* base, uint64_t length);
 
@@ -264,7 +286,6 @@ class TcpEndpoint final : public Endpoint {
   void PushSegmentLocked(const Segment& s);
   Status FlushLocked();
   // Progress thread.
-  void OnReadable();
   IoResult HandleIoError(ssize_t n);
   void HandleHeader();
   void StartPayload(char* dest, uint64_t len, RxAction action);
