@@ -20,6 +20,12 @@
 
 #include "transport/transport.h"
 #include "transport/verbs/verbs_device.h"
+#include "transport/verbs/verbs_testing.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 namespace shardps::transport {
 namespace {
@@ -48,12 +54,12 @@ void Fill(uint8_t* p, size_t n, uint32_t seed) {
   for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 9)) ^ seed);
 }
 
-FabricOptions Options(const char* ip) {
+FabricOptions Options(const char* ip, int retry_count) {
   FabricOptions o;
   o.provider = "verbs";
   o.bind_ip = ip;
-  o.rdma_timeout = 14;  // 67 ms per attempt; with 7 retries a dead peer fails within ~1 s
-  o.rdma_retry_count = 7;
+  o.rdma_timeout = 14;  // 67 ms per attempt
+  o.rdma_retry_count = retry_count;
   return o;
 }
 
@@ -64,10 +70,10 @@ class VerbsTransportTest : public ::testing::Test {
     if (RdmaDeviceCount() == 0) {
       GTEST_SKIP() << "no RDMA device (ibv_get_device_list is empty); run in the SoftRoCE guest";
     }
-    auto t = Fabric::Open(Options(kTargetIp));
+    auto t = Fabric::Open(Options(kTargetIp, retry_count_));
     ASSERT_TRUE(t.ok()) << t.status() << " (is softroce-up.sh 2 running?)";
     target_ = std::move(t).value();
-    auto i = Fabric::Open(Options(kInitiatorIp));
+    auto i = Fabric::Open(Options(kInitiatorIp, retry_count_));
     ASSERT_TRUE(i.ok()) << i.status();
     initiator_ = std::move(i).value();
     auto tcq = target_->CreateCompletionQueue(4096);
@@ -120,6 +126,7 @@ class VerbsTransportTest : public ::testing::Test {
     return v.empty() ? Completion{} : v[0];
   }
 
+  int retry_count_ = 7;  // the default; on rxe 7 means "retry forever"
   std::unique_ptr<Fabric> target_, initiator_;
   std::unique_ptr<CompletionQueue> target_cq_, initiator_cq_;
   std::unique_ptr<Listener> listener_;
@@ -344,6 +351,71 @@ TEST_F(VerbsTransportTest, VerbsPeerCloseIsAnErrorCompletionQuickly) {
   EXPECT_FALSE(initiator_ep_->status().ok());
   std::cout << "[          ] peer close -> " << WcStatusName(c.status) << " after " << ms
             << " ms; status: " << initiator_ep_->status() << "\n";
+}
+
+// Without the liveness socket, the QP's own ACK timeout bounds detection: rdma_timeout 14
+// (67 ms) x (1 + 6 retries) ~ 0.47 s nominal. retry 6, because rxe treats 7 as infinite.
+class VerbsRetryTest : public VerbsTransportTest {
+ protected:
+  void SetUp() override {
+    retry_count_ = 6;
+    VerbsTransportTest::SetUp();
+  }
+};
+
+TEST_F(VerbsRetryTest, VerbsDeadPeerWithoutFinIsRetryExceeded) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  auto remote = Alloc(target_.get(), 1 << 16, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 1 << 16, Access::kLocalOnly);
+  const RegionDescriptor d = remote->descriptor();
+  ASSERT_TRUE(initiator_ep_->PostWrite({src.get(), 0, 4096}, AtOffset(d, 0), 1).ok());
+  ASSERT_TRUE(One(initiator_cq_.get()).ok());
+  ASSERT_TRUE(verbs::DropLivenessChannelForTesting(initiator_ep_.get()).ok());
+  target_ep_.reset();  // its QP is gone: rxe1 drops the packets silently
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(initiator_ep_->PostWrite({src.get(), 0, 4096}, AtOffset(d, 0), 2).ok());
+  ASSERT_TRUE(initiator_ep_->PostWrite({src.get(), 0, 4096}, AtOffset(d, 0), 3, kUnsignaled).ok());
+  auto v = Collect(initiator_cq_.get(), 2, milliseconds(30000));
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count();
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[0].context, 2u);
+  EXPECT_EQ(v[0].status, WcStatus::kRetryExceeded) << WcStatusName(v[0].status);
+  EXPECT_EQ(v[1].context, 3u);
+  EXPECT_EQ(v[1].status, WcStatus::kFlushed) << WcStatusName(v[1].status);
+  EXPECT_NE(initiator_ep_->status().message().find("retry exceeded"), std::string::npos)
+      << initiator_ep_->status();
+  EXPECT_EQ(initiator_ep_->outstanding(), 0);
+  EXPECT_LT(ms, 10000);
+  std::cout << "[          ] dead peer without FIN -> " << WcStatusName(v[0].status) << " after "
+            << ms << " ms (rdma_timeout 14, retry 6)\n";
+}
+
+// A malformed handshake fails that accept only; the listener keeps working.
+TEST_F(VerbsTransportTest, VerbsMalformedHandshakeFailsOnlyThatAccept) {
+  const std::string addr = listener_->address();
+  const auto colon = addr.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))));
+  inet_pton(AF_INET, addr.substr(0, colon).c_str(), &sa.sin_addr);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  char junk[40];
+  std::memset(junk, 0x41, sizeof(junk));
+  ASSERT_EQ(write(fd, junk, sizeof(junk)), 40);
+  EndpointOptions eo;
+  eo.connect_timeout = milliseconds(3000);
+  auto bad = listener_->Accept(target_cq_.get(), eo, milliseconds(5000));
+  close(fd);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("magic"), std::string::npos) << bad.status();
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+  auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
+  ASSERT_TRUE(initiator_ep_->PostWrite({src.get(), 0, 64}, AtOffset(remote->descriptor(), 0), 1).ok());
+  EXPECT_TRUE(One(initiator_cq_.get()).ok());
 }
 
 TEST_F(VerbsTransportTest, VerbsGidAutoSelectionPicksIpv4MappedRoceV2) {

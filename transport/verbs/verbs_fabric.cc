@@ -16,6 +16,7 @@
 
 #include "transport/providers.h"
 #include "transport/verbs/verbs_internal.h"
+#include "transport/verbs/verbs_testing.h"
 
 namespace shardps::transport::verbs {
 namespace {
@@ -29,6 +30,24 @@ constexpr int kMaxRdAtomic = 16;
 constexpr int kHopLimit = 64;
 // One extra send-queue entry per QP for the drain marker posted after an error.
 constexpr int kDrainWrs = 1;
+// Soft-RoCE (rdma_rxe) reports this vendor id. Its completer treats retry_cnt == 7 as "retry
+// forever" (rxe_comp.c: `if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--;`), unlike the IB
+// spec where only rnr_retry 7 is infinite. We still pass 7 through: rxe's responder does not
+// pace large RDMA READ responses (the veth drops them, "Failed sending ACK"), and only endless
+// retries get a 16 MiB read through there. A dead peer is then reported by the bootstrap
+// socket instead (EOF within milliseconds, TCP keepalive within ~4 s; verbs_handshake.cc).
+constexpr uint32_t kRxeVendorId = 0xffffff;
+
+void LogRetryPolicy(const VerbsDevice& device, int retry_count) {
+  if (device.device_attr().vendor_id == kRxeVendorId && retry_count == 7) {
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      LOG(INFO) << "verbs: " << device.name() << " is Soft-RoCE (rxe), which treats retry_cnt 7 "
+                << "as infinite: peer death is bounded by the bootstrap socket (EOF, or TCP "
+                << "keepalive ~4 s), not by the QP retry budget";
+    });
+  }
+}
 
 int IbvAccess(Access access) {
   int a = IBV_ACCESS_LOCAL_WRITE;
@@ -351,6 +370,7 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   attr.qp_state = IBV_QPS_RTS;
   attr.timeout = static_cast<uint8_t>(options_.rdma_timeout);
   attr.retry_cnt = static_cast<uint8_t>(options_.rdma_retry_count);
+  LogRetryPolicy(*device_, options_.rdma_retry_count);
   attr.rnr_retry = kRnrRetryInfinite;
   attr.sq_psn = mine.psn;
   attr.max_rd_atomic = static_cast<uint8_t>(
@@ -394,3 +414,14 @@ StatusOr<std::unique_ptr<Fabric>> OpenVerbsFabric(const FabricOptions& options) 
 }
 
 }  // namespace shardps::transport
+
+namespace shardps::transport::verbs {
+
+Status DropLivenessChannelForTesting(Endpoint* endpoint) {
+  auto* ep = dynamic_cast<VerbsEndpoint*>(endpoint);
+  if (ep == nullptr) return InvalidArgumentError("not a verbs endpoint");
+  ep->adoptBootstrap(UniqueFd());
+  return Status::OK();
+}
+
+}  // namespace shardps::transport::verbs

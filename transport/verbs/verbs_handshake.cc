@@ -114,10 +114,21 @@ Status SetNonBlocking(int fd) {
   return Status::OK();
 }
 
+// The bootstrap socket is idle after the handshake; keepalive probes make a peer host that
+// vanished without a FIN (power loss, cable pull) an error on the socket within about
+// kKeepIdle + kKeepCount * kKeepInterval = 4 s, which ProbePeer then reports. This bounds
+// peer-death detection even where the QP retry budget does not (rxe with retry_cnt 7).
+constexpr int kKeepIdleS = 1;
+constexpr int kKeepIntervalS = 1;
+constexpr int kKeepCount = 3;
+
 void TuneSocket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &kKeepIdleS, sizeof(kKeepIdleS));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &kKeepIntervalS, sizeof(kKeepIntervalS));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &kKeepCount, sizeof(kKeepCount));
 }
 
 }  // namespace
@@ -313,12 +324,16 @@ Status RecvAll(int fd, void* data, size_t len, Deadline deadline) {
 }
 
 Status ProbePeer(int fd) {
-  uint8_t b;
-  ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-  if (n > 0) return Status::OK();  // unexpected bytes; not a death notice
-  if (n == 0) return UnavailableError("peer closed its bootstrap connection (process exited?)");
-  if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::OK();
-  return ErrnoError("bootstrap connection to the peer failed", errno);
+  uint8_t buf[64];
+  for (;;) {
+    // Nothing is sent after `ready`: stray bytes are discarded (so the socket does not stay
+    // readable and keep Wait spinning); only EOF or an error is a death notice.
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n > 0) continue;
+    if (n == 0) return UnavailableError("peer closed its bootstrap connection (process exited?)");
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::OK();
+    return ErrnoError("bootstrap connection to the peer failed", errno);
+  }
 }
 
 }  // namespace shardps::transport::verbs

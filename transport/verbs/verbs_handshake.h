@@ -81,7 +81,8 @@ StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bin
                               Deadline deadline, std::string* local);
 Status SendAll(int fd, const void* data, size_t len, Deadline deadline);
 Status RecvAll(int fd, void* data, size_t len, Deadline deadline);
-// Non-blocking liveness probe of a bootstrap socket: OK while the peer keeps it open.
+// Non-blocking liveness probe of a bootstrap socket: OK while the peer keeps it open (stray
+// bytes are read and dropped).
 Status ProbePeer(int fd);
 
 }  // namespace shardps::transport::verbs

@@ -8,7 +8,10 @@
 //
 // Threading: VerbsFabric's setup calls are serialised by its mutex. A CqState and all endpoints
 // attached to it are used by that CQ's one polling thread (the contract of transport.h); the
-// functions named *OnPollingThread must only be called there.
+// functions named *OnPollingThread must only be called there. Connect/Accept attach the new
+// endpoint to its CQ, so they run on that CQ's polling thread or while nobody polls it (as in
+// the tests, which connect from a helper thread before polling starts). There is no provider
+// thread: the HCA executes the operations, Poll/Wait reap them.
 #ifndef SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
 #define SHARDPS_TRANSPORT_VERBS_VERBS_INTERNAL_H_
 
