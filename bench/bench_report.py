@@ -60,6 +60,9 @@ def perftest_bounds(logdir, out):
             print(f"perftest-bounds: no result line in {path}", file=sys.stderr)
             continue
         if kind == "bw":
+            if cols[3] <= 0:
+                print(f"perftest-bounds: zero bandwidth in {path}, ignored", file=sys.stderr)
+                continue
             bw[(op, size)] = cols[3]  # bytes iters peak avg [msgrate]: average Gbit/s
         else:
             # bytes iters t_min t_max t_typical t_avg t_stdev p99 p99.9
