@@ -182,7 +182,7 @@ binary, on the same addresses:
 |---|---|
 | tcp | raw TCP socket pair between the same two processes (blocking, `TCP_NODELAY`). Bandwidth: write = stream of [16-byte header, N bytes] messages, each acknowledged with 8 bytes, the same window in flight; read = 16-byte requests answered with N bytes, same window. Latency: one in flight (write = N bytes + 8-byte ack, like `tcp_pingpong.c` push; read = request + N bytes). |
 | shm | single-thread glibc `memcpy` of N bytes in one process. |
-| verbs | perftest on the same rxe pair in the same guest boot (server on rxe1, client on rxe0 → 192.168.77.2, `-x 1`): `ib_write_bw`/`ib_read_bw -t <same window> --report_gbits`, 1 s (`-D 1`) up to 1 MiB and 6 operations above, each run immediately before our point of the same op and size; `ib_write_lat`/`ib_read_lat -n 300` at 8 B and 4 KiB. Our verbs run uses `--max_inflight_bytes=32M --footprint=32M --seconds=1` (window 8 at 4 MiB, 2 at 16 MiB; perftest gets the same `-t`) and measures latency up to 64 KiB. |
+| verbs | perftest on the same rxe pair in the same guest boot (server on rxe1, client on rxe0 → 192.168.77.2, `-x 1`): `ib_write_bw`/`ib_read_bw -t <same window> --report_gbits`, 1 s (`-D 1`) below 1 MiB, 16 operations at 1 MiB and 6 above, each run immediately before our point of the same op and size; `ib_write_lat`/`ib_read_lat -n 300` at 8 B and 4 KiB. Our verbs run uses `--max_inflight_bytes=32M --footprint=32M --seconds=1` (window 8 at 4 MiB, 2 at 16 MiB; perftest gets the same `-t`) and measures latency up to 64 KiB. |
 
 Formulas:
 - bandwidth: Gbit/s = 8 · N · completed operations / time, 10⁹ bits; GB/s = Gbit/s ÷ 8.
