@@ -140,11 +140,9 @@ def table(rows):
         "ours p50 µs | ours p99 µs | bound p50 µs | lat ratio | cpu ini/tgt |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = []
-    for r in rows:
-        k = (r["provider"], r["op"], r["size"])
-        if k not in keys:
-            keys.append(k)
+    # One line per (op, size) that has a bandwidth row; write before read, then by size.
+    keys = sorted({(r["provider"], r["op"], r["size"]) for r in rows if r["kind"] == "bw"},
+                  key=lambda k: (k[0], k[1] != "write", k[2]))
     for k in keys:
         bw = next((r for r in rows if (r["provider"], r["op"], r["size"]) == k
                    and r["kind"] == "bw"), None)
@@ -244,7 +242,8 @@ def markdown(results, doc):
         if not sel:
             continue
         out += ["", f"## {prov}", "", f"Bound: {sel[0].get('bound', '?')}.", "", table(sel)]
-        extra = [r for r in sel if r["kind"] == "lat" and not any(
+        extra = [r for r in sorted(sel, key=lambda r: (r["op"] != "write", r["size"]))
+                 if r["kind"] == "lat" and not any(
             b["kind"] == "bw" and b["size"] == r["size"] for b in sel)]
         if extra:
             out.append("")
