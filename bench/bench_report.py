@@ -178,7 +178,7 @@ binary, on the same addresses:
 
 | provider | bound |
 |---|---|
-| tcp | raw TCP socket pair between the same two processes (blocking, `TCP_NODELAY`). Bandwidth: write = stream of [16-byte header, N bytes] messages, each acknowledged with 8 bytes, the same window in flight; read = 16-byte requests answered with N bytes, same window. Latency: one in flight (write = N bytes + 8-byte ack, like `tcp_pingpong.c` push; read = request + N bytes). |
+| tcp | raw TCP socket pair between the same two processes (blocking, `TCP_NODELAY`). Bandwidth: write = requests of W/4 messages ([24-byte header, W/4 × N bytes] in one `writev`, read by the server straight into its slots with `readv`), each request acknowledged with 8 bytes, at most W messages unacknowledged: one ack per W/4 messages, as the transport loop gets one completion per W/4 operations; read = 24-byte requests answered with W/4 × N bytes (`writev` from the slots), at most W outstanding. Latency: one in flight (write = N bytes + 8-byte ack, like `tcp_pingpong.c` push; read = 24-byte request + N bytes). |
 | shm | single-thread glibc `memcpy` of N bytes in one process. |
 | verbs | perftest on the same rxe pair in the same guest boot (server on rxe1, client on rxe0 → 192.168.77.2, `-x 1`): `ib_write_bw`/`ib_read_bw -t <same window> --report_gbits`, 1 s (`-D 1`) below 1 MiB, 16 operations at 1 MiB and 6 above, each run immediately before our point of the same op and size; `ib_write_lat`/`ib_read_lat -n 300` at 8 B and 4 KiB. Our verbs run uses `--max_inflight_bytes=32M --footprint=32M --seconds=1` (window 8 at 4 MiB, 2 at 16 MiB; perftest gets the same `-t`) and measures latency up to 64 KiB. |
 
