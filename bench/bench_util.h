@@ -1,0 +1,49 @@
+// Small helpers shared by the transport benchmark: clocks, CPU accounting, percentiles, hex,
+// data patterns. Internal to bench/.
+//
+// Thread safety: free functions over values; CpuMeter reads process-wide counters and may be
+// used from any thread.
+#ifndef SHARDPS_BENCH_BENCH_UTIL_H_
+#define SHARDPS_BENCH_BENCH_UTIL_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace shardps::bench {
+
+double NowSeconds();  // CLOCK_MONOTONIC
+
+// CPU seconds (user + system) of this process (all threads).
+double SelfCpuSeconds();
+// CPU seconds of another process from /proc/PID/stat; -1 when unknown (pid <= 0, gone).
+double ProcessCpuSeconds(pid_t pid);
+
+// Percentile p in [0, 100] of samples (nearest rank); sorts samples. 0 if empty.
+double Percentile(std::vector<double>* samples, double p);
+
+std::string ToHex(const std::string& bytes);
+StatusOr<std::string> FromHex(const std::string& hex);
+
+// "4096", "64K", "64KiB", "1M", "16MiB" -> bytes. Comma lists via ParseSizeList.
+StatusOr<size_t> ParseSize(const std::string& s);
+StatusOr<std::vector<size_t>> ParseSizeList(const std::string& s);
+std::vector<std::string> SplitList(const std::string& s);  // by ',' dropping empties
+std::string SizeName(size_t bytes);  // "4 KiB", "16 MiB", "8 B"
+
+// Deterministic, position- and seed-dependent bytes: a shifted or stale copy never matches.
+void FillPattern(void* p, size_t n, uint64_t seed);
+// First differing offset of a and b, or -1.
+int64_t FirstMismatch(const void* a, const void* b, size_t n);
+
+// Touches every page so that first-touch faults are not timed.
+void Prefault(void* p, size_t n);
+
+}  // namespace shardps::bench
+
+#endif  // SHARDPS_BENCH_BENCH_UTIL_H_
