@@ -8,7 +8,10 @@
 //   standalone  no cluster: the same training in one process, where each step's gradient is the
 //               average over the union of the --workers workers' minibatches (what BSP with
 //               server-side averaging computes), applied with the servers' SGD formula;
-//   join        join, leave, exit 0 (does the coordinator still accept a valid worker?).
+//   join        join, leave, exit 0 (does the coordinator still accept a valid worker?);
+//   compare     no cluster: checks the result files --results=A,B,... against the standalone
+//               run's --reference within the tolerance derived in CompareMain (scripts use it;
+//               process_cluster_test.cc asserts element by element itself).
 //
 // Models:
 //   linreg   least squares y = x W + b, W (--dim x --outputs) and b (--outputs). Sample s of the
@@ -25,15 +28,19 @@
 //   with floats printed with 9 significant digits (exact round trip of a float).
 //
 // Exit codes: 0 done, 2 bad flags, 3 join refused or failed, 4 setup failed, 5 a step failed,
-// 6 the result file could not be written. Errors are printed to stderr with the reason.
+// 6 the result file could not be written, 7 compare: the results differ. Errors are printed to stderr with the reason.
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,7 +51,7 @@
 #include "shardps/client.h"
 #include "transport/flags.h"
 
-DEFINE_string(mode, "train", "train, standalone or join");
+DEFINE_string(mode, "train", "train, standalone, join or compare");
 DEFINE_bool(standalone, false, "Same as --mode=standalone");
 DEFINE_string(model, "linreg", "linreg or counter");
 DEFINE_string(coordinator, "127.0.0.1:7070", "shardps_coordinator address (host:port)");
@@ -63,6 +70,8 @@ DEFINE_string(out, "", "Result file");
 DEFINE_string(progress_file, "", "If set, the number of completed steps is written here");
 DEFINE_int32(setup_timeout_ms, 30000, "Client setup timeout");
 DEFINE_int32(wait_timeout_ms, 15000, "Client wait timeout (a stuck pull fails after this)");
+DEFINE_string(reference, "", "compare: the standalone run's result file");
+DEFINE_string(results, "", "compare: comma-separated result files of the cluster's workers");
 
 namespace {
 
@@ -164,6 +173,8 @@ int WriteResult(const Result& r) {
   kv("pull_retries", std::to_string(r.counters.pull_retries));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
+  snprintf(buf, sizeof(buf), "%.17g", FLAGS_lr);
+  kv("lr", buf);
   snprintf(buf, sizeof(buf), "%.9g", r.max_abs_grad);
   kv("max_abs_grad", buf);
   for (const auto& [name, v] : r.tensors) {
@@ -328,11 +339,110 @@ int RunCluster() {
   return rc;
 }
 
+// A result file as the key/value lines and tensors WriteResult produced.
+struct Parsed {
+  std::map<std::string, std::string> values;
+  std::map<std::string, std::vector<float>> tensors;
+};
+
+bool ParseFile(const std::string& path, Parsed* out) {
+  std::ifstream f(path);
+  if (!f) return false;
+  std::string line;
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string key;
+    in >> key;
+    if (key == "tensor") {
+      std::string name, tok;
+      size_t n = 0;
+      in >> name >> n;
+      std::vector<float>& v = out->tensors[name];
+      while (in >> tok) v.push_back(std::strtof(tok.c_str(), nullptr));
+      if (v.size() != n) return false;
+    } else {
+      std::string value;
+      std::getline(in >> std::ws, value);
+      out->values[key] = value;
+    }
+  }
+  return true;
+}
+
+// Tolerance (derivation in process_cluster_test.cc, BspMatchesStandaloneWithTheSameTotalBatch):
+// the runs differ only in the order the servers sum the W workers' gradients, which after T
+// steps is bounded by T * 2 (W-1) u lr G (u = 2^-24, G = max |gradient element|); we allow 4x
+// that plus 4 ulp of the weight. The workers pulled the same final version: bit-identical.
+int CompareMain() {
+  Parsed ref;
+  if (!ParseFile(FLAGS_reference, &ref) || ref.values["mode"] != "standalone") {
+    fprintf(stderr, "ps_test_worker: --reference=%s is not a standalone result\n",
+            FLAGS_reference.c_str());
+    return 2;
+  }
+  const double u = std::ldexp(1.0, -24);
+  const double steps = std::strtod(ref.values["steps"].c_str(), nullptr);
+  const double workers = std::strtod(ref.values["workers_at_end"].c_str(), nullptr);
+  const double lr = std::strtod(ref.values["lr"].c_str(), nullptr);
+  const double g = std::strtod(ref.values["max_abs_grad"].c_str(), nullptr);
+  const double abs_tol = 4.0 * steps * 2.0 * (workers - 1) * u * lr * g;
+  std::vector<std::string> files;
+  std::istringstream list(FLAGS_results);
+  for (std::string f; std::getline(list, f, ',');) {
+    if (!f.empty()) files.push_back(f);
+  }
+  if (files.empty()) {
+    fprintf(stderr, "ps_test_worker: --results names no file\n");
+    return 2;
+  }
+  double max_diff = 0;
+  const Parsed* first = nullptr;
+  std::vector<Parsed> results(files.size());
+  for (size_t k = 0; k < files.size(); ++k) {
+    Parsed& p = results[k];
+    if (!ParseFile(files[k], &p) || p.values["mode"] != "train") {
+      fprintf(stderr, "compare: %s is not a training result\n", files[k].c_str());
+      return 7;
+    }
+    if (p.values["steps"] != ref.values["steps"]) {
+      fprintf(stderr, "compare: %s ran %s steps, the reference %s\n", files[k].c_str(),
+              p.values["steps"].c_str(), ref.values["steps"].c_str());
+      return 7;
+    }
+    for (const auto& [name, want] : ref.tensors) {
+      const std::vector<float>& got = p.tensors[name];
+      if (got.size() != want.size()) {
+        fprintf(stderr, "compare: %s: tensor %s has %zu elements, want %zu\n", files[k].c_str(),
+                name.c_str(), got.size(), want.size());
+        return 7;
+      }
+      for (size_t i = 0; i < want.size(); ++i) {
+        const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+        max_diff = std::max(max_diff, d);
+        if (!(d <= abs_tol + 4.0 * u * std::fabs(want[i]))) {
+          fprintf(stderr, "compare: %s: %s[%zu] = %.9g, standalone %.9g (|diff| %.3g > %.3g)\n",
+                  files[k].c_str(), name.c_str(), i, got[i], want[i], d, abs_tol);
+          return 7;
+        }
+      }
+      if (first != nullptr && first->tensors.at(name) != got) {
+        fprintf(stderr, "compare: %s and %s pulled different final %s\n", files[0].c_str(),
+                files[k].c_str(), name.c_str());
+        return 7;
+      }
+    }
+    if (first == nullptr) first = &p;
+  }
+  printf("compare: %zu results match the standalone run: max |diff| %.3g <= %.3g (+4 ulp)\n",
+         files.size(), max_diff, abs_tol);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
-      "ps_test_worker --mode=train|standalone|join --coordinator=HOST:PORT --out=FILE");
+      "ps_test_worker --mode=train|standalone|join|compare --coordinator=HOST:PORT --out=FILE");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
@@ -349,8 +459,9 @@ int main(int argc, char** argv) {
     }
     return RunStandalone();
   }
+  if (FLAGS_mode == "compare") return CompareMain();
   if (FLAGS_mode == "train" || FLAGS_mode == "join") return RunCluster();
-  fprintf(stderr, "ps_test_worker: unknown --mode=%s (train, standalone, join)\n",
+  fprintf(stderr, "ps_test_worker: unknown --mode=%s (train, standalone, join, compare)\n",
           FLAGS_mode.c_str());
   return 2;
 }
