@@ -466,7 +466,7 @@ TEST_P(ProcessClusterTest, KilledWorkerDoesNotStallTheOthers) {
     auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("steps"), kSteps);
-    EXPECT_EQ(res->Int("workers_at_end"), 2) << "the dead worker is still a member";
+    EXPECT_EQ(res->Int("workers_before_last_step"), 2) << "the dead worker is still a member";
     for (float v : res->tensors["W"]) ASSERT_TRUE(std::isfinite(v));
     if (r == 0) w0 = res->tensors["W"];
     EXPECT_EQ(res->tensors["W"], w0) << "survivors pulled different weights";
@@ -537,18 +537,29 @@ void ExpectConnectionClosed(const std::string& address, const std::string& bytes
 }
 
 TEST_F(CoordinatorProcessTest, SurvivesHostileBytesAndStillAcceptsWorkers) {
+  // Each attack must be closed as a protocol error, with its reason in the coordinator's log
+  // (written before the socket is closed, so it is there once we see EOF).
+  auto ExpectLogged = [&](const std::string& reason) {
+    const std::string log = coordinator_->LogTail(1 << 20);
+    EXPECT_NE(log.find("coordinator: closing"), std::string::npos) << log;
+    EXPECT_NE(log.find(reason), std::string::npos) << "coordinator did not log '" << reason
+                                                  << "':\n" << log;
+  };
   ExpectConnectionClosed(coordinator_address_, "GET / HTTP/1.1\r\n\r\n", "bad magic");
+  ExpectLogged("bad magic");
   ExpectAValidWorkerIsAccepted("a bad magic");
 
   ExpectConnectionClosed(coordinator_address_,
                          std::string(control::kMagic) + std::string("\xff\xff\xff\x7f", 4),
                          "a 2 GiB length prefix");
+  ExpectLogged("control frame of 2147483647");
   ExpectAValidWorkerIsAccepted("a 2 GiB length prefix");
 
   ExpectConnectionClosed(
       coordinator_address_,
       std::string(control::kMagic) + std::string("\x05\x00\x00\x00\xff\xff\xff\xff\xff", 9),
       "a garbage protobuf");
+  ExpectLogged("does not parse as an Envelope");
   ExpectAValidWorkerIsAccepted("a garbage protobuf");
 
   control::Envelope hb;
@@ -557,6 +568,7 @@ TEST_F(CoordinatorProcessTest, SurvivesHostileBytesAndStillAcceptsWorkers) {
   ASSERT_TRUE(frame.ok()) << frame.status();
   ExpectConnectionClosed(coordinator_address_, std::string(control::kMagic) + *frame,
                          "a heartbeat before join");
+  ExpectLogged("expected join, got heartbeat");
   ExpectAValidWorkerIsAccepted("a heartbeat before join");
 }
 

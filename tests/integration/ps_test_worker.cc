@@ -22,7 +22,7 @@
 //            each step the worker checks the SSP bound w[k] >= clock - staleness for every k.
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
-//   mode, rank, steps, workers_at_end, consistency, transport, control_messages_steady,
+//   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency, transport, control_messages_steady,
 //   heartbeats, pushes, pulls, pull_retries (these three: steady-state deltas), violations,
 //   max_lead, max_abs_grad (standalone), and "tensor NAME N v0 v1 ..."
 //   with floats printed with 9 significant digits (exact round trip of a float).
@@ -136,7 +136,9 @@ struct Result {
   std::string mode;
   int rank = -1;
   int steps = 0;
-  uint32_t workers_at_end = 0;
+  // standalone: --workers; train: live workers just before the last step (the others cannot
+  // have finished and left yet: BSP's last step needs this worker's push).
+  uint32_t workers = 0;
   std::string consistency, transport;
   uint64_t control_steady = 0;
   ClientCounters counters;
@@ -163,7 +165,7 @@ int WriteResult(const Result& r) {
   kv("mode", r.mode);
   kv("rank", std::to_string(r.rank));
   kv("steps", std::to_string(r.steps));
-  kv("workers_at_end", std::to_string(r.workers_at_end));
+  kv(r.mode == "standalone" ? "workers" : "workers_before_last_step", std::to_string(r.workers));
   kv("consistency", r.consistency.empty() ? "-" : r.consistency);
   kv("transport", r.transport.empty() ? "-" : r.transport);
   kv("control_messages_steady", std::to_string(r.control_steady));
@@ -232,7 +234,7 @@ int RunStandalone() {
   Result r;
   r.mode = "standalone";
   r.steps = FLAGS_steps;
-  r.workers_at_end = static_cast<uint32_t>(FLAGS_workers);
+  r.workers = static_cast<uint32_t>(FLAGS_workers);
   r.max_abs_grad = max_abs_grad;
   r.tensors = {{"W", &w}, {"b", &b}};
   return WriteResult(r);
@@ -308,6 +310,7 @@ int RunCluster() {
       std::fill(gb.begin(), gb.end(), 0.0f);
       if (me < static_cast<int>(nw)) gw[me] = -1.0f;
     }
+    if (t == FLAGS_steps - 1) r.workers = c.num_workers();
     st = c.Step();
     if (!st.ok()) {
       fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t,
@@ -326,7 +329,6 @@ int RunCluster() {
   }
   const ClientCounters after = c.counters();
   r.steps = FLAGS_steps;
-  r.workers_at_end = c.num_workers();
   r.control_steady = after.control_messages_sent - before.control_messages_sent;
   r.counters = after;
   r.counters.pushes = after.pushes - before.pushes;
@@ -382,7 +384,7 @@ int CompareMain() {
   }
   const double u = std::ldexp(1.0, -24);
   const double steps = std::strtod(ref.values["steps"].c_str(), nullptr);
-  const double workers = std::strtod(ref.values["workers_at_end"].c_str(), nullptr);
+  const double workers = std::strtod(ref.values["workers"].c_str(), nullptr);
   const double lr = std::strtod(ref.values["lr"].c_str(), nullptr);
   const double g = std::strtod(ref.values["max_abs_grad"].c_str(), nullptr);
   const double abs_tol = 4.0 * steps * 2.0 * (workers - 1) * u * lr * g;
