@@ -16,14 +16,32 @@ extern char** environ;
 
 namespace shardps::testing_util {
 
+namespace {
+// coreutils timeout, if installed.
+std::string FindTimeout() {
+  for (const char* p : {"/usr/bin/timeout", "/bin/timeout"}) {
+    if (access(p, X_OK) == 0) return p;
+  }
+  return "";
+}
+}  // namespace
+
 StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const std::vector<std::string>& argv,
-                                                            const std::string& log_path) {
+                                                            const std::string& log_path,
+                                                            std::chrono::seconds lifetime) {
   if (argv.empty()) return InvalidArgumentError("ChildProcess::Spawn: empty argv");
   std::unique_ptr<ChildProcess> p(new ChildProcess());
   p->log_path_ = log_path;
   p->name_ = argv[0].substr(argv[0].find_last_of('/') + 1);
+  std::vector<std::string> full;
+  static const std::string timeout = FindTimeout();
+  if (!timeout.empty()) {
+    full = {timeout, "-s", "KILL", std::to_string(lifetime.count())};
+    p->group_ = true;
+  }
+  full.insert(full.end(), argv.begin(), argv.end());
   std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  for (const std::string& a : full) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
@@ -31,11 +49,20 @@ StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const std::vector<st
                                    O_WRONLY | O_CREAT | O_APPEND, 0644);
   posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
   posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  const int rc = posix_spawn(&p->pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+  // The group is made here rather than left to `timeout`, so that it exists before Kill() can
+  // be called.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  if (p->group_) {
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+  }
+  const int rc = posix_spawn(&p->pid_, full[0].c_str(), &fa, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) {
     p->pid_ = -1;
-    return ErrnoError("posix_spawn " + argv[0], rc);
+    return ErrnoError("posix_spawn " + full[0], rc);
   }
   return p;
 }
@@ -71,6 +98,7 @@ bool ChildProcess::Running() { return !Wait(std::chrono::milliseconds(0)).has_va
 
 void ChildProcess::Kill() {
   if (pid_ <= 0) return;
+  if (group_) kill(-pid_, SIGKILL);  // `timeout` and the program under it
   kill(pid_, SIGKILL);
   int st = 0;
   while (waitpid(pid_, &st, 0) < 0 && errno == EINTR) {

@@ -2,6 +2,12 @@
 // captured in a log file. Every wait is bounded; the destructor kills (SIGKILL) and reaps a
 // child that is still running, so a failing test leaves nothing behind.
 //
+// The child runs under coreutils `timeout -s KILL <lifetime>`, which makes itself a process
+// group leader with the program in its group: Kill() SIGKILLs that group, so the program gets
+// SIGKILL itself (as a crash would), and even if the test process dies without its teardown
+// (a crash, a ctest timeout) no child outlives `lifetime`. Without `timeout` on the PATH the
+// program is spawned directly.
+//
 // Thread safety: a ChildProcess belongs to the test thread that created it.
 #ifndef SHARDPS_TESTS_INTEGRATION_CHILD_PROCESS_H_
 #define SHARDPS_TESTS_INTEGRATION_CHILD_PROCESS_H_
@@ -20,9 +26,11 @@ namespace shardps::testing_util {
 
 class ChildProcess {
  public:
-  // Starts argv[0] (a path) with argv, stdout and stderr appended to log_path.
-  static StatusOr<std::unique_ptr<ChildProcess>> Spawn(const std::vector<std::string>& argv,
-                                                       const std::string& log_path);
+  // Starts argv[0] (a path) with argv, stdout and stderr appended to log_path, killed after
+  // `lifetime` at the latest.
+  static StatusOr<std::unique_ptr<ChildProcess>> Spawn(
+      const std::vector<std::string>& argv, const std::string& log_path,
+      std::chrono::seconds lifetime = std::chrono::seconds(150));
   ~ChildProcess();  // SIGKILL + reap if still running
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
@@ -46,6 +54,7 @@ class ChildProcess {
   void Reaped(int wait_status);
 
   pid_t pid_ = -1;
+  bool group_ = false;  // pid_ leads a process group (it is `timeout`)
   std::optional<int> exit_code_;
   std::string name_;
   std::string log_path_;
