@@ -157,17 +157,17 @@ class ProcessTestBase : public ::testing::Test {
   // Starts shardps_coordinator on an ephemeral loopback port; returns its address ("" on error).
   std::string StartCoordinator(const ClusterSpec& spec) {
     const std::string addr_file = Path("coordinator.addr");
-    coordinator_ = Spawn({SHARDPS_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-                          "--address_file=" + addr_file, std::string("--cluster_token=") + kToken,
-                          "--consistency=" + spec.consistency,
-                          "--staleness=" + std::to_string(spec.staleness),
-                          "--num_servers=" + std::to_string(spec.servers),
-                          "--num_workers=" + std::to_string(spec.workers),
-                          "--heartbeat_interval_ms=" + std::to_string(spec.heartbeat_interval_ms),
-                          "--heartbeat_timeout_ms=" + std::to_string(spec.heartbeat_timeout_ms),
-                          "--data_transport=" + spec.transport,
-                          "--partition_bytes=" + std::to_string(spec.partition_bytes)},
-                         "coordinator.log");
+    coordinator_ =
+        Spawn({SHARDPS_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--address_file=" + addr_file,
+               std::string("--cluster_token=") + kToken, "--consistency=" + spec.consistency,
+               "--staleness=" + std::to_string(spec.staleness),
+               "--num_servers=" + std::to_string(spec.servers),
+               "--num_workers=" + std::to_string(spec.workers),
+               "--heartbeat_interval_ms=" + std::to_string(spec.heartbeat_interval_ms),
+               "--heartbeat_timeout_ms=" + std::to_string(spec.heartbeat_timeout_ms),
+               "--data_transport=" + spec.transport,
+               "--partition_bytes=" + std::to_string(spec.partition_bytes)},
+              "coordinator.log");
     if (coordinator_ == nullptr) return "";
     auto addr = WaitForFile(addr_file, milliseconds(10000), coordinator_);
     EXPECT_TRUE(addr.ok()) << addr.status();
@@ -228,8 +228,8 @@ class ProcessTestBase : public ::testing::Test {
   int ExitCode(ChildProcess* c, milliseconds bound = kProcessBound) {
     if (c == nullptr) return -1;
     auto rc = c->Wait(bound);
-    EXPECT_TRUE(rc.has_value()) << c->name() << " still running after " << bound.count()
-                                << " ms:\n" << c->LogTail();
+    EXPECT_TRUE(rc.has_value()) << c->name() << " still running after " << bound.count() << " ms:\n"
+                                << c->LogTail();
     return rc.value_or(-1);
   }
 
@@ -362,9 +362,9 @@ TEST_P(ProcessClusterTest, SteadyStateStepsSendNoControlMessages) {
   }
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w), 0) << w->LogTail();
   // The chunks a step touches, from the same pure plan the coordinator uses.
-  auto plan = PlanShards({TensorSpec{"W", DType::kFloat32, {64, 8}},
-                          TensorSpec{"b", DType::kFloat32, {8}}},
-                         spec.servers, spec.partition_bytes);
+  auto plan =
+      PlanShards({TensorSpec{"W", DType::kFloat32, {64, 8}}, TensorSpec{"b", DType::kFloat32, {8}}},
+                 spec.servers, spec.partition_bytes);
   ASSERT_TRUE(plan.ok()) << plan.status();
   const int64_t chunks = static_cast<int64_t>(plan->chunks.size());
   ASSERT_GE(chunks, 3) << "W should span both servers";
@@ -395,10 +395,10 @@ TEST_P(ProcessClusterTest, SspBoundHoldsUnderRandomDelays) {
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     // Rank 0 is slow (0-30 ms per step), the others fast (0-8 ms): they drift apart.
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--model=counter", "--staleness=2",
-                                   "--steps=" + std::to_string(kSteps),
-                                   std::string("--max_delay_ms=") + (r == 0 ? "30" : "8")}));
+    workers.push_back(
+        SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+                    {"--model=counter", "--staleness=2", "--steps=" + std::to_string(kSteps),
+                     std::string("--max_delay_ms=") + (r == 0 ? "30" : "8")}));
   }
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w), 0) << w->LogTail();
   int64_t max_lead = 0;
@@ -457,7 +457,8 @@ TEST_P(ProcessClusterTest, KilledWorkerDoesNotStallTheOthers) {
   for (int r = 0; r < 2; ++r) {
     auto rc = workers[r]->Wait(bound - std::chrono::duration_cast<milliseconds>(Clock::now() - t0));
     ASSERT_TRUE(rc.has_value()) << "worker " << r << " did not finish within " << bound.count()
-                                << " ms of the kill:\n" << workers[r]->LogTail();
+                                << " ms of the kill:\n"
+                                << workers[r]->LogTail();
     ASSERT_EQ(*rc, 0) << workers[r]->LogTail();
   }
   const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
@@ -526,8 +527,7 @@ void ExpectConnectionClosed(const std::string& address, const std::string& bytes
                             const std::string& what) {
   auto fd = net::ConnectTcp(address, "", milliseconds(3000));
   ASSERT_TRUE(fd.ok()) << what << ": " << fd.status();
-  ASSERT_TRUE(net::SendAll(fd->get(), bytes.data(), bytes.size(), milliseconds(3000)).ok())
-      << what;
+  ASSERT_TRUE(net::SendAll(fd->get(), bytes.data(), bytes.size(), milliseconds(3000)).ok()) << what;
   const auto deadline = Clock::now() + seconds(5);
   Status r;
   char b;
@@ -542,8 +542,9 @@ TEST_F(CoordinatorProcessTest, SurvivesHostileBytesAndStillAcceptsWorkers) {
   auto ExpectLogged = [&](const std::string& reason) {
     const std::string log = coordinator_->LogTail(1 << 20);
     EXPECT_NE(log.find("coordinator: closing"), std::string::npos) << log;
-    EXPECT_NE(log.find(reason), std::string::npos) << "coordinator did not log '" << reason
-                                                  << "':\n" << log;
+    EXPECT_NE(log.find(reason), std::string::npos)
+        << "coordinator did not log '" << reason << "':\n"
+        << log;
   };
   ExpectConnectionClosed(coordinator_address_, "GET / HTTP/1.1\r\n\r\n", "bad magic");
   ExpectLogged("bad magic");

@@ -22,13 +22,15 @@
 //            each step the worker checks the SSP bound w[k] >= clock - staleness for every k.
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
-//   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency, transport, control_messages_steady,
-//   heartbeats, pushes, pulls, pull_retries (these three: steady-state deltas), violations,
-//   max_lead, max_abs_grad (standalone), and "tensor NAME N v0 v1 ..."
-//   with floats printed with 9 significant digits (exact round trip of a float).
+//   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
+//   transport, control_messages_steady, heartbeats, pushes, pulls, pull_retries (the last four
+//   counted from Start() to the end of training), violations, max_lead, max_abs_grad
+//   (standalone), lr, and "tensor NAME N v0 v1 ..." with floats printed with 9 significant
+//   digits (an exact round trip of a float).
 //
 // Exit codes: 0 done, 2 bad flags, 3 join refused or failed, 4 setup failed, 5 a step failed,
-// 6 the result file could not be written, 7 compare: the results differ. Errors are printed to stderr with the reason.
+// 6 the result file could not be written, 7 compare: the results differ. Errors are printed to
+// stderr with the reason.
 #include <unistd.h>
 
 #include <algorithm>
@@ -105,8 +107,8 @@ struct LinReg {
   float InitB(size_t j) const { return 0.5f; }
   // Mean gradient of 0.5 * ||x W + b - y||^2 over samples first .. first+batch-1. The same code
   // computes a worker's contribution in both modes, so those partials are bit-identical.
-  void Gradient(const std::vector<float>& w, const std::vector<float>& b, uint64_t first,
-                int batch, std::vector<float>* gw, std::vector<float>* gb) const {
+  void Gradient(const std::vector<float>& w, const std::vector<float>& b, uint64_t first, int batch,
+                std::vector<float>* gw, std::vector<float>* gb) const {
     std::fill(gw->begin(), gw->end(), 0.0f);
     std::fill(gb->begin(), gb->end(), 0.0f);
     std::vector<float> x(dim), e(outputs);
@@ -284,8 +286,8 @@ int RunCluster() {
   for (size_t i = 0; i < nw; ++i) w[i] = me == 0 ? (linreg ? m.InitW(i) : 0.0f) : -99.0f;
   for (size_t j = 0; j < nb; ++j) b[j] = me == 0 ? (linreg ? m.InitB(j) : 0.0f) : -99.0f;
   const int64_t wshape = static_cast<int64_t>(nw);
-  std::vector<int64_t> shape_w = linreg ? std::vector<int64_t>{FLAGS_dim, FLAGS_outputs}
-                                        : std::vector<int64_t>{wshape};
+  std::vector<int64_t> shape_w =
+      linreg ? std::vector<int64_t>{FLAGS_dim, FLAGS_outputs} : std::vector<int64_t>{wshape};
   Status st = c.RegisterTensor("W", w.data(), gw.data(), shape_w);
   if (st.ok()) st = c.RegisterTensor("b", b.data(), gb.data(), {static_cast<int64_t>(nb)});
   if (st.ok()) st = c.Start();
@@ -313,8 +315,7 @@ int RunCluster() {
     if (t == FLAGS_steps - 1) r.workers = c.num_workers();
     st = c.Step();
     if (!st.ok()) {
-      fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t,
-              st.ToString().c_str());
+      fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t, st.ToString().c_str());
       return 5;
     }
     if (!linreg) {
@@ -334,6 +335,7 @@ int RunCluster() {
   r.counters.pushes = after.pushes - before.pushes;
   r.counters.pulls = after.pulls - before.pulls;
   r.counters.pull_retries = after.pull_retries - before.pull_retries;
+  r.counters.heartbeats_sent = after.heartbeats_sent - before.heartbeats_sent;
   r.tensors = {{"W", &w}, {"b", &b}};
   const int rc = WriteResult(r);
   st = c.Close();
