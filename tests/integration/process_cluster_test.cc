@@ -106,6 +106,17 @@ std::string EnvOr(const char* name, const char* fallback) {
   return v != nullptr && *v != '\0' ? v : fallback;
 }
 
+// --lr=... printed with enough digits that the servers and the workers parse the same double.
+std::string LrFlag(double lr) {
+  std::ostringstream o;
+  o.precision(17);
+  o << "--lr=" << lr;
+  return o.str();
+}
+
+// A child's log tail for failure messages (a child that failed to spawn has none).
+std::string Tail(ChildProcess* c) { return c == nullptr ? "(not started)" : c->LogTail(); }
+
 struct ClusterSpec {
   std::string transport = "tcp";
   std::string consistency = "bsp";
@@ -189,13 +200,10 @@ class ProcessTestBase : public ::testing::Test {
 
   void StartServers(const ClusterSpec& spec) {
     for (int i = 0; i < spec.servers; ++i) {
-      std::ostringstream lr;
-      lr.precision(17);
-      lr << spec.lr;
       Spawn({SHARDPS_SERVER_BIN, "--coordinator=" + coordinator_address_,
              std::string("--cluster_token=") + kToken, "--transport=" + spec.transport,
              "--bind_ip=" + ServerIp(spec.transport), "--rank=" + std::to_string(i),
-             "--optimizer=sgd", "--lr=" + lr.str(), "--aggregation=" + spec.aggregation},
+             "--optimizer=sgd", LrFlag(spec.lr), "--aggregation=" + spec.aggregation},
             "server" + std::to_string(i) + ".log");
     }
   }
@@ -203,9 +211,6 @@ class ProcessTestBase : public ::testing::Test {
   // A ps_test_worker joining this test's coordinator; its result goes to worker<rank>.out.
   std::vector<std::string> WorkerArgs(const ClusterSpec& spec, int rank,
                                       const std::string& token = kToken) {
-    std::ostringstream lr;
-    lr.precision(17);
-    lr << spec.lr;
     return {PS_TEST_WORKER_BIN,
             "--coordinator=" + coordinator_address_,
             "--cluster_token=" + token,
@@ -213,7 +218,7 @@ class ProcessTestBase : public ::testing::Test {
             "--bind_ip=" + WorkerIp(spec.transport),
             "--rank=" + std::to_string(rank),
             "--workers=" + std::to_string(spec.workers),
-            "--lr=" + lr.str(),
+            LrFlag(spec.lr),
             "--out=" + Path("worker" + std::to_string(rank) + ".out"),
             "--setup_timeout_ms=30000",
             "--wait_timeout_ms=15000"};
@@ -229,7 +234,7 @@ class ProcessTestBase : public ::testing::Test {
     if (c == nullptr) return -1;
     auto rc = c->Wait(bound);
     EXPECT_TRUE(rc.has_value()) << c->name() << " still running after " << bound.count() << " ms:\n"
-                                << c->LogTail();
+                                << Tail(c);
     return rc.value_or(-1);
   }
 
@@ -280,15 +285,12 @@ TEST_P(ProcessClusterTest, BspMatchesStandaloneWithTheSameTotalBatch) {
     workers.push_back(SpawnWorker(args, "worker" + std::to_string(r) + ".log",
                                   {"--steps=" + std::to_string(kSteps)}));
   }
-  std::ostringstream lr;
-  lr.precision(17);
-  lr << spec.lr;
   ChildProcess* standalone = Spawn(
       {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kSteps), "--lr=" + lr.str(), "--out=" + Path("standalone.out")},
+       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
       "standalone.log");
-  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << w->LogTail();
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << standalone->LogTail();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
 
   auto ref = ParseResult(Path("standalone.out"));
   ASSERT_TRUE(ref.ok()) << ref.status();
@@ -365,7 +367,7 @@ TEST_P(ProcessClusterTest, SteadyStateStepsSendNoControlMessages) {
     workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
                                   {"--steps=" + std::to_string(kSteps), "--step_delay_ms=10"}));
   }
-  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << w->LogTail();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   // The chunks a step touches, from the same pure plan the coordinator uses.
   auto plan =
       PlanShards({TensorSpec{"W", DType::kFloat32, {64, 8}}, TensorSpec{"b", DType::kFloat32, {8}}},
@@ -405,7 +407,7 @@ TEST_P(ProcessClusterTest, SspBoundHoldsUnderRandomDelays) {
                     {"--model=counter", "--staleness=2", "--steps=" + std::to_string(kSteps),
                      std::string("--max_delay_ms=") + (r == 0 ? "30" : "8")}));
   }
-  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << w->LogTail();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   int64_t max_lead = 0;
   for (int r = 0; r < spec.workers; ++r) {
     auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
@@ -440,6 +442,7 @@ TEST_P(ProcessClusterTest, KilledWorkerDoesNotStallTheOthers) {
         {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(kStepDelayMs),
          "--progress_file=" + Path("progress" + std::to_string(r))}));
   }
+  for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
   // Wait (bounded) until the victim is mid-training, then SIGKILL it.
   ChildProcess* victim = workers[2];
   const auto wait_until = Clock::now() + ProcessBound();
@@ -503,7 +506,7 @@ class CoordinatorProcessTest : public ProcessTestBase {
     args.push_back("--mode=join");
     args.push_back("--out=" + Path(tag + ".out"));  // the later flag wins
     ChildProcess* w = SpawnWorker(args, tag + ".log");
-    ASSERT_EQ(ExitCode(w, milliseconds(20000)), 0) << "after " << after << ":\n" << w->LogTail();
+    ASSERT_EQ(ExitCode(w, milliseconds(20000)), 0) << "after " << after << ":\n" << Tail(w);
     auto res = ParseResult(Path(tag + ".out"));
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Get("mode"), "join");
@@ -517,6 +520,7 @@ TEST_F(CoordinatorProcessTest, WrongTokenIsRefusedWithAClearMessage) {
   std::vector<std::string> args = WorkerArgs(spec_, -1, "not-the-token");
   args.push_back("--mode=join");
   ChildProcess* w = SpawnWorker(args, "wrong_token.log");
+  ASSERT_NE(w, nullptr);
   const int rc = ExitCode(w, milliseconds(20000));
   EXPECT_NE(rc, 0);
   EXPECT_EQ(rc, 3) << "3: join refused (ps_test_worker's exit codes)";
