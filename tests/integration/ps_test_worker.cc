@@ -1,0 +1,471 @@
+// ps_test_worker: the worker process of the process-level integration tests
+// (tests/integration/process_cluster_test.cc, tests/netns/netns_cluster_test.sh). It is a test
+// fixture, not an example: it joins through the public Client API only, trains a deterministic
+// model on deterministic synthetic data, and writes what the tests assert on to --out.
+//
+// Modes:
+//   train       join the cluster, train --steps BSP/SSP steps, write weights and counters;
+//   standalone  no cluster: the same training in one process, where each step's gradient is the
+//               average over the union of the --workers workers' minibatches (what BSP with
+//               server-side averaging computes), applied with the servers' SGD formula;
+//   join        join, leave, exit 0 (does the coordinator still accept a valid worker?);
+//   compare     no cluster: checks the result files --results=A,B,... against the standalone
+//               run's --reference within the tolerance derived in CompareMain (scripts use it;
+//               process_cluster_test.cc asserts element by element itself).
+//
+// Models:
+//   linreg   least squares y = x W + b, W (--dim x --outputs) and b (--outputs). Sample s of the
+//            data set is a pure function of s; worker r's minibatch at step t is samples
+//            (t * workers + r) * batch ... + batch - 1, so the W minibatches of a step are
+//            disjoint and their union is the standalone run's batch;
+//   counter  w[k] counts worker k's applied pushes (servers: --aggregation=sum --lr=1); after
+//            each step the worker checks the SSP bound w[k] >= clock - staleness for every k.
+//
+// Result file (--out), written atomically (tmp + rename), one "key value..." per line:
+//   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
+//   transport, control_messages_steady, heartbeats, pushes, pulls, pull_retries (the last four
+//   counted from Start() to the end of training), violations, max_lead, max_abs_grad
+//   (standalone), lr, and "tensor NAME N v0 v1 ..." with floats printed with 9 significant
+//   digits (an exact round trip of a float).
+//
+// Exit codes: 0 done, 2 bad flags, 3 join refused or failed, 4 setup failed, 5 a step failed,
+// 6 the result file could not be written, 7 compare: the results differ. Errors are printed to
+// stderr with the reason.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+
+#include "shardps/client.h"
+#include "transport/flags.h"
+
+DEFINE_string(mode, "train", "train, standalone, join or compare");
+DEFINE_bool(standalone, false, "Same as --mode=standalone");
+DEFINE_string(model, "linreg", "linreg or counter");
+DEFINE_string(coordinator, "127.0.0.1:7070", "shardps_coordinator address (host:port)");
+DEFINE_string(cluster_token, "", "Cluster secret");
+DEFINE_int32(rank, -1, "Requested worker rank (-1: the coordinator picks)");
+DEFINE_int32(workers, 1, "Workers in the job (data sharding; standalone: workers emulated)");
+DEFINE_int32(steps, 20, "Training steps");
+DEFINE_int32(batch, 8, "linreg: samples per worker per step");
+DEFINE_int32(dim, 64, "linreg: input features");
+DEFINE_int32(outputs, 8, "linreg: outputs");
+DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
+DEFINE_int32(staleness, 0, "counter: the SSP bound s to check");
+DEFINE_int32(max_delay_ms, 0, "Random sleep in [0, max) before each step (seeded by rank)");
+DEFINE_int32(step_delay_ms, 0, "Fixed sleep before each step");
+DEFINE_string(out, "", "Result file");
+DEFINE_string(progress_file, "", "If set, the number of completed steps is written here");
+DEFINE_int32(setup_timeout_ms, 30000, "Client setup timeout");
+DEFINE_int32(wait_timeout_ms, 15000, "Client wait timeout (a stuck pull fails after this)");
+DEFINE_string(reference, "", "compare: the standalone run's result file");
+DEFINE_string(results, "", "compare: comma-separated result files of the cluster's workers");
+
+namespace {
+
+using shardps::Client;
+using shardps::ClientCounters;
+using shardps::Status;
+
+uint64_t SplitMix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+// A float in [-1, 1) from a key: 24 random bits, so exactly representable.
+float Uniform(uint64_t key) {
+  return static_cast<float>(static_cast<int64_t>(SplitMix(key) >> 40) - (1 << 23)) /
+         static_cast<float>(1 << 23);
+}
+
+// The linear-regression problem: x (dim), y (outputs) of sample s.
+struct LinReg {
+  int dim, outputs;
+  float X(uint64_t s, int i) const { return Uniform((s << 20) ^ (1ull << 60) ^ i); }
+  float TrueW(int i, int j) const { return Uniform((2ull << 60) ^ (i * 4096 + j)); }
+  float Y(uint64_t s, int j) const {
+    float y = Uniform((3ull << 60) ^ j) + 0.01f * Uniform((s << 20) ^ (4ull << 60) ^ j);
+    for (int i = 0; i < dim; ++i) y += X(s, i) * TrueW(i, j);
+    return y;
+  }
+  float InitW(size_t i) const { return 0.01f * static_cast<float>(static_cast<int>(i % 7) - 3); }
+  float InitB(size_t j) const { return 0.5f; }
+  // Mean gradient of 0.5 * ||x W + b - y||^2 over samples first .. first+batch-1. The same code
+  // computes a worker's contribution in both modes, so those partials are bit-identical.
+  void Gradient(const std::vector<float>& w, const std::vector<float>& b, uint64_t first, int batch,
+                std::vector<float>* gw, std::vector<float>* gb) const {
+    std::fill(gw->begin(), gw->end(), 0.0f);
+    std::fill(gb->begin(), gb->end(), 0.0f);
+    std::vector<float> x(dim), e(outputs);
+    for (int n = 0; n < batch; ++n) {
+      const uint64_t s = first + n;
+      for (int i = 0; i < dim; ++i) x[i] = X(s, i);
+      for (int j = 0; j < outputs; ++j) {
+        float p = b[j];
+        for (int i = 0; i < dim; ++i) p += x[i] * w[i * outputs + j];
+        e[j] = p - Y(s, j);
+      }
+      for (int i = 0; i < dim; ++i) {
+        for (int j = 0; j < outputs; ++j) (*gw)[i * outputs + j] += x[i] * e[j];
+      }
+      for (int j = 0; j < outputs; ++j) (*gb)[j] += e[j];
+    }
+    const float inv = 1.0f / static_cast<float>(batch);
+    for (float& g : *gw) g *= inv;
+    for (float& g : *gb) g *= inv;
+  }
+  uint64_t FirstSample(int step, int workers, int rank, int batch) const {
+    return (static_cast<uint64_t>(step) * workers + rank) * batch;
+  }
+};
+
+struct Result {
+  std::string mode;
+  int rank = -1;
+  int steps = 0;
+  // standalone: --workers; train: live workers just before the last step (the others cannot
+  // have finished and left yet: BSP's last step needs this worker's push).
+  uint32_t workers = 0;
+  std::string consistency, transport;
+  uint64_t control_steady = 0;
+  ClientCounters counters;
+  uint64_t violations = 0;
+  int64_t max_lead = 0;
+  float max_abs_grad = 0;  // standalone: largest |gradient element| of any worker's minibatch
+  std::vector<std::pair<std::string, const std::vector<float>*>> tensors;
+};
+
+bool WriteAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  FILE* f = fopen(tmp.c_str(), "w");
+  if (f == nullptr) return false;
+  const bool ok = fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (fclose(f) != 0 || !ok) return false;
+  return rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+int WriteResult(const Result& r) {
+  if (FLAGS_out.empty()) return 0;
+  std::string s;
+  char buf[64];
+  auto kv = [&](const char* k, const std::string& v) { s += std::string(k) + " " + v + "\n"; };
+  kv("mode", r.mode);
+  kv("rank", std::to_string(r.rank));
+  kv("steps", std::to_string(r.steps));
+  kv(r.mode == "standalone" ? "workers" : "workers_before_last_step", std::to_string(r.workers));
+  kv("consistency", r.consistency.empty() ? "-" : r.consistency);
+  kv("transport", r.transport.empty() ? "-" : r.transport);
+  kv("control_messages_steady", std::to_string(r.control_steady));
+  kv("heartbeats", std::to_string(r.counters.heartbeats_sent));
+  kv("pushes", std::to_string(r.counters.pushes));
+  kv("pulls", std::to_string(r.counters.pulls));
+  kv("pull_retries", std::to_string(r.counters.pull_retries));
+  kv("violations", std::to_string(r.violations));
+  kv("max_lead", std::to_string(r.max_lead));
+  snprintf(buf, sizeof(buf), "%.17g", FLAGS_lr);
+  kv("lr", buf);
+  snprintf(buf, sizeof(buf), "%.9g", r.max_abs_grad);
+  kv("max_abs_grad", buf);
+  for (const auto& [name, v] : r.tensors) {
+    s += "tensor " + name + " " + std::to_string(v->size());
+    for (float x : *v) {
+      snprintf(buf, sizeof(buf), " %.9g", x);
+      s += buf;
+    }
+    s += "\n";
+  }
+  if (!WriteAtomically(FLAGS_out, s)) {
+    fprintf(stderr, "ps_test_worker: cannot write %s\n", FLAGS_out.c_str());
+    return 6;
+  }
+  return 0;
+}
+
+void Progress(int steps) {
+  if (!FLAGS_progress_file.empty()) {
+    WriteAtomically(FLAGS_progress_file, std::to_string(steps) + "\n");
+  }
+}
+
+// The servers' SGD update with weight decay 0 (server/optimizer.cc), term for term, so that
+// the only difference left between the modes is the order in which the servers sum.
+void SgdApply(std::vector<float>* w, const std::vector<float>& sum, float scale, float lr) {
+  for (size_t i = 0; i < w->size(); ++i) {
+    (*w)[i] = (*w)[i] - lr * (scale * sum[i] + 0.0f * (*w)[i]);
+  }
+}
+
+int RunStandalone() {
+  const LinReg m{FLAGS_dim, FLAGS_outputs};
+  const size_t nw = static_cast<size_t>(FLAGS_dim) * FLAGS_outputs;
+  std::vector<float> w(nw), b(FLAGS_outputs), gw(nw), gb(FLAGS_outputs);
+  std::vector<float> sw(nw), sb(FLAGS_outputs);
+  for (size_t i = 0; i < nw; ++i) w[i] = m.InitW(i);
+  for (size_t j = 0; j < b.size(); ++j) b[j] = m.InitB(j);
+  const float lr = static_cast<float>(FLAGS_lr);  // the servers hold lr as a float too
+  const float scale = 1.0f / static_cast<float>(FLAGS_workers);
+  float max_abs_grad = 0;
+  for (int t = 0; t < FLAGS_steps; ++t) {
+    std::fill(sw.begin(), sw.end(), 0.0f);
+    std::fill(sb.begin(), sb.end(), 0.0f);
+    for (int r = 0; r < FLAGS_workers; ++r) {  // the union of the workers' minibatches
+      m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, r, FLAGS_batch), FLAGS_batch, &gw, &gb);
+      for (size_t i = 0; i < nw; ++i) sw[i] += gw[i];
+      for (size_t j = 0; j < sb.size(); ++j) sb[j] += gb[j];
+      for (float g : gw) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
+      for (float g : gb) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
+    }
+    SgdApply(&w, sw, scale, lr);
+    SgdApply(&b, sb, scale, lr);
+  }
+  Result r;
+  r.mode = "standalone";
+  r.steps = FLAGS_steps;
+  r.workers = static_cast<uint32_t>(FLAGS_workers);
+  r.max_abs_grad = max_abs_grad;
+  r.tensors = {{"W", &w}, {"b", &b}};
+  return WriteResult(r);
+}
+
+int RunCluster() {
+  shardps::ClientOptions o;
+  const shardps::transport::FabricOptions fo = shardps::transport::FabricOptionsFromFlags();
+  o.coordinator = FLAGS_coordinator;
+  o.cluster_token = FLAGS_cluster_token;
+  o.requested_rank = FLAGS_rank;
+  o.transport = fo.provider;
+  o.bind_ip = fo.bind_ip;
+  o.rdma_device = fo.rdma_device;
+  o.rdma_gid_index = fo.rdma_gid_index;
+  o.setup_timeout = std::chrono::milliseconds(FLAGS_setup_timeout_ms);
+  o.wait_timeout = std::chrono::milliseconds(FLAGS_wait_timeout_ms);
+  auto client = Client::Connect(o);
+  if (!client.ok()) {
+    fprintf(stderr, "ps_test_worker: cannot join the cluster at %s: %s\n",
+            FLAGS_coordinator.c_str(), client.status().ToString().c_str());
+    return 3;
+  }
+  Client& c = **client;
+  const int me = static_cast<int>(c.rank());
+  Result r;
+  r.mode = FLAGS_mode;
+  r.rank = me;
+  r.transport = c.transport_name();
+  r.consistency = c.consistency();
+  if (FLAGS_mode == "join") {
+    Status st = c.Close();
+    if (!st.ok()) {
+      fprintf(stderr, "ps_test_worker: leave failed: %s\n", st.ToString().c_str());
+      return 3;
+    }
+    return WriteResult(r);
+  }
+
+  const LinReg m{FLAGS_dim, FLAGS_outputs};
+  const bool linreg = FLAGS_model == "linreg";
+  const size_t nw = linreg ? static_cast<size_t>(FLAGS_dim) * FLAGS_outputs : FLAGS_workers;
+  const size_t nb = linreg ? FLAGS_outputs : 1;
+  std::vector<float> w(nw), b(nb), gw(nw), gb(nb);
+  // Only rank 0's initial weights count; the others start from garbage so that a worker that
+  // trained from its own initial weights would show in the result.
+  for (size_t i = 0; i < nw; ++i) w[i] = me == 0 ? (linreg ? m.InitW(i) : 0.0f) : -99.0f;
+  for (size_t j = 0; j < nb; ++j) b[j] = me == 0 ? (linreg ? m.InitB(j) : 0.0f) : -99.0f;
+  const int64_t wshape = static_cast<int64_t>(nw);
+  std::vector<int64_t> shape_w =
+      linreg ? std::vector<int64_t>{FLAGS_dim, FLAGS_outputs} : std::vector<int64_t>{wshape};
+  Status st = c.RegisterTensor("W", w.data(), gw.data(), shape_w);
+  if (st.ok()) st = c.RegisterTensor("b", b.data(), gb.data(), {static_cast<int64_t>(nb)});
+  if (st.ok()) st = c.Start();
+  if (!st.ok()) {
+    fprintf(stderr, "ps_test_worker rank %d: setup failed: %s\n", me, st.ToString().c_str());
+    return 4;
+  }
+  const ClientCounters before = c.counters();
+  std::mt19937 rng(1000 + me);
+  Progress(0);
+  for (int t = 0; t < FLAGS_steps; ++t) {
+    if (FLAGS_step_delay_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(FLAGS_step_delay_ms));
+    }
+    if (FLAGS_max_delay_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(rng() % FLAGS_max_delay_ms));
+    }
+    if (linreg) {
+      m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, me, FLAGS_batch), FLAGS_batch, &gw, &gb);
+    } else {
+      std::fill(gw.begin(), gw.end(), 0.0f);
+      std::fill(gb.begin(), gb.end(), 0.0f);
+      if (me < static_cast<int>(nw)) gw[me] = -1.0f;
+    }
+    if (t == FLAGS_steps - 1) r.workers = c.num_workers();
+    st = c.Step();
+    if (!st.ok()) {
+      fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t, st.ToString().c_str());
+      return 5;
+    }
+    if (!linreg) {
+      // Pushes of clocks 0 .. clock-s-1 must all be in: at least clock - s of them.
+      const int64_t clock = static_cast<int64_t>(c.clock());
+      for (size_t k = 0; k < nw; ++k) {
+        if (w[k] < static_cast<float>(clock - FLAGS_staleness)) ++r.violations;
+        r.max_lead = std::max<int64_t>(r.max_lead, clock - static_cast<int64_t>(w[k]));
+      }
+    }
+    Progress(t + 1);
+  }
+  const ClientCounters after = c.counters();
+  r.steps = FLAGS_steps;
+  r.control_steady = after.control_messages_sent - before.control_messages_sent;
+  r.counters = after;
+  r.counters.pushes = after.pushes - before.pushes;
+  r.counters.pulls = after.pulls - before.pulls;
+  r.counters.pull_retries = after.pull_retries - before.pull_retries;
+  r.counters.heartbeats_sent = after.heartbeats_sent - before.heartbeats_sent;
+  r.tensors = {{"W", &w}, {"b", &b}};
+  const int rc = WriteResult(r);
+  st = c.Close();
+  if (!st.ok()) LOG(WARNING) << "rank " << me << ": leave: " << st;
+  return rc;
+}
+
+// A result file as the key/value lines and tensors WriteResult produced.
+struct Parsed {
+  std::map<std::string, std::string> values;
+  std::map<std::string, std::vector<float>> tensors;
+};
+
+bool ParseFile(const std::string& path, Parsed* out) {
+  std::ifstream f(path);
+  if (!f) return false;
+  std::string line;
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string key;
+    in >> key;
+    if (key == "tensor") {
+      std::string name, tok;
+      size_t n = 0;
+      in >> name >> n;
+      std::vector<float>& v = out->tensors[name];
+      while (in >> tok) v.push_back(std::strtof(tok.c_str(), nullptr));
+      if (v.size() != n) return false;
+    } else {
+      std::string value;
+      std::getline(in >> std::ws, value);
+      out->values[key] = value;
+    }
+  }
+  return true;
+}
+
+// Tolerance (derivation in process_cluster_test.cc, BspMatchesStandaloneWithTheSameTotalBatch):
+// the runs differ only in the order the servers sum the W workers' gradients, which after T
+// steps is bounded by T * 2 (W-1) u lr G (u = 2^-24, G = max |gradient element|); we allow 4x
+// that plus 4 ulp of the weight. The workers pulled the same final version: bit-identical.
+int CompareMain() {
+  Parsed ref;
+  if (!ParseFile(FLAGS_reference, &ref) || ref.values["mode"] != "standalone") {
+    fprintf(stderr, "ps_test_worker: --reference=%s is not a standalone result\n",
+            FLAGS_reference.c_str());
+    return 2;
+  }
+  const double u = std::ldexp(1.0, -24);
+  const double steps = std::strtod(ref.values["steps"].c_str(), nullptr);
+  const double workers = std::strtod(ref.values["workers"].c_str(), nullptr);
+  const double lr = std::strtod(ref.values["lr"].c_str(), nullptr);
+  const double g = std::strtod(ref.values["max_abs_grad"].c_str(), nullptr);
+  const double abs_tol = 4.0 * steps * 2.0 * (workers - 1) * u * lr * g;
+  std::vector<std::string> files;
+  std::istringstream list(FLAGS_results);
+  for (std::string f; std::getline(list, f, ',');) {
+    if (!f.empty()) files.push_back(f);
+  }
+  if (files.empty()) {
+    fprintf(stderr, "ps_test_worker: --results names no file\n");
+    return 2;
+  }
+  double max_diff = 0;
+  const Parsed* first = nullptr;
+  std::vector<Parsed> results(files.size());
+  for (size_t k = 0; k < files.size(); ++k) {
+    Parsed& p = results[k];
+    if (!ParseFile(files[k], &p) || p.values["mode"] != "train") {
+      fprintf(stderr, "compare: %s is not a training result\n", files[k].c_str());
+      return 7;
+    }
+    if (p.values["steps"] != ref.values["steps"]) {
+      fprintf(stderr, "compare: %s ran %s steps, the reference %s\n", files[k].c_str(),
+              p.values["steps"].c_str(), ref.values["steps"].c_str());
+      return 7;
+    }
+    for (const auto& [name, want] : ref.tensors) {
+      const std::vector<float>& got = p.tensors[name];
+      if (got.size() != want.size()) {
+        fprintf(stderr, "compare: %s: tensor %s has %zu elements, want %zu\n", files[k].c_str(),
+                name.c_str(), got.size(), want.size());
+        return 7;
+      }
+      for (size_t i = 0; i < want.size(); ++i) {
+        const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+        max_diff = std::max(max_diff, d);
+        if (!(d <= abs_tol + 4.0 * u * std::fabs(want[i]))) {
+          fprintf(stderr, "compare: %s: %s[%zu] = %.9g, standalone %.9g (|diff| %.3g > %.3g)\n",
+                  files[k].c_str(), name.c_str(), i, got[i], want[i], d, abs_tol);
+          return 7;
+        }
+      }
+      if (first != nullptr && first->tensors.at(name) != got) {
+        fprintf(stderr, "compare: %s and %s pulled different final %s\n", files[0].c_str(),
+                files[k].c_str(), name.c_str());
+        return 7;
+      }
+    }
+    if (first == nullptr) first = &p;
+  }
+  printf("compare: %zu results match the standalone run: max |diff| %.3g <= %.3g (+4 ulp)\n",
+         files.size(), max_diff, abs_tol);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "ps_test_worker --mode=train|standalone|join|compare --coordinator=HOST:PORT --out=FILE");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  if (FLAGS_steps < 0 || FLAGS_workers < 1 || FLAGS_batch < 1 || FLAGS_dim < 1 ||
+      FLAGS_outputs < 1 || (FLAGS_model != "linreg" && FLAGS_model != "counter")) {
+    fprintf(stderr, "ps_test_worker: bad flags (see --help)\n");
+    return 2;
+  }
+  if (FLAGS_standalone) FLAGS_mode = "standalone";
+  if (FLAGS_mode == "standalone") {
+    if (FLAGS_model != "linreg") {
+      fprintf(stderr, "ps_test_worker: --standalone trains the linreg model only\n");
+      return 2;
+    }
+    return RunStandalone();
+  }
+  if (FLAGS_mode == "compare") return CompareMain();
+  if (FLAGS_mode == "train" || FLAGS_mode == "join") return RunCluster();
+  fprintf(stderr, "ps_test_worker: unknown --mode=%s (train, standalone, join, compare)\n",
+          FLAGS_mode.c_str());
+  return 2;
+}
