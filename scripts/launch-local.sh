@@ -14,6 +14,8 @@
 #   --lr X                 servers' learning rate (default 0.2)
 #   --partition-bytes B    coordinator's chunk size (default: the coordinator's, 4 MiB)
 #   --bind-ip IP           data and control address (default 127.0.0.1)
+#   --server-bind-ip IP    data address of the servers (default: --bind-ip); with two rxe
+#                          devices on one host, put servers and workers on different ones
 #   --trainer PATH         trainer binary (default BUILD/examples/digits_trainer)
 #   --run-dir DIR          logs go here (default BUILD/runs/<time>-<pid>)
 #   --timeout SEC          bound on the whole training (default 300)
@@ -29,7 +31,7 @@ BUILD=${SHARDPS_BUILD_DIR:-build}
 [[ $BUILD == /* ]] || BUILD="$ROOT/$BUILD"
 
 servers=2 workers=2 transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0
-optimizer=momentum lr=0.2 partition_bytes="" bind_ip=127.0.0.1 trainer="" run_dir=""
+optimizer=momentum lr=0.2 partition_bytes="" bind_ip=127.0.0.1 server_bind_ip="" trainer="" run_dir=""
 timeout_s=300 quiet=0
 coord_extra=() server_extra=() trainer_args=()
 die() { echo "launch-local: $*" >&2; exit 2; }
@@ -44,6 +46,7 @@ while (($#)); do
     --lr) lr=$2; shift 2 ;;
     --partition-bytes) partition_bytes=$2; shift 2 ;;
     --bind-ip) bind_ip=$2; shift 2 ;;
+    --server-bind-ip) server_bind_ip=$2; shift 2 ;;
     --trainer) trainer=$2; shift 2 ;;
     --run-dir) run_dir=$2; shift 2 ;;
     --timeout) timeout_s=$2; shift 2 ;;
@@ -135,7 +138,7 @@ echo "launch-local: coordinator at $addr (pid $coord_pid)"
 # --- servers -------------------------------------------------------------------------------------
 server_pids=()
 for ((i = 0; i < servers; i++)); do
-  "$SERVER" --coordinator="$addr" --transport="$transport" --bind_ip="$bind_ip" \
+  "$SERVER" --coordinator="$addr" --transport="$transport" --bind_ip="${server_bind_ip:-$bind_ip}" \
     --optimizer="$optimizer" --lr="$lr" --exit_when_done \
     ${server_extra[@]+"${server_extra[@]}"} >"$run_dir/server-$i.log" 2>&1 &
   server_pids+=($!)
