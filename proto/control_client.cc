@@ -209,7 +209,7 @@ Status ControlClient::Leave(const std::string& reason) {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
   std::lock_guard<std::mutex> l(send_mu_);
-  fd_.Reset();
+  fd_.reset();
   return s;
 }
 

@@ -47,7 +47,7 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   std::unique_ptr<Coordinator> c(new Coordinator(options));
   ASSIGN_OR_RETURN(c->listen_fd_, net::ListenTcp(options.listen_address, &c->address_));
   RETURN_IF_ERROR(net::SetNonBlocking(c->listen_fd_.get(), true));
-  c->wake_fd_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  c->wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!c->wake_fd_.valid()) return ErrnoError("eventfd", errno);
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
   LOG(INFO) << "coordinator: listening on " << c->address_ << ", heartbeat "
@@ -455,7 +455,7 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
     Publish("member " + std::to_string(c->member.member_id()) + " departed: " + why,
             c->member.member_id());
   }
-  c->fd.Reset();
+  c->fd.reset();
 }
 
 void Coordinator::Queue(Conn* c, const Envelope& e) {

@@ -200,7 +200,7 @@ TEST(CoordinatorTest, JoinRetriesUntilTheCoordinatorListens) {
   std::string bound;
   auto probe = net::ListenTcp("127.0.0.1:0", &bound);  // a port nobody listens on once closed
   ASSERT_TRUE(probe.ok()) << probe.status();
-  probe->Reset();
+  probe->reset();
   std::unique_ptr<Coordinator> c;
   std::thread late([&] {
     std::this_thread::sleep_for(milliseconds(600));
@@ -228,7 +228,7 @@ TEST(CoordinatorTest, JoinGivesUpOnAnUnreachableCoordinatorAfterTheBound) {
   std::string bound;
   auto probe = net::ListenTcp("127.0.0.1:0", &bound);
   ASSERT_TRUE(probe.ok()) << probe.status();
-  probe->Reset();
+  probe->reset();
   ControlClientOptions o;
   o.coordinator_address = bound;
   o.cluster_token = kToken;

@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "common/fd.h"
+
 namespace shardps::transport::shm {
 
 constexpr uint32_t kLayoutVersion = 1;
@@ -137,28 +139,7 @@ struct Hello {
 static_assert(sizeof(Hello) == 56, "hello layout");
 
 // ---- RAII -----------------------------------------------------------------------------------
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  void reset(int fd = -1) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
+using ::shardps::UniqueFd;  // common/fd.h
 
 class Mapping {
  public:

@@ -135,11 +135,6 @@ void TuneSocket(int fd) {
 
 }  // namespace
 
-void UniqueFd::reset() {
-  if (fd_ >= 0 && close(fd_) != 0) PLOG(WARNING) << "verbs: close(" << fd_ << ")";
-  fd_ = -1;
-}
-
 void EncodeQpInfo(const QpInfo& info, uint8_t out[kQpInfoWireSize]) {
   std::memset(out, 0, kQpInfoWireSize);
   PutLe(out + 0, kHandshakeMagic, 4);

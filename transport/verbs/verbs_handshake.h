@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/fd.h"
 #include "common/status.h"
 
 namespace shardps::transport::verbs {
@@ -48,27 +49,7 @@ StatusOr<QpInfo> DecodeQpInfo(const uint8_t* in, size_t len);
 
 using Deadline = std::chrono::steady_clock::time_point;
 
-// Owns a file descriptor; closes it on destruction.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.fd_;
-      o.fd_ = -1;
-    }
-    return *this;
-  }
-  int get() const { return fd_; }
-  void reset();
-
- private:
-  int fd_ = -1;
-};
+using ::shardps::UniqueFd;  // common/fd.h
 
 // "host:port" (or "[v6]:port"); an empty host means `default_host`, and then any address.
 // *resolved receives "ip:port" of the bound socket.
