@@ -1,12 +1,13 @@
 // The memory a server registers once at start, and how workers address it. This is the
 // contract between server/ and worker/; docs/region-layout.md draws it.
 //
-// A server owning chunks c_0..c_{k-1} (its "slots") registers three regions:
+// A server owning chunks c_0..c_{k-1} (its "slots") registers four regions:
 //
 //  weights (remote-read only)   per slot: ChunkHeader, then two buffers of the chunk's bytes
 //  inbox   (remote-write only)  per worker w, per slot, per parity p in {0,1}:
 //                               PushHeader, then the gradient bytes
 //  acks    (remote-read only)   per worker w, per slot: the highest push seq consumed
+//  clocks  (remote-write only)  per worker w: one 64-byte slot, its clock (u64) first
 //
 // Everything is 64-byte aligned. Offsets are pure functions of (chunk sizes, max_workers), so
 // both sides compute them from the shard plan; the control plane ships only the three region
@@ -64,6 +65,7 @@ enum class ImmKind : uint32_t {
   kHello = 1,  // argument: worker rank; first message on a new endpoint
   kPush = 2,   // argument: slot << 1 | parity
   kInit = 3,   // argument: slot; the payload is initial weights (rank 0 only)
+  kClock = 4,  // argument: 0; the worker's clock slot now holds its new clock
 };
 inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
   return (static_cast<uint32_t>(k) << 28) | (arg & 0x0fffffffu);
@@ -102,6 +104,9 @@ class ServerLayout {
     return worker * AlignUp(sizeof(uint64_t) * slots()) + slot * sizeof(uint64_t);
   }
   uint64_t acks_of_worker_offset(uint32_t worker) const { return ack_offset(worker, 0); }
+
+  uint64_t clocks_bytes() const { return kAlign * max_workers_; }
+  uint64_t clock_offset(uint32_t worker) const { return kAlign * worker; }
   uint64_t acks_of_worker_bytes() const { return sizeof(uint64_t) * slots(); }
 
  private:

@@ -37,6 +37,9 @@ struct ShardServer::Chunk {
 struct ShardServer::WorkerState {
   std::vector<uint64_t> last_seq;       // per slot
   std::vector<int64_t> applied_clock;   // per slot, -1 = none
+  // From the worker's clock slot: it finished clocks < clock, and every push of those was
+  // posted before its kClock immediate, hence already processed (same endpoint, in order).
+  uint64_t clock = 0;
   uint64_t endpoint_id = 0;
 };
 
@@ -104,6 +107,8 @@ Status ShardServer::Setup() {
   ASSIGN_OR_RETURN(weights_, fabric_->AllocateMemory(layout_->weights_bytes(), Access::kRemoteRead));
   ASSIGN_OR_RETURN(inbox_, fabric_->AllocateMemory(layout_->inbox_bytes(), Access::kRemoteWrite));
   ASSIGN_OR_RETURN(acks_, fabric_->AllocateMemory(layout_->acks_bytes(), Access::kRemoteRead));
+  ASSIGN_OR_RETURN(clocks_,
+                   fabric_->AllocateMemory(layout_->clocks_bytes(), Access::kRemoteWrite));
   auto* wbase = static_cast<char*>(weights_->data());
   for (uint32_t s = 0; s < layout_->slots(); ++s) {
     auto c = std::make_unique<Chunk>();
@@ -140,6 +145,7 @@ Status ShardServer::Setup() {
   add("weights", *weights_);
   add("inbox", *inbox_);
   add("acks", *acks_);
+  add("clocks", *clocks_);
   return control_->Send(ready);
 }
 
@@ -177,6 +183,10 @@ void ShardServer::RefreshMembership() {
     stop_ = true;
   }
   // A departure may complete BSP aggregations or raise SSP min clocks.
+  Reevaluate();
+}
+
+void ShardServer::Reevaluate() {
   for (uint32_t s = 0; s < chunks_.size(); ++s) {
     if (config_.mode() == control::BSP) {
       ApplyBsp(s);
@@ -273,6 +283,8 @@ void ShardServer::HandleRecvImm(const Completion& c) {
     HandleInit(worker, arg);
   } else if (layout::ImmKindOf(c.imm) == layout::ImmKind::kPush) {
     HandlePush(worker, arg >> 1, arg & 1);
+  } else if (layout::ImmKindOf(c.imm) == layout::ImmKind::kClock) {
+    HandleClock(worker);
   } else {
     std::lock_guard<std::mutex> l(counters_mu_);
     ++counters_.rejected_pushes;
@@ -371,12 +383,27 @@ void ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity) {
   ++counters_.pushes_applied;
 }
 
+void ShardServer::HandleClock(uint32_t worker) {
+  auto it = workers_.find(worker);
+  if (it == workers_.end()) return;
+  const auto* slot = reinterpret_cast<const std::atomic<uint64_t>*>(
+      static_cast<const char*>(clocks_->data()) + layout_->clock_offset(worker));
+  const uint64_t clock = slot->load(std::memory_order_acquire);
+  if (clock <= it->second->clock) return;  // stale or repeated
+  it->second->clock = clock;
+  Reevaluate();
+}
+
 void ShardServer::ApplyBsp(uint32_t slot) {
   Chunk& c = *chunks_[slot];
   if (c.pending_clock < 0) return;
   const std::set<uint32_t> live = LiveWorkers();
   for (uint32_t r : live) {
-    if (!c.contributors.count(r)) return;  // still waiting for a live worker
+    if (c.contributors.count(r)) continue;
+    // A worker whose clock moved past the pending clock will not push this chunk for it.
+    auto w = workers_.find(r);
+    if (w != workers_.end() && w->second->clock > static_cast<uint64_t>(c.pending_clock)) continue;
+    return;  // still waiting for a live worker
   }
   const size_t n = std::max<size_t>(1, c.contributors.size());
   const uint32_t target = 1 - c.published;
@@ -414,7 +441,11 @@ uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
   int64_t m = INT64_MAX;
   for (uint32_t r : live) {
     auto it = workers_.find(r);
-    const int64_t applied = it == workers_.end() ? -1 : it->second->applied_clock[slot];
+    int64_t applied = -1;
+    if (it != workers_.end()) {
+      applied = std::max(it->second->applied_clock[slot],
+                         static_cast<int64_t>(it->second->clock) - 1);
+    }
     m = std::min(m, applied);
   }
   if (m == INT64_MAX) return 0;

@@ -86,6 +86,8 @@ class ShardServer {
   void HandleHello(uint64_t endpoint_id, uint32_t rank);
   void HandleInit(uint32_t worker, uint32_t slot);
   void HandlePush(uint32_t worker, uint32_t slot, uint32_t parity);
+  void HandleClock(uint32_t worker);
+  void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
   void ApplyBsp(uint32_t slot);
   void ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version);
   void Publish(uint32_t slot, uint32_t target, uint64_t min_clock_plus1);
@@ -110,6 +112,7 @@ class ShardServer {
   std::unique_ptr<transport::MemoryRegion> weights_;
   std::unique_ptr<transport::MemoryRegion> inbox_;
   std::unique_ptr<transport::MemoryRegion> acks_;
+  std::unique_ptr<transport::MemoryRegion> clocks_;
   std::vector<std::unique_ptr<Chunk>> chunks_;  // by slot
   std::map<uint32_t, std::unique_ptr<WorkerState>> workers_;  // by rank
   std::set<uint32_t> member_workers_;   // worker ranks in the latest membership

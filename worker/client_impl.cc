@@ -193,6 +193,7 @@ Status ClientImpl::Start() {
       if (r.name() == "weights") s.weights = d;
       if (r.name() == "inbox") s.inbox = d;
       if (r.name() == "acks") s.acks = d;
+      if (r.name() == "clocks") s.clocks = d;
     }
   }
   chunks_.resize(map.chunks_size());
@@ -221,7 +222,8 @@ Status ClientImpl::Start() {
   for (size_t s = 0; s < servers_.size(); ++s) {
     servers_[s].layout = std::make_unique<layout::ServerLayout>(slot_bytes[s], map.max_workers());
     if (servers_[s].inbox.length < servers_[s].layout->inbox_bytes() ||
-        servers_[s].weights.length < servers_[s].layout->weights_bytes()) {
+        servers_[s].weights.length < servers_[s].layout->weights_bytes() ||
+        servers_[s].clocks.length < servers_[s].layout->clocks_bytes()) {
       return FailedPreconditionError("server " + std::to_string(s) +
                                      "'s regions are smaller than its layout");
     }
@@ -230,6 +232,8 @@ Status ClientImpl::Start() {
   acks_staging_offset_ = layout::AlignUp(chunks_.size() * kStagingPerChunk + layout::kAlign);
   uint64_t staging_bytes = acks_staging_offset_;
   for (const auto& s : servers_) staging_bytes += layout::AlignUp(s.layout->acks_of_worker_bytes());
+  clock_staging_offset_ = staging_bytes;
+  staging_bytes += layout::kAlign * servers_.size();
   ASSIGN_OR_RETURN(staging_, fabric_->AllocateMemory(staging_bytes, Access::kLocalOnly));
 
   // Endpoints, one per server, all on one CQ owned by this thread.
@@ -584,6 +588,21 @@ Status ClientImpl::Wait(Handle handle) {
 
 Status ClientImpl::Clock() {
   ++clock_;
+  if (!started_) return Status::OK();
+  // Tell every server, one-sidedly: write the clock into this worker's clock slot with an
+  // immediate. It follows this clock's pushes on the same endpoint, so the server knows every
+  // push of the finished clocks is in (chunks this worker did not push stop waiting for it).
+  for (uint32_t i = 0; i < servers_.size(); ++i) {
+    Server& s = servers_[i];
+    const uint64_t off = clock_staging_offset_ + i * layout::kAlign;
+    std::memcpy(static_cast<char*>(staging_->data()) + off, &clock_, sizeof(clock_));
+    RETURN_IF_ERROR(PostWithCredit([&] {
+      return s.ep->PostWriteImm({staging_.get(), off, sizeof(uint64_t)},
+                                transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
+                                layout::MakeImm(layout::ImmKind::kClock, 0),
+                                MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
+    }));
+  }
   return Status::OK();
 }
 

@@ -64,7 +64,7 @@ class ClientImpl final : public Client {
   struct Server {
     uint32_t rank = 0;
     std::string address;
-    transport::RegionDescriptor weights, inbox, acks;
+    transport::RegionDescriptor weights, inbox, acks, clocks;
     std::unique_ptr<layout::ServerLayout> layout;
     std::unique_ptr<transport::Endpoint> ep;
     std::vector<uint32_t> chunk_of_slot;
@@ -92,7 +92,7 @@ class ClientImpl final : public Client {
     int pending = 0;  // chunks not yet finished
     Status error;
   };
-  enum OpKind : uint32_t { kOpPush = 0, kOpPull = 1, kOpAcks = 2, kOpSetup = 3 };
+  enum OpKind : uint32_t { kOpPush = 0, kOpPull = 1, kOpAcks = 2, kOpSetup = 3, kOpClock = 4 };
 
   Status Progress();  // polls the CQ once, dispatches
   Status PostWithCredit(const std::function<Status()>& post);
@@ -114,6 +114,7 @@ class ClientImpl final : public Client {
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<transport::MemoryRegion> staging_;
   uint64_t acks_staging_offset_ = 0;
+  uint64_t clock_staging_offset_ = 0;  // one u64 per server: the clock value written
   uint32_t rank_ = 0;
   uint64_t clock_ = 0;
   bool started_ = false;

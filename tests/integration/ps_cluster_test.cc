@@ -372,6 +372,57 @@ TEST_P(PsClusterTest, BspContinuesWhenAWorkerDies) {
   EXPECT_EQ(final_w[0], final_w[1]);
 }
 
+// The clock slot: a worker that does not push a tensor in a step must not stall BSP for it.
+// Its Clock() write-with-immediate tells the server it is past that clock.
+TEST_P(PsClusterTest, BspDoesNotWaitForChunksAWorkerSkipped) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 1;
+  spec.optimizer.lr = 1.0f;
+  Cluster cluster(spec);
+  std::vector<std::vector<float>> final_b(2);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.emplace_back([&, r] {
+      Model m(16);
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok());
+      ASSERT_TRUE((*c)->RegisterTensor("w", m.w.data(), m.gw.data(), {16}).ok());
+      ASSERT_TRUE((*c)->RegisterTensor("b", m.b.data(), m.gb.data(), {37}).ok());
+      ASSERT_TRUE((*c)->Start().ok());
+      const int me = static_cast<int>((*c)->rank());
+      for (int t = 0; t < 4; ++t) {
+        std::fill(m.gw.begin(), m.gw.end(), -1.0f);
+        std::fill(m.gb.begin(), m.gb.end(), -4.0f);
+        auto hw = (*c)->Push("w");
+        ASSERT_TRUE(hw.ok());
+        ASSERT_TRUE((*c)->Wait(*hw).ok());
+        if (me == 0) {  // only rank 0 ever pushes b
+          auto hb = (*c)->Push("b");
+          ASSERT_TRUE(hb.ok());
+          ASSERT_TRUE((*c)->Wait(*hb).ok());
+        }
+        ASSERT_TRUE((*c)->Clock().ok());
+        for (const char* name : {"w", "b"}) {
+          auto h = (*c)->Pull(name);
+          ASSERT_TRUE(h.ok());
+          Status st = (*c)->Wait(*h);
+          ASSERT_TRUE(st.ok()) << name << " step " << t << ": " << st;
+        }
+      }
+      final_b[r] = m.b;
+      EXPECT_FLOAT_EQ(m.w[0], 4.0f);  // 4 steps of -(-1 - 1)/2
+      (*c)->Close().IgnoreError();
+    });
+  }
+  for (auto& t : workers) t.join();
+  ASSERT_EQ(final_b[0].size(), 37u);
+  // b gets only rank 0's gradient each step, averaged over its one contributor.
+  EXPECT_FLOAT_EQ(final_b[0][5], 4 * 4.0f);
+  EXPECT_EQ(final_b[0], final_b[1]);
+}
+
 // A server that dies gives the workers a clear error within a bounded time, not a hang.
 TEST_P(PsClusterTest, DeadServerGivesAClearErrorNotAHang) {
   ClusterSpec spec;
