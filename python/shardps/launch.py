@@ -19,11 +19,12 @@ from . import _build_info
 class LocalCluster:
     def __init__(self, servers=2, workers=1, consistency="bsp", staleness=0, optimizer="sgd",
                  lr=0.1, transport="tcp", partition_bytes=None, build_dir=None, run_dir=None,
-                 extra_server_args=(), timeout=20.0):
+                 extra_server_args=(), timeout=20.0, grace=5.0):
         self.build_dir = build_dir or os.environ.get("SHARDPS_BUILD_DIR") or _build_info.BUILD_DIR
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="shardps-local-")
         self.token = secrets.token_hex(16)
         self.transport = transport
+        self.grace = grace
         self._procs = []
         coord = os.path.join(self.build_dir, "server", "shardps_coordinator")
         server = os.path.join(self.build_dir, "server", "shardps_server")
@@ -64,10 +65,10 @@ class LocalCluster:
             self._procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                                 env=env))
 
-    def close(self, grace=5.0):
+    def close(self, grace=None):
         """Waits up to `grace` seconds for the processes to leave (--exit_when_done), then
         kills what is left."""
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + (self.grace if grace is None else grace)
         for p in self._procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
@@ -83,4 +84,4 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc):
-        self.close(grace=5.0 if exc[0] is None else 0.0)
+        self.close(grace=None if exc[0] is None else 0.0)

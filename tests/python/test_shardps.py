@@ -28,6 +28,7 @@ def cluster(**kw):
     kw.setdefault("workers", 1)
     kw.setdefault("lr", LR)
     kw.setdefault("partition_bytes", 128)  # several chunks per tensor, on both servers
+    kw.setdefault("grace", 1.0)  # a cluster no worker finished with does not leave by itself
     return shardps.launch.LocalCluster(**kw)
 
 
