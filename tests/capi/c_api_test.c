@@ -151,6 +151,10 @@ static void* worker_main(void* p) {
   for (int k = 0; k < kBias; ++k) {
     EXPECT(a->b[k] == init_of(k, 1), "rank %d b[%d] = %g after start", a->rank, k, a->b[k]);
   }
+  /* Live membership: read it before the first step, after which the other may leave. */
+  uint32_t nw = 0;
+  EXPECT(shardps_client_num_workers(c, &nw, &err) == SHARDPS_OK && nw == kWorkers, "workers %u",
+         nw);
   rc = shardps_client_push(c, "nope", &h, &err);
   EXPECT(rc == SHARDPS_NOT_FOUND, "unknown tensor: %s", shardps_code_name(rc));
   int path = -1;
@@ -196,12 +200,10 @@ static void* worker_main(void* p) {
              "rank %d step %d b[%d] = %.7g, want %.7g", a->rank, t, k, a->b[k], eb[k]);
     }
   }
-  uint32_t rank = 99, nw = 0;
+  uint32_t rank = 99;
   uint64_t clock = 0;
   EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank,
          "rank %u", rank);
-  EXPECT(shardps_client_num_workers(c, &nw, &err) == SHARDPS_OK && nw == kWorkers, "workers %u",
-         nw);
   EXPECT(shardps_client_clock_value(c, &clock, &err) == SHARDPS_OK && clock == kSteps,
          "clock %llu", (unsigned long long)clock);
   char buf[64];
