@@ -10,6 +10,7 @@ PKGS=(
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest
   iperf3 python3
   python3-sklearn openmpi-bin
+  python3-dev pybind11-dev python3-numpy python3-torch python3-pytest
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -161,15 +161,28 @@ if ((!quiet)); then
 fi
 
 # --- wait for the workers, bounded; a dead server or coordinator fails the run at once ----------
+# A coordinator or server that exited with status 0 left cleanly (--exit_when_done: every
+# worker has left the cluster, though a worker process may still be shutting down, e.g. a
+# Python interpreter); only a non-zero exit is a death.
 deadline=$((SECONDS + timeout_s))
 failed=""
+declare -A exited=()
+died() {  # died PID: true if PID is gone with a non-zero status
+  alive "$1" && return 1
+  if [[ -z ${exited[$1]:-} ]]; then
+    local rc=0
+    wait "$1" 2>/dev/null || rc=$?
+    exited[$1]=$rc
+  fi
+  ((exited[$1] != 0))
+}
 while :; do
   running=0
   for p in "${worker_pids[@]}"; do alive "$p" && running=1; done
   ((running)) || break
-  alive "$coord_pid" || { failed="the coordinator died"; break; }
+  died "$coord_pid" && { failed="the coordinator died (exit status ${exited[$coord_pid]})"; break; }
   for ((i = 0; i < servers; i++)); do
-    alive "${server_pids[i]}" || { failed="server $i (pid ${server_pids[i]}) died"; break 2; }
+    died "${server_pids[i]}" && { failed="server $i (pid ${server_pids[i]}) died"; break 2; }
   done
   ((SECONDS < deadline)) || { failed="the workers did not finish within ${timeout_s} s"; break; }
   sleep 0.2

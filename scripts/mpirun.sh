@@ -24,6 +24,8 @@
 #                                the build and data must be at the same path on every host
 #   --port P                     coordinator port (default: a free one here; 7070 with --hostfile)
 #   --timeout SEC                bound on the whole job (default 600)
+#   --trainer PATH               worker program (default BUILD/examples/digits_trainer; e.g.
+#                                examples/torch_digits.py with --mpi-arg -x --mpi-arg PYTHONPATH)
 #   --dry-run                    print the command, run nothing
 #   --mpi-arg A                  extra mpirun argument (repeatable)
 # Env: SHARDPS_BUILD_DIR, SHARDPS_DATA_DIR, SHARDPS_CLUSTER_TOKEN (default: random),
@@ -35,7 +37,7 @@ BUILD=${SHARDPS_BUILD_DIR:-build}
 DATA_DIR=${SHARDPS_DATA_DIR:-$BUILD/data}
 
 servers=2 workers=4 transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0
-optimizer=momentum lr=0.2 hostfile="" port="" timeout_s=600 dry_run=0
+optimizer=momentum lr=0.2 hostfile="" port="" timeout_s=600 dry_run=0 trainer_bin=""
 mpi_extra=() trainer_args=()
 die() { echo "mpirun.sh: $*" >&2; exit 2; }
 while (($#)); do
@@ -50,6 +52,7 @@ while (($#)); do
     --hostfile) hostfile=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --timeout) timeout_s=$2; shift 2 ;;
+    --trainer) trainer_bin=$2; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --mpi-arg) mpi_extra+=("$2"); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -98,7 +101,7 @@ coord=("$BUILD/server/shardps_coordinator" --listen="$listen" --num_servers="$se
 [[ $transport == auto ]] || coord+=(--data_transport="$transport")
 server=("$BUILD/server/shardps_server" --coordinator="$addr" --transport="$transport"
         ${bind[@]+"${bind[@]}"} --optimizer="$optimizer" --lr="$lr" --exit_when_done)
-trainer=("$BUILD/examples/digits_trainer" --coordinator="$addr" --transport="$transport"
+trainer=("${trainer_bin:-$BUILD/examples/digits_trainer}" --coordinator="$addr" --transport="$transport"
          ${bind[@]+"${bind[@]}"} --data="$DATA_DIR/digits_train.bin"
          ${trainer_args[@]+"${trainer_args[@]}"})
 cmd=(mpirun --allow-run-as-root --oversubscribe "${placement[@]}"

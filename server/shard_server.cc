@@ -104,11 +104,17 @@ Status ShardServer::Setup() {
     if (b == 0 || b % sizeof(float) != 0) return InvalidArgumentError("bad chunk size");
   }
   layout_ = std::make_unique<layout::ServerLayout>(bytes, a.max_workers());
-  ASSIGN_OR_RETURN(weights_, fabric_->AllocateMemory(layout_->weights_bytes(), Access::kRemoteRead));
-  ASSIGN_OR_RETURN(inbox_, fabric_->AllocateMemory(layout_->inbox_bytes(), Access::kRemoteWrite));
-  ASSIGN_OR_RETURN(acks_, fabric_->AllocateMemory(layout_->acks_bytes(), Access::kRemoteRead));
-  ASSIGN_OR_RETURN(clocks_,
-                   fabric_->AllocateMemory(layout_->clocks_bytes(), Access::kRemoteWrite));
+  // A server may own no chunk (a model smaller than one partition per server): its regions
+  // are then empty, but a region of 0 bytes cannot be allocated, so each has at least kAlign.
+  auto at_least = [](uint64_t n) { return std::max<uint64_t>(n, layout::kAlign); };
+  ASSIGN_OR_RETURN(weights_, fabric_->AllocateMemory(at_least(layout_->weights_bytes()),
+                                                     Access::kRemoteRead));
+  ASSIGN_OR_RETURN(inbox_, fabric_->AllocateMemory(at_least(layout_->inbox_bytes()),
+                                                   Access::kRemoteWrite));
+  ASSIGN_OR_RETURN(acks_, fabric_->AllocateMemory(at_least(layout_->acks_bytes()),
+                                                  Access::kRemoteRead));
+  ASSIGN_OR_RETURN(clocks_, fabric_->AllocateMemory(at_least(layout_->clocks_bytes()),
+                                                    Access::kRemoteWrite));
   auto* wbase = static_cast<char*>(weights_->data());
   for (uint32_t s = 0; s < layout_->slots(); ++s) {
     auto c = std::make_unique<Chunk>();

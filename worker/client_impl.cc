@@ -16,6 +16,18 @@ StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) 
   return std::unique_ptr<Client>(std::move(c));
 }
 
+const char* TensorPathName(TensorPath p) {
+  switch (p) {
+    case TensorPath::kHost:
+      return "host";
+    case TensorPath::kCudaDirect:
+      return "cuda-direct";
+    case TensorPath::kCudaStaged:
+      return "cuda-staged";
+  }
+  return "unknown";
+}
+
 namespace worker {
 
 using transport::Access;
@@ -88,14 +100,70 @@ Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float
     n *= static_cast<uint64_t>(d);
   }
   t.bytes = n * sizeof(float);
-  // Registered once: pulls land straight in `weights`, pushes leave straight from `grads`.
-  ASSIGN_OR_RETURN(t.wmr, fabric_->RegisterMemory(weights, t.bytes, Access::kLocalOnly,
-                                                  transport::MemoryKind::kHost));
-  ASSIGN_OR_RETURN(t.gmr, fabric_->RegisterMemory(grads, t.bytes, Access::kLocalOnly,
-                                                  transport::MemoryKind::kHost));
+  const bool dw = IsCudaDevicePointer(weights);
+  const bool dg = IsCudaDevicePointer(grads);
+  if (dw != dg) {
+    return InvalidArgumentError("tensor '" + name +
+                                "': weights and grads must both be host or both be CUDA memory");
+  }
+  if (dw) {
+    RETURN_IF_ERROR(RegisterDeviceTensor(t));
+  } else {
+    // Registered once: pulls land straight in `weights`, pushes leave straight from `grads`.
+    ASSIGN_OR_RETURN(t.wmr, fabric_->RegisterMemory(weights, t.bytes, Access::kLocalOnly,
+                                                    transport::MemoryKind::kHost));
+    ASSIGN_OR_RETURN(t.gmr, fabric_->RegisterMemory(grads, t.bytes, Access::kLocalOnly,
+                                                    transport::MemoryKind::kHost));
+  }
+  VLOG(1) << "tensor '" << name << "': " << t.bytes << " bytes, path " << TensorPathName(t.path);
   tensor_index_[name] = static_cast<uint32_t>(tensors_.size());
   tensors_.push_back(std::move(t));
   return Status::OK();
+}
+
+// Device memory: registered with the NIC where the fabric can (verbs: dma-buf, else
+// nvidia-peermem), else staged through pinned host mirrors. The choice is logged per tensor.
+Status ClientImpl::RegisterDeviceTensor(Tensor& t) {
+  auto w = fabric_->RegisterMemory(t.weights, t.bytes, Access::kLocalOnly,
+                                   transport::MemoryKind::kCuda);
+  if (w.ok()) {
+    auto g = fabric_->RegisterMemory(t.grads, t.bytes, Access::kLocalOnly,
+                                     transport::MemoryKind::kCuda);
+    if (g.ok()) {
+      t.wmr = std::move(w).value();
+      t.gmr = std::move(g).value();
+      t.path = TensorPath::kCudaDirect;
+      LOG(INFO) << "tensor '" << t.name << "' (" << t.bytes << " bytes, CUDA): path "
+                << TensorPathName(t.path) << " (device memory registered with " << fabric_->name()
+                << ")";
+      return Status::OK();
+    }
+    w = g.status();
+  }
+  const Status why = w.status();
+  if (options_.cuda_pipeline_bytes == 0) {
+    return InvalidArgumentError("cuda_pipeline_bytes must be > 0");
+  }
+  ASSIGN_OR_RETURN(t.staging, CudaStaging::Create(t.weights, t.grads, t.bytes,
+                                                  options_.cuda_pipeline_bytes));
+  ASSIGN_OR_RETURN(t.wmr, fabric_->RegisterMemory(t.staging->host_weights(), t.bytes,
+                                                  Access::kLocalOnly,
+                                                  transport::MemoryKind::kHost));
+  ASSIGN_OR_RETURN(t.gmr, fabric_->RegisterMemory(t.staging->host_grads(), t.bytes,
+                                                  Access::kLocalOnly,
+                                                  transport::MemoryKind::kHost));
+  t.path = TensorPath::kCudaStaged;
+  LOG(INFO) << "tensor '" << t.name << "' (" << t.bytes << " bytes, CUDA): path "
+            << TensorPathName(t.path) << " (pinned host pipeline, "
+            << options_.cuda_pipeline_bytes << "-byte pieces; direct registration: "
+            << why.message() << ")";
+  return Status::OK();
+}
+
+StatusOr<TensorPath> ClientImpl::tensor_path(const std::string& name) const {
+  auto it = tensor_index_.find(name);
+  if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
+  return tensors_[it->second].path;
 }
 
 uint32_t ClientImpl::num_workers() const {
@@ -262,6 +330,9 @@ Status ClientImpl::Start() {
   RETURN_IF_ERROR(WaitSetupOps(static_cast<int>(servers_.size())));
   // Rank 0's weights become the initial weights.
   if (rank_ == 0) {
+    for (Tensor& t : tensors_) {
+      if (t.staging != nullptr) RETURN_IF_ERROR(t.staging->WeightsToHost());
+    }
     for (ChunkRt& c : chunks_) {
       Server& s = servers_[c.server];
       RETURN_IF_ERROR(PostWithCredit([&] {
@@ -409,9 +480,17 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   if (!started_) return FailedPreconditionError("Push before Start()");
   auto it = tensor_index_.find(name);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
-  const Tensor& t = tensors_[it->second];
+  Tensor& t = tensors_[it->second];
+  if (t.staging != nullptr) {
+    // The mirror still holds the bytes of a push the caller has not waited for.
+    if (handles_.count(t.push_handle)) {
+      return FailedPreconditionError("Push of '" + name + "' before Wait() on its previous push");
+    }
+    RETURN_IF_ERROR(t.staging->StartGradsToHost());
+  }
   const uint64_t h = next_handle_++ & 0xffffffffull;
   HandleState& hs = handles_[h];
+  t.push_handle = h;
   for (uint32_t id : t.chunks) {
     ChunkRt& c = chunks_[id];
     Server& s = servers_[c.server];
@@ -436,11 +515,7 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
     ph->bytes = c.bytes;
     ph->epoch = control_->epoch();
     ph->magic = layout::kPushMagic;
-    Status st = PostWithCredit([&] {
-      return s.ep->PostWrite({t.gmr.get(), c.offset, c.bytes},
-                             transport::AtOffset(s.inbox, s.layout->push_data_offset(rank_, c.slot, parity)),
-                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
-    });
+    Status st = PostPushData(t, c, s, parity, h);
     if (st.ok()) {
       st = PostWithCredit([&] {
         return s.ep->PostWriteImm(
@@ -459,6 +534,39 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
     counters_.bytes_pushed += c.bytes;
   }
   return Handle{h};
+}
+
+Status ClientImpl::PostPushData(Tensor& t, ChunkRt& c, Server& s, uint32_t parity, uint64_t h) {
+  const uint64_t dst = s.layout->push_data_offset(rank_, c.slot, parity);
+  if (t.staging == nullptr) {
+    return PostWithCredit([&] {
+      return s.ep->PostWrite({t.gmr.get(), c.offset, c.bytes}, transport::AtOffset(s.inbox, dst),
+                             MakeContext(kOpPush, c.id, h), transport::kUnsignaled);
+    });
+  }
+  // Staged: each piece is written as soon as its device->host copy is done; later pieces are
+  // still being copied meanwhile. Writes on one endpoint execute in post order, so the header
+  // (posted after the last piece) still lands after all of the data.
+  const uint64_t piece = t.staging->piece_bytes();
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  for (uint64_t a = c.offset; a < c.offset + c.bytes;) {
+    const uint64_t b = std::min(c.offset + c.bytes, (a / piece + 1) * piece);
+    while (true) {
+      ASSIGN_OR_RETURN(bool ready, t.staging->GradsOnHost(b));
+      if (ready) break;
+      RETURN_IF_ERROR(Progress());
+      if (SteadyClock::now() > deadline) {
+        return DeadlineExceededError("device->host copy of '" + t.name + "' timed out");
+      }
+    }
+    RETURN_IF_ERROR(PostWithCredit([&] {
+      return s.ep->PostWrite({t.gmr.get(), a, b - a},
+                             transport::AtOffset(s.inbox, dst + (a - c.offset)),
+                             MakeContext(kOpPush, c.id, h), transport::kUnsignaled);
+    }));
+    a = b;
+  }
+  return Status::OK();
 }
 
 void ClientImpl::StartPull(ChunkRt& c, PullPhase phase) {
@@ -542,7 +650,12 @@ void ClientImpl::EvaluatePull(ChunkRt& c) {
   c.pull_handle = 0;
   ++counters_.pulls;
   counters_.bytes_pulled += c.bytes;
-  FinishChunk(h, Status::OK());
+  Status st;
+  if (CudaStaging* staging = tensors_[c.tensor].staging.get()) {
+    // This chunk goes to the device while the other chunks are still being read.
+    st = staging->WeightsToDevice(c.offset, c.bytes);
+  }
+  FinishChunk(h, st);
 }
 
 StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
@@ -551,6 +664,7 @@ StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
   const uint64_t h = next_handle_++ & 0xffffffffull;
   HandleState& hs = handles_[h];
+  if (tensors_[it->second].staging != nullptr) hs.staged_pull_tensor = it->second;
   for (uint32_t id : tensors_[it->second].chunks) {
     ChunkRt& c = chunks_[id];
     if (c.pull_handle != 0) {
@@ -582,6 +696,10 @@ Status ClientImpl::Wait(Handle handle) {
     }
   }
   Status s = it->second.error;
+  if (it->second.staged_pull_tensor >= 0) {
+    Status synced = tensors_[it->second.staged_pull_tensor].staging->SyncWeights();
+    if (s.ok()) s = synced;
+  }
   handles_.erase(it);
   return s;
 }

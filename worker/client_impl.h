@@ -22,6 +22,7 @@
 
 #include "proto/control_client.h"
 #include "server/layout.h"
+#include "worker/cuda_staging.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
 
@@ -48,6 +49,7 @@ class ClientImpl final : public Client {
   std::string consistency() const override;
   ClientCounters counters() const override;
   std::string transport_name() const override;
+  StatusOr<TensorPath> tensor_path(const std::string& name) const override;
   Status Close() override;
 
  private:
@@ -57,9 +59,14 @@ class ClientImpl final : public Client {
     float* grads = nullptr;
     std::vector<int64_t> shape;
     uint64_t bytes = 0;
+    // Regions the network reads and writes: the tensor itself (host, kCudaDirect) or the
+    // pinned host mirrors of `staging` (kCudaStaged).
     std::unique_ptr<transport::MemoryRegion> wmr;
     std::unique_ptr<transport::MemoryRegion> gmr;
     std::vector<uint32_t> chunks;  // global chunk ids
+    TensorPath path = TensorPath::kHost;
+    std::unique_ptr<CudaStaging> staging;  // kCudaStaged only
+    uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
   };
   struct Server {
     uint32_t rank = 0;
@@ -91,6 +98,7 @@ class ClientImpl final : public Client {
   struct HandleState {
     int pending = 0;  // chunks not yet finished
     Status error;
+    int64_t staged_pull_tensor = -1;  // a pull of a kCudaStaged tensor: sync its copies
   };
   enum OpKind : uint32_t { kOpPush = 0, kOpPull = 1, kOpAcks = 2, kOpSetup = 3, kOpClock = 4 };
 
@@ -106,6 +114,9 @@ class ClientImpl final : public Client {
   char* Staging(uint32_t chunk, int which);  // 0,1: push headers; 2,3: header reads
   uint64_t StagingOffset(uint32_t chunk, int which) const;
   Status ServerError(uint32_t server, const std::string& what) const;
+  Status RegisterDeviceTensor(Tensor& t);
+  // Posts the data writes of one chunk's push, piece by piece for staged tensors.
+  Status PostPushData(Tensor& t, ChunkRt& c, Server& s, uint32_t parity, uint64_t handle);
 
   ClientOptions options_;
   std::unique_ptr<transport::Fabric> fabric_;

@@ -40,7 +40,18 @@ struct ClientOptions {
   // How long a pull may wait for the consistency condition before it reports an error
   // (a dead server or a stuck cluster must not hang the trainer).
   std::chrono::milliseconds wait_timeout{30000};
+  // CUDA tensors that the fabric cannot register directly are staged through pinned host
+  // buffers in pieces of this many bytes: the copy of piece k+1 overlaps the write of piece k.
+  uint64_t cuda_pipeline_bytes = 1u << 20;
 };
+
+// How a registered tensor's memory reaches the network (logged at RegisterTensor).
+enum class TensorPath {
+  kHost = 0,        // host memory, registered as it is
+  kCudaDirect = 1,  // device memory registered with the NIC (verbs: ibv_reg_dmabuf_mr)
+  kCudaStaged = 2,  // device memory staged through pinned host buffers (chunked pipeline)
+};
+const char* TensorPathName(TensorPath p);
 
 struct ClientCounters {
   uint64_t control_messages_sent = 0;  // excluding periodic heartbeats
@@ -65,8 +76,12 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Registers a float32 tensor. `weights` receives pulled weights; `grads` is the source of
-  // pushes. Both stay owned by the caller and must outlive the client. Before Start() only;
-  // every worker registers the same tensors in the same order.
+  // pushes. Both stay owned by the caller and must outlive the client; their memory is
+  // registered, never copied (host memory, and CUDA memory on a fabric that can register it).
+  // Device pointers are recognised by themselves (builds with CUDA): both buffers must then be
+  // on the device. Before Start() only; every worker registers the same tensors in the same
+  // order. For CUDA tensors the work that produced `grads` must be complete or ordered on the
+  // legacy default stream before Push().
   virtual Status RegisterTensor(const std::string& name, float* weights, float* grads,
                                 const std::vector<int64_t>& shape) = 0;
   // Publishes the model, receives the shard map, connects to every server. Rank 0's current
@@ -90,6 +105,8 @@ class Client {
   virtual std::string consistency() const = 0;  // "bsp", "ssp(s=2)", ...
   virtual ClientCounters counters() const = 0;
   virtual std::string transport_name() const = 0;
+  // The path chosen for a registered tensor, or kNotFound.
+  virtual StatusOr<TensorPath> tensor_path(const std::string& name) const = 0;
 
   // Leaves the cluster cleanly (also done by the destructor).
   virtual Status Close() = 0;

@@ -1,0 +1,14 @@
+"""ShardPS worker client for Python (docs/python.md).
+
+    import shardps
+    c = shardps.Client("10.0.0.1:7070", cluster_token="secret", transport="tcp")
+    c.register("w", w, gw)      # numpy float32 / torch.float32, contiguous: registered, not copied
+    c.start()                   # rank 0's weights become everyone's (pulled into w)
+    ... c.step() ...            # push gw, clock, pull into w
+
+shardps.torch.DistributedOptimizer wraps a PyTorch model; shardps.launch.LocalCluster starts a
+coordinator and servers on this host.
+"""
+from ._shardps import Client, Error  # noqa: F401
+
+__all__ = ["Client", "Error"]

@@ -1,0 +1,247 @@
+// The Python module shardps._shardps (re-exported by the package shardps): shardps::Client for
+// Python, taking numpy arrays and torch tensors zero-copy.
+//
+// Zero-copy: register() hands the array's own data pointer to Client::RegisterTensor (the
+// memory is registered with the fabric; pulls land in it, pushes leave from it). Anything that
+// would need a copy (another dtype, non-contiguous, read-only) is refused with TypeError or
+// ValueError, never copied silently. The Client keeps a reference to every registered array,
+// so the memory stays valid for the client's life. CUDA torch tensors are passed as device
+// pointers; the library picks direct registration or the staging pipeline (tensor_path()).
+//
+// The GIL is released while the client blocks (connect, start, step, push, pull, wait).
+// Thread safety: as shardps::Client, one thread at a time per Client object.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardps/client.h"
+
+namespace py = pybind11;
+
+namespace {
+
+PyObject* g_error = nullptr;  // shardps.Error (a RuntimeError with .code)
+
+[[noreturn]] void Raise(const shardps::Status& s) {
+  py::object type = py::reinterpret_borrow<py::object>(g_error);
+  py::object e = type(s.ToString());
+  e.attr("code") = shardps::StatusCodeName(s.code());
+  e.attr("message") = s.message();
+  PyErr_SetObject(g_error, e.ptr());
+  throw py::error_already_set();
+}
+
+void Check(const shardps::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+// A buffer of a Python object, described without copying it.
+struct Buffer {
+  float* data = nullptr;
+  std::vector<int64_t> shape;
+  bool cuda = false;
+};
+
+Buffer Describe(const py::object& obj, const std::string& what) {
+  Buffer b;
+  if (py::isinstance<py::array>(obj)) {
+    py::array a = py::reinterpret_borrow<py::array>(obj);
+    if (!a.dtype().is(py::dtype::of<float>())) {
+      throw py::type_error(what + ": numpy array must be float32, not " +
+                           std::string(py::str(a.dtype())) + " (a conversion would copy)");
+    }
+    if (!(a.flags() & py::array::c_style)) {
+      throw py::value_error(what + ": numpy array must be C-contiguous (a copy would be needed)");
+    }
+    if (!a.writeable()) throw py::value_error(what + ": numpy array must be writeable");
+    b.data = static_cast<float*>(a.mutable_data());
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) b.shape.push_back(a.shape(i));
+    if (b.shape.empty()) b.shape.push_back(1);
+    return b;
+  }
+  if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "is_contiguous") &&
+      py::hasattr(obj, "dtype")) {  // a torch.Tensor (torch is not linked: duck-typed)
+    const std::string dtype = py::str(obj.attr("dtype"));
+    if (dtype != "torch.float32") {
+      throw py::type_error(what + ": torch tensor must be torch.float32, not " + dtype);
+    }
+    if (!obj.attr("is_contiguous")().cast<bool>()) {
+      throw py::value_error(what + ": torch tensor must be contiguous (a copy would be needed)");
+    }
+    b.data = reinterpret_cast<float*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    b.cuda = obj.attr("is_cuda").cast<bool>();
+    for (auto d : obj.attr("shape")) b.shape.push_back(d.cast<int64_t>());
+    if (b.shape.empty()) b.shape.push_back(1);
+    return b;
+  }
+  throw py::type_error(what + ": expected a numpy.ndarray or a torch.Tensor, got " +
+                       std::string(py::str(py::type::of(obj))));
+}
+
+class PyClient {
+ public:
+  PyClient(const std::string& coordinator, const std::string& cluster_token, int rank,
+           const std::string& transport, const std::string& bind_ip,
+           const std::string& rdma_device, int rdma_gid_index, int64_t setup_timeout_ms,
+           int64_t wait_timeout_ms, uint64_t cuda_pipeline_bytes) {
+    shardps::ClientOptions o;
+    o.coordinator = coordinator;
+    o.cluster_token = cluster_token;
+    o.requested_rank = rank;
+    o.transport = transport;
+    o.bind_ip = bind_ip;
+    o.rdma_device = rdma_device;
+    o.rdma_gid_index = rdma_gid_index;
+    o.setup_timeout = std::chrono::milliseconds(setup_timeout_ms);
+    o.wait_timeout = std::chrono::milliseconds(wait_timeout_ms);
+    o.cuda_pipeline_bytes = cuda_pipeline_bytes;
+    shardps::StatusOr<std::unique_ptr<shardps::Client>> c = shardps::InternalError("unset");
+    {
+      py::gil_scoped_release nogil;
+      c = shardps::Client::Connect(o);
+    }
+    if (!c.ok()) Raise(c.status());
+    client_ = std::move(c).value();
+  }
+
+  void Register(const std::string& name, py::object weights, py::object grads) {
+    shardps::Client& c = Live();
+    const Buffer w = Describe(weights, "weights of '" + name + "'");
+    const Buffer g = Describe(grads, "grads of '" + name + "'");
+    if (w.shape != g.shape) throw py::value_error("'" + name + "': weights and grads differ in shape");
+    if (w.cuda != g.cuda) {
+      throw py::value_error("'" + name + "': weights and grads must be on the same device");
+    }
+    if (w.data == g.data) throw py::value_error("'" + name + "': weights and grads are one buffer");
+    Check(c.RegisterTensor(name, w.data, g.data, w.shape));
+    // Held for the client's life: the registered memory must not be freed under it.
+    tensors_[name] = Held{weights, grads, w.data, g.data};
+  }
+
+  void Start() { Blocking([](shardps::Client& c) { return c.Start(); }); }
+  void Step() { Blocking([](shardps::Client& c) { return c.Step(); }); }
+  void Clock() { Check(Live().Clock()); }
+  uint64_t Push(const std::string& name) { return Async(name, true); }
+  uint64_t Pull(const std::string& name) { return Async(name, false); }
+  void Wait(uint64_t h) {
+    Blocking([h](shardps::Client& c) { return c.Wait(shardps::Handle{h}); });
+  }
+  void Close() {
+    if (client_ == nullptr) return;
+    shardps::Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = client_->Close();
+    }
+    Check(s);
+  }
+
+  uint32_t rank() { return Live().rank(); }
+  uint32_t num_workers() { return Live().num_workers(); }
+  uint64_t clock() { return Live().clock(); }
+  std::string consistency() { return Live().consistency(); }
+  std::string transport() { return Live().transport_name(); }
+  std::string tensor_path(const std::string& name) {
+    auto p = Live().tensor_path(name);
+    if (!p.ok()) Raise(p.status());
+    return shardps::TensorPathName(*p);
+  }
+  // The addresses given to RegisterTensor: (weights, grads).
+  std::pair<uintptr_t, uintptr_t> registered_address(const std::string& name) {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) Raise(shardps::NotFoundError("no tensor '" + name + "'"));
+    return {reinterpret_cast<uintptr_t>(it->second.w), reinterpret_cast<uintptr_t>(it->second.g)};
+  }
+  py::dict counters() {
+    const shardps::ClientCounters k = Live().counters();
+    py::dict d;
+    d["control_messages_sent"] = k.control_messages_sent;
+    d["heartbeats_sent"] = k.heartbeats_sent;
+    d["pushes"] = k.pushes;
+    d["pulls"] = k.pulls;
+    d["pull_retries"] = k.pull_retries;
+    d["bytes_pushed"] = k.bytes_pushed;
+    d["bytes_pulled"] = k.bytes_pulled;
+    return d;
+  }
+
+ private:
+  struct Held {
+    py::object weights, grads;
+    float* w;
+    float* g;
+  };
+  shardps::Client& Live() {
+    if (client_ == nullptr) Raise(shardps::FailedPreconditionError("client is closed"));
+    return *client_;
+  }
+  template <typename Fn>
+  void Blocking(Fn fn) {
+    shardps::Client& c = Live();
+    shardps::Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = fn(c);
+    }
+    Check(s);
+  }
+  uint64_t Async(const std::string& name, bool push) {
+    shardps::Client& c = Live();
+    shardps::StatusOr<shardps::Handle> h = shardps::InternalError("unset");
+    {
+      py::gil_scoped_release nogil;
+      h = push ? c.Push(name) : c.Pull(name);
+    }
+    if (!h.ok()) Raise(h.status());
+    return h->id;
+  }
+
+  std::unique_ptr<shardps::Client> client_;
+  std::map<std::string, Held> tensors_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_shardps, m) {
+  m.doc() = "ShardPS worker client (see docs/python.md)";
+  g_error = PyErr_NewExceptionWithDoc(
+      "shardps.Error", "A ShardPS error; .code is the status code name, .message the text.",
+      PyExc_RuntimeError, nullptr);
+  m.attr("Error") = py::reinterpret_borrow<py::object>(g_error);
+  const shardps::ClientOptions d;
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<const std::string&, const std::string&, int, const std::string&,
+                    const std::string&, const std::string&, int, int64_t, int64_t, uint64_t>(),
+           py::arg("coordinator"), py::arg("cluster_token") = "", py::arg("rank") = -1,
+           py::arg("transport") = "auto", py::arg("bind_ip") = "", py::arg("rdma_device") = "",
+           py::arg("rdma_gid_index") = -1,
+           py::arg("setup_timeout_ms") = static_cast<int64_t>(d.setup_timeout.count()),
+           py::arg("wait_timeout_ms") = static_cast<int64_t>(d.wait_timeout.count()),
+           py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes,
+           "Joins the cluster at coordinator (host:port).")
+      .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"),
+           py::arg("grads"),
+           "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
+      .def("start", &PyClient::Start)
+      .def("step", &PyClient::Step, "Push every tensor, clock, pull every tensor.")
+      .def("push", &PyClient::Push, py::arg("name"))
+      .def("pull", &PyClient::Pull, py::arg("name"))
+      .def("wait", &PyClient::Wait, py::arg("handle"))
+      .def("clock", &PyClient::Clock)
+      .def("close", &PyClient::Close)
+      .def_property_readonly("rank", &PyClient::rank)
+      .def_property_readonly("num_workers", &PyClient::num_workers)
+      .def_property_readonly("clock_value", &PyClient::clock)
+      .def_property_readonly("consistency", &PyClient::consistency)
+      .def_property_readonly("transport", &PyClient::transport)
+      .def("tensor_path", &PyClient::tensor_path, py::arg("name"))
+      .def("registered_address", &PyClient::registered_address, py::arg("name"))
+      .def("counters", &PyClient::counters)
+      .def("__enter__", [](PyClient& c) -> PyClient& { return c; })
+      .def("__exit__", [](PyClient& c, py::args) { c.Close(); });
+}

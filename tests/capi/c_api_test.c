@@ -1,0 +1,336 @@
+/* c_api_test: the C API (shardps/c_api.h) from C, linked against libshardps.so, on a real
+ * cluster: shardps_coordinator and two shardps_server processes over tcp, started here with
+ * posix_spawn under `timeout -s KILL` (so nothing outlives the test), and two clients in two
+ * threads (distinct handles on distinct threads, as the header allows).
+ *
+ * Checks, on data: error codes and messages of misuse; rank 0's initial weights reaching
+ * rank 1 at Start; after each BSP step, every worker's weights equal w - lr * mean(grads)
+ * computed here; counters, consistency and transport strings; tensor paths.
+ *
+ * usage: c_api_test COORDINATOR_BIN SERVER_BIN WORK_DIR   (exit 0: pass, 1: fail) */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "shardps/c_api.h"
+
+extern char** environ;
+
+#define kWorkers 2
+#define kSteps 4
+#define kRows 3
+#define kCols 50 /* w: 150 floats = 600 bytes: several 128-byte chunks on both servers */
+#define kBias 5
+static const float kLr = 0.5f;
+static const char* kToken = "c-api-test-secret";
+
+static int failures = 0;
+#define EXPECT(cond, ...)                                             \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                   \
+      fprintf(stderr, "\n");                                          \
+      __sync_fetch_and_add(&failures, 1);                             \
+    }                                                                 \
+  } while (0)
+
+static pid_t children[8];
+static int num_children = 0;
+
+/* Spawns argv under `timeout -s KILL 90`, output appended to log. */
+static pid_t spawn_bounded(char* const* argv, const char* log) {
+  char* full[32];
+  int n = 0;
+  full[n++] = "timeout";
+  full[n++] = "-s";
+  full[n++] = "KILL";
+  full[n++] = "90";
+  for (int i = 0; argv[i] != NULL && n < 31; ++i) full[n++] = argv[i];
+  full[n] = NULL;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  int rc = posix_spawnp(&pid, "timeout", &fa, NULL, full, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) {
+    fprintf(stderr, "posix_spawn %s: %s\n", argv[0], strerror(rc));
+    return -1;
+  }
+  children[num_children++] = pid;
+  return pid;
+}
+
+static void kill_children(void) {
+  for (int i = 0; i < num_children; ++i) {
+    if (children[i] > 0) {
+      kill(children[i], SIGKILL);
+      waitpid(children[i], NULL, 0);
+      children[i] = -1;
+    }
+  }
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* The gradient worker r computes at step t (1-based) for element k of a tensor. */
+static float grad_of(int r, int t, int k, int tensor) {
+  return (float)((r + 1) * ((k % 7) - 3)) * 0.01f + 0.001f * (float)(t * (tensor + 1));
+}
+static float init_of(int k, int tensor) { return 0.01f * (float)k - (float)tensor; }
+
+typedef struct {
+  const char* coordinator;
+  int rank;
+  float w[kRows * kCols], gw[kRows * kCols];
+  float b[kBias], gb[kBias];
+  int ok;
+} worker_arg;
+
+static void* worker_main(void* p) {
+  worker_arg* a = (worker_arg*)p;
+  shardps_options o;
+  shardps_options_init(&o);
+  o.coordinator = a->coordinator;
+  o.cluster_token = kToken;
+  o.requested_rank = a->rank;
+  o.transport = "tcp";
+  o.bind_ip = "127.0.0.1";
+  o.setup_timeout_ms = 30000;
+  o.wait_timeout_ms = 15000;
+  shardps_error err;
+  shardps_client* c = NULL;
+  int rc = shardps_client_connect(&o, &c, &err);
+  EXPECT(rc == SHARDPS_OK, "rank %d connect: %s %s", a->rank, shardps_code_name(rc), err.message);
+  if (rc != SHARDPS_OK) return NULL;
+  EXPECT(err.code == SHARDPS_OK && err.message[0] == '\0', "success leaves an empty message");
+
+  /* Rank 0's weights are the initial weights; rank 1 starts from garbage it must not keep. */
+  for (int k = 0; k < kRows * kCols; ++k) a->w[k] = a->rank == 0 ? init_of(k, 0) : 99.0f;
+  for (int k = 0; k < kBias; ++k) a->b[k] = a->rank == 0 ? init_of(k, 1) : -99.0f;
+  const int64_t wshape[2] = {kRows, kCols};
+  const int64_t bshape[1] = {kBias};
+  rc = shardps_client_register_tensor(c, "w", a->w, a->gw, wshape, 2, &err);
+  EXPECT(rc == SHARDPS_OK, "register w: %s", err.message);
+  rc = shardps_client_register_tensor(c, "b", a->b, a->gb, bshape, 1, &err);
+  EXPECT(rc == SHARDPS_OK, "register b: %s", err.message);
+  rc = shardps_client_register_tensor(c, "b", a->b, a->gb, bshape, 1, &err);
+  EXPECT(rc == SHARDPS_ALREADY_EXISTS, "duplicate: %s", shardps_code_name(rc));
+  EXPECT(strstr(err.message, "'b'") != NULL, "message names the tensor: %s", err.message);
+  uint64_t h = 0;
+  rc = shardps_client_push(c, "w", &h, &err);
+  EXPECT(rc == SHARDPS_FAILED_PRECONDITION, "push before start: %s", shardps_code_name(rc));
+
+  rc = shardps_client_start(c, &err);
+  EXPECT(rc == SHARDPS_OK, "rank %d start: %s", a->rank, err.message);
+  if (rc != SHARDPS_OK) {
+    shardps_client_destroy(c);
+    return NULL;
+  }
+  for (int k = 0; k < kRows * kCols; ++k) {
+    EXPECT(a->w[k] == init_of(k, 0), "rank %d w[%d] = %g after start, want %g", a->rank, k,
+           a->w[k], init_of(k, 0));
+  }
+  for (int k = 0; k < kBias; ++k) {
+    EXPECT(a->b[k] == init_of(k, 1), "rank %d b[%d] = %g after start", a->rank, k, a->b[k]);
+  }
+  /* Live membership: read it before the first step, after which the other may leave. */
+  uint32_t nw = 0;
+  EXPECT(shardps_client_num_workers(c, &nw, &err) == SHARDPS_OK && nw == kWorkers, "workers %u",
+         nw);
+  rc = shardps_client_push(c, "nope", &h, &err);
+  EXPECT(rc == SHARDPS_NOT_FOUND, "unknown tensor: %s", shardps_code_name(rc));
+  int path = -1;
+  rc = shardps_client_tensor_path(c, "w", &path, &err);
+  EXPECT(rc == SHARDPS_OK && path == SHARDPS_PATH_HOST, "host tensor path %d", path);
+
+  /* The expected weights, as the servers compute them (BSP, average, sgd). */
+  float ew[kRows * kCols], eb[kBias];
+  for (int k = 0; k < kRows * kCols; ++k) ew[k] = init_of(k, 0);
+  for (int k = 0; k < kBias; ++k) eb[k] = init_of(k, 1);
+  for (int t = 1; t <= kSteps; ++t) {
+    for (int k = 0; k < kRows * kCols; ++k) a->gw[k] = grad_of(a->rank, t, k, 0);
+    for (int k = 0; k < kBias; ++k) a->gb[k] = grad_of(a->rank, t, k, 1);
+    if (t % 2 == 1) {
+      rc = shardps_client_step(c, &err);
+      EXPECT(rc == SHARDPS_OK, "rank %d step %d: %s", a->rank, t, err.message);
+    } else {  /* the same step, spelled out with the asynchronous calls */
+      uint64_t hw = 0, hb = 0;
+      rc = shardps_client_push(c, "w", &hw, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_push(c, "b", &hb, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_wait(c, hw, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_wait(c, hb, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_clock(c, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_pull(c, "w", &hw, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_pull(c, "b", &hb, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_wait(c, hw, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_wait(c, hb, &err);
+      EXPECT(rc == SHARDPS_OK, "rank %d async step %d: %s", a->rank, t, err.message);
+    }
+    if (rc != SHARDPS_OK) break;
+    for (int k = 0; k < kRows * kCols; ++k) {
+      float sum = 0;
+      for (int r = 0; r < kWorkers; ++r) sum += grad_of(r, t, k, 0);
+      ew[k] -= kLr * (sum / kWorkers);
+      EXPECT(fabsf(a->w[k] - ew[k]) <= 1e-5f * (1 + fabsf(ew[k])),
+             "rank %d step %d w[%d] = %.7g, want %.7g", a->rank, t, k, a->w[k], ew[k]);
+    }
+    for (int k = 0; k < kBias; ++k) {
+      float sum = 0;
+      for (int r = 0; r < kWorkers; ++r) sum += grad_of(r, t, k, 1);
+      eb[k] -= kLr * (sum / kWorkers);
+      EXPECT(fabsf(a->b[k] - eb[k]) <= 1e-5f * (1 + fabsf(eb[k])),
+             "rank %d step %d b[%d] = %.7g, want %.7g", a->rank, t, k, a->b[k], eb[k]);
+    }
+  }
+  uint32_t rank = 99;
+  uint64_t clock = 0;
+  EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank,
+         "rank %u", rank);
+  EXPECT(shardps_client_clock_value(c, &clock, &err) == SHARDPS_OK && clock == kSteps,
+         "clock %llu", (unsigned long long)clock);
+  char buf[64];
+  EXPECT(shardps_client_consistency(c, buf, sizeof buf, &err) == SHARDPS_OK &&
+             strcmp(buf, "bsp") == 0, "consistency '%s'", buf);
+  EXPECT(shardps_client_transport(c, buf, sizeof buf, &err) == SHARDPS_OK &&
+             strcmp(buf, "tcp") == 0, "transport '%s'", buf);
+  char tiny[3];
+  rc = shardps_client_consistency(c, tiny, sizeof tiny, &err);
+  EXPECT(rc == SHARDPS_OUT_OF_RANGE && strcmp(tiny, "bs") == 0, "truncation: %s '%s'",
+         shardps_code_name(rc), tiny);
+  shardps_counters k;
+  EXPECT(shardps_client_counters(c, &k, &err) == SHARDPS_OK, "counters: %s", err.message);
+  EXPECT(k.bytes_pushed == (uint64_t)kSteps * (kRows * kCols + kBias) * sizeof(float),
+         "bytes_pushed %llu", (unsigned long long)k.bytes_pushed);
+  EXPECT(k.pushes >= (uint64_t)kSteps * 2, "pushes %llu", (unsigned long long)k.pushes);
+  rc = shardps_client_close(c, &err);
+  EXPECT(rc == SHARDPS_OK, "close: %s", err.message);
+  shardps_client_destroy(c);
+  a->ok = 1;
+  return NULL;
+}
+
+static void misuse_checks(const char* coordinator) {
+  shardps_error err;
+  shardps_client* c = (shardps_client*)0x1;
+  int rc = shardps_client_connect(NULL, &c, &err);
+  EXPECT(rc == SHARDPS_INVALID_ARGUMENT && c == NULL, "null options: %s", shardps_code_name(rc));
+  EXPECT(err.code == rc && strlen(err.message) > 0, "error filled: '%s'", err.message);
+  shardps_options o;
+  shardps_options_init(&o);
+  rc = shardps_client_connect(&o, &c, &err);
+  EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "coordinator") != NULL,
+         "no coordinator: %s '%s'", shardps_code_name(rc), err.message);
+  rc = shardps_client_start(NULL, NULL); /* err may be NULL */
+  EXPECT(rc == SHARDPS_INVALID_ARGUMENT, "null client: %s", shardps_code_name(rc));
+  EXPECT(strcmp(shardps_code_name(SHARDPS_DEADLINE_EXCEEDED), "DEADLINE_EXCEEDED") == 0 &&
+             strcmp(shardps_code_name(1234), "UNKNOWN") == 0, "code names");
+  /* A wrong cluster token is refused with a message, not a crash or a hang. */
+  o.coordinator = coordinator;
+  o.cluster_token = "wrong-token";
+  o.transport = "tcp";
+  o.bind_ip = "127.0.0.1";
+  o.setup_timeout_ms = 5000;
+  const double t0 = now_s();
+  rc = shardps_client_connect(&o, &c, &err);
+  EXPECT(rc != SHARDPS_OK && c == NULL && strlen(err.message) > 0,
+         "wrong token: %s '%s'", shardps_code_name(rc), err.message);
+  EXPECT(now_s() - t0 < 10, "wrong token answered in %.1f s", now_s() - t0);
+  shardps_client_destroy(NULL);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    fprintf(stderr, "usage: %s COORDINATOR_BIN SERVER_BIN WORK_DIR\n", argv[0]);
+    return 2;
+  }
+  const char* dir = argv[3];
+  mkdir(dir, 0755);
+  char addr_file[512], log[512], a1[600], a2[600], a3[128];
+  snprintf(addr_file, sizeof addr_file, "%s/coordinator.addr", dir);
+  unlink(addr_file);
+  snprintf(log, sizeof log, "%s/coordinator.log", dir);
+  snprintf(a1, sizeof a1, "--address_file=%s", addr_file);
+  snprintf(a2, sizeof a2, "--cluster_token=%s", kToken);
+  snprintf(a3, sizeof a3, "--num_workers=%d", kWorkers);
+  char* coord[] = {argv[1], "--listen=127.0.0.1:0", a1, a2, "--consistency=bsp",
+                   "--num_servers=2", a3, "--data_transport=tcp", "--partition_bytes=128",
+                   "--exit_when_done", NULL};
+  if (spawn_bounded(coord, log) < 0) return 1;
+  char address[128] = {0};
+  for (double t0 = now_s(); now_s() - t0 < 15;) {
+    FILE* f = fopen(addr_file, "r");
+    if (f != NULL) {
+      if (fgets(address, sizeof address, f) != NULL) address[strcspn(address, "\n ")] = '\0';
+      fclose(f);
+      if (address[0] != '\0') break;
+    }
+    usleep(50000);
+  }
+  if (address[0] == '\0') {
+    fprintf(stderr, "FAIL: the coordinator wrote no address within 15 s (log %s)\n", log);
+    kill_children();
+    return 1;
+  }
+  char ca[200];
+  snprintf(ca, sizeof ca, "--coordinator=%s", address);
+  char lr[32];
+  snprintf(lr, sizeof lr, "--lr=%g", kLr);
+  for (int i = 0; i < 2; ++i) {
+    char rank[32], slog[512];
+    snprintf(rank, sizeof rank, "--rank=%d", i);
+    snprintf(slog, sizeof slog, "%s/server%d.log", dir, i);
+    char* server[] = {argv[2], ca, a2, "--transport=tcp", "--bind_ip=127.0.0.1", rank,
+                      "--optimizer=sgd", lr, "--exit_when_done", NULL};
+    if (spawn_bounded(server, slog) < 0) {
+      kill_children();
+      return 1;
+    }
+  }
+  misuse_checks(address);
+
+  pthread_t th[kWorkers];
+  static worker_arg args[kWorkers];
+  for (int r = 0; r < kWorkers; ++r) {
+    args[r].coordinator = address;
+    args[r].rank = r;
+    pthread_create(&th[r], NULL, worker_main, &args[r]);
+  }
+  for (int r = 0; r < kWorkers; ++r) pthread_join(th[r], NULL);
+  for (int r = 0; r < kWorkers; ++r) EXPECT(args[r].ok, "worker %d finished", r);
+
+  /* --exit_when_done: coordinator and servers leave by themselves once the workers are gone. */
+  for (double t0 = now_s(); now_s() - t0 < 15;) {
+    int alive = 0;
+    for (int i = 0; i < num_children; ++i) {
+      if (children[i] > 0 && waitpid(children[i], NULL, WNOHANG) == 0) {
+        alive = 1;
+      } else {
+        children[i] = -1;
+      }
+    }
+    if (!alive) break;
+    usleep(100000);
+  }
+  kill_children();
+  if (failures) fprintf(stderr, "c_api_test: %d failure(s); logs in %s\n", failures, dir);
+  else printf("c_api_test: PASS (%d workers, %d steps, weights checked)\n", kWorkers, kSteps);
+  return failures ? 1 : 0;
+}

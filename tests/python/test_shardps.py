@@ -1,0 +1,189 @@
+"""Tests of the Python module shardps on real local clusters (shardps.launch.LocalCluster: a
+coordinator and servers as processes, tcp). Run by ctest (label python) with PYTHONPATH at
+BUILD/python: /usr/bin/python3 -m pytest tests/python (or -m unittest)."""
+import unittest
+
+import numpy as np
+
+import shardps
+import shardps.launch
+
+try:
+    import torch
+    import shardps.torch as spt
+except ImportError:  # pragma: no cover
+    torch = None
+
+LR = 0.5
+
+
+def connect(cluster, **kw):
+    return shardps.Client(cluster.address, cluster_token=cluster.token, transport="tcp",
+                          bind_ip="127.0.0.1", setup_timeout_ms=20000, wait_timeout_ms=10000,
+                          **kw)
+
+
+def cluster(**kw):
+    kw.setdefault("servers", 2)
+    kw.setdefault("workers", 1)
+    kw.setdefault("lr", LR)
+    kw.setdefault("partition_bytes", 128)  # several chunks per tensor, on both servers
+    kw.setdefault("grace", 1.0)  # a cluster no worker finished with does not leave by itself
+    return shardps.launch.LocalCluster(**kw)
+
+
+class NumpyTest(unittest.TestCase):
+    def test_zero_copy_and_weights_after_steps(self):
+        with cluster() as cl, connect(cl) as c:
+            w = np.linspace(-1, 1, 200, dtype=np.float32).reshape(10, 20)
+            g = np.zeros_like(w)
+            b = np.arange(7, dtype=np.float32)
+            gb = np.zeros_like(b)
+            c.register("w", w, g)
+            c.register("b", b, gb)
+            # Registered, not copied: the library holds the arrays' own addresses.
+            self.assertEqual(c.registered_address("w"), (w.ctypes.data, g.ctypes.data))
+            self.assertEqual(c.registered_address("b"), (b.ctypes.data, gb.ctypes.data))
+            self.assertEqual(c.tensor_path("w"), "host")
+            c.start()
+            ew, eb = w.copy(), b.copy()
+            for t in range(1, 4):
+                g[...] = np.sin(np.arange(200, dtype=np.float32).reshape(10, 20) * t)
+                gb[...] = t
+                c.step()
+                ew -= np.float32(LR) * g
+                eb -= np.float32(LR) * gb
+                # The pull wrote into the same arrays (same addresses) the new weights.
+                np.testing.assert_allclose(w, ew, rtol=1e-6, atol=1e-6)
+                np.testing.assert_allclose(b, eb, rtol=1e-6, atol=1e-6)
+                self.assertEqual(c.registered_address("w")[0], w.ctypes.data)
+            self.assertEqual(c.clock_value, 3)
+            self.assertEqual(c.consistency, "bsp")
+            self.assertEqual(c.transport, "tcp")
+            k = c.counters()
+            self.assertEqual(k["bytes_pushed"], 3 * (200 + 7) * 4)
+
+    def test_refuses_what_would_need_a_copy(self):
+        with cluster() as cl, connect(cl) as c:
+            good = np.zeros(8, np.float32)
+            with self.assertRaises(TypeError):
+                c.register("f64", np.zeros(8), good.copy())
+            with self.assertRaises(ValueError):
+                c.register("strided", np.zeros(16, np.float32)[::2], good.copy())
+            ro = np.zeros(8, np.float32)
+            ro.setflags(write=False)
+            with self.assertRaises(ValueError):
+                c.register("ro", ro, good.copy())
+            with self.assertRaises(ValueError):
+                c.register("shape", good, np.zeros(9, np.float32))
+            with self.assertRaises(TypeError):
+                c.register("list", [1.0, 2.0], good)
+            c.register("ok", good, np.zeros(8, np.float32))
+            with self.assertRaises(shardps.Error) as e:
+                c.register("ok", np.zeros(8, np.float32), np.zeros(8, np.float32))
+            self.assertEqual(e.exception.code, "ALREADY_EXISTS")
+            with self.assertRaises(shardps.Error) as e:
+                c.push("ok")
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+            c.start()
+            with self.assertRaises(shardps.Error) as e:
+                c.pull("missing")
+            self.assertEqual(e.exception.code, "NOT_FOUND")
+            self.assertIn("missing", e.exception.message)
+
+    def test_wrong_token_is_an_error(self):
+        with cluster() as cl:
+            with self.assertRaises(shardps.Error) as e:
+                shardps.Client(cl.address, cluster_token="wrong", transport="tcp",
+                               bind_ip="127.0.0.1", setup_timeout_ms=5000)
+            self.assertNotEqual(e.exception.code, "OK")
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
+class TorchTest(unittest.TestCase):
+    def test_tensor_zero_copy(self):
+        with cluster() as cl, connect(cl) as c:
+            w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+            g = torch.full((3, 4), 2.0)
+            c.register("w", w, g)
+            self.assertEqual(c.registered_address("w"), (w.data_ptr(), g.data_ptr()))
+            c.start()
+            c.step()
+            expect = torch.arange(12, dtype=torch.float32).reshape(3, 4) - LR * 2.0
+            self.assertTrue(torch.allclose(w, expect), (w, expect))
+            with self.assertRaises(TypeError):
+                c.register("half", torch.zeros(4, dtype=torch.float16), torch.zeros(4))
+
+    def test_non_contiguous_tensor_refused(self):
+        with cluster() as cl, connect(cl) as c:
+            with self.assertRaises(ValueError):
+                c.register("t", torch.zeros(4, 4).t(), torch.zeros(4, 4))
+
+    def test_distributed_optimizer_updates_parameters_in_place(self):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        ref.load_state_dict(model.state_dict())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+        x = torch.randn(16, 6)
+        y = torch.randint(0, 3, (16,))
+        with cluster(servers=2) as cl:
+            opt = spt.DistributedOptimizer(model, coordinator=cl.address,
+                                           cluster_token=cl.token, consistency="bsp",
+                                           transport="tcp", bind_ip="127.0.0.1")
+            ptrs = [p.data_ptr() for p in model.parameters()]
+            for name, p in model.named_parameters():
+                self.assertEqual(opt.client.registered_address(name),
+                                 (p.data_ptr(), p.grad.data_ptr()))
+            for _ in range(3):
+                for m, o in ((model, opt), (ref, ref_opt)):
+                    o.zero_grad()
+                    torch.nn.functional.cross_entropy(m(x), y).backward()
+                    o.step()
+            self.assertEqual(ptrs, [p.data_ptr() for p in model.parameters()])
+            for p, q in zip(model.parameters(), ref.parameters()):
+                self.assertTrue(torch.allclose(p, q, atol=1e-5), (p, q))
+            opt.close()
+
+    def test_consistency_mismatch_is_an_error(self):
+        model = torch.nn.Linear(3, 2)
+        with cluster(consistency="bsp") as cl:
+            with self.assertRaises(shardps.Error) as e:
+                spt.DistributedOptimizer(model, coordinator=cl.address, cluster_token=cl.token,
+                                         consistency="ssp", staleness=2, transport="tcp",
+                                         bind_ip="127.0.0.1")
+            self.assertIn("ssp(s=2)", str(e.exception))
+
+    def test_ssp_cluster_selected(self):
+        model = torch.nn.Linear(3, 2)
+        with cluster(consistency="ssp", staleness=2) as cl:
+            opt = spt.DistributedOptimizer(model, coordinator=cl.address,
+                                           cluster_token=cl.token, consistency="ssp",
+                                           staleness=2, transport="tcp", bind_ip="127.0.0.1")
+            self.assertEqual(opt.client.consistency, "ssp(s=2)")
+            opt.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            self.assertEqual(opt.client.clock_value, 1)
+            opt.close()
+
+
+@unittest.skipIf(torch is None or not torch.cuda.is_available(),
+                 "no CUDA: torch has no CUDA support or no GPU is present")
+class CudaTest(unittest.TestCase):
+    def test_cuda_tensors_take_a_gpu_path_and_train(self):
+        with cluster() as cl, connect(cl, cuda_pipeline_bytes=64) as c:
+            w = torch.arange(100, dtype=torch.float32, device="cuda")
+            g = torch.ones(100, device="cuda")
+            c.register("w", w, g)
+            self.assertEqual(c.registered_address("w"), (w.data_ptr(), g.data_ptr()))
+            self.assertIn(c.tensor_path("w"), ("cuda-direct", "cuda-staged"))
+            c.start()
+            torch.cuda.synchronize()
+            c.step()
+            expect = torch.arange(100, dtype=torch.float32) - LR
+            self.assertTrue(torch.allclose(w.cpu(), expect))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,148 @@
+/* The C API of libshardps (libshardps.so): the worker client for C, ctypes and cffi callers.
+ *
+ *   shardps_options o;
+ *   shardps_options_init(&o);
+ *   o.coordinator = "10.0.0.1:7070";
+ *   o.cluster_token = "secret";
+ *   shardps_client* c = NULL;
+ *   shardps_error err;
+ *   if (shardps_client_connect(&o, &c, &err) != SHARDPS_OK) { puts(err.message); ... }
+ *   int64_t shape[2] = {256, 64};
+ *   shardps_client_register_tensor(c, "fc1.weight", w, g, shape, 2, &err);
+ *   shardps_client_start(c, &err);
+ *   for (...) { compute gradients into g; shardps_client_step(c, &err); }
+ *   shardps_client_destroy(c);   (leaves the cluster)
+ *
+ * Errors. Every function that can fail returns a shardps_code (SHARDPS_OK = 0; the other codes
+ * are those of shardps::StatusCode, see status.h) and, when `err` is not NULL, fills it with
+ * the code and a NUL-terminated message (truncated to fit). On success err->code is SHARDPS_OK
+ * and err->message is "". No C++ exception ever crosses this boundary: one thrown inside
+ * (std::bad_alloc, ...) is reported as SHARDPS_INTERNAL.
+ *
+ * Handles. shardps_client is opaque; it is created by shardps_client_connect and released by
+ * shardps_client_destroy (NULL is accepted). Tensor memory stays the caller's: it is
+ * registered, never copied, and must outlive the client. Passing NULL where a handle or an out
+ * pointer is required returns SHARDPS_INVALID_ARGUMENT.
+ *
+ * Thread safety. A shardps_client is used by one thread at a time (the training loop's); calls
+ * on one client from several threads at once need the caller's lock. Distinct clients are
+ * independent and may be used from distinct threads concurrently. shardps_options_init and
+ * shardps_code_name are thread-safe. A shardps_error belongs to its caller.
+ */
+#ifndef SHARDPS_C_API_H_
+#define SHARDPS_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum shardps_code {
+  SHARDPS_OK = 0,
+  SHARDPS_CANCELLED = 1,
+  SHARDPS_INVALID_ARGUMENT = 3,
+  SHARDPS_DEADLINE_EXCEEDED = 4,
+  SHARDPS_NOT_FOUND = 5,
+  SHARDPS_ALREADY_EXISTS = 6,
+  SHARDPS_PERMISSION_DENIED = 7,
+  SHARDPS_RESOURCE_EXHAUSTED = 8,
+  SHARDPS_FAILED_PRECONDITION = 9,
+  SHARDPS_ABORTED = 10,
+  SHARDPS_OUT_OF_RANGE = 11,
+  SHARDPS_UNIMPLEMENTED = 12,
+  SHARDPS_INTERNAL = 13,
+  SHARDPS_UNAVAILABLE = 14,
+  SHARDPS_DATA_LOSS = 15
+} shardps_code;
+
+#define SHARDPS_ERROR_MESSAGE_BYTES 512
+
+typedef struct shardps_error {
+  int code; /* a shardps_code */
+  char message[SHARDPS_ERROR_MESSAGE_BYTES];
+} shardps_error;
+
+/* Connection options; initialise with shardps_options_init, then set fields. Strings are
+ * copied by shardps_client_connect; NULL means "" (the default). */
+typedef struct shardps_options {
+  const char* coordinator;   /* host:port of shardps_coordinator (required) */
+  const char* cluster_token; /* must match the coordinator's */
+  int requested_rank;        /* -1: the coordinator picks */
+  const char* transport;     /* "verbs", "tcp", "shm" or "auto" (NULL: "auto") */
+  const char* bind_ip;       /* local data-path address (verbs: selects the NIC) */
+  const char* rdma_device;   /* verbs: device name, NULL or "" = automatic */
+  int rdma_gid_index;        /* verbs: -1 = automatic RoCEv2 GID */
+  int64_t setup_timeout_ms;  /* bound on joining and start-up (default 60000) */
+  int64_t wait_timeout_ms;   /* bound on one pull's consistency wait (default 30000) */
+  uint64_t cuda_pipeline_bytes; /* piece size of the CUDA staging pipeline (default 1 MiB) */
+} shardps_options;
+
+/* Mirrors shardps::ClientCounters. */
+typedef struct shardps_counters {
+  uint64_t control_messages_sent;
+  uint64_t heartbeats_sent;
+  uint64_t pushes;
+  uint64_t pulls;
+  uint64_t pull_retries;
+  uint64_t bytes_pushed;
+  uint64_t bytes_pulled;
+} shardps_counters;
+
+/* The path a tensor's memory takes (shardps::TensorPath). */
+typedef enum shardps_tensor_path {
+  SHARDPS_PATH_HOST = 0,
+  SHARDPS_PATH_CUDA_DIRECT = 1,
+  SHARDPS_PATH_CUDA_STAGED = 2
+} shardps_tensor_path;
+
+typedef struct shardps_client shardps_client; /* opaque */
+
+void shardps_options_init(shardps_options* options);
+/* "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a value that is no code. Static storage. */
+const char* shardps_code_name(int code);
+
+/* Joins the cluster. On success *out is a new client; on failure *out is NULL. */
+int shardps_client_connect(const shardps_options* options, shardps_client** out,
+                           shardps_error* err);
+/* Leaves the cluster (if not yet closed) and frees the client. NULL is a no-op. */
+void shardps_client_destroy(shardps_client* client);
+
+/* Registers a float32 tensor of ndim dimensions (shape[0..ndim)); see shardps::Client. */
+int shardps_client_register_tensor(shardps_client* client, const char* name, float* weights,
+                                   float* grads, const int64_t* shape, size_t ndim,
+                                   shardps_error* err);
+int shardps_client_start(shardps_client* client, shardps_error* err);
+/* Asynchronous push / pull of one tensor; *handle is then passed to shardps_client_wait. */
+int shardps_client_push(shardps_client* client, const char* name, uint64_t* handle,
+                        shardps_error* err);
+int shardps_client_pull(shardps_client* client, const char* name, uint64_t* handle,
+                        shardps_error* err);
+int shardps_client_wait(shardps_client* client, uint64_t handle, shardps_error* err);
+int shardps_client_clock(shardps_client* client, shardps_error* err);
+/* Push every tensor, wait, clock, pull every tensor, wait. */
+int shardps_client_step(shardps_client* client, shardps_error* err);
+/* Leaves the cluster; the client may then only be destroyed. */
+int shardps_client_close(shardps_client* client, shardps_error* err);
+
+/* Accessors. Strings are copied into buf (capacity bytes, NUL-terminated, truncated);
+ * SHARDPS_OUT_OF_RANGE if it had to be truncated. */
+int shardps_client_rank(const shardps_client* client, uint32_t* rank, shardps_error* err);
+int shardps_client_num_workers(const shardps_client* client, uint32_t* n, shardps_error* err);
+int shardps_client_clock_value(const shardps_client* client, uint64_t* clock,
+                               shardps_error* err);
+int shardps_client_consistency(const shardps_client* client, char* buf, size_t capacity,
+                               shardps_error* err);
+int shardps_client_transport(const shardps_client* client, char* buf, size_t capacity,
+                             shardps_error* err);
+int shardps_client_counters(const shardps_client* client, shardps_counters* out,
+                            shardps_error* err);
+int shardps_client_tensor_path(const shardps_client* client, const char* name, int* path,
+                               shardps_error* err);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif /* SHARDPS_C_API_H_ */
