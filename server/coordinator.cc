@@ -231,14 +231,15 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     }
   }
   if (!refuse.empty()) {
+    {
+      // Counted before the reply leaves, so a refused member never sees a stale counter.
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.joins_refused;
+    }
     r->set_accepted(false);
     r->set_error(refuse);
     Queue(c, reply);
     FlushOutput(c);
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      ++counters_.joins_refused;
-    }
     Close(c, "join refused: " + refuse, true);
     return;
   }

@@ -65,7 +65,7 @@ enum class ImmKind : uint32_t {
   kHello = 1,  // argument: worker rank; first message on a new endpoint
   kPush = 2,   // argument: slot << 1 | parity
   kInit = 3,   // argument: slot; the payload is initial weights (rank 0 only)
-  kClock = 4,  // argument: 0; the worker's clock slot now holds its new clock
+  kClock = 4,  // argument: the new clock's low 28 bits (the slot holds the full value)
 };
 inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
   return (static_cast<uint32_t>(k) << 28) | (arg & 0x0fffffffu);

@@ -290,7 +290,7 @@ void ShardServer::HandleRecvImm(const Completion& c) {
   } else if (layout::ImmKindOf(c.imm) == layout::ImmKind::kPush) {
     HandlePush(worker, arg >> 1, arg & 1);
   } else if (layout::ImmKindOf(c.imm) == layout::ImmKind::kClock) {
-    HandleClock(worker);
+    HandleClock(worker, arg);
   } else {
     std::lock_guard<std::mutex> l(counters_mu_);
     ++counters_.rejected_pushes;
@@ -389,14 +389,17 @@ void ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity) {
   ++counters_.pushes_applied;
 }
 
-void ShardServer::HandleClock(uint32_t worker) {
+void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
   auto it = workers_.find(worker);
   if (it == workers_.end()) return;
-  const auto* slot = reinterpret_cast<const std::atomic<uint64_t>*>(
-      static_cast<const char*>(clocks_->data()) + layout_->clock_offset(worker));
-  const uint64_t clock = slot->load(std::memory_order_acquire);
-  if (clock <= it->second->clock) return;  // stale or repeated
-  it->second->clock = clock;
+  // The clock comes from the immediate, not from the slot: by the time this immediate is
+  // polled the slot may already hold a later clock whose pushes are still queued behind it.
+  // The immediate carries the low 28 bits; clocks move by one per Clock(), so the delta from
+  // the clock we know is small and positive.
+  WorkerState& w = *it->second;
+  const uint64_t delta = (clock_low - static_cast<uint32_t>(w.clock)) & 0x0fffffffu;
+  if (delta == 0 || delta > (1u << 27)) return;  // repeated or stale
+  w.clock += delta;
   Reevaluate();
 }
 

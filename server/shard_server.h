@@ -86,7 +86,7 @@ class ShardServer {
   void HandleHello(uint64_t endpoint_id, uint32_t rank);
   void HandleInit(uint32_t worker, uint32_t slot);
   void HandlePush(uint32_t worker, uint32_t slot, uint32_t parity);
-  void HandleClock(uint32_t worker);
+  void HandleClock(uint32_t worker, uint32_t clock_low);
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
   void ApplyBsp(uint32_t slot);
   void ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version);

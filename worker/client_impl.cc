@@ -717,7 +717,7 @@ Status ClientImpl::Clock() {
     RETURN_IF_ERROR(PostWithCredit([&] {
       return s.ep->PostWriteImm({staging_.get(), off, sizeof(uint64_t)},
                                 transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
-                                layout::MakeImm(layout::ImmKind::kClock, 0),
+                                layout::MakeImm(layout::ImmKind::kClock, static_cast<uint32_t>(clock_)),
                                 MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
     }));
   }
