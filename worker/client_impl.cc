@@ -532,6 +532,7 @@ void ClientImpl::EvaluatePull(ChunkRt& c) {
     StartPull(c, PullPhase::kHeaderOnly);
     return;
   }
+  if (c.pulled_version != 0) c.flip = static_cast<uint32_t>((v - c.pulled_version) & 1);
   c.pulled_version = v;
   c.last_buf = b;
   const uint64_t h = c.pull_handle;
@@ -556,8 +557,10 @@ StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
     c.pull_handle = h;
     c.required_plus1 = RequiredPlus1();
     c.pull_deadline = SteadyClock::now() + options_.wait_timeout;
-    // In steady state every step publishes one new version per chunk, in the other buffer.
-    c.guess = c.pulled_version == 0 ? 0 : 1 - c.last_buf;
+    // Each version goes to the other buffer; guess that as many versions (mod 2) were
+    // published since the last pull as between the last two (one per step in training, none
+    // when the chunk is pulled again unchanged). A wrong guess costs a second round trip.
+    c.guess = c.pulled_version == 0 ? 0 : c.last_buf ^ c.flip;
     ++hs.pending;
     StartPull(c, PullPhase::kAll);
   }
