@@ -85,6 +85,8 @@ class ClientImpl final : public Client {
     // flips the buffer, so the next pull guesses last_buf ^ flip. 1 fits a training step (one
     // version per step); 0 fits repeated pulls of an unchanged chunk (or two versions per pull).
     uint32_t flip = 1;
+    // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
+    uint64_t small_staging = 0;
     // Pull state machine.
     uint64_t pull_handle = 0;
     PullPhase phase = PullPhase::kAll;
