@@ -699,10 +699,11 @@ std::string RowJson(const Row& r) {
 void PrintRow(const Row& r) {
   if (r.series == "throughput") {
     printf("%-5s %s %-10s %-9s %7s  %8.3f Gbit/s (ps-lite conv. %8.3f)  %9.1f us/key  "
-           "srv %.3f cpu-s/GB | bound %8.3f  ratio %.2f  [%s]\n",
+           "srv %.3f cpu-s/GB retries %llu | bound %8.3f  ratio %.2f  [%s]\n",
            r.transport.c_str(), r.layout.c_str(), r.series.c_str(), r.mode.c_str(),
            SizeName(r.size).c_str(), r.gbps, r.gbps_pslite, r.us_per_key, r.server_cpu_s_per_gb,
-           r.bound_gbps, r.ratio, r.bound_name.c_str());
+           static_cast<unsigned long long>(r.pull_retries), r.bound_gbps, r.ratio,
+           r.bound_name.c_str());
   } else {
     printf("%-5s %s %-10s %-9s %7s  p50 %9.1f us  p99 %9.1f us  %8.3f Gbit/s  srv %.3f cpu-s/GB "
            "| bound p50 %9.1f us  ratio %.2f  [%s]\n",
