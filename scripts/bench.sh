@@ -123,7 +123,7 @@ if [[ $TRAIN == 1 ]]; then
     SHARDPS_BUILD_DIR="$BUILD" SHARDPS_DATA_DIR="$DATA" timeout 300 \
       "$ROOT/scripts/launch-local.sh" --servers 1 --workers "$w" --transport tcp \
       --consistency bsp --optimizer sgd --lr 0.1 --timeout 240 --run-dir "$WORK/train-$w" \
-      --quiet -- --epochs "$([[ $QUICK == 1 ]] && echo 1 || echo 3)" --batch_size 32 --seed 7 \
+      --quiet -- --epochs "$([[ $QUICK == 1 ]] && echo 1 || echo 5)" --batch_size 32 --seed 7 \
       --log_every 0 > "$WORK/train-$w.log" 2>&1
     echo "  $w worker(s): $(grep -o 'final: .*' "$WORK/train-$w.log" || echo "failed (see $WORK/train-$w)")"
     LOGS+=("$WORK/train-$w.log")
