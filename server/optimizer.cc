@@ -1,6 +1,7 @@
 #include "server/optimizer.h"
 
 #include <cmath>
+#include <cstring>
 
 namespace shardps::server {
 
@@ -8,12 +9,15 @@ StatusOr<OptimizerKind> ParseOptimizerKind(const std::string& name) {
   if (name == "sgd") return OptimizerKind::kSgd;
   if (name == "momentum") return OptimizerKind::kMomentum;
   if (name == "adam") return OptimizerKind::kAdam;
-  return InvalidArgumentError("unknown optimizer '" + name + "' (sgd, momentum, adam)");
+  if (name == "store") return OptimizerKind::kStore;
+  return InvalidArgumentError("unknown optimizer '" + name + "' (sgd, momentum, adam, store)");
 }
 
 ChunkOptimizer::ChunkOptimizer(const OptimizerConfig& config, size_t elements)
     : config_(config), n_(elements) {
-  if (config.kind != OptimizerKind::kSgd) s1_.assign(n_, 0.0f);
+  if (config.kind == OptimizerKind::kMomentum || config.kind == OptimizerKind::kAdam) {
+    s1_.assign(n_, 0.0f);
+  }
   if (config.kind == OptimizerKind::kAdam) s2_.assign(n_, 0.0f);
 }
 
@@ -35,6 +39,11 @@ void ChunkOptimizer::Apply(const float* src, const float* grad, float scale, flo
       }
       break;
     }
+    case OptimizerKind::kStore:
+      // Benchmarks: keep the pushed value as it is (ps-lite's benchmark server stores without
+      // aggregating). scale, lr and src are ignored.
+      std::memcpy(dst, grad, n_ * sizeof(float));
+      break;
     case OptimizerKind::kAdam: {
       const float b1 = config_.beta1, b2 = config_.beta2, eps = config_.eps;
       const float c1 = 1.0f - std::pow(b1, static_cast<float>(steps_));

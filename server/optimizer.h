@@ -6,6 +6,7 @@
 //   Momentum: v' = mu * v + (g + wd * w);  w' = w - lr_t * v'          (PyTorch convention)
 //   Adam:     m' = b1 m + (1-b1) g;  v' = b2 v + (1-b2) g^2;
 //             w' = w - lr_t * (m'/(1-b1^t)) / (sqrt(v'/(1-b2^t)) + eps)
+//   Store:    w' = grad (benchmarks; scale and lr ignored)
 //   lr_t   = lr * lr_scale                       (lr_scale from VSGD, else 1)
 //
 // Thread safety: a ChunkOptimizer belongs to the apply thread of its shard.
@@ -21,7 +22,9 @@
 
 namespace shardps::server {
 
-enum class OptimizerKind { kSgd, kMomentum, kAdam };
+// kStore is for benchmarks only: the new version is the pushed gradient itself (w' = grad),
+// as ps-lite's benchmark server stores values without aggregating.
+enum class OptimizerKind { kSgd, kMomentum, kAdam, kStore };
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;

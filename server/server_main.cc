@@ -15,7 +15,7 @@ DEFINE_string(coordinator, "127.0.0.1:7070", "shardps_coordinator address (host:
 DEFINE_string(cluster_token, "", "Cluster secret; empty reads $SHARDPS_CLUSTER_TOKEN");
 DEFINE_string(data_listen, "", "Data-path listen address (empty: --bind_ip with port 0)");
 DEFINE_int32(rank, -1, "Requested server rank (-1: the coordinator picks)");
-DEFINE_string(optimizer, "sgd", "sgd, momentum or adam");
+DEFINE_string(optimizer, "sgd", "sgd, momentum, adam, or store (benchmarks: keep the last pushed value)");
 DEFINE_double(lr, 0.1, "Learning rate");
 DEFINE_double(momentum, 0.9, "Momentum (momentum optimizer)");
 DEFINE_double(beta1, 0.9, "Adam beta1");

@@ -88,6 +88,12 @@ class ClientImpl final : public Client {
     uint64_t known_acked = 0;
     uint64_t pulled_version = 0;
     uint32_t last_buf = 1;  // version 1 is published into buffer 0
+    // Parity of the number of versions published between our last two pulls: every new version
+    // flips the buffer, so the next pull guesses last_buf ^ flip. 1 fits a training step (one
+    // version per step); 0 fits repeated pulls of an unchanged chunk (or two versions per pull).
+    uint32_t flip = 1;
+    // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
+    uint64_t small_staging = 0;
     // Pull state machine.
     uint64_t pull_handle = 0;
     PullPhase phase = PullPhase::kAll;

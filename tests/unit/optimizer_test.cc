@@ -19,6 +19,22 @@ TEST(OptimizerTest, SgdAveragesAndSteps) {
   EXPECT_EQ(o.steps(), 1u);
 }
 
+TEST(OptimizerTest, StoreKeepsThePushedValue) {
+  ASSERT_TRUE(ParseOptimizerKind("store").ok());
+  OptimizerConfig c;
+  c.kind = *ParseOptimizerKind("store");
+  c.lr = 0.5f;
+  ChunkOptimizer o(c, 3);
+  const float w[3] = {1.0f, -2.0f, 3.0f}, g[3] = {4.0f, -8.0f, 0.5f};
+  float out[3];
+  o.Apply(w, g, 0.25f, 0.5f, out);  // scale, lr and the old weights play no part
+  EXPECT_EQ(out[0], 4.0f);
+  EXPECT_EQ(out[1], -8.0f);
+  EXPECT_EQ(out[2], 0.5f);
+  EXPECT_TRUE(o.state1().empty());
+  EXPECT_FALSE(ParseOptimizerKind("stor").ok());
+}
+
 TEST(OptimizerTest, MomentumAccumulatesVelocity) {
   OptimizerConfig c;
   c.kind = OptimizerKind::kMomentum;

@@ -113,6 +113,7 @@ void TcpCompletionQueue::Push(const Completion& c, TcpEndpoint* ep, uint32_t cre
 }
 
 int TcpCompletionQueue::Poll(Completion* out, int max) {
+  FlushDeferred();
   if (max <= 0) return 0;
   if (count_.load(std::memory_order_acquire) == 0) {
     engine_->TryProgress();
@@ -196,7 +197,33 @@ int TcpCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds
   return Poll(out, max);
 }
 
+void TcpCompletionQueue::AddDeferred(TcpEndpoint* ep) {
+  if (ep->deferred_listed_.exchange(true, std::memory_order_acq_rel)) return;
+  std::lock_guard<std::mutex> l(deferred_mu_);
+  deferred_.push_back(ep);
+  has_deferred_.store(true, std::memory_order_release);
+}
+
+void TcpCompletionQueue::FlushDeferred() {
+  if (!has_deferred_.load(std::memory_order_acquire)) return;
+  std::vector<TcpEndpoint*> eps;
+  {
+    std::lock_guard<std::mutex> l(deferred_mu_);
+    eps.swap(deferred_);
+    has_deferred_.store(false, std::memory_order_release);
+  }
+  for (TcpEndpoint* ep : eps) {
+    ep->deferred_listed_.store(false, std::memory_order_release);
+    ep->FlushDeferred();
+  }
+}
+
 void TcpCompletionQueue::Purge(TcpEndpoint* ep) {
+  {
+    std::lock_guard<std::mutex> l(deferred_mu_);
+    deferred_.erase(std::remove(deferred_.begin(), deferred_.end(), ep), deferred_.end());
+    has_deferred_.store(!deferred_.empty(), std::memory_order_release);
+  }
   std::lock_guard<std::mutex> l(mu_);
   size_t kept = 0;
   for (size_t i = 0; i < size_; ++i) {
@@ -298,8 +325,10 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
   const PendingOp op{context,     local.length, lptr, remote.addr,
                      remote.rkey, imm,          type, (flags & kUnsignaled) == 0};
   Segment seg;
+  TcpCompletionQueue* cq = nullptr;
   {
     std::lock_guard<std::mutex> l(op_mu_);
+    cq = cq_;
     if (errored_) {  // like verbs: the post is accepted and completes flushed
       CompleteLocked(op, WcStatus::kFlushed);
       return Status::OK();
@@ -319,17 +348,41 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
     seg.payload = type == OpType::kRead ? nullptr : lptr;
     seg.payload_len = type == OpType::kRead ? 0 : local.length;
   }
+  // Doorbell batching: an unsignaled op is only queued. It leaves with the next post that is
+  // sent (a signaled one, as selective signaling requires sooner or later), or when the
+  // owning thread next polls this endpoint's CQ, whichever comes first; so a push (data write +
+  // write-imm) or a pull (three reads) costs one sendmsg and reaches the target in one piece.
+  // Ordering is unchanged: the queue is sent in post order. (The progress thread may also send
+  // it earlier, with an ACK or on EPOLLOUT.)
+  const bool defer = (flags & kUnsignaled) != 0 && cq != nullptr;
+  {
+    std::lock_guard<std::mutex> l(send_mu_);
+    if (tx_closed_) return Status::OK();  // the progress thread fails (flushes) the op
+    PushSegmentLocked(seg);
+    if (!defer) {
+      Status s = FlushLocked();
+      if (!s.ok()) {
+        // The progress thread owns the error transition: make it see the broken connection.
+        tx_error_ = s;
+        tx_closed_ = true;
+        ::shutdown(fd_.get(), SHUT_RDWR);
+      }
+      return Status::OK();
+    }
+  }
+  cq->AddDeferred(this);
+  return Status::OK();
+}
+
+void TcpEndpoint::FlushDeferred() {
   std::lock_guard<std::mutex> l(send_mu_);
-  if (tx_closed_) return Status::OK();  // the progress thread fails (flushes) the op
-  PushSegmentLocked(seg);
+  if (tx_closed_ || tx_count_ == 0) return;
   Status s = FlushLocked();
   if (!s.ok()) {
-    // The progress thread owns the error transition: make it see the broken connection.
     tx_error_ = s;
     tx_closed_ = true;
     ::shutdown(fd_.get(), SHUT_RDWR);
   }
-  return Status::OK();
 }
 
 void TcpEndpoint::CompleteLocked(const PendingOp& op, WcStatus status) {

@@ -209,6 +209,9 @@ class TcpCompletionQueue final : public CompletionQueue {
   void Push(const Completion& c, TcpEndpoint* ep, uint32_t credits);
   // Polling thread: drops ep's entries (endpoint destruction).
   void Purge(TcpEndpoint* ep);
+  // Polling thread: ep holds unsignaled posts not yet sent; FlushDeferred (from Poll) sends them.
+  void AddDeferred(TcpEndpoint* ep);
+  void FlushDeferred();
 
   const TcpEngine* engine() const { return engine_.get(); }
   // Guarded by the engine's setup mutex.
@@ -233,6 +236,10 @@ class TcpCompletionQueue final : public CompletionQueue {
   size_t size_ = 0;          // guarded by mu_
   int waiters_ = 0;          // guarded by mu_
   std::atomic<size_t> count_{0};
+  // Endpoints with deferred sends (see TcpEndpoint::Post).
+  std::mutex deferred_mu_;
+  std::vector<TcpEndpoint*> deferred_;  // guarded by deferred_mu_
+  std::atomic<bool> has_deferred_{false};
 };
 
 // One connection. Posts, status(), outstanding() and destruction: the polling thread of its
@@ -259,6 +266,9 @@ class TcpEndpoint final : public Endpoint {
   void ReturnCredits(uint32_t n) { credits_.Return(static_cast<int>(n)); }
   void OnRecvImmReaped();
   void DetachCq();
+  // Sends what deferred unsignaled posts left in the send queue (from the CQ's Poll).
+  void FlushDeferred();
+  std::atomic<bool> deferred_listed_{false};  // on its CQ's deferred list
 
   // Progress thread.
   void OnEvents(uint32_t events);
