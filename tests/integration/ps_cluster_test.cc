@@ -423,6 +423,70 @@ TEST_P(PsClusterTest, BspDoesNotWaitForChunksAWorkerSkipped) {
   EXPECT_EQ(final_b[0], final_b[1]);
 }
 
+// VSGD end to end: a gradient computed on weights that have since moved is applied with
+// lr / (1 + lambda * ||w_now - w_base|| / ||w_now||); a fresh one with lr.
+TEST_P(PsClusterTest, VsgdScalesAStaleGradientByWeightDrift) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.mode = control::VSGD;
+  spec.staleness = 100;  // never wait: the test orders the pushes itself
+  spec.workers = 2;
+  spec.servers = 1;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);  // servers run with vsgd_lambda = 1 (the default)
+  const size_t n = 8;
+  Model m0(n), m1(n);
+  for (size_t i = 0; i < n; ++i) m0.w[i] = 1.0f + static_cast<float>(i);
+  auto c0 = Client::Connect(cluster.WorkerOptions(0));
+  auto c1 = Client::Connect(cluster.WorkerOptions(1));
+  ASSERT_TRUE(c0.ok() && c1.ok());
+  ASSERT_EQ((*c0)->rank(), 0u);
+  for (auto* p : {&c0, &c1}) {
+    Model& m = p == &c0 ? m0 : m1;
+    ASSERT_TRUE((**p)->RegisterTensor("w", m.w.data(), m.gw.data(), {static_cast<int64_t>(n)}).ok());
+    ASSERT_TRUE((**p)->RegisterTensor("b", m.b.data(), m.gb.data(), {37}).ok());
+  }
+  ASSERT_TRUE((*c0)->Start().ok());  // rank 0 writes the initial weights first
+  ASSERT_TRUE((*c1)->Start().ok());
+  const std::vector<float> w1 = m1.w;  // both hold version 1 now
+  ASSERT_EQ(w1, m0.w);
+  // Worker 0 pushes a fresh gradient: applied with the full lr (average over 2 workers).
+  std::fill(m0.gw.begin(), m0.gw.end(), 1.0f);
+  auto h = (*c0)->Push("w");
+  ASSERT_TRUE(h.ok() && (*c0)->Wait(*h).ok());
+  // A push completes when its bytes are in server memory; wait until it is applied.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (m0.w == w1 && std::chrono::steady_clock::now() < until) {
+    h = (*c0)->Pull("w");
+    ASSERT_TRUE(h.ok() && (*c0)->Wait(*h).ok());
+  }
+  ASSERT_NE(m0.w, w1) << "worker 0's push was never applied";
+  // Worker 1 still computed on version 1: its gradient is stale by the drift 1 -> 2.
+  std::fill(m1.gw.begin(), m1.gw.end(), 2.0f);
+  h = (*c1)->Push("w");
+  ASSERT_TRUE(h.ok() && (*c1)->Wait(*h).ok());
+  std::vector<float> w2(n);
+  for (size_t i = 0; i < n; ++i) w2[i] = w1[i] - 0.5f * (0.5f * 1.0f);
+  ASSERT_EQ(m0.w, w2) << "worker 0's fresh gradient must get the full learning rate";
+  do {  // until worker 1's push is applied too
+    h = (*c1)->Pull("w");
+    ASSERT_TRUE(h.ok() && (*c1)->Wait(*h).ok());
+  } while ((m1.w == w1 || m1.w == w2) && std::chrono::steady_clock::now() < until);
+  double dd = 0, ww = 0;
+  for (size_t i = 0; i < n; ++i) {
+    dd += (static_cast<double>(w2[i]) - w1[i]) * (static_cast<double>(w2[i]) - w1[i]);
+    ww += static_cast<double>(w2[i]) * w2[i];
+  }
+  const float scale = static_cast<float>(1.0 / (1.0 + std::sqrt(dd) / (std::sqrt(ww) + 1e-12)));
+  ASSERT_LT(scale, 0.99f);
+  for (size_t i = 0; i < n; ++i) {
+    const float expect = w2[i] - 0.5f * scale * (0.5f * 2.0f);
+    EXPECT_NEAR(m1.w[i], expect, 1e-5) << i;
+  }
+  (*c0)->Close().IgnoreError();
+  (*c1)->Close().IgnoreError();
+}
+
 // A server that dies gives the workers a clear error within a bounded time, not a hang.
 TEST_P(PsClusterTest, DeadServerGivesAClearErrorNotAHang) {
   ClusterSpec spec;
