@@ -1,5 +1,8 @@
 #include "bench/bounds.h"
 
+#include <cmath>
+#include <sstream>
+#include <fstream>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -356,6 +359,26 @@ Status MemcpyLatency(const PointParams& p, LatResult* out) {
   out->seconds = NowSeconds() - start;
   out->cpu_self = SelfCpuSeconds() - c0;
   return Status::OK();
+}
+
+StatusOr<ExternalBounds> LoadExternalBounds(const std::string& path) {
+  ExternalBounds b;
+  if (path.empty()) return b;
+  std::ifstream f(path);
+  if (!f) return NotFoundError("cannot open --bounds_file " + path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream is(line);
+    std::string prov, op, kind;
+    size_t size = 0;
+    double a = NAN, b2 = NAN;
+    is >> prov >> op >> kind >> size >> a;
+    if (!is) return InvalidArgumentError("--bounds_file: bad line '" + line + "'");
+    if (kind == "lat") is >> b2;
+    b[{prov, op, kind, size}] = {a, b2};
+  }
+  return b;
 }
 
 }  // namespace shardps::bench

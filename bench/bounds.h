@@ -24,9 +24,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -110,6 +113,14 @@ class RawTcpClient {
 
 Status MemcpyBandwidth(const PointParams& p, BwResult* out);
 Status MemcpyLatency(const PointParams& p, LatResult* out);
+
+// Bounds measured outside the benchmark (perftest on SoftRoCE), keyed by
+// (provider, op, kind, size): bw lines carry Gbit/s, lat lines p50 and p99 in µs.
+//   file = *( comment | line );  line = provider op ("bw" gbits | "lat" p50 p99) size
+//   actual order on a line: provider op kind size value [p99]
+using ExternalBounds = std::map<std::tuple<std::string, std::string, std::string, size_t>,
+                                std::pair<double, double>>;
+StatusOr<ExternalBounds> LoadExternalBounds(const std::string& path);
 
 }  // namespace shardps::bench
 

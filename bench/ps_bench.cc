@@ -504,28 +504,6 @@ class Cluster {
 
 // ---------------------------------------------------------------- bounds
 
-// perftest figures supplied from outside: (op, kind, size) -> (a, b).
-using ExternalBounds = std::map<std::tuple<std::string, std::string, size_t>, std::pair<double, double>>;
-
-StatusOr<ExternalBounds> LoadBounds(const std::string& path) {
-  ExternalBounds b;
-  if (path.empty()) return b;
-  std::ifstream f(path);
-  if (!f) return NotFoundError("cannot open --bounds_file " + path);
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream is(line);
-    std::string prov, op, kind;
-    size_t size = 0;
-    double a = NAN, b2 = NAN;
-    is >> prov >> op >> kind >> size >> a;
-    if (!is) return InvalidArgumentError("--bounds_file: bad line '" + line + "'");
-    if (kind == "lat") is >> b2;
-    if (prov == "verbs") b[{op, kind, size}] = {a, b2};
-  }
-  return b;
-}
 
 struct BoundResult {
   std::string name;
@@ -536,7 +514,7 @@ struct BoundResult {
 class Bounds {
  public:
   Status Init() {
-    ASSIGN_OR_RETURN(external_, LoadBounds(FLAGS_bounds_file));
+    ASSIGN_OR_RETURN(external_, LoadExternalBounds(FLAGS_bounds_file));
     return Status::OK();
   }
 
@@ -614,7 +592,7 @@ class Bounds {
       }
     } else if (spec.transport == "verbs") {
       auto get = [&](const char* op, const char* kind) {
-        auto it = external_.find({op, kind, spec.size});
+        auto it = external_.find({"verbs", op, kind, spec.size});
         return it == external_.end() ? std::pair<double, double>{NAN, NAN} : it->second;
       };
       if (latency) {

@@ -106,29 +106,6 @@ double Median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// Bounds supplied from outside, keyed by (provider, op, kind, size).
-using ExternalBounds = std::map<std::tuple<std::string, std::string, std::string, size_t>,
-                                std::pair<double, double>>;
-
-StatusOr<ExternalBounds> LoadBounds(const std::string& path) {
-  ExternalBounds b;
-  if (path.empty()) return b;
-  std::ifstream f(path);
-  if (!f) return NotFoundError("cannot open --bounds_file " + path);
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream is(line);
-    std::string prov, op, kind;
-    size_t size = 0;
-    double a = NAN, b2 = NAN;
-    is >> prov >> op >> kind >> size >> a;
-    if (!is) return InvalidArgumentError("--bounds_file: bad line '" + line + "'");
-    if (kind == "lat") is >> b2;
-    b[{prov, op, kind, size}] = {a, b2};
-  }
-  return b;
-}
 
 // Shapes of one (size) point: window and slots, the same for ours and the bound.
 struct Shape {
@@ -494,7 +471,7 @@ int TargetMain(const Plan& plan) {
 }
 
 Status InitiatorMain(const Plan& plan, std::vector<Row>* rows) {
-  ASSIGN_OR_RETURN(ExternalBounds external, LoadBounds(FLAGS_bounds_file));
+  ASSIGN_OR_RETURN(ExternalBounds external, LoadExternalBounds(FLAGS_bounds_file));
   std::vector<std::string> providers = SplitList(FLAGS_transport);
   if (FLAGS_transport == "auto") providers = {"tcp", "shm"};
   if (FLAGS_role == "initiator") {
