@@ -723,13 +723,40 @@ Status ClientImpl::Wait(Handle handle) {
   auto it = handles_.find(handle.id);
   if (it == handles_.end()) return NotFoundError("unknown handle");
   // Bounded: every pending chunk has its own deadline, and endpoints fail within the
-  // transport's bound when a server dies; this is the backstop.
+  // transport's bound when a server dies (their operations then complete in error). Two
+  // backstops: an endpoint that has been in the error state for a grace period fails the wait
+  // with its error even if a completion never arrived, and an absolute deadline.
   const auto deadline = SteadyClock::now() + options_.wait_timeout + std::chrono::seconds(30);
+  constexpr auto kErrorGrace = std::chrono::seconds(2);
+  auto next_check = SteadyClock::now();
   while (it->second.pending > 0) {
     RETURN_IF_ERROR(Progress());
-    if (SteadyClock::now() > deadline) {
+    const auto now = SteadyClock::now();
+    if (now >= next_check) {
+      next_check = now + std::chrono::milliseconds(50);
+      for (uint32_t i = 0; i < servers_.size(); ++i) {
+        const Server& sv = servers_[i];
+        if (!sv.ep || sv.ep->status().ok()) {
+          errored_since_.erase(i);
+          continue;
+        }
+        auto [e, fresh] = errored_since_.emplace(i, now);
+        if (!fresh && now - e->second > kErrorGrace && sv.ep->outstanding() > 0) {
+          return ServerError(i, "endpoint failed with operations still outstanding");
+        }
+      }
+    }
+    if (now > deadline) {
+      std::string who;
+      for (uint32_t i = 0; i < servers_.size(); ++i) {
+        const Server& sv = servers_[i];
+        if (!sv.ep || sv.ep->outstanding() == 0) continue;
+        who += "; server rank " + std::to_string(sv.rank) + " at " + sv.address + ": " +
+               std::to_string(sv.ep->outstanding()) + " operations outstanding, endpoint " +
+               (sv.ep->status().ok() ? std::string("healthy") : sv.ep->status().ToString());
+      }
       return DeadlineExceededError("Wait timed out with " + std::to_string(it->second.pending) +
-                                   " chunks outstanding");
+                                   " chunks outstanding" + who);
     }
   }
   Status s = it->second.error;

@@ -141,6 +141,7 @@ class ClientImpl final : public Client {
   std::vector<Server> servers_;
   std::vector<ChunkRt> chunks_;
   std::unordered_map<uint64_t, HandleState> handles_;
+  std::map<uint32_t, std::chrono::steady_clock::time_point> errored_since_;  // by server
   uint64_t next_handle_ = 1;
   int setup_done_ = 0;
   Status setup_error_;
