@@ -117,6 +117,15 @@ int TcpCompletionQueue::Poll(Completion* out, int max) {
   if (max <= 0) return 0;
   if (count_.load(std::memory_order_acquire) == 0) {
     engine_->TryProgress();
+    // At most every 10 ms with nothing completed: re-read endpoints that wait for responses,
+    // so a lost edge-triggered event can delay an EOF by 10 ms but never hide it.
+    const auto now = Clock::now();
+    if (count_.load(std::memory_order_acquire) == 0 &&
+        now - last_rescan_ > std::chrono::milliseconds(10)) {
+      last_rescan_ = now;
+      std::lock_guard<std::mutex> l(engine_->setup_mu());
+      engine_->Rescan(attached_);
+    }
     if (count_.load(std::memory_order_acquire) == 0) {
       // A spinning poller must not starve the threads it is waiting for: socket wakeups are
       // "sync" wakeups that the scheduler places on the waker's core, behind this spinner.

@@ -401,6 +401,14 @@ void TcpEngine::TryProgress() {
   progress_mu_.unlock();
 }
 
+void TcpEngine::Rescan(const std::unordered_set<TcpEndpoint*>& eps) {
+  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.try_lock()) return;
+  for (TcpEndpoint* ep : eps) {
+    if (ep->outstanding() > 0) ep->OnReadable();
+  }
+  progress_mu_.unlock();
+}
+
 void TcpEngine::ResumePaused() {
   std::vector<TcpEndpoint*> list;
   list.swap(paused_);

@@ -110,6 +110,11 @@ class TcpEngine {
   // ready without blocking. On a machine with few cores this lets a spinning application
   // thread do the work itself instead of handing it to the progress thread.
   void TryProgress();
+  // Polling thread: reads every endpoint of `eps` that has operations outstanding until
+  // EAGAIN, under the progress lock (skipped if another thread holds it). A safety net: with
+  // edge-triggered epoll an edge that was consumed without draining the socket would otherwise
+  // never come again, and a peer's EOF would go unnoticed.
+  void Rescan(const std::unordered_set<TcpEndpoint*>& eps);
   // A thread about to sleep in CompletionQueue::Wait: the progress thread takes over now.
   void Unpark();
   int epoll_fd() const { return epoll_fd_.get(); }
@@ -240,6 +245,8 @@ class TcpCompletionQueue final : public CompletionQueue {
   std::mutex deferred_mu_;
   std::vector<TcpEndpoint*> deferred_;  // guarded by deferred_mu_
   std::atomic<bool> has_deferred_{false};
+  // Polling thread: last time Poll re-scanned the attached endpoints (see TcpEngine::Rescan).
+  std::chrono::steady_clock::time_point last_rescan_{};
 };
 
 // One connection. Posts, status(), outstanding() and destruction: the polling thread of its
