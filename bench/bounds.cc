@@ -248,15 +248,21 @@ Status RawTcpClient::RunWindow(BenchOp op, const PointParams& p, double seconds,
   return Status::OK();
 }
 
-Status RawTcpClient::Bandwidth(BenchOp op, const PointParams& p, BwResult* out) {
+Status TimedBandwidth(const std::function<Status(double seconds, uint64_t* ops)>& run_window,
+                      const PointParams& p, BwResult* out) {
   uint64_t warm = 0;
-  RETURN_IF_ERROR(RunWindow(op, p, std::min(0.05, p.seconds * 0.2), &warm));
+  RETURN_IF_ERROR(run_window(std::min(0.05, p.seconds * 0.2), &warm));
   const double c0 = SelfCpuSeconds(), t0 = NowSeconds();
-  RETURN_IF_ERROR(RunWindow(op, p, p.seconds, &out->ops));
+  RETURN_IF_ERROR(run_window(p.seconds, &out->ops));
   out->seconds = NowSeconds() - t0;
   out->cpu_self = SelfCpuSeconds() - c0;
   out->bytes_per_op = p.size;
   return Status::OK();
+}
+
+Status RawTcpClient::Bandwidth(BenchOp op, const PointParams& p, BwResult* out) {
+  return TimedBandwidth(
+      [&](double seconds, uint64_t* ops) { return RunWindow(op, p, seconds, ops); }, p, out);
 }
 
 Status RawTcpClient::Latency(BenchOp op, const PointParams& p, LatResult* out) {

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -61,6 +62,11 @@ struct BwResult {
   }
   size_t bytes_per_op = 0;
 };
+
+// A bandwidth point: a short warm-up window, then `run_window` timed for p.seconds; fills ops,
+// wall seconds, this process's CPU seconds and bytes per op. Shared by every bandwidth runner.
+Status TimedBandwidth(const std::function<Status(double seconds, uint64_t* ops)>& run_window,
+                      const PointParams& p, BwResult* out);
 
 struct LatResult {
   std::vector<double> us;  // one sample per operation, microseconds

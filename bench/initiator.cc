@@ -131,14 +131,8 @@ Status TransportInitiator::RunWindow(BenchOp op, const PointParams& p, double se
 }
 
 Status TransportInitiator::Bandwidth(BenchOp op, const PointParams& p, BwResult* out) {
-  uint64_t warm = 0;
-  RETURN_IF_ERROR(RunWindow(op, p, std::min(0.05, p.seconds * 0.2), &warm));
-  const double c0 = SelfCpuSeconds(), t0 = NowSeconds();
-  RETURN_IF_ERROR(RunWindow(op, p, p.seconds, &out->ops));
-  out->seconds = NowSeconds() - t0;
-  out->cpu_self = SelfCpuSeconds() - c0;
-  out->bytes_per_op = p.size;
-  return Status::OK();
+  return TimedBandwidth(
+      [&](double seconds, uint64_t* ops) { return RunWindow(op, p, seconds, ops); }, p, out);
 }
 
 Status TransportInitiator::OneOp(BenchOp op, const LocalSlice& local, uint64_t remote_offset) {
