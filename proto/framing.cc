@@ -115,6 +115,9 @@ const char* BodyName(const Envelope& e) {
     case Envelope::kAssignShards: return "assign_shards";
     case Envelope::kShardsReady: return "shards_ready";
     case Envelope::kShardMap: return "shard_map";
+    case Envelope::kReplicaTarget: return "replica_target";
+    case Envelope::kPromote: return "promote";
+    case Envelope::kCheckpoint: return "checkpoint";
     case Envelope::BODY_NOT_SET: return "none";
   }
   return "unknown";

@@ -165,6 +165,9 @@ class PyClient {
     d["pushes"] = k.pushes;
     d["pulls"] = k.pulls;
     d["pull_retries"] = k.pull_retries;
+    d["failovers"] = k.failovers;
+    d["pushes_resent"] = k.pushes_resent;
+    d["pushes_lost"] = k.pushes_lost;
     d["bytes_pushed"] = k.bytes_pushed;
     d["bytes_pulled"] = k.bytes_pulled;
     return d;

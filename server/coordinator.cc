@@ -28,6 +28,7 @@ struct Coordinator::Conn {
   std::string out;  // pending output
   size_t out_off = 0;
   bool joined = false;
+  bool has_model = false;  // a worker that registered the model (it gets shard map updates)
   Member member;
   bool closing = false;
 
@@ -225,6 +226,18 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     refuse = "transport '" + j.transport() + "' differs from the cluster's '" +
              options_.config.transport() + "'";
   }
+  if (refuse.empty() && j.role() == ROLE_WORKER && shards_assigned_) {
+    // The servers' inboxes have max_workers slots: a worker beyond them could never push.
+    const uint32_t max_workers = std::max<uint32_t>(
+        options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
+    uint32_t workers = 0;
+    for (auto& [fd, o] : conns_) workers += o->joined && o->member.role() == ROLE_WORKER;
+    if (workers >= max_workers) {
+      refuse = "cluster full: " + std::to_string(max_workers) +
+               " workers (max_workers; start the coordinator with a larger --max_workers for "
+               "elastic growth)";
+    }
+  }
   for (const Region& reg : j.regions()) {
     if (reg.encoded_descriptor().size() > 4200 || reg.name().size() > 256) {
       refuse = "oversized region descriptor";
@@ -257,6 +270,14 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     rank = static_cast<uint32_t>(j.requested_rank());
   } else {
     while (rank < used.size() && used[rank]) ++rank;
+  }
+  if (j.role() == ROLE_WORKER) {
+    const uint32_t max_workers = std::max<uint32_t>(
+        options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
+    if (rank >= max_workers) {
+      rank = 0;
+      while (rank < used.size() && used[rank]) ++rank;
+    }
   }
   c->joined = true;
   c->peer = j.hostname() + "/" + std::to_string(j.pid());
@@ -305,8 +326,16 @@ StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
 
 }  // namespace
 
+uint32_t Coordinator::NumGroups() const {
+  return std::max<uint32_t>(1, options_.config.num_servers());
+}
+
+uint32_t Coordinator::NumServerRanks() const {
+  return NumGroups() * std::max<uint32_t>(1, options_.config.replicas());
+}
+
 void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
-  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
+  const uint32_t num_servers = NumGroups();
   auto plan = PlanFromModel(m, num_servers, options_.config.partition_bytes());
   if (!plan.ok()) {
     Envelope err;
@@ -333,6 +362,7 @@ void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
     Close(c, "model mismatch", true);
     return;
   }
+  c->has_model = true;
   if (shard_map_ready_) {
     Envelope e;
     *e.mutable_shard_map() = shard_map_;
@@ -355,24 +385,35 @@ Coordinator::Conn* Coordinator::ServerByRank(uint32_t rank) {
 
 void Coordinator::MaybeAssignShards() {
   if (!model_registered_ || shards_assigned_) return;
-  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
-  for (uint32_t r = 0; r < num_servers; ++r) {
+  const uint32_t num_servers = NumGroups();
+  for (uint32_t r = 0; r < NumServerRanks(); ++r) {
     if (ServerByRank(r) == nullptr) return;  // wait for every server rank
   }
   auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes());
   if (!plan.ok()) return;  // checked when registered
   const uint32_t max_workers = std::max<uint32_t>(
       options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
-  for (uint32_t r = 0; r < num_servers; ++r) {
+  // Server rank r holds group r % G; ranks >= G hold the backups, so the backup of group g
+  // is the process started as rank G + g (launchers put it on another host than rank g).
+  primary_of_.assign(num_servers, -1);
+  backup_of_.assign(num_servers, -1);
+  target_sent_.assign(num_servers, false);
+  for (uint32_t r = 0; r < NumServerRanks(); ++r) {
+    const uint32_t g = r % num_servers;
+    const bool backup = r >= num_servers;
+    (backup ? backup_of_ : primary_of_)[g] = r;
     Envelope e;
     AssignShards* a = e.mutable_assign_shards();
     for (const auto& ch : plan->chunks) {
-      if (ch.server != r) continue;
+      if (ch.server != g) continue;
       a->add_chunk_ids(ch.chunk_id);
       a->add_chunk_bytes(ch.bytes);
     }
     a->set_max_workers(max_workers);
     a->set_plan_fingerprint(plan_fingerprint_);
+    a->set_group(g);
+    a->set_num_groups(num_servers);
+    a->set_backup(backup);
     Queue(ServerByRank(r), e);
   }
   shards_assigned_ = true;
@@ -396,7 +437,9 @@ void Coordinator::MaybeAssignShards() {
   shard_map_.set_max_workers(max_workers);
   shard_map_.set_partition_bytes(plan->partition_bytes);
   shard_map_.set_plan_fingerprint(plan_fingerprint_);
-  LOG(INFO) << "coordinator: shards assigned to " << num_servers << " servers";
+  LOG(INFO) << "coordinator: shards assigned to " << num_servers << " groups on "
+            << NumServerRanks() << " servers"
+            << (NumServerRanks() > num_servers ? " (every group has a backup)" : " (no backups)");
 }
 
 void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
@@ -405,21 +448,131 @@ void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
     return;
   }
   ready_[c->member.rank()] = r;
+  MaybeSendReplicaTarget(c->member.rank() % NumGroups());
   MaybePublishShardMap();
 }
 
+void Coordinator::MaybeSendReplicaTarget(uint32_t g) {
+  if (options_.config.replicas() < 2 || g >= primary_of_.size() || target_sent_[g]) return;
+  if (primary_of_[g] < 0 || backup_of_[g] < 0) return;
+  Conn* p = ServerByRank(static_cast<uint32_t>(primary_of_[g]));
+  Conn* b = ServerByRank(static_cast<uint32_t>(backup_of_[g]));
+  auto ready = ready_.find(static_cast<uint32_t>(backup_of_[g]));
+  if (p == nullptr || b == nullptr || ready == ready_.end()) return;
+  Envelope e;
+  ReplicaTarget* t = e.mutable_replica_target();
+  t->set_group(g);
+  t->set_epoch(epoch());
+  t->set_member_id(b->member.member_id());
+  t->set_data_address(b->member.data_address());
+  for (const Region& r : ready->second.regions()) {
+    if (r.name().rfind("repl_", 0) == 0) *t->add_regions() = r;
+  }
+  target_sent_[g] = true;
+  Queue(p, e);
+  LOG(INFO) << "coordinator: group " << g << ": primary server rank " << primary_of_[g]
+            << " replicates to server rank " << backup_of_[g] << " ("
+            << b->member.data_address() << ")";
+}
+
+void Coordinator::FillServerEntry(uint32_t g, uint32_t server_rank, ServerEntry* e) {
+  Conn* s = ServerByRank(server_rank);
+  e->set_rank(g);
+  e->set_server_rank(server_rank);
+  e->set_lost(false);
+  e->clear_regions();
+  if (s == nullptr) return;
+  e->set_member_id(s->member.member_id());
+  e->set_data_address(s->member.data_address());
+  for (const Region& r : ready_[server_rank].regions()) {
+    if (r.name().rfind("repl_", 0) != 0) *e->add_regions() = r;
+  }
+}
+
+void Coordinator::BroadcastShardMap() {
+  shard_map_.set_epoch(epoch());
+  Envelope e;
+  *e.mutable_shard_map() = shard_map_;
+  for (auto& [fd, c] : conns_) {
+    if (!c->joined || c->closing || c->member.role() != ROLE_WORKER) continue;
+    if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
+        awaiting_map_.end()) {
+      continue;  // gets the map when it is ready
+    }
+    if (!c->has_model) continue;  // asks for it with RegisterModel
+    Queue(c.get(), e);
+  }
+}
+
+void Coordinator::ServerDeparted(const Member& m) {
+  if (!shards_assigned_) return;
+  const uint32_t r = m.rank();
+  for (uint32_t g = 0; g < primary_of_.size(); ++g) {
+    if (backup_of_[g] == static_cast<int64_t>(r)) {
+      backup_of_[g] = -1;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ++counters_.backups_lost;
+      }
+      LOG(WARNING) << "coordinator: group " << g << " lost its backup (server rank " << r
+                   << "); its primary goes on without replication";
+      if (primary_of_[g] >= 0) {
+        if (Conn* p = ServerByRank(static_cast<uint32_t>(primary_of_[g]))) {
+          Envelope e;
+          e.mutable_replica_target()->set_group(g);
+          e.mutable_replica_target()->set_epoch(epoch());
+          e.mutable_replica_target()->set_none(true);
+          Queue(p, e);
+        }
+      }
+    }
+    if (primary_of_[g] != static_cast<int64_t>(r)) continue;
+    Conn* b = backup_of_[g] >= 0 ? ServerByRank(static_cast<uint32_t>(backup_of_[g])) : nullptr;
+    if (b != nullptr && ready_.count(static_cast<uint32_t>(backup_of_[g]))) {
+      const uint32_t br = static_cast<uint32_t>(backup_of_[g]);
+      primary_of_[g] = br;
+      backup_of_[g] = -1;
+      Envelope e;
+      e.mutable_promote()->set_group(g);
+      e.mutable_promote()->set_epoch(epoch());
+      Queue(b, e);
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ++counters_.promotions;
+      }
+      LOG(WARNING) << "coordinator: group " << g << ": primary server rank " << r
+                   << " is gone; PROMOTING its backup, server rank " << br << " ("
+                   << b->member.data_address() << "), at epoch " << epoch();
+      if (shard_map_ready_ && static_cast<int>(g) < shard_map_.servers_size()) {
+        FillServerEntry(g, br, shard_map_.mutable_servers(g));
+        BroadcastShardMap();
+      }
+    } else {
+      primary_of_[g] = -1;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ++counters_.groups_lost;
+      }
+      LOG(ERROR) << "coordinator: group " << g << ": primary server rank " << r
+                 << " is gone and there is NO BACKUP: the state of its shards is lost. "
+                    "Restart the cluster from the latest checkpoint (docs/fault-tolerance.md)";
+      if (shard_map_ready_ && static_cast<int>(g) < shard_map_.servers_size()) {
+        shard_map_.mutable_servers(g)->set_lost(true);
+        BroadcastShardMap();
+      }
+    }
+  }
+}
+
 void Coordinator::MaybePublishShardMap() {
-  const uint32_t num_servers = std::max<uint32_t>(1, options_.config.num_servers());
-  if (shard_map_ready_ || ready_.size() < num_servers) return;
+  const uint32_t num_servers = NumGroups();
+  if (shard_map_ready_ || ready_.size() < NumServerRanks()) return;
   shard_map_.clear_servers();
-  for (uint32_t r = 0; r < num_servers; ++r) {
-    Conn* s = ServerByRank(r);
-    if (s == nullptr) return;
-    ServerEntry* e = shard_map_.add_servers();
-    e->set_rank(r);
-    e->set_member_id(s->member.member_id());
-    e->set_data_address(s->member.data_address());
-    *e->mutable_regions() = ready_[r].regions();
+  for (uint32_t g = 0; g < num_servers; ++g) {
+    if (primary_of_[g] < 0 || ServerByRank(static_cast<uint32_t>(primary_of_[g])) == nullptr) {
+      return;
+    }
+    FillServerEntry(g, static_cast<uint32_t>(primary_of_[g]), shard_map_.add_servers());
   }
   shard_map_ready_ = true;
   shard_map_.set_epoch(epoch());
@@ -455,6 +608,7 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
     }
     Publish("member " + std::to_string(c->member.member_id()) + " departed: " + why,
             c->member.member_id());
+    if (c->member.role() == ROLE_SERVER) ServerDeparted(c->member);
   }
   c->fd.reset();
 }

@@ -49,6 +49,9 @@ struct CoordinatorCounters {
   uint64_t protocol_errors = 0;
   uint64_t heartbeat_timeouts = 0;
   uint64_t departures = 0;
+  uint64_t promotions = 0;      // a backup took over a group whose primary died
+  uint64_t groups_lost = 0;     // a primary died with no backup left
+  uint64_t backups_lost = 0;
 };
 
 class Coordinator {
@@ -83,6 +86,13 @@ class Coordinator {
   void MaybeAssignShards();
   void MaybePublishShardMap();
   Conn* ServerByRank(uint32_t rank);
+  // Replication: backup placement, the primary's replica target, failover.
+  uint32_t NumGroups() const;
+  uint32_t NumServerRanks() const;
+  void MaybeSendReplicaTarget(uint32_t group);
+  void ServerDeparted(const Member& m);
+  void FillServerEntry(uint32_t group, uint32_t server_rank, ServerEntry* e);
+  void BroadcastShardMap();
 
   CoordinatorOptions options_;
   UniqueFd listen_fd_;
@@ -103,6 +113,10 @@ class Coordinator {
   bool shard_map_ready_ = false;
   ShardMap shard_map_;
   std::vector<uint32_t> awaiting_map_;  // member ids of workers waiting for the map
+  // Per group: the server rank that is its primary and the one that holds its backup (-1 none).
+  std::vector<int64_t> primary_of_;
+  std::vector<int64_t> backup_of_;
+  std::vector<bool> target_sent_;
 
   mutable std::mutex mu_;  // guards the snapshot below
   Membership membership_;  // epoch + members

@@ -28,6 +28,15 @@ DEFINE_string(address_file, "", "Write the bound address here once listening (fo
 DEFINE_bool(exit_when_done, false,
             "Exit once all --num_workers workers have joined and left again, after the servers "
             "have left too (or --exit_grace_ms has passed): batch jobs under mpirun or scripts");
+DEFINE_int32(replicas, 1,
+             "Copies of every shard group: 2 = a primary and a backup server per group "
+             "(num_servers * replicas server processes; docs/fault-tolerance.md)");
+DEFINE_int32(max_workers, 0, "Inbox slots per server: workers that may join (0: num_workers)");
+DEFINE_int32(failover_timeout_ms, 20000,
+             "How long workers wait for a failed server's group to be failed over");
+DEFINE_string(checkpoint_dir, "", "Periodic checkpoints go here (servers read it too)");
+DEFINE_int32(checkpoint_every, 0, "Checkpoint every N clocks (0: only on request)");
+DEFINE_int32(checkpoint_keep, 3, "Complete checkpoints kept");
 DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
 
 namespace {
@@ -63,6 +72,16 @@ int main(int argc, char** argv) {
   o.config.set_heartbeat_timeout_ms(FLAGS_heartbeat_timeout_ms);
   o.config.set_transport(FLAGS_data_transport);
   o.config.set_partition_bytes(FLAGS_partition_bytes);
+  if (FLAGS_replicas < 1 || FLAGS_replicas > 2) {
+    LOG(ERROR) << "--replicas must be 1 or 2";
+    return 2;
+  }
+  o.config.set_replicas(FLAGS_replicas);
+  o.config.set_max_workers(FLAGS_max_workers);
+  o.config.set_failover_timeout_ms(FLAGS_failover_timeout_ms);
+  o.config.set_checkpoint_dir(FLAGS_checkpoint_dir);
+  o.config.set_checkpoint_every(FLAGS_checkpoint_every);
+  o.config.set_checkpoint_keep(FLAGS_checkpoint_keep);
   auto c = Coordinator::Start(o);
   if (!c.ok()) {
     LOG(ERROR) << "coordinator: " << c.status();

@@ -62,10 +62,83 @@ constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
 // The 32-bit immediate of a worker's write-with-immediate to a server.
 //   [31:28] kind, [27:0] argument
 enum class ImmKind : uint32_t {
-  kHello = 1,  // argument: worker rank; first message on a new endpoint
-  kPush = 2,   // argument: slot << 1 | parity
-  kInit = 3,   // argument: slot; the payload is initial weights (rank 0 only)
-  kClock = 4,  // argument: the new clock's low 28 bits (the slot holds the full value)
+  kHello = 1,      // argument: worker rank; first message on a new endpoint (payload: Hello)
+  kPush = 2,       // argument: slot << 1 | parity
+  kInit = 3,       // argument: slot; the payload is initial weights (rank 0 only)
+  kClock = 4,      // argument: the new clock's low 28 bits (the slot holds the full value)
+  kReplHello = 5,  // primary -> backup: argument: the group; first message on the endpoint
+  kRepl = 6,       // primary -> backup: argument: the record's ring entry
+};
+
+// What a worker's hello writes at hello_offset(rank) in the inbox. A new incarnation (a
+// restarted worker process) starts fresh sequence numbers; a reconnect of the same incarnation
+// (after a failover) keeps them, so a retried push is recognised as a duplicate.
+struct alignas(kAlign) Hello {
+  uint64_t incarnation;  // the worker's coordinator member id (unique per process and join)
+  uint64_t magic;        // kHelloMagic
+  uint64_t reserved[6];
+};
+static_assert(sizeof(Hello) == kAlign, "Hello is one cache line");
+constexpr uint64_t kHelloMagic = 0x5348505348454c4full;  // "SHPSHELO"
+
+// Replication (docs/fault-tolerance.md). A backup registers a ring of record entries
+// (remote-write) and a consumed counter (remote-read). The primary writes one record per new
+// version it computes, BEFORE publishing that version to pulls:
+//   [ReplHeader | contributors (ReplContributor x n) | payload]
+// The backup applies records strictly in sequence with the same optimizer code, so its weights
+// and optimizer state are bit-identical to the primary's.
+enum class ReplKind : uint32_t {
+  kInit = 1,   // payload: the chunk's initial weights
+  kApply = 2,  // payload: the gradient (BSP: the sum in worker-rank order), scale, lr_scale
+};
+struct alignas(kAlign) ReplHeader {
+  uint64_t seq;              // 1, 2, ...: strictly sequential per primary->backup stream
+  uint32_t kind;             // ReplKind
+  uint32_t slot;
+  uint64_t version;          // the version this record produces
+  uint64_t min_clock_plus1;  // published with it
+  float scale;
+  float lr_scale;
+  uint32_t contributors;
+  uint32_t reserved0;
+  uint64_t bytes;            // payload bytes
+  uint64_t epoch;            // the primary's membership epoch (fencing)
+  uint64_t magic;            // kReplMagic
+  uint64_t reserved[7];
+};
+static_assert(sizeof(ReplHeader) == 2 * kAlign, "ReplHeader is two cache lines");
+constexpr uint64_t kReplMagic = 0x534850535245504cull;  // "SHPSREPL"
+
+// One push folded into a record: the backup's exactly-once state follows it.
+struct ReplContributor {
+  uint32_t worker;
+  uint32_t reserved;
+  uint64_t incarnation;
+  uint64_t seq;
+  int64_t clock;
+};
+static_assert(sizeof(ReplContributor) == 32, "ReplContributor is 32 bytes");
+
+// The backup's replication ring: `entries` entries of a fixed stride.
+class ReplLayout {
+ public:
+  ReplLayout(uint64_t max_chunk_bytes, uint32_t max_workers, uint32_t entries)
+      : entries_(entries),
+        contrib_bytes_(AlignUp(sizeof(ReplContributor) * max_workers)),
+        stride_(sizeof(ReplHeader) + contrib_bytes_ + AlignUp(max_chunk_bytes)) {}
+  uint32_t entries() const { return entries_; }
+  uint64_t ring_bytes() const { return stride_ * entries_; }
+  uint64_t entry_offset(uint32_t e) const { return stride_ * e; }
+  uint64_t contributors_offset(uint32_t e) const { return entry_offset(e) + sizeof(ReplHeader); }
+  uint64_t payload_offset(uint32_t e) const {
+    return entry_offset(e) + sizeof(ReplHeader) + contrib_bytes_;
+  }
+  uint64_t contributors_bytes() const { return contrib_bytes_; }
+
+ private:
+  uint32_t entries_;
+  uint64_t contrib_bytes_;
+  uint64_t stride_;
 };
 inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
   return (static_cast<uint32_t>(k) << 28) | (arg & 0x0fffffffu);

@@ -15,6 +15,17 @@ using transport::Completion;
 using transport::OpType;
 using Clock = std::chrono::steady_clock;
 
+namespace {
+
+constexpr uint64_t kBackupEndpointId = 1ull << 62;
+// Contexts of the operations on the primary's endpoint to its backup.
+enum ReplOp : uint64_t { kOpRecord = 1, kOpConsumed = 2, kOpReplHello = 3, kOpPayload = 4 };
+uint64_t ReplContext(ReplOp op, uint32_t slot) { return (static_cast<uint64_t>(op) << 32) | slot; }
+ReplOp ReplOpOf(uint64_t ctx) { return static_cast<ReplOp>(ctx >> 32); }
+uint32_t ReplSlotOf(uint64_t ctx) { return static_cast<uint32_t>(ctx & 0xffffffffu); }
+
+}  // namespace
+
 // Per-slot state, owned by the apply thread.
 struct ShardServer::Chunk {
   uint32_t chunk_id = 0;
@@ -25,19 +36,37 @@ struct ShardServer::Chunk {
   std::unique_ptr<ChunkOptimizer> optimizer;
   uint64_t version = 0;  // published
   uint32_t published = 0;
-  // BSP aggregation of one clock at a time.
-  std::vector<float> sum;
+  // BSP aggregation of one clock at a time; the gradients stay in the inbox (a worker reuses an
+  // inbox slot only after its push is acknowledged, which happens at publication) and are
+  // summed in worker-rank order when the last one is in, so the sum does not depend on arrival
+  // order: runs are reproducible bit for bit, failovers included.
+  std::map<uint32_t, Contributor> contrib;  // by worker rank
   int64_t pending_clock = -1;
-  std::set<uint32_t> contributors;
-  uint64_t max_base_version = 0;
+  int64_t applied_through = -1;  // BSP: the last clock applied
+  float* sum = nullptr;          // in repl_staging_ (registered: a record's payload)
+  uint64_t sum_offset = 0;
+  // A computed version waiting for its replication record to complete.
+  bool inflight = false;
+  uint32_t inflight_target = 0;
+  uint64_t inflight_min_clock_plus1 = 0;
+  std::vector<Contributor> inflight_acks;
+  // Record description for PostRecord.
+  layout::ReplKind record_kind = layout::ReplKind::kApply;
+  const transport::MemoryRegion* record_payload = nullptr;
+  uint64_t record_payload_offset = 0;
+  float record_scale = 1.0f;
+  float record_lr_scale = 1.0f;
+  // Pushes that arrived while a version was in flight or ahead of the pending BSP clock.
+  std::deque<std::pair<uint32_t, uint32_t>> deferred;  // (worker, parity)
   // VSGD history: version -> weights (the last vsgd_history versions).
   std::deque<std::pair<uint64_t, std::vector<float>>> history;
 };
 
 struct ShardServer::WorkerState {
+  uint64_t incarnation = 0;             // the worker process (its member id)
   std::vector<uint64_t> last_seq;       // per slot
   std::vector<int64_t> applied_clock;   // per slot, -1 = none
-  // From the worker's clock slot: it finished clocks < clock, and every push of those was
+  // From the worker's clock immediates: it finished clocks < clock, and every push of those was
   // posted before its kClock immediate, hence already processed (same endpoint, in order).
   uint64_t clock = 0;
   uint64_t endpoint_id = 0;
@@ -96,12 +125,19 @@ Status ShardServer::Setup() {
                                          options_.setup_timeout));
   const control::AssignShards& a = assign.assign_shards();
   if (a.chunk_ids_size() != a.chunk_bytes_size() || a.max_workers() == 0 ||
-      a.max_workers() > 4096) {
+      a.max_workers() > 4096 || a.num_groups() == 0 || a.group() >= a.num_groups()) {
     return InvalidArgumentError("malformed shard assignment from the coordinator");
   }
+  group_ = a.group();
+  num_groups_ = a.num_groups();
+  backup_ = a.backup();
   std::vector<uint64_t> bytes(a.chunk_bytes().begin(), a.chunk_bytes().end());
+  uint64_t max_chunk = layout::kAlign;
   for (uint64_t b : bytes) {
-    if (b == 0 || b % sizeof(float) != 0) return InvalidArgumentError("bad chunk size");
+    if (b == 0 || b % sizeof(float) != 0 || b > (1ull << 40)) {
+      return InvalidArgumentError("bad chunk size");
+    }
+    max_chunk = std::max(max_chunk, b);
   }
   layout_ = std::make_unique<layout::ServerLayout>(bytes, a.max_workers());
   // A server may own no chunk (a model smaller than one partition per server): its regions
@@ -115,6 +151,26 @@ Status ShardServer::Setup() {
                                                   Access::kRemoteRead));
   ASSIGN_OR_RETURN(clocks_, fabric_->AllocateMemory(at_least(layout_->clocks_bytes()),
                                                     Access::kRemoteWrite));
+  // Replication: the ring (backup) or the records' staging (primary). Both sides compute the
+  // ring's geometry from the same assignment.
+  const uint64_t contrib_bytes = layout::AlignUp(sizeof(layout::ReplContributor) * a.max_workers());
+  const uint64_t stride = sizeof(layout::ReplHeader) + contrib_bytes + layout::AlignUp(max_chunk);
+  uint32_t entries = options_.replication_ring_entries != 0 ? options_.replication_ring_entries
+                                                            : layout_->slots() + 4;
+  entries = static_cast<uint32_t>(std::max<uint64_t>(
+      2, std::min<uint64_t>(entries, std::max<uint64_t>(2, (256ull << 20) / stride))));
+  repl_layout_ = std::make_unique<layout::ReplLayout>(max_chunk, a.max_workers(), entries);
+  repl_slot_stride_ = stride;
+  ASSIGN_OR_RETURN(repl_staging_,
+                   fabric_->AllocateMemory(at_least(stride * layout_->slots() + layout::kAlign),
+                                           Access::kLocalOnly));
+  consumed_staging_offset_ = stride * layout_->slots();
+  const bool replicated = config_.replicas() >= 2;
+  if (backup_) {
+    ASSIGN_OR_RETURN(ring_, fabric_->AllocateMemory(repl_layout_->ring_bytes(),
+                                                    Access::kRemoteWrite));
+    ASSIGN_OR_RETURN(consumed_, fabric_->AllocateMemory(layout::kAlign, Access::kRemoteRead));
+  }
   auto* wbase = static_cast<char*>(weights_->data());
   for (uint32_t s = 0; s < layout_->slots(); ++s) {
     auto c = std::make_unique<Chunk>();
@@ -125,20 +181,27 @@ Status ShardServer::Setup() {
     for (int b = 0; b < 2; ++b) {
       c->buf[b] = reinterpret_cast<float*>(wbase + layout_->buffer_offset(s, b));
     }
+    c->sum_offset = stride * s + sizeof(layout::ReplHeader) + contrib_bytes;
+    c->sum = reinterpret_cast<float*>(static_cast<char*>(repl_staging_->data()) + c->sum_offset);
     c->optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, c->elems);
     chunks_.push_back(std::move(c));
   }
   uint64_t total = 0;
   for (uint64_t b : bytes) total += b;
-  LOG(INFO) << "server rank " << rank_ << ": " << layout_->slots() << " chunks, "
-            << total / 1024 << " KiB of weights; registered weights "
+  LOG(INFO) << "server rank " << rank_ << ": " << (backup_ ? "BACKUP" : "primary")
+            << " of group " << group_ << "/" << num_groups_ << ": " << layout_->slots()
+            << " chunks, " << total / 1024 << " KiB of weights; registered weights "
             << layout_->weights_bytes() / 1024 << " KiB (remote-read), inbox "
             << layout_->inbox_bytes() / 1024 << " KiB for " << a.max_workers()
-            << " workers (remote-write), acks " << layout_->acks_bytes() << " B";
+            << " workers (remote-write), acks " << layout_->acks_bytes() << " B"
+            << (backup_ ? ", replication ring " + std::to_string(repl_layout_->ring_bytes() / 1024) +
+                              " KiB (" + std::to_string(entries) + " entries)"
+                        : std::string());
 
   const int recv_depth = static_cast<int>(std::min<uint32_t>(1024, 2 * layout_->slots() + 32));
   ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(
-                            static_cast<int>(a.max_workers() + 2) * (recv_depth + 16)));
+                            static_cast<int>(a.max_workers() + 3) * (recv_depth + 16) +
+                            4 * static_cast<int>(entries) + 64));
 
   control::Envelope ready;
   control::ShardsReady* r = ready.mutable_shards_ready();
@@ -152,7 +215,80 @@ Status ShardServer::Setup() {
   add("inbox", *inbox_);
   add("acks", *acks_);
   add("clocks", *clocks_);
-  return control_->Send(ready);
+  if (backup_) {
+    add("repl_ring", *ring_);
+    add("repl_consumed", *consumed_);
+  }
+  RETURN_IF_ERROR(control_->Send(ready));
+  {
+    std::lock_guard<std::mutex> l(counters_mu_);
+    counters_.backup = backup_;
+    counters_.group = group_;
+  }
+  if (!backup_ && replicated) {
+    // Updates are replicated from the first one on: wait for the backup before serving.
+    ASSIGN_OR_RETURN(control::Envelope t, control_->WaitMessage(control::Envelope::kReplicaTarget,
+                                                                options_.setup_timeout));
+    if (t.replica_target().none()) {
+      backup_state_ = BackupState::kGone;
+      LOG(WARNING) << "server rank " << rank_ << ": group " << group_
+                   << " has no backup: a failure of this server loses its state (checkpoints "
+                      "are the only copy)";
+    } else {
+      RETURN_IF_ERROR(ConnectBackup(t.replica_target()));
+    }
+  } else if (!backup_) {
+    LOG(INFO) << "server rank " << rank_ << ": replicas=1: group " << group_
+              << " has no backup (a failure of this server loses its state; checkpoints are the "
+                 "only copy)";
+  }
+  return Status::OK();
+}
+
+Status ShardServer::ConnectBackup(const control::ReplicaTarget& t) {
+  for (const auto& r : t.regions()) {
+    ASSIGN_OR_RETURN(transport::RegionDescriptor d,
+                     transport::RegionDescriptor::Decode(r.encoded_descriptor()));
+    if (r.name() == "repl_ring") backup_ring_ = d;
+    if (r.name() == "repl_consumed") backup_consumed_ = d;
+  }
+  if (backup_ring_.length < repl_layout_->ring_bytes() || backup_consumed_.length < 8) {
+    return FailedPreconditionError("backup's replication regions are smaller than the ring");
+  }
+  transport::EndpointOptions eo;
+  eo.endpoint_id = kBackupEndpointId;
+  eo.send_depth = static_cast<int>(2 * repl_layout_->entries() + 16);
+  eo.recv_depth = 4;
+  eo.connect_timeout = std::chrono::milliseconds(10000);
+  auto ep = fabric_->Connect(t.data_address(), cq_.get(), eo);
+  if (!ep.ok()) return ep.status().WithContext("connecting to the backup of group " +
+                                               std::to_string(group_));
+  backup_ep_ = std::move(*ep);
+  RETURN_IF_ERROR(backup_ep_->PostWriteImm(
+      {repl_staging_.get(), consumed_staging_offset_, 8}, transport::AtOffset(backup_ring_, 0),
+      layout::MakeImm(layout::ImmKind::kReplHello, group_), ReplContext(kOpReplHello, 0)));
+  // Wait for the hello to complete (nothing else is on this CQ yet).
+  const auto deadline = Clock::now() + std::chrono::milliseconds(10000);
+  while (true) {
+    Completion wc[8];
+    const int n = cq_->Wait(wc, 8, std::chrono::microseconds(2000));
+    bool done = false;
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].endpoint_id != kBackupEndpointId) continue;
+      if (!wc[i].ok()) return UnavailableError("backup refused the replication stream");
+      done = true;
+    }
+    if (done) break;
+    if (Clock::now() > deadline) return DeadlineExceededError("backup did not answer");
+  }
+  backup_state_ = BackupState::kConnected;
+  backup_member_ = t.member_id();
+  std::lock_guard<std::mutex> l(counters_mu_);
+  counters_.replicating = true;
+  LOG(INFO) << "server rank " << rank_ << ": replicating group " << group_ << " to member "
+            << t.member_id() << " at " << t.data_address() << " (" << repl_layout_->entries()
+            << "-entry ring)";
+  return Status::OK();
 }
 
 std::set<uint32_t> ShardServer::LiveWorkers() const {
@@ -163,14 +299,67 @@ std::set<uint32_t> ShardServer::LiveWorkers() const {
   return live;
 }
 
+ShardServer::WorkerState& ShardServer::Worker(uint32_t rank, uint64_t incarnation) {
+  auto& w = workers_[rank];
+  if (!w || (incarnation != 0 && w->incarnation != incarnation)) {
+    // A new worker process (or the first we hear of it): fresh sequence state.
+    const uint64_t old_clock = w ? w->clock : 0;
+    const uint64_t ep = w ? w->endpoint_id : 0;
+    w = std::make_unique<WorkerState>();
+    w->last_seq.assign(layout_->slots(), 0);
+    w->applied_clock.assign(layout_->slots(), -1);
+    w->incarnation = incarnation;
+    w->endpoint_id = ep;
+    (void)old_clock;
+    // Its acks restart with its sequence numbers.
+    auto* acks = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(acks_->data()) +
+                                                          layout_->acks_of_worker_offset(rank));
+    for (uint32_t s = 0; s < layout_->slots(); ++s) acks[s].store(0, std::memory_order_release);
+  }
+  return *w;
+}
+
+void ShardServer::PollControl() {
+  // Control messages outside steady state: replication target changes and promotion.
+  while (true) {
+    auto t = control_->WaitMessage(control::Envelope::kReplicaTarget, std::chrono::milliseconds(0));
+    if (!t.ok()) break;
+    const control::ReplicaTarget& rt = t->replica_target();
+    if (rt.none() && backup_state_ != BackupState::kNone) {
+      LOG(WARNING) << "server rank " << rank_ << ": the backup of group " << group_
+                   << " is gone (epoch " << rt.epoch() << "); going on without replication";
+      backup_state_ = BackupState::kGone;
+      backup_ep_.reset();
+      {
+        std::lock_guard<std::mutex> l(counters_mu_);
+        counters_.replicating = false;
+      }
+      // Versions that waited for the backup are published now.
+      ring_wait_.clear();
+      for (uint32_t s = 0; s < chunks_.size(); ++s) {
+        if (chunks_[s]->inflight) FinishCommit(s);
+      }
+    }
+  }
+  auto p = control_->WaitMessage(control::Envelope::kPromote, std::chrono::milliseconds(0));
+  if (p.ok()) Promote(p->promote());
+}
+
 void ShardServer::RefreshMembership() {
+  PollControl();
   const uint64_t e = control_->epoch();
   if (e == seen_epoch_) return;
   seen_epoch_ = e;
   const control::Membership m = control_->membership();
   std::set<uint32_t> now;
+  bool backup_present = false;
   for (const auto& mem : m.members()) {
     if (mem.role() == control::ROLE_WORKER) now.insert(mem.rank());
+    if (mem.member_id() == backup_member_) backup_present = true;
+  }
+  if (backup_state_ == BackupState::kFailed && !backup_present) {
+    LOG(WARNING) << "server rank " << rank_ << ": backup member " << backup_member_
+                 << " left the membership (epoch " << e << ")";
   }
   for (uint32_t r : member_workers_) {
     if (!now.count(r)) {
@@ -193,6 +382,7 @@ void ShardServer::RefreshMembership() {
 }
 
 void ShardServer::Reevaluate() {
+  if (backup_) return;  // a backup follows its primary's records only
   for (uint32_t s = 0; s < chunks_.size(); ++s) {
     if (config_.mode() == control::BSP) {
       ApplyBsp(s);
@@ -212,7 +402,9 @@ Status ShardServer::Serve() {
   while (!stop_.load()) {
     const int n = cq_->Wait(wc, 64, std::chrono::microseconds(2000));
     for (int i = 0; i < n; ++i) {
-      if (wc[i].op == OpType::kRecvImm && wc[i].ok()) {
+      if (wc[i].endpoint_id == kBackupEndpointId) {
+        HandleBackupCompletion(wc[i]);
+      } else if (wc[i].op == OpType::kRecvImm && wc[i].ok()) {
         HandleRecvImm(wc[i]);
       } else if (!wc[i].ok()) {
         std::lock_guard<std::mutex> l(counters_mu_);
@@ -224,10 +416,15 @@ Status ShardServer::Serve() {
       RefreshMembership();
       last_accept = Clock::now();
     }
+    if (backup_ep_ && backup_state_ == BackupState::kConnected && !backup_ep_->status().ok()) {
+      BackupFailed(backup_ep_->status());
+    }
     // Drop endpoints that failed (a dead worker); membership decides what it means.
     for (auto it = endpoints_.begin(); it != endpoints_.end();) {
       if (!it->second->status().ok()) {
         LOG(WARNING) << "server rank " << rank_ << ": endpoint " << it->first
+                     << (it->first == primary_endpoint_ ? " (the primary's replication stream)"
+                                                        : "")
                      << " failed: " << it->second->status();
         endpoint_worker_.erase(it->first);
         it = endpoints_.erase(it);
@@ -241,6 +438,7 @@ Status ShardServer::Serve() {
   LOG(INFO) << "server rank " << rank_ << ": stopping";
   if (control_) control_->Leave("server stopping").IgnoreError();
   // Tear the data path down now, as a process exit would: peers see their endpoints fail.
+  backup_ep_.reset();
   endpoints_.clear();
   endpoint_worker_.clear();
   listener_.reset();
@@ -254,7 +452,8 @@ void ShardServer::AcceptPending() {
     transport::EndpointOptions eo;
     eo.endpoint_id = next_endpoint_id_;
     eo.send_depth = 16;
-    eo.recv_depth = recv_depth;
+    // A backup's stream from its primary carries up to one record per ring entry.
+    eo.recv_depth = std::max<int>(recv_depth, static_cast<int>(repl_layout_->entries()) + 16);
     auto ep = listener_->Accept(cq_.get(), eo, std::chrono::milliseconds(0));
     if (!ep.ok()) {
       if (ep.status().code() != StatusCode::kDeadlineExceeded) {
@@ -270,12 +469,46 @@ void ShardServer::AcceptPending() {
 
 void ShardServer::HandleRecvImm(const Completion& c) {
   const uint32_t arg = layout::ImmArg(c.imm);
-  switch (layout::ImmKindOf(c.imm)) {
-    case layout::ImmKind::kHello:
-      HandleHello(c.endpoint_id, arg);
+  const layout::ImmKind kind = layout::ImmKindOf(c.imm);
+  if (kind == layout::ImmKind::kReplHello || kind == layout::ImmKind::kRepl) {
+    if (!backup_) {
+      // A primary that lost its group (fenced) still writing: refuse it.
+      LOG_EVERY_N(WARNING, 100) << "server rank " << rank_
+                                << ": replication traffic to a server that is not a backup "
+                                   "(fenced); closing that endpoint";
+      endpoints_.erase(c.endpoint_id);
+      std::lock_guard<std::mutex> l(counters_mu_);
+      ++counters_.records_rejected;
       return;
-    default:
-      break;
+    }
+    if (kind == layout::ImmKind::kReplHello) {
+      if (arg != group_) {
+        LOG(WARNING) << "server rank " << rank_ << ": replication hello for group " << arg
+                     << ", but this server backs up group " << group_;
+        endpoints_.erase(c.endpoint_id);
+        return;
+      }
+      primary_endpoint_ = c.endpoint_id;
+      LOG(INFO) << "server rank " << rank_ << ": primary of group " << group_
+                << " connected its replication stream (endpoint " << c.endpoint_id << ")";
+      return;
+    }
+    if (c.endpoint_id != primary_endpoint_) {
+      std::lock_guard<std::mutex> l(counters_mu_);
+      ++counters_.records_rejected;
+      return;
+    }
+    ApplyRecord(arg);
+    return;
+  }
+  if (backup_) {
+    // A worker that reached the backup before its promotion: kept until then.
+    if (early_.size() < 1u << 20) early_.push_back(c);
+    return;
+  }
+  if (kind == layout::ImmKind::kHello) {
+    HandleHello(c.endpoint_id, arg);
+    return;
   }
   auto it = endpoint_worker_.find(c.endpoint_id);
   if (it == endpoint_worker_.end()) {
@@ -285,11 +518,11 @@ void ShardServer::HandleRecvImm(const Completion& c) {
     return;
   }
   const uint32_t worker = it->second;
-  if (layout::ImmKindOf(c.imm) == layout::ImmKind::kInit) {
+  if (kind == layout::ImmKind::kInit) {
     HandleInit(worker, arg);
-  } else if (layout::ImmKindOf(c.imm) == layout::ImmKind::kPush) {
-    HandlePush(worker, arg >> 1, arg & 1);
-  } else if (layout::ImmKindOf(c.imm) == layout::ImmKind::kClock) {
+  } else if (kind == layout::ImmKind::kPush) {
+    HandlePush(worker, arg >> 1, arg & 1, false);
+  } else if (kind == layout::ImmKind::kClock) {
     HandleClock(worker, arg);
   } else {
     std::lock_guard<std::mutex> l(counters_mu_);
@@ -303,41 +536,51 @@ void ShardServer::HandleHello(uint64_t endpoint_id, uint32_t rank) {
                  << " beyond max_workers " << layout_->max_workers();
     return;
   }
-  auto& w = workers_[rank];
-  if (!w || w->endpoint_id != 0) {
-    // New worker, or a worker that reconnected: fresh sequence state.
-    w = std::make_unique<WorkerState>();
-    w->last_seq.assign(layout_->slots(), 0);
-    w->applied_clock.assign(layout_->slots(), -1);
+  layout::Hello hello;
+  std::memcpy(&hello, static_cast<const char*>(inbox_->data()) + layout_->hello_offset(rank),
+              sizeof(hello));
+  const uint64_t incarnation = hello.magic == layout::kHelloMagic ? hello.incarnation : 0;
+  const bool known = workers_.count(rank) && workers_[rank]->incarnation == incarnation &&
+                     incarnation != 0;
+  WorkerState& w = Worker(rank, incarnation);
+  if (incarnation == 0) {
+    // An old client without an incarnation: every hello starts fresh sequence state.
+    w.last_seq.assign(layout_->slots(), 0);
+    w.applied_clock.assign(layout_->slots(), -1);
   }
-  w->endpoint_id = endpoint_id;
+  w.endpoint_id = endpoint_id;
   endpoint_worker_[endpoint_id] = rank;
   departed_workers_.erase(rank);
   LOG(INFO) << "server rank " << rank_ << ": worker " << rank << " connected (endpoint "
-            << endpoint_id << ")";
+            << endpoint_id << ", incarnation " << incarnation
+            << (known ? ", known: keeps its sequence numbers" : "") << ")";
 }
 
 void ShardServer::HandleInit(uint32_t worker, uint32_t slot) {
   if (slot >= chunks_.size() || worker != 0) return;
   Chunk& c = *chunks_[slot];
-  if (c.version != 0) return;  // already initialised: a later init is a duplicate
+  if (c.version != 0 || c.inflight) return;  // already initialised: a duplicate
   const char* src = static_cast<const char*>(inbox_->data()) +
                     layout_->push_data_offset(worker, slot, 0);
   c.header->gen[0].fetch_add(1, std::memory_order_acq_rel);
   std::memcpy(c.buf[0], src, c.bytes);
-  Publish(slot, 0, 0);
+  Commit(slot, 0, 0, layout::ReplKind::kInit, weights_.get(), layout_->buffer_offset(slot, 0),
+         1.0f, 1.0f, {});
 }
 
-void ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity) {
+bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue) {
   auto reject = [&](const char* why) {
     LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": push from worker " << worker
                               << " slot " << slot << " rejected: " << why;
     std::lock_guard<std::mutex> l(counters_mu_);
     ++counters_.rejected_pushes;
+    return true;
   };
   if (slot >= chunks_.size()) return reject("slot out of range");
+  auto wit = workers_.find(worker);
+  if (wit == workers_.end()) return reject("unknown worker");
   Chunk& c = *chunks_[slot];
-  WorkerState& w = *workers_[worker];
+  WorkerState& w = *wit->second;
   const char* base = static_cast<const char*>(inbox_->data());
   layout::PushHeader h;
   std::memcpy(&h, base + layout_->push_header_offset(worker, slot, parity), sizeof(h));
@@ -346,47 +589,68 @@ void ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity) {
     return reject("header does not match the slot");
   }
   if ((h.seq & 1) != parity) return reject("parity does not match seq");
-  auto* ack = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(acks_->data()) +
-                                                       layout_->ack_offset(worker, slot));
+  if (h.epoch < fence_epoch_) return reject("push from an epoch before this server's promotion");
+  auto defer = [&] {
+    if (from_queue) {
+      c.deferred.emplace_front(worker, parity);
+    } else {
+      c.deferred.emplace_back(worker, parity);
+    }
+    std::lock_guard<std::mutex> l(counters_mu_);
+    ++counters_.deferred_pushes;
+    return false;
+  };
   if (h.seq <= w.last_seq[slot]) {
     std::lock_guard<std::mutex> l(counters_mu_);
     ++counters_.duplicate_pushes;
-    return;  // applied already: exactly once
+    return true;  // applied already: exactly once
   }
+  if (c.inflight || (!from_queue && !c.deferred.empty())) return defer();
   if (c.version == 0) return reject("chunk not initialised yet");
-  w.last_seq[slot] = h.seq;
-  const auto* grad = reinterpret_cast<const float*>(base +
-                                                    layout_->push_data_offset(worker, slot, parity));
+  const uint64_t incarnation = w.incarnation;
   if (config_.mode() == control::BSP) {
-    if (c.pending_clock < 0) {
-      c.pending_clock = static_cast<int64_t>(h.clock);
-      c.sum.assign(grad, grad + c.elems);
-      c.contributors.clear();
-    } else if (static_cast<int64_t>(h.clock) == c.pending_clock) {
-      for (size_t i = 0; i < c.elems; ++i) c.sum[i] += grad[i];
-    } else {
-      // Cannot happen with conforming workers: a worker pushes clock t+1 only after pulling
-      // the version that applied clock t.
-      LOG(ERROR) << "server rank " << rank_ << ": BSP push of clock " << h.clock
-                 << " while clock " << c.pending_clock << " is pending (worker " << worker
-                 << ")";
-      ack->store(h.seq, std::memory_order_release);
-      return reject("clock out of step");
+    const int64_t clock = static_cast<int64_t>(h.clock);
+    if (clock <= c.applied_through || (c.pending_clock >= 0 && clock < c.pending_clock)) {
+      // Its clock was completed without it (it joined late, or was presumed gone): acknowledge
+      // and drop it rather than mixing clocks.
+      w.last_seq[slot] = h.seq;
+      auto* ack = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(acks_->data()) +
+                                                           layout_->ack_offset(worker, slot));
+      if (ack->load(std::memory_order_relaxed) < h.seq) ack->store(h.seq, std::memory_order_release);
+      LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": BSP push of clock " << clock
+                                << " from worker " << worker << " for chunk " << c.chunk_id
+                                << " arrived after that clock was applied; dropped";
+      std::lock_guard<std::mutex> l(counters_mu_);
+      ++counters_.stale_pushes;
+      return true;
     }
-    c.contributors.insert(worker);
-    c.max_base_version = std::max(c.max_base_version, h.base_version);
-    ack->store(h.seq, std::memory_order_release);  // the inbox slot may be reused
-    w.applied_clock[slot] = static_cast<int64_t>(h.clock);
+    if (c.pending_clock >= 0 && clock > c.pending_clock) return defer();
+    w.last_seq[slot] = h.seq;
+    c.pending_clock = clock;
+    c.contrib[worker] = Contributor{worker, parity, h.seq, incarnation, clock};
+    w.applied_clock[slot] = std::max(w.applied_clock[slot], clock);
+    {
+      std::lock_guard<std::mutex> l(counters_mu_);
+      ++counters_.pushes_applied;
+    }
     ApplyBsp(slot);
-  } else {
-    const size_t live = std::max<size_t>(1, LiveWorkers().size());
-    ApplyOne(slot, grad, options_.average ? 1.0f / live : 1.0f, h.base_version);
-    ack->store(h.seq, std::memory_order_release);
-    w.applied_clock[slot] = std::max<int64_t>(w.applied_clock[slot], static_cast<int64_t>(h.clock));
-    Publish(slot, 1 - c.published, SspMinClockPlus1(slot));
+    return true;
   }
-  std::lock_guard<std::mutex> l(counters_mu_);
-  ++counters_.pushes_applied;
+  w.last_seq[slot] = h.seq;
+  const size_t live = std::max<size_t>(1, LiveWorkers().size());
+  const float scale = options_.average ? 1.0f / live : 1.0f;
+  const uint64_t data_off = layout_->push_data_offset(worker, slot, parity);
+  const float lr_scale =
+      ApplyOne(slot, reinterpret_cast<const float*>(base + data_off), scale, h.base_version);
+  w.applied_clock[slot] = std::max<int64_t>(w.applied_clock[slot], static_cast<int64_t>(h.clock));
+  {
+    std::lock_guard<std::mutex> l(counters_mu_);
+    ++counters_.pushes_applied;
+  }
+  Commit(slot, 1 - c.published, SspMinClockPlus1(slot), layout::ReplKind::kApply, inbox_.get(),
+         data_off, scale, lr_scale,
+         {Contributor{worker, parity, h.seq, incarnation, static_cast<int64_t>(h.clock)}});
+  return true;
 }
 
 void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
@@ -395,7 +659,8 @@ void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
   // The clock comes from the immediate, not from the slot: by the time this immediate is
   // polled the slot may already hold a later clock whose pushes are still queued behind it.
   // The immediate carries the low 28 bits; clocks move by one per Clock(), so the delta from
-  // the clock we know is small and positive.
+  // the clock we know is small and positive (a worker that (re)connects sends its whole clock,
+  // which may be a large step from 0: still below 2^27).
   WorkerState& w = *it->second;
   const uint64_t delta = (clock_low - static_cast<uint32_t>(w.clock)) & 0x0fffffffu;
   if (delta == 0 || delta > (1u << 27)) return;  // repeated or stale
@@ -405,27 +670,44 @@ void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
 
 void ShardServer::ApplyBsp(uint32_t slot) {
   Chunk& c = *chunks_[slot];
-  if (c.pending_clock < 0) return;
+  if (c.pending_clock < 0 || c.inflight) return;
   const std::set<uint32_t> live = LiveWorkers();
   for (uint32_t r : live) {
-    if (c.contributors.count(r)) continue;
+    if (c.contrib.count(r)) continue;
     // A worker whose clock moved past the pending clock will not push this chunk for it.
     auto w = workers_.find(r);
     if (w != workers_.end() && w->second->clock > static_cast<uint64_t>(c.pending_clock)) continue;
     return;  // still waiting for a live worker
   }
-  const size_t n = std::max<size_t>(1, c.contributors.size());
+  // Sum in worker-rank order (std::map), straight from the inbox slots.
+  const char* base = static_cast<const char*>(inbox_->data());
+  bool first = true;
+  std::vector<Contributor> contributors;
+  for (const auto& [r, k] : c.contrib) {
+    const auto* g = reinterpret_cast<const float*>(base +
+                                                   layout_->push_data_offset(r, slot, k.parity));
+    if (first) {
+      std::memcpy(c.sum, g, c.bytes);
+      first = false;
+    } else {
+      for (size_t i = 0; i < c.elems; ++i) c.sum[i] += g[i];
+    }
+    contributors.push_back(k);
+  }
+  const size_t n = std::max<size_t>(1, c.contrib.size());
+  const float scale = options_.average ? 1.0f / n : 1.0f;
   const uint32_t target = 1 - c.published;
   c.header->gen[target].fetch_add(1, std::memory_order_acq_rel);
-  c.optimizer->Apply(c.buf[c.published], c.sum.data(), options_.average ? 1.0f / n : 1.0f, 1.0f,
-                     c.buf[target]);
+  c.optimizer->Apply(c.buf[c.published], c.sum, scale, 1.0f, c.buf[target]);
   const uint64_t clock = static_cast<uint64_t>(c.pending_clock);
+  c.applied_through = c.pending_clock;
   c.pending_clock = -1;
-  c.contributors.clear();
-  Publish(slot, target, clock + 1);
+  c.contrib.clear();
+  Commit(slot, target, clock + 1, layout::ReplKind::kApply, repl_staging_.get(), c.sum_offset,
+         scale, 1.0f, std::move(contributors));
 }
 
-void ShardServer::ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version) {
+float ShardServer::ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version) {
   Chunk& c = *chunks_[slot];
   float lr_scale = 1.0f;
   if (config_.mode() == control::VSGD && base_version < c.version) {
@@ -443,6 +725,7 @@ void ShardServer::ApplyOne(uint32_t slot, const float* grad, float scale, uint64
   const uint32_t target = 1 - c.published;
   c.header->gen[target].fetch_add(1, std::memory_order_acq_rel);
   c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target]);
+  return lr_scale;
 }
 
 uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
@@ -459,6 +742,272 @@ uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
   }
   if (m == INT64_MAX) return 0;
   return static_cast<uint64_t>(m + 1);
+}
+
+void ShardServer::Commit(uint32_t slot, uint32_t target, uint64_t min_clock_plus1,
+                         layout::ReplKind kind, const transport::MemoryRegion* payload,
+                         uint64_t payload_offset, float scale, float lr_scale,
+                         std::vector<Contributor> contributors) {
+  Chunk& c = *chunks_[slot];
+  c.inflight = true;
+  c.inflight_target = target;
+  c.inflight_min_clock_plus1 = min_clock_plus1;
+  c.inflight_acks = std::move(contributors);
+  c.record_kind = kind;
+  c.record_payload = payload;
+  c.record_payload_offset = payload_offset;
+  c.record_scale = scale;
+  c.record_lr_scale = lr_scale;
+  switch (backup_state_) {
+    case BackupState::kConnected:
+      ring_wait_.push_back(slot);
+      PostWaitingRecords();
+      return;
+    case BackupState::kFailed:
+      // Published once the coordinator has decided the backup's fate (PollControl).
+      return;
+    case BackupState::kNone:
+    case BackupState::kGone:
+      FinishCommit(slot);
+      return;
+  }
+}
+
+void ShardServer::PostWaitingRecords() {
+  while (!ring_wait_.empty() && backup_state_ == BackupState::kConnected) {
+    if (next_record_seq_ - 1 - known_consumed_ >= repl_layout_->entries()) {
+      // The ring is full of records the backup has not applied yet: ask how far it got.
+      if (!consumed_read_outstanding_) {
+        Status s = backup_ep_->PostRead({repl_staging_.get(), consumed_staging_offset_, 8},
+                                        transport::AtOffset(backup_consumed_, 0),
+                                        ReplContext(kOpConsumed, 0));
+        if (!s.ok()) {
+          BackupFailed(s);
+          return;
+        }
+        consumed_read_outstanding_ = true;
+        std::lock_guard<std::mutex> l(counters_mu_);
+        ++counters_.replication_stalls;
+      }
+      return;
+    }
+    const uint32_t slot = ring_wait_.front();
+    ring_wait_.pop_front();
+    PostRecord(slot);
+  }
+}
+
+void ShardServer::PostRecord(uint32_t slot) {
+  Chunk& c = *chunks_[slot];
+  const uint64_t seq = next_record_seq_++;
+  const uint32_t entry = static_cast<uint32_t>((seq - 1) % repl_layout_->entries());
+  char* hdr_base = static_cast<char*>(repl_staging_->data()) + repl_slot_stride_ * slot;
+  auto* h = reinterpret_cast<layout::ReplHeader*>(hdr_base);
+  std::memset(h, 0, sizeof(*h));
+  h->seq = seq;
+  h->kind = static_cast<uint32_t>(c.record_kind);
+  h->slot = slot;
+  h->version = c.version + 1;
+  h->min_clock_plus1 = c.inflight_min_clock_plus1;
+  h->scale = c.record_scale;
+  h->lr_scale = c.record_lr_scale;
+  h->contributors = static_cast<uint32_t>(c.inflight_acks.size());
+  h->bytes = c.bytes;
+  h->epoch = control_->epoch();
+  h->magic = layout::kReplMagic;
+  auto* k = reinterpret_cast<layout::ReplContributor*>(hdr_base + sizeof(layout::ReplHeader));
+  for (size_t i = 0; i < c.inflight_acks.size(); ++i) {
+    const Contributor& a = c.inflight_acks[i];
+    k[i] = layout::ReplContributor{a.worker, 0, a.incarnation, a.seq, a.clock};
+  }
+  // Payload first (unsignaled), then header + contributors with the immediate: writes on one
+  // endpoint are placed in order, so the backup sees the record whole when the immediate lands.
+  Status s = backup_ep_->PostWrite({c.record_payload, c.record_payload_offset, c.bytes},
+                                   transport::AtOffset(backup_ring_, repl_layout_->payload_offset(entry)),
+                                   ReplContext(kOpPayload, slot), transport::kUnsignaled);
+  if (s.ok()) {
+    s = backup_ep_->PostWriteImm(
+        {repl_staging_.get(), repl_slot_stride_ * slot,
+         sizeof(layout::ReplHeader) + sizeof(layout::ReplContributor) * c.inflight_acks.size()},
+        transport::AtOffset(backup_ring_, repl_layout_->entry_offset(entry)),
+        layout::MakeImm(layout::ImmKind::kRepl, entry), ReplContext(kOpRecord, slot));
+  }
+  if (!s.ok()) {
+    BackupFailed(s);
+    return;
+  }
+  std::lock_guard<std::mutex> l(counters_mu_);
+  ++counters_.records_sent;
+}
+
+void ShardServer::HandleBackupCompletion(const Completion& wc) {
+  if (!wc.ok()) {
+    BackupFailed(UnavailableError(std::string("replication write failed: ") +
+                                  transport::WcStatusName(wc.status)));
+    return;
+  }
+  switch (ReplOpOf(wc.context)) {
+    case kOpRecord: {
+      const uint32_t slot = ReplSlotOf(wc.context);
+      if (slot < chunks_.size() && chunks_[slot]->inflight &&
+          backup_state_ == BackupState::kConnected) {
+        FinishCommit(slot);
+      }
+      return;
+    }
+    case kOpConsumed: {
+      consumed_read_outstanding_ = false;
+      uint64_t v = 0;
+      std::memcpy(&v, static_cast<char*>(repl_staging_->data()) + consumed_staging_offset_, 8);
+      known_consumed_ = std::max(known_consumed_, v);
+      PostWaitingRecords();
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void ShardServer::BackupFailed(const Status& why) {
+  if (backup_state_ != BackupState::kConnected) return;
+  backup_state_ = BackupState::kFailed;
+  LOG(WARNING) << "server rank " << rank_ << ": replication to the backup of group " << group_
+               << " failed: " << why
+               << "; new versions wait until the coordinator declares the backup gone";
+}
+
+void ShardServer::FinishCommit(uint32_t slot) {
+  Chunk& c = *chunks_[slot];
+  if (!c.inflight) return;
+  c.inflight = false;
+  Publish(slot, c.inflight_target, c.inflight_min_clock_plus1);
+  // The pushes folded into this version are acknowledged only now: their inbox slots (and, for
+  // a failover, the workers' own buffers) may be reused once the version is replicated.
+  for (const Contributor& a : c.inflight_acks) {
+    auto w = workers_.find(a.worker);
+    if (w == workers_.end() || w->second->incarnation != a.incarnation) continue;
+    auto* ack = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(acks_->data()) +
+                                                         layout_->ack_offset(a.worker, slot));
+    if (ack->load(std::memory_order_relaxed) < a.seq) ack->store(a.seq, std::memory_order_release);
+  }
+  c.inflight_acks.clear();
+  DrainDeferred(slot);
+  if (config_.mode() == control::BSP) ApplyBsp(slot);
+}
+
+void ShardServer::DrainDeferred(uint32_t slot) {
+  Chunk& c = *chunks_[slot];
+  while (!c.inflight && !c.deferred.empty()) {
+    const auto [worker, parity] = c.deferred.front();
+    c.deferred.pop_front();
+    if (!HandlePush(worker, slot, parity, true)) break;  // it waits again, at the front
+  }
+}
+
+void ShardServer::ApplyRecord(uint32_t entry) {
+  auto reject = [&](const std::string& why) {
+    LOG(ERROR) << "server rank " << rank_ << ": replication record in entry " << entry
+               << " refused: " << why;
+    std::lock_guard<std::mutex> l(counters_mu_);
+    ++counters_.records_rejected;
+  };
+  if (entry >= repl_layout_->entries()) return reject("entry out of range");
+  const char* base = static_cast<const char*>(ring_->data()) + repl_layout_->entry_offset(entry);
+  layout::ReplHeader h;
+  std::memcpy(&h, base, sizeof(h));
+  if (h.magic != layout::kReplMagic) return reject("bad magic");
+  if (h.seq != expected_record_) {
+    return reject("sequence " + std::to_string(h.seq) + ", expected " +
+                  std::to_string(expected_record_));
+  }
+  if (h.epoch < fence_epoch_) return reject("from an epoch before the fence");
+  if (h.slot >= chunks_.size()) return reject("slot out of range");
+  Chunk& c = *chunks_[h.slot];
+  if (h.bytes != c.bytes || h.contributors > layout_->max_workers()) {
+    return reject("size fields do not match the slot");
+  }
+  if (h.version != c.version + 1) {
+    return reject("version " + std::to_string(h.version) + " does not follow " +
+                  std::to_string(c.version));
+  }
+  const auto* payload = reinterpret_cast<const float*>(
+      static_cast<const char*>(ring_->data()) + repl_layout_->payload_offset(entry));
+  uint32_t target;
+  if (h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)) {
+    if (c.version != 0) return reject("init of an initialised chunk");
+    target = 0;
+    c.header->gen[0].fetch_add(1, std::memory_order_acq_rel);
+    std::memcpy(c.buf[0], payload, c.bytes);
+  } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kApply)) {
+    if (c.version == 0) return reject("update of an uninitialised chunk");
+    target = 1 - c.published;
+    c.header->gen[target].fetch_add(1, std::memory_order_acq_rel);
+    c.optimizer->Apply(c.buf[c.published], payload, h.scale, h.lr_scale, c.buf[target]);
+  } else {
+    return reject("unknown kind");
+  }
+  const auto* k = reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
+  for (uint32_t i = 0; i < h.contributors; ++i) {
+    if (k[i].worker >= layout_->max_workers()) continue;
+    WorkerState& w = Worker(k[i].worker, k[i].incarnation);
+    w.last_seq[h.slot] = std::max(w.last_seq[h.slot], k[i].seq);
+    w.applied_clock[h.slot] = std::max(w.applied_clock[h.slot], k[i].clock);
+    auto* ack = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(acks_->data()) +
+                                                         layout_->ack_offset(k[i].worker, h.slot));
+    if (ack->load(std::memory_order_relaxed) < k[i].seq) {
+      ack->store(k[i].seq, std::memory_order_release);
+    }
+    if (config_.mode() == control::BSP) c.applied_through = std::max(c.applied_through, k[i].clock);
+  }
+  Publish(h.slot, target, h.min_clock_plus1);
+  ++expected_record_;
+  reinterpret_cast<std::atomic<uint64_t>*>(consumed_->data())
+      ->store(h.seq, std::memory_order_release);
+  std::lock_guard<std::mutex> l(counters_mu_);
+  ++counters_.records_applied;
+}
+
+void ShardServer::Promote(const control::Promote& p) {
+  if (!backup_ || p.group() != group_) {
+    LOG(WARNING) << "server rank " << rank_ << ": promotion for group " << p.group()
+                 << " ignored (this server is " << (backup_ ? "the backup" : "the primary")
+                 << " of group " << group_ << ")";
+    return;
+  }
+  const auto t0 = Clock::now();
+  // Every record the old primary saw complete is in this CQ: apply them all first. Wait (boundedly)
+  // for its stream to fail so that nothing is still in flight inside the transport; a primary
+  // that is only partitioned is cut off instead (its later writes fail: fenced).
+  const auto deadline = t0 + std::chrono::milliseconds(2000);
+  Completion wc[64];
+  while (true) {
+    const int n = cq_->Wait(wc, 64, std::chrono::microseconds(1000));
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].op == OpType::kRecvImm && wc[i].ok()) HandleRecvImm(wc[i]);
+    }
+    auto it = endpoints_.find(primary_endpoint_);
+    const bool primary_gone = it == endpoints_.end() || !it->second->status().ok();
+    if (n == 0 && (primary_gone || Clock::now() > deadline)) break;
+  }
+  endpoints_.erase(primary_endpoint_);
+  primary_endpoint_ = 0;
+  backup_ = false;
+  fence_epoch_ = p.epoch();
+  backup_state_ = BackupState::kGone;
+  {
+    std::lock_guard<std::mutex> l(counters_mu_);
+    ++counters_.promotions;
+    counters_.backup = false;
+  }
+  LOG(WARNING) << "server rank " << rank_ << ": PROMOTED to primary of group " << group_
+               << " at epoch " << p.epoch() << " after " << expected_record_ - 1
+               << " replicated records (drained in "
+               << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()
+               << " ms); the group has no backup now";
+  std::vector<Completion> early;
+  early.swap(early_);
+  for (const Completion& c : early) HandleRecvImm(c);
+  Reevaluate();
 }
 
 void ShardServer::Publish(uint32_t slot, uint32_t target, uint64_t min_clock_plus1) {

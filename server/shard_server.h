@@ -11,6 +11,14 @@
 //    pushes every live worker has had applied. Workers wait on it (SSP) or not (ASP).
 //  * VSGD additionally scales the learning rate by value staleness (server/optimizer.h).
 //
+// Replication (docs/fault-tolerance.md): with replicas = 2 every shard group has a primary and a
+// backup server. The primary writes one record per new version into the backup's registered
+// ring with one-sided writes (primary-backup, not chain: one hop, and the backup is the only
+// other copy) and publishes the version to pulls only once that write has completed. The
+// backup applies the records in order with the same optimizer code, so its weights, optimizer
+// state and exactly-once state (last sequence number per worker and chunk) match the primary's
+// bit for bit. When the coordinator promotes it, it drains the ring and serves the group.
+//
 // Thread safety: Run() is the apply/polling thread and owns all data-path state; Stop() may be
 // called from any thread (e.g. a signal handler's flag watcher).
 #ifndef SHARDPS_SERVER_SHARD_SERVER_H_
@@ -49,6 +57,8 @@ struct ShardServerOptions {
   // Batch jobs (mpirun, scripts): stop once every expected worker has joined and all of them
   // have left again. Off by default: an elastic cluster may be empty of workers for a while.
   bool exit_when_workers_done = false;
+  // Replication ring entries cap (0: slots + 4, limited to ~256 MiB of ring).
+  uint32_t replication_ring_entries = 0;
 };
 
 struct ShardServerCounters {
@@ -58,6 +68,16 @@ struct ShardServerCounters {
   uint64_t versions_published = 0;
   uint64_t endpoints_accepted = 0;
   uint64_t endpoint_errors = 0;
+  uint64_t deferred_pushes = 0;    // waited for the chunk's previous version to be replicated
+  uint64_t stale_pushes = 0;       // BSP: a clock already applied without it (a late joiner)
+  uint64_t records_sent = 0;       // primary: replication records written to the backup
+  uint64_t records_applied = 0;    // backup: records applied
+  uint64_t records_rejected = 0;   // backup: malformed, out of sequence or fenced
+  uint64_t replication_stalls = 0; // primary: ring full, waited for the backup to consume
+  uint64_t promotions = 0;         // backup -> primary
+  bool backup = false;             // currently holds a backup copy (not serving workers)
+  bool replicating = false;        // currently replicating to a backup
+  uint32_t group = 0;
 };
 
 class ShardServer {
@@ -78,6 +98,14 @@ class ShardServer {
  private:
   struct Chunk;
   struct WorkerState;
+  struct Contributor {
+    uint32_t worker;
+    uint32_t parity;
+    uint64_t seq;
+    uint64_t incarnation;
+    int64_t clock;
+  };
+  enum class BackupState { kNone, kConnected, kFailed, kGone };
 
   Status Setup();
   Status Serve();
@@ -85,13 +113,33 @@ class ShardServer {
   void HandleRecvImm(const transport::Completion& c);
   void HandleHello(uint64_t endpoint_id, uint32_t rank);
   void HandleInit(uint32_t worker, uint32_t slot);
-  void HandlePush(uint32_t worker, uint32_t slot, uint32_t parity);
+  // from_queue: a deferred push being retried (it keeps its place ahead of newer ones).
+  // Returns false if the push had to wait (it was queued).
+  bool HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue);
   void HandleClock(uint32_t worker, uint32_t clock_low);
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
   void ApplyBsp(uint32_t slot);
-  void ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version);
+  // Computes the next version into the unpublished buffer; returns the lr scale used.
+  float ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version);
+  // A new version sits in buffer `target`: replicate it (if there is a backup), then publish
+  // it and acknowledge its pushes. `payload` is registered memory (region, offset).
+  void Commit(uint32_t slot, uint32_t target, uint64_t min_clock_plus1, layout::ReplKind kind,
+              const transport::MemoryRegion* payload, uint64_t payload_offset, float scale,
+              float lr_scale, std::vector<Contributor> contributors);
+  void FinishCommit(uint32_t slot);
+  void DrainDeferred(uint32_t slot);
   void Publish(uint32_t slot, uint32_t target, uint64_t min_clock_plus1);
   void RefreshMembership();
+  WorkerState& Worker(uint32_t rank, uint64_t incarnation);
+  // Replication.
+  Status ConnectBackup(const control::ReplicaTarget& t);
+  void PostRecord(uint32_t slot);
+  void PostWaitingRecords();
+  void HandleBackupCompletion(const transport::Completion& c);
+  void BackupFailed(const Status& why);
+  void ApplyRecord(uint32_t entry);
+  void Promote(const control::Promote& p);
+  void PollControl();
   uint64_t SspMinClockPlus1(uint32_t slot) const;
   std::set<uint32_t> LiveWorkers() const;
 
@@ -119,6 +167,31 @@ class ShardServer {
   size_t most_workers_seen_ = 0;        // for exit_when_workers_done
   std::set<uint32_t> departed_workers_;
   uint64_t seen_epoch_ = 0;
+
+  // Role.
+  uint32_t group_ = 0;
+  uint32_t num_groups_ = 1;
+  bool backup_ = false;           // holds the group's backup copy, not serving workers yet
+  uint64_t fence_epoch_ = 0;      // records and pushes of older epochs are refused
+  std::vector<transport::Completion> early_;  // worker completions that reached a backup
+  // Primary side of replication.
+  BackupState backup_state_ = BackupState::kNone;
+  uint32_t backup_member_ = 0;
+  std::unique_ptr<transport::Endpoint> backup_ep_;
+  transport::RegionDescriptor backup_ring_, backup_consumed_;
+  std::unique_ptr<layout::ReplLayout> repl_layout_;
+  std::unique_ptr<transport::MemoryRegion> repl_staging_;  // per slot: header|contributors|sum
+  uint64_t repl_slot_stride_ = 0;
+  uint64_t consumed_staging_offset_ = 0;
+  uint64_t next_record_seq_ = 1;
+  uint64_t known_consumed_ = 0;
+  bool consumed_read_outstanding_ = false;
+  std::deque<uint32_t> ring_wait_;  // slots whose records wait for ring space
+  // Backup side of replication.
+  std::unique_ptr<transport::MemoryRegion> ring_;      // remote-write
+  std::unique_ptr<transport::MemoryRegion> consumed_;  // remote-read: u64 last applied seq
+  uint64_t primary_endpoint_ = 0;
+  uint64_t expected_record_ = 1;
 
   mutable std::mutex counters_mu_;
   ShardServerCounters counters_;

@@ -264,6 +264,9 @@ int shardps_client_counters(const shardps_client* c, shardps_counters* out, shar
     out->pushes = k.pushes;
     out->pulls = k.pulls;
     out->pull_retries = k.pull_retries;
+    out->failovers = k.failovers;
+    out->pushes_resent = k.pushes_resent;
+    out->pushes_lost = k.pushes_lost;
     out->bytes_pushed = k.bytes_pushed;
     out->bytes_pulled = k.bytes_pulled;
     return Status::OK();

@@ -255,19 +255,10 @@ Status ClientImpl::Start() {
   }
   // Servers and their regions.
   servers_.resize(map.servers_size());
+  map_epoch_ = map.epoch();
   for (const auto& se : map.servers()) {
     if (se.rank() >= servers_.size()) return InvalidArgumentError("shard map: bad server rank");
-    Server& s = servers_[se.rank()];
-    s.rank = se.rank();
-    s.address = se.data_address();
-    for (const auto& r : se.regions()) {
-      ASSIGN_OR_RETURN(transport::RegionDescriptor d,
-                       transport::RegionDescriptor::Decode(r.encoded_descriptor()));
-      if (r.name() == "weights") s.weights = d;
-      if (r.name() == "inbox") s.inbox = d;
-      if (r.name() == "acks") s.acks = d;
-      if (r.name() == "clocks") s.clocks = d;
-    }
+    RETURN_IF_ERROR(ApplyServerEntry(se, servers_[se.rank()]));
   }
   chunks_.resize(map.chunks_size());
   std::vector<std::vector<uint64_t>> slot_bytes(servers_.size());
@@ -314,30 +305,11 @@ Status ClientImpl::Start() {
   }
   ASSIGN_OR_RETURN(staging_, fabric_->AllocateMemory(staging_bytes, Access::kLocalOnly));
 
-  // Endpoints, one per server, all on one CQ owned by this thread.
+  // Endpoints, one per server, all on one CQ owned by this thread. Room for the completions of
+  // endpoints replaced by failovers, whose flushed operations may still arrive.
   ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(
-                            static_cast<int>(servers_.size()) * (kSendDepth + 8) + 64));
-  for (Server& s : servers_) {
-    transport::EndpointOptions eo;
-    eo.endpoint_id = s.rank;
-    eo.send_depth = kSendDepth;
-    eo.recv_depth = 4;
-    eo.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
-    auto ep = fabric_->Connect(s.address, cq_.get(), eo);
-    if (!ep.ok()) return ep.status().WithContext("connecting to server " + std::to_string(s.rank));
-    s.ep = std::move(*ep);
-  }
-  // Hello: tells each server which worker this endpoint belongs to.
-  const uint64_t hello_off = chunks_.size() * kStagingPerChunk;
-  for (Server& s : servers_) {
-    RETURN_IF_ERROR(PostWithCredit([&] {
-      return s.ep->PostWriteImm({staging_.get(), hello_off, 8},
-                                transport::AtOffset(s.inbox, s.layout->hello_offset(rank_)),
-                                layout::MakeImm(layout::ImmKind::kHello, rank_),
-                                MakeContext(kOpSetup, 0, 0));
-    }));
-  }
-  RETURN_IF_ERROR(WaitSetupOps(static_cast<int>(servers_.size())));
+                            2 * static_cast<int>(servers_.size()) * (kSendDepth + 8) + 64));
+  for (Server& s : servers_) RETURN_IF_ERROR(ConnectServer(s));
   // Rank 0's weights become the initial weights.
   if (rank_ == 0) {
     for (Tensor& t : tensors_) {
@@ -360,9 +332,249 @@ Status ClientImpl::Start() {
     ASSIGN_OR_RETURN(Handle h, Pull(tensors_[t].name));
     RETURN_IF_ERROR(Wait(h));
   }
+  // A worker that joins a running cluster (elastic growth, or a restarted worker) starts at the
+  // cluster's clock: the weights it pulled contain every push of the clocks before it.
+  uint64_t cluster_clock = 0;
+  for (const ChunkRt& c : chunks_) cluster_clock = std::max(cluster_clock, c.pulled_min_clock_plus1);
+  if (cluster_clock > clock_) {
+    LOG(INFO) << "worker rank " << rank_ << ": joined a running cluster at clock " << cluster_clock;
+    clock_ = cluster_clock;
+    for (Server& s : servers_) RETURN_IF_ERROR(SendClock(s));
+  }
   control_baseline_ = control_->counters().other_messages_sent;
   LOG(INFO) << "worker rank " << rank_ << ": started: " << tensors_.size() << " tensors, "
             << chunks_.size() << " chunks on " << servers_.size() << " servers";
+  return Status::OK();
+}
+
+Status ClientImpl::ApplyServerEntry(const control::ServerEntry& se, Server& s) {
+  if (se.lost()) {
+    return DataLossError("server group " + std::to_string(se.rank()) + " is lost: its primary (server rank " +
+                         std::to_string(se.server_rank()) +
+                         ") died and no backup was left (replicas=1, or the backup had died "
+                         "first); restart the cluster from the latest checkpoint");
+  }
+  s.rank = se.rank();
+  s.member_id = se.member_id();
+  s.server_rank = se.server_rank();
+  s.address = se.data_address();
+  for (const auto& r : se.regions()) {
+    ASSIGN_OR_RETURN(transport::RegionDescriptor d,
+                     transport::RegionDescriptor::Decode(r.encoded_descriptor()));
+    if (r.name() == "weights") s.weights = d;
+    if (r.name() == "inbox") s.inbox = d;
+    if (r.name() == "acks") s.acks = d;
+    if (r.name() == "clocks") s.clocks = d;
+  }
+  if (s.layout != nullptr &&
+      (s.inbox.length < s.layout->inbox_bytes() || s.weights.length < s.layout->weights_bytes() ||
+       s.clocks.length < s.layout->clocks_bytes())) {
+    return FailedPreconditionError("server " + std::to_string(s.rank) +
+                                   "'s regions are smaller than its layout");
+  }
+  return Status::OK();
+}
+
+Status ClientImpl::ConnectServer(Server& s) {
+  s.ep.reset();
+  ++s.gen;
+  transport::EndpointOptions eo;
+  eo.endpoint_id = (static_cast<uint64_t>(s.gen) << 32) | s.rank;
+  eo.send_depth = kSendDepth;
+  eo.recv_depth = 4;
+  eo.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+  auto ep = fabric_->Connect(s.address, cq_.get(), eo);
+  if (!ep.ok()) {
+    return ep.status().WithContext("connecting to server group " + std::to_string(s.rank) +
+                                   " at " + s.address);
+  }
+  s.ep = std::move(*ep);
+  s.failed = false;
+  // Hello: tells the server which worker (rank and incarnation) this endpoint belongs to.
+  const uint64_t hello_off = chunks_.size() * kStagingPerChunk;
+  auto* hello = reinterpret_cast<layout::Hello*>(static_cast<char*>(staging_->data()) + hello_off);
+  std::memset(hello, 0, sizeof(*hello));
+  hello->incarnation = control_->member_id();
+  hello->magic = layout::kHelloMagic;
+  RETURN_IF_ERROR(PostWithCredit([&] {
+    return s.ep->PostWriteImm({staging_.get(), hello_off, sizeof(layout::Hello)},
+                              transport::AtOffset(s.inbox, s.layout->hello_offset(rank_)),
+                              layout::MakeImm(layout::ImmKind::kHello, rank_),
+                              MakeContext(kOpSetup, 0, 0));
+  }));
+  return WaitSetupOps(1);
+}
+
+Status ClientImpl::SendClock(Server& s) {
+  const uint64_t off = clock_staging_offset_ + s.rank * layout::kAlign;
+  std::memcpy(static_cast<char*>(staging_->data()) + off, &clock_, sizeof(clock_));
+  return PostWithCredit([&] {
+    return s.ep->PostWriteImm({staging_.get(), off, sizeof(uint64_t)},
+                              transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
+                              layout::MakeImm(layout::ImmKind::kClock, static_cast<uint32_t>(clock_)),
+                              MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
+  });
+}
+
+Status ClientImpl::MaybeRecover() {
+  if (!started_ || recovering_) return Status::OK();
+  bool any = false;
+  for (Server& s : servers_) {
+    if (s.ep && !s.ep->status().ok()) s.failed = true;
+    any = any || s.failed;
+  }
+  if (!any) return Status::OK();
+  if (!replicated()) {
+    for (uint32_t i = 0; i < servers_.size(); ++i) {
+      if (servers_[i].failed) {
+        return ServerError(i, "failed, and the cluster has no backups (replicas=1): the state of "
+                              "its shards is lost; restart from the latest checkpoint");
+      }
+    }
+  }
+  return Recover();
+}
+
+Status ClientImpl::Recover() {
+  recovering_ = true;
+  struct Reset {
+    bool* f;
+    ~Reset() { *f = false; }
+  } reset{&recovering_};
+  const auto t0 = SteadyClock::now();
+  const auto timeout = options_.failover_timeout.count() > 0
+                           ? options_.failover_timeout
+                           : std::chrono::milliseconds(config_.failover_timeout_ms() > 0
+                                                           ? config_.failover_timeout_ms()
+                                                           : 20000);
+  const auto deadline = t0 + timeout;
+  control::ShardMap newest;
+  bool have = false;
+  auto consider = [&](const control::Envelope& e) {
+    if (e.shard_map().epoch() > map_epoch_ && (!have || e.shard_map().epoch() > newest.epoch())) {
+      newest = e.shard_map();
+      have = true;
+    }
+  };
+  std::string names;
+  for (const Server& s : servers_) {
+    if (s.failed) names += (names.empty() ? "" : ", ") + std::to_string(s.rank);
+  }
+  LOG(WARNING) << "worker rank " << rank_ << ": server group(s) " << names
+               << " failed; waiting up to " << timeout.count() << " ms for a failover";
+  while (true) {
+    while (true) {
+      auto m = control_->WaitMessage(control::Envelope::kShardMap, std::chrono::milliseconds(0));
+      if (!m.ok()) break;
+      consider(*m);
+    }
+    bool all = true;
+    for (uint32_t i = 0; i < servers_.size(); ++i) {
+      Server& s = servers_[i];
+      if (!s.failed) continue;
+      const control::ServerEntry* se = nullptr;
+      if (have) {
+        for (const auto& e : newest.servers()) {
+          if (e.rank() == i) se = &e;
+        }
+      }
+      if (se != nullptr && se->lost()) return ApplyServerEntry(*se, s);  // the DataLoss error
+      if (se == nullptr || se->member_id() == s.member_id) all = false;
+    }
+    if (all) break;
+    if (SteadyClock::now() > deadline) {
+      for (uint32_t i = 0; i < servers_.size(); ++i) {
+        if (servers_[i].failed) {
+          return ServerError(i, "failed, and no backup took over within " +
+                                    std::to_string(timeout.count()) + " ms");
+        }
+      }
+    }
+    auto m = control_->WaitMessage(control::Envelope::kShardMap, std::chrono::milliseconds(20));
+    if (m.ok()) consider(*m);
+    Progress().IgnoreError();  // completions of the healthy servers keep flowing
+  }
+  map_epoch_ = newest.epoch();
+  for (const auto& se : newest.servers()) {
+    if (se.rank() >= servers_.size()) continue;
+    Server& s = servers_[se.rank()];
+    if (se.member_id() == s.member_id && !s.failed) continue;
+    RETURN_IF_ERROR(ApplyServerEntry(se, s));
+    RETURN_IF_ERROR(ConnectServer(s));
+    RETURN_IF_ERROR(ResyncServer(se.rank()));
+    ++counters_.failovers;
+    LOG(WARNING) << "worker rank " << rank_ << ": server group " << se.rank()
+                 << " failed over to server rank " << se.server_rank() << " at "
+                 << se.data_address() << " (epoch " << newest.epoch() << ") in "
+                 << std::chrono::duration_cast<std::chrono::milliseconds>(SteadyClock::now() - t0)
+                        .count()
+                 << " ms";
+  }
+  return Status::OK();
+}
+
+// After reconnecting to a promoted backup: learn which pushes it has (its acks follow the
+// replicated sequence numbers), send the latest push of each chunk again if it is missing
+// (a duplicate would be dropped by sequence number anyway), tell it our clock, and restart the
+// pulls that were in flight.
+Status ClientImpl::ResyncServer(uint32_t server) {
+  Server& s = servers_[server];
+  uint64_t off = acks_staging_offset_;
+  for (uint32_t i = 0; i < server; ++i) off += layout::AlignUp(servers_[i].layout->acks_of_worker_bytes());
+  acks_pending_ = 1;
+  setup_error_ = Status::OK();
+  RETURN_IF_ERROR(PostWithCredit([&] {
+    return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
+                          transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
+                          MakeContext(kOpAcks, 0, 0));
+  }));
+  const auto deadline = SteadyClock::now() + options_.setup_timeout;
+  while (acks_pending_ > 0) {
+    RETURN_IF_ERROR(Progress());
+    if (SteadyClock::now() > deadline) return ServerError(server, "no answer after failover");
+  }
+  RETURN_IF_ERROR(setup_error_);
+  const auto* acks = reinterpret_cast<const uint64_t*>(static_cast<char*>(staging_->data()) + off);
+  for (uint32_t slot = 0; slot < s.chunk_of_slot.size(); ++slot) {
+    ChunkRt& c = chunks_[s.chunk_of_slot[slot]];
+    const uint64_t a = acks[slot];
+    c.known_acked = a;
+    for (int p = 0; p < 2; ++p) {
+      const uint64_t h = c.push_handle[p];
+      if (h == 0 || c.push_seq[p] == c.seq) continue;
+      c.push_handle[p] = 0;
+      FinishChunk(h, c.push_seq[p] <= a
+                         ? Status::OK()
+                         : DataLossError("push " + std::to_string(c.push_seq[p]) + " of chunk " +
+                                         std::to_string(c.id) +
+                                         " was lost in a failover (not replicated, and its "
+                                         "gradient buffer was reused by a later push)"));
+    }
+    if (c.seq > a) {
+      if (c.seq - 1 > a) {
+        counters_.pushes_lost += c.seq - 1 - a;
+        LOG(WARNING) << "worker rank " << rank_ << ": chunk " << c.id << ": pushes " << a + 1
+                     << ".." << c.seq - 1 << " were not replicated before the failover and "
+                     << "cannot be resent";
+      }
+      const uint32_t p = static_cast<uint32_t>(c.seq & 1);
+      RETURN_IF_ERROR(PostPush(c, c.seq, c.push_handle[p]));
+      ++counters_.pushes_resent;
+    } else {
+      const uint32_t p = static_cast<uint32_t>(c.seq & 1);
+      if (c.push_handle[p] != 0) {
+        const uint64_t h = c.push_handle[p];
+        c.push_handle[p] = 0;
+        FinishChunk(h, Status::OK());  // it was replicated before the primary died
+      }
+    }
+  }
+  // The clock goes after the pushes: it tells the server every push of the earlier clocks is in.
+  if (clock_ > 0) RETURN_IF_ERROR(SendClock(s));
+  for (uint32_t slot = 0; slot < s.chunk_of_slot.size(); ++slot) {
+    ChunkRt& c = chunks_[s.chunk_of_slot[slot]];
+    if (c.pull_handle != 0) StartPull(c, PullPhase::kAll);
+  }
   return Status::OK();
 }
 
@@ -399,9 +611,15 @@ void ClientImpl::OnCompletion(const Completion& wc) {
   const uint32_t kind = ContextKind(wc.context);
   const uint32_t chunk = ContextChunk(wc.context);
   const uint64_t handle = ContextHandle(wc.context);
+  const uint32_t server = static_cast<uint32_t>(wc.endpoint_id & 0xffffffffu);
+  const uint32_t gen = static_cast<uint32_t>(wc.endpoint_id >> 32);
+  if (server >= servers_.size() || servers_[server].gen != gen) return;  // a replaced endpoint
   const Status err = wc.ok() ? Status::OK()
-                             : ServerError(static_cast<uint32_t>(wc.endpoint_id),
-                                           std::string(transport::WcStatusName(wc.status)));
+                             : ServerError(server, std::string(transport::WcStatusName(wc.status)));
+  // With backups, a failed operation is not the caller's error yet: the server's group fails
+  // over and the operation is sent again (Recover).
+  const bool hold = !wc.ok() && replicated();
+  if (!wc.ok()) servers_[server].failed = true;
   switch (kind) {
     case kOpSetup:
       if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
@@ -412,7 +630,12 @@ void ClientImpl::OnCompletion(const Completion& wc) {
       if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
       return;
     case kOpPush: {
-      if (chunk >= chunks_.size()) return;
+      if (chunk >= chunks_.size() || handle == 0) return;
+      ChunkRt& c = chunks_[chunk];
+      const int p = c.push_handle[0] == handle ? 0 : c.push_handle[1] == handle ? 1 : -1;
+      if (p < 0) return;  // already finished (an unsignaled write's error after the header's)
+      if (hold) return;
+      c.push_handle[p] = 0;
       FinishChunk(handle, err);
       return;
     }
@@ -420,6 +643,7 @@ void ClientImpl::OnCompletion(const Completion& wc) {
       if (chunk >= chunks_.size()) return;
       ChunkRt& c = chunks_[chunk];
       if (c.pull_handle != handle) return;  // a flushed leftover of a finished pull
+      if (hold) return;  // restarted on the new server after the failover
       if (!wc.ok()) {
         c.pull_handle = 0;
         FinishChunk(handle, err);
@@ -474,6 +698,12 @@ Status ClientImpl::EnsureAcked(ChunkRt& c, uint64_t need) {
         return DeadlineExceededError("waiting for server " + std::to_string(c.server) +
                                      " to acknowledge pushes");
       }
+      if (s.failed) break;
+    }
+    if (s.failed && replicated() && !recovering_) {
+      acks_pending_ = 0;
+      RETURN_IF_ERROR(Recover());  // resynchronises known_acked with the new server
+      continue;
     }
     if (!setup_error_.ok()) return setup_error_;
     const auto* acks = reinterpret_cast<const uint64_t*>(static_cast<char*>(staging_->data()) + off);
@@ -490,6 +720,7 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   if (!started_) return FailedPreconditionError("Push before Start()");
   auto it = tensor_index_.find(name);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
+  RETURN_IF_ERROR(MaybeRecover());
   Tensor& t = tensors_[it->second];
   if (t.staging != nullptr) {
     // The mirror still holds the bytes of a push the caller has not waited for.
@@ -503,7 +734,6 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   t.push_handle = h;
   for (uint32_t id : t.chunks) {
     ChunkRt& c = chunks_[id];
-    Server& s = servers_[c.server];
     const uint64_t seq = c.seq + 1;
     const uint32_t parity = static_cast<uint32_t>(seq & 1);
     // The inbox slot of this parity was last used by push seq-2: it must be consumed.
@@ -514,60 +744,72 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
         break;
       }
     }
+    if (c.push_handle[parity] != 0) {
+      // Push seq-2 is acknowledged (so applied), even if its completion is not polled yet.
+      FinishChunk(c.push_handle[parity], Status::OK());
+      c.push_handle[parity] = 0;
+    }
     c.seq = seq;
-    auto* ph = reinterpret_cast<layout::PushHeader*>(Staging(id, static_cast<int>(parity)));
-    std::memset(ph, 0, sizeof(*ph));
-    ph->seq = seq;
-    ph->clock = clock_;
-    ph->base_version = c.pulled_version;
-    ph->chunk_id = c.id;
-    ph->worker = rank_;
-    ph->bytes = c.bytes;
-    ph->epoch = control_->epoch();
-    ph->magic = layout::kPushMagic;
-    Status st;
-    if (c.small_staging != 0 && t.staging == nullptr) {
-      // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
-      // which the server has consumed (EnsureAcked above).
-      const uint64_t off = c.small_staging + parity * (layout::kAlign + layout::AlignUp(c.bytes));
-      char* p = static_cast<char*>(staging_->data()) + off;
-      std::memcpy(p, ph, sizeof(*ph));
-      std::memcpy(p + layout::kAlign, reinterpret_cast<const char*>(t.grads) + c.offset, c.bytes);
-      st = PostWithCredit([&] {
-        return s.ep->PostWriteImm(
-            {staging_.get(), off, layout::kAlign + c.bytes},
-            transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
-            layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
-            MakeContext(kOpPush, id, h));
-      });
-      if (!st.ok()) {
-        hs.error = st;
-        break;
-      }
-      ++hs.pending;
-      ++counters_.pushes;
-      counters_.bytes_pushed += c.bytes;
-      continue;
-    }
-    st = PostPushData(t, c, s, parity, h);
-    if (st.ok()) {
-      st = PostWithCredit([&] {
-        return s.ep->PostWriteImm(
-            {staging_.get(), StagingOffset(id, static_cast<int>(parity)), sizeof(layout::PushHeader)},
-            transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
-            layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
-            MakeContext(kOpPush, id, h));
-      });
-    }
+    c.last_push_clock = clock_;
+    c.last_push_base = c.pulled_version;
+    c.push_handle[parity] = h;
+    c.push_seq[parity] = seq;
+    ++hs.pending;
+    Status st = PostPush(c, seq, h);
     if (!st.ok()) {
+      if (replicated() && servers_[c.server].failed) continue;  // resent after the failover
+      c.push_handle[parity] = 0;
+      --hs.pending;
       hs.error = st;
       break;
     }
-    ++hs.pending;
     ++counters_.pushes;
     counters_.bytes_pushed += c.bytes;
   }
   return Handle{h};
+}
+
+// Posts push `seq` of a chunk (its data, then the header with the immediate). The header's
+// clock and base version are those of the chunk's latest push (a resend after a failover
+// repeats them exactly).
+Status ClientImpl::PostPush(ChunkRt& c, uint64_t seq, uint64_t h) {
+  Tensor& t = tensors_[c.tensor];
+  Server& s = servers_[c.server];
+  if (!s.ep) return ServerError(c.server, "not connected");
+  const uint32_t parity = static_cast<uint32_t>(seq & 1);
+  auto* ph = reinterpret_cast<layout::PushHeader*>(Staging(c.id, static_cast<int>(parity)));
+  std::memset(ph, 0, sizeof(*ph));
+  ph->seq = seq;
+  ph->clock = c.last_push_clock;
+  ph->base_version = c.last_push_base;
+  ph->chunk_id = c.id;
+  ph->worker = rank_;
+  ph->bytes = c.bytes;
+  ph->epoch = std::max(control_->epoch(), map_epoch_);
+  ph->magic = layout::kPushMagic;
+  if (c.small_staging != 0 && t.staging == nullptr) {
+    // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
+    // which the server has consumed (EnsureAcked).
+    const uint64_t off = c.small_staging + parity * (layout::kAlign + layout::AlignUp(c.bytes));
+    char* p = static_cast<char*>(staging_->data()) + off;
+    std::memcpy(p, ph, sizeof(*ph));
+    std::memcpy(p + layout::kAlign, reinterpret_cast<const char*>(t.grads) + c.offset, c.bytes);
+    return PostWithCredit([&] {
+      return s.ep->PostWriteImm(
+          {staging_.get(), off, layout::kAlign + c.bytes},
+          transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
+          layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
+          MakeContext(kOpPush, c.id, h));
+    });
+  }
+  RETURN_IF_ERROR(PostPushData(t, c, s, parity, h));
+  return PostWithCredit([&] {
+    return s.ep->PostWriteImm(
+        {staging_.get(), StagingOffset(c.id, static_cast<int>(parity)), sizeof(layout::PushHeader)},
+        transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
+        layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
+        MakeContext(kOpPush, c.id, h));
+  });
 }
 
 Status ClientImpl::PostPushData(Tensor& t, ChunkRt& c, Server& s, uint32_t parity, uint64_t h) {
@@ -680,6 +922,7 @@ void ClientImpl::EvaluatePull(ChunkRt& c) {
   }
   if (c.pulled_version != 0) c.flip = static_cast<uint32_t>((v - c.pulled_version) & 1);
   c.pulled_version = v;
+  c.pulled_min_clock_plus1 = h1->min_clock_plus1[b].load(std::memory_order_relaxed);
   c.last_buf = b;
   const uint64_t h = c.pull_handle;
   c.pull_handle = 0;
@@ -697,6 +940,7 @@ StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
   if (!started_) return FailedPreconditionError("Pull before Start()");
   auto it = tensor_index_.find(name);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
+  RETURN_IF_ERROR(MaybeRecover());
   const uint64_t h = next_handle_++ & 0xffffffffull;
   HandleState& hs = handles_[h];
   if (tensors_[it->second].staging != nullptr) hs.staged_pull_tensor = it->second;
@@ -731,6 +975,14 @@ Status ClientImpl::Wait(Handle handle) {
   auto next_check = SteadyClock::now();
   while (it->second.pending > 0) {
     RETURN_IF_ERROR(Progress());
+    if (replicated()) {
+      bool failed = false;
+      for (const Server& sv : servers_) failed = failed || sv.failed;
+      if (failed) {
+        RETURN_IF_ERROR(MaybeRecover());
+        continue;
+      }
+    }
     const auto now = SteadyClock::now();
     if (now >= next_check) {
       next_check = now + std::chrono::milliseconds(50);
@@ -738,6 +990,10 @@ Status ClientImpl::Wait(Handle handle) {
         const Server& sv = servers_[i];
         if (!sv.ep || sv.ep->status().ok()) {
           errored_since_.erase(i);
+          continue;
+        }
+        if (replicated()) {
+          RETURN_IF_ERROR(MaybeRecover());
           continue;
         }
         auto [e, fresh] = errored_since_.emplace(i, now);
@@ -771,19 +1027,16 @@ Status ClientImpl::Wait(Handle handle) {
 Status ClientImpl::Clock() {
   ++clock_;
   if (!started_) return Status::OK();
+  RETURN_IF_ERROR(MaybeRecover());
   // Tell every server, one-sidedly: write the clock into this worker's clock slot with an
   // immediate. It follows this clock's pushes on the same endpoint, so the server knows every
   // push of the finished clocks is in (chunks this worker did not push stop waiting for it).
-  for (uint32_t i = 0; i < servers_.size(); ++i) {
-    Server& s = servers_[i];
-    const uint64_t off = clock_staging_offset_ + i * layout::kAlign;
-    std::memcpy(static_cast<char*>(staging_->data()) + off, &clock_, sizeof(clock_));
-    RETURN_IF_ERROR(PostWithCredit([&] {
-      return s.ep->PostWriteImm({staging_.get(), off, sizeof(uint64_t)},
-                                transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
-                                layout::MakeImm(layout::ImmKind::kClock, static_cast<uint32_t>(clock_)),
-                                MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
-    }));
+  for (Server& s : servers_) {
+    Status st = SendClock(s);
+    if (!st.ok()) {
+      if (!replicated()) return st;
+      s.failed = true;  // the clock is sent again to the promoted backup (ResyncServer)
+    }
   }
   return Status::OK();
 }

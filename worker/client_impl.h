@@ -69,7 +69,11 @@ class ClientImpl final : public Client {
     uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
   };
   struct Server {
-    uint32_t rank = 0;
+    uint32_t rank = 0;         // the shard group
+    uint32_t member_id = 0;    // the server process serving it now
+    uint32_t server_rank = 0;
+    uint32_t gen = 0;          // endpoint generation: completions of older endpoints are stale
+    bool failed = false;       // its endpoint failed: waiting for a failover
     std::string address;
     transport::RegionDescriptor weights, inbox, acks, clocks;
     std::unique_ptr<layout::ServerLayout> layout;
@@ -86,6 +90,13 @@ class ClientImpl final : public Client {
     uint32_t slot = 0;
     uint64_t seq = 0;
     uint64_t known_acked = 0;
+    // Pushes in flight per inbox parity: their handle (0 = none) and sequence number.
+    uint64_t push_handle[2] = {0, 0};
+    uint64_t push_seq[2] = {0, 0};
+    // The latest push, to send it again after a failover (from the caller's grads buffer).
+    uint64_t last_push_clock = 0;
+    uint64_t last_push_base = 0;
+    uint64_t pulled_min_clock_plus1 = 0;
     uint64_t pulled_version = 0;
     uint32_t last_buf = 1;  // version 1 is published into buffer 0
     // Parity of the number of versions published between our last two pulls: every new version
@@ -120,6 +131,17 @@ class ClientImpl final : public Client {
   char* Staging(uint32_t chunk, int which);  // 0,1: push headers; 2,3: header reads
   uint64_t StagingOffset(uint32_t chunk, int which) const;
   Status ServerError(uint32_t server, const std::string& what) const;
+  // Failover: when a server's endpoint fails and the cluster has backups, wait for the
+  // coordinator's new shard map, reconnect to the promoted backup, resend what it lacks and
+  // restart the pulls in flight. Bounded by the failover timeout.
+  Status MaybeRecover();
+  Status Recover();
+  Status ConnectServer(Server& s);
+  Status ApplyServerEntry(const control::ServerEntry& se, Server& s);
+  Status ResyncServer(uint32_t server);
+  Status PostPush(ChunkRt& c, uint64_t seq, uint64_t handle);
+  Status SendClock(Server& s);
+  bool replicated() const { return config_.replicas() >= 2; }
   Status RegisterDeviceTensor(Tensor& t);
   // Posts the data writes of one chunk's push, piece by piece for staged tensors.
   Status PostPushData(Tensor& t, ChunkRt& c, Server& s, uint32_t parity, uint64_t handle);
@@ -148,6 +170,8 @@ class ClientImpl final : public Client {
   int acks_pending_ = 0;
   ClientCounters counters_;
   uint64_t control_baseline_ = 0;
+  uint64_t map_epoch_ = 0;
+  bool recovering_ = false;
 };
 
 }  // namespace shardps::worker

@@ -146,6 +146,7 @@ struct Result {
   ClientCounters counters;
   uint64_t violations = 0;
   int64_t max_lead = 0;
+  uint64_t start_clock = 0;  // the clock after Start() (> 0: joined a running cluster)
   float max_abs_grad = 0;  // standalone: largest |gradient element| of any worker's minibatch
   std::vector<std::pair<std::string, const std::vector<float>*>> tensors;
 };
@@ -175,6 +176,10 @@ int WriteResult(const Result& r) {
   kv("pushes", std::to_string(r.counters.pushes));
   kv("pulls", std::to_string(r.counters.pulls));
   kv("pull_retries", std::to_string(r.counters.pull_retries));
+  kv("failovers", std::to_string(r.counters.failovers));
+  kv("pushes_resent", std::to_string(r.counters.pushes_resent));
+  kv("pushes_lost", std::to_string(r.counters.pushes_lost));
+  kv("start_clock", std::to_string(r.start_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
   snprintf(buf, sizeof(buf), "%.17g", FLAGS_lr);
@@ -296,6 +301,7 @@ int RunCluster() {
     return 4;
   }
   const ClientCounters before = c.counters();
+  r.start_clock = c.clock();
   std::mt19937 rng(1000 + me);
   Progress(0);
   for (int t = 0; t < FLAGS_steps; ++t) {

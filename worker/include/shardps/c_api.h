@@ -86,6 +86,9 @@ typedef struct shardps_counters {
   uint64_t pushes;
   uint64_t pulls;
   uint64_t pull_retries;
+  uint64_t failovers;
+  uint64_t pushes_resent;
+  uint64_t pushes_lost;
   uint64_t bytes_pushed;
   uint64_t bytes_pulled;
 } shardps_counters;

@@ -40,6 +40,9 @@ struct ClientOptions {
   // How long a pull may wait for the consistency condition before it reports an error
   // (a dead server or a stuck cluster must not hang the trainer).
   std::chrono::milliseconds wait_timeout{30000};
+  // How long to wait for a failed server's group to be failed over to its backup (a new shard
+  // map) before reporting the failure; 0 = the cluster's failover_timeout_ms.
+  std::chrono::milliseconds failover_timeout{0};
   // CUDA tensors that the fabric cannot register directly are staged through pinned host
   // buffers in pieces of this many bytes: the copy of piece k+1 overlaps the write of piece k.
   uint64_t cuda_pipeline_bytes = 1u << 20;
@@ -61,6 +64,10 @@ struct ClientCounters {
   uint64_t pull_retries = 0;           // torn or not-yet-ready reads that were repeated
   uint64_t bytes_pushed = 0;
   uint64_t bytes_pulled = 0;
+  // Fault tolerance (docs/fault-tolerance.md).
+  uint64_t failovers = 0;      // server groups this worker moved to a promoted backup
+  uint64_t pushes_resent = 0;  // pushes sent again after a failover (duplicates are dropped)
+  uint64_t pushes_lost = 0;    // pushes neither replicated nor resendable (ASP/SSP only)
 };
 
 // Handle of an asynchronous Push or Pull.
