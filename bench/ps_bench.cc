@@ -170,6 +170,7 @@ struct ClusterSpec {
   std::string transport;
   int servers = 1;
   int workers = 1;
+  int replicas = 1;  // 2: every server group has a backup server (replication cost)
   size_t size = 0;
   int keys = 0;  // per worker: keys_per_server * servers (possibly capped)
 };
@@ -457,6 +458,7 @@ class Cluster {
                           "--num_servers=" + std::to_string(spec.servers),
                           "--num_workers=" + std::to_string(spec.workers),
                           "--data_transport=" + spec.transport,
+                          "--replicas=" + std::to_string(spec.replicas),
                           "--partition_bytes=" +
                               std::to_string(std::max<size_t>(spec.size, 4u << 20))},
                          dir + "/coordinator.log", std::chrono::seconds(3600)));
@@ -464,7 +466,7 @@ class Cluster {
     addr.erase(addr.find_last_not_of("\n ") + 1);
     c->address_ = addr;
     c->children_.push_back(std::move(coord));
-    for (int s = 0; s < spec.servers; ++s) {
+    for (int s = 0; s < spec.servers * spec.replicas; ++s) {
       ASSIGN_OR_RETURN(auto srv, ChildProcess::Spawn(
                                      {FLAGS_server_bin, "--coordinator=" + addr,
                                       std::string("--cluster_token=") + kToken,
@@ -695,18 +697,20 @@ void PrintRow(const Row& r) {
 // ---------------------------------------------------------------- main loop
 
 struct Layout {
-  int servers, workers;
+  int servers, workers, replicas;
   std::string name;
 };
 
+// SxW, or SxWr2: S server groups, W workers, every group with a backup server.
 StatusOr<std::vector<Layout>> ParseLayouts(const std::string& s) {
   std::vector<Layout> v;
   for (const std::string& l : SplitList(s)) {
-    int a = 0, b = 0;
-    if (sscanf(l.c_str(), "%dx%d", &a, &b) != 2 || a < 1 || b < 1 || a > 16 || b > 16) {
-      return InvalidArgumentError("bad layout '" + l + "' (want SxW, e.g. 2x2)");
+    int a = 0, b = 0, r = 1;
+    const int n = sscanf(l.c_str(), "%dx%dr%d", &a, &b, &r);
+    if (n < 2 || a < 1 || b < 1 || a > 16 || b > 16 || r < 1 || r > 2) {
+      return InvalidArgumentError("bad layout '" + l + "' (want SxW or SxWr2, e.g. 2x2r2)");
     }
-    v.push_back({a, b, l});
+    v.push_back({a, b, r, l});
   }
   return v;
 }
@@ -884,6 +888,7 @@ int Main() {
         spec.transport = tr;
         spec.servers = lay.servers;
         spec.workers = lay.workers;
+        spec.replicas = lay.replicas;
         spec.size = size;
         int kps = FLAGS_keys_per_server;
         while (kps > 1 && 2.0 * size * kps * lay.servers > static_cast<double>(*max_bytes)) --kps;
@@ -911,6 +916,20 @@ int Main() {
       << ",\"failures\":" << failures.size() << "},\n\"rows\":[\n";
     for (size_t i = 0; i < rows.size(); ++i) f << (i ? ",\n" : "") << RowJson(rows[i]);
     f << "\n]}\n";
+  }
+  // Replication cost: goodput with a backup per group / without, same run, same point.
+  for (const Row& r2 : rows) {
+    const auto rpos = r2.layout.find('r');
+    if (rpos == std::string::npos || r2.series != "throughput") continue;
+    for (const Row& r1 : rows) {
+      if (r1.layout == r2.layout.substr(0, rpos) && r1.transport == r2.transport &&
+          r1.series == r2.series && r1.mode == r2.mode && r1.size == r2.size) {
+        printf("replication cost: %s %s %s %s: goodput with a backup %.3f Gbit/s / without %.3f "
+               "Gbit/s = %.2f\n",
+               r2.transport.c_str(), r1.layout.c_str(), r2.mode.c_str(), SizeName(r2.size).c_str(),
+               r2.gbps, r1.gbps, r1.gbps > 0 ? r2.gbps / r1.gbps : 0.0);
+      }
+    }
   }
   int rc = failures.empty() ? 0 : 1;
   if (FLAGS_smoke) {

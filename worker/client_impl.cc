@@ -71,6 +71,18 @@ Status ClientImpl::Init() {
   fo.bind_ip = options_.bind_ip;
   fo.rdma_device = options_.rdma_device;
   fo.rdma_gid_index = options_.rdma_gid_index;
+  if (const char* f = getenv("SHARDPS_FAULT_INJECT")) {
+    // Testing only: "data_error_every=N".
+    unsigned n = 0;
+    if (sscanf(f, "data_error_every=%u", &n) == 1 && n > 0) {
+      inject_data_error_every_ = n;
+      LOG(WARNING) << "SHARDPS_FAULT_INJECT: every " << n
+                   << "th push gets an error completion (testing only)";
+    } else if (*f != '\0') {
+      return InvalidArgumentError(std::string("SHARDPS_FAULT_INJECT='") + f +
+                                  "': want data_error_every=N");
+    }
+  }
   ASSIGN_OR_RETURN(fabric_, transport::Fabric::Open(fo));
   control::ControlClientOptions co;
   co.coordinator_address = options_.coordinator;
@@ -424,14 +436,6 @@ Status ClientImpl::MaybeRecover() {
     any = any || s.failed;
   }
   if (!any) return Status::OK();
-  if (!replicated()) {
-    for (uint32_t i = 0; i < servers_.size(); ++i) {
-      if (servers_[i].failed) {
-        return ServerError(i, "failed, and the cluster has no backups (replicas=1): the state of "
-                              "its shards is lost; restart from the latest checkpoint");
-      }
-    }
-  }
   return Recover();
 }
 
@@ -448,6 +452,7 @@ Status ClientImpl::Recover() {
                                                            ? config_.failover_timeout_ms()
                                                            : 20000);
   const auto deadline = t0 + timeout;
+  auto next_reconnect = t0 + std::chrono::milliseconds(20);
   control::ShardMap newest;
   bool have = false;
   auto consider = [&](const control::Envelope& e) {
@@ -469,6 +474,7 @@ Status ClientImpl::Recover() {
       consider(*m);
     }
     bool all = true;
+    const control::Membership members = control_->membership();
     for (uint32_t i = 0; i < servers_.size(); ++i) {
       Server& s = servers_[i];
       if (!s.failed) continue;
@@ -479,7 +485,43 @@ Status ClientImpl::Recover() {
         }
       }
       if (se != nullptr && se->lost()) return ApplyServerEntry(*se, s);  // the DataLoss error
-      if (se == nullptr || se->member_id() == s.member_id) all = false;
+      if (se != nullptr && se->member_id() != s.member_id) continue;     // failed over
+      all = false;
+      // Not replaced: if its process is still a member, the data path failed without the server
+      // dying (an error completion, a reset connection): reconnect to the same server. Its
+      // exactly-once state survives (same incarnation), so resending is safe.
+      bool member = false;
+      for (const auto& m : members.members()) member = member || m.member_id() == s.member_id;
+      if (member && SteadyClock::now() >= next_reconnect) {
+        Status st = ConnectServer(s);
+        if (st.ok()) st = ResyncServer(i);
+        if (st.ok()) {
+          ++counters_.reconnects;
+          LOG(WARNING) << "worker rank " << rank_ << ": reconnected to server group " << i
+                       << " (server rank " << s.server_rank << ", still a member) after a "
+                       << "data-path failure";
+        } else {
+          s.failed = true;
+          VLOG(1) << "reconnect to server group " << i << ": " << st;
+        }
+      } else if (!member && !replicated()) {
+        return ServerError(i, "failed, and the cluster has no backups (replicas=1): the state of "
+                              "its shards is lost; restart from the latest checkpoint");
+      }
+    }
+    if (SteadyClock::now() >= next_reconnect) {
+      next_reconnect = SteadyClock::now() + std::chrono::milliseconds(100);
+    }
+    all = true;
+    for (uint32_t i = 0; i < servers_.size(); ++i) {
+      if (!servers_[i].failed) continue;
+      const control::ServerEntry* se = nullptr;
+      if (have) {
+        for (const auto& e : newest.servers()) {
+          if (e.rank() == i) se = &e;
+        }
+      }
+      if (se == nullptr || se->member_id() == servers_[i].member_id) all = false;
     }
     if (all) break;
     if (SteadyClock::now() > deadline) {
@@ -494,6 +536,7 @@ Status ClientImpl::Recover() {
     if (m.ok()) consider(*m);
     Progress().IgnoreError();  // completions of the healthy servers keep flowing
   }
+  if (!have) return Status::OK();  // every failed server was reconnected
   map_epoch_ = newest.epoch();
   for (const auto& se : newest.servers()) {
     if (se.rank() >= servers_.size()) continue;
@@ -787,6 +830,16 @@ Status ClientImpl::PostPush(ChunkRt& c, uint64_t seq, uint64_t h) {
   ph->bytes = c.bytes;
   ph->epoch = std::max(control_->epoch(), map_epoch_);
   ph->magic = layout::kPushMagic;
+  // Fault injection (tests): every Nth push names a wrong rkey, so the server's NIC (or the
+  // provider's target) refuses it with a remote access error: an error completion on the data
+  // path, which puts the endpoint into the error state. The push is then resent.
+  transport::RegionDescriptor inbox = s.inbox;
+  if (inject_data_error_every_ > 0 && ++pushes_posted_ % inject_data_error_every_ == 0) {
+    inbox.rkey ^= 0x5a5a5a5au;
+    ++counters_.injected_errors;
+    LOG(WARNING) << "worker rank " << rank_ << ": fault injection: push " << seq << " of chunk "
+                 << c.id << " with a wrong rkey";
+  }
   if (c.small_staging != 0 && t.staging == nullptr) {
     // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
     // which the server has consumed (EnsureAcked).
@@ -797,7 +850,7 @@ Status ClientImpl::PostPush(ChunkRt& c, uint64_t seq, uint64_t h) {
     return PostWithCredit([&] {
       return s.ep->PostWriteImm(
           {staging_.get(), off, layout::kAlign + c.bytes},
-          transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
+          transport::AtOffset(inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
           layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
           MakeContext(kOpPush, c.id, h));
     });
@@ -806,7 +859,7 @@ Status ClientImpl::PostPush(ChunkRt& c, uint64_t seq, uint64_t h) {
   return PostWithCredit([&] {
     return s.ep->PostWriteImm(
         {staging_.get(), StagingOffset(c.id, static_cast<int>(parity)), sizeof(layout::PushHeader)},
-        transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
+        transport::AtOffset(inbox, s.layout->push_header_offset(rank_, c.slot, parity)),
         layout::MakeImm(layout::ImmKind::kPush, (c.slot << 1) | parity),
         MakeContext(kOpPush, c.id, h));
   });

@@ -172,6 +172,8 @@ class ClientImpl final : public Client {
   uint64_t control_baseline_ = 0;
   uint64_t map_epoch_ = 0;
   bool recovering_ = false;
+  uint64_t inject_data_error_every_ = 0;  // SHARDPS_FAULT_INJECT (tests)
+  uint64_t pushes_posted_ = 0;
 };
 
 }  // namespace shardps::worker

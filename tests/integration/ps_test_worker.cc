@@ -179,6 +179,8 @@ int WriteResult(const Result& r) {
   kv("failovers", std::to_string(r.counters.failovers));
   kv("pushes_resent", std::to_string(r.counters.pushes_resent));
   kv("pushes_lost", std::to_string(r.counters.pushes_lost));
+  kv("reconnects", std::to_string(r.counters.reconnects));
+  kv("injected_errors", std::to_string(r.counters.injected_errors));
   kv("start_clock", std::to_string(r.start_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
