@@ -321,8 +321,8 @@ class Source {
 
  private:
   Status Fill() {
-    if (buf_.empty()) buf_.resize(kIoBuffer);
     size_t want = static_cast<size_t>(std::min<uint64_t>(kIoBuffer, end_ - pos_));
+    if (buf_.size() < want) buf_.resize(want);  // small files get a small buffer
     for (;;) {
       ssize_t r = ::pread(fd_, buf_.data(), want, static_cast<off_t>(pos_));
       if (r < 0 && errno == EINTR) continue;
