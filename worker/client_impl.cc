@@ -659,9 +659,10 @@ void ClientImpl::OnCompletion(const Completion& wc) {
   if (server >= servers_.size() || servers_[server].gen != gen) return;  // a replaced endpoint
   const Status err = wc.ok() ? Status::OK()
                              : ServerError(server, std::string(transport::WcStatusName(wc.status)));
-  // With backups, a failed operation is not the caller's error yet: the server's group fails
-  // over and the operation is sent again (Recover).
-  const bool hold = !wc.ok() && replicated();
+  // A failed operation is not the caller's error yet: the server's group fails over to its
+  // backup, or the endpoint is reconnected if the server is alive, and the operation is sent
+  // again (Recover); Recover reports the error if neither happens in time.
+  const bool hold = !wc.ok();
   if (!wc.ok()) servers_[server].failed = true;
   switch (kind) {
     case kOpSetup:
