@@ -193,6 +193,10 @@ std::string FormatJson(const Report& r);  // schema: docs/doctor.md
 std::string FormatProbeFile(const std::vector<PairResult>& pairs);
 std::string JsonEscape(const std::string& s);
 
+// "connect h:p: Connection refused" -> "connection refused"; a timeout -> "no answer within N
+// ms".
+std::string ShortReason(const Status& s, std::chrono::milliseconds timeout);
+
 // This host's name (gethostname).
 std::string HostName();
 

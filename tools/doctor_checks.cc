@@ -46,7 +46,8 @@ uint64_t PageUp(uint64_t n) {
   return (n + page - 1) / page * page;
 }
 
-// "Connection refused" -> "connection refused"; a timeout -> "no answer within N ms".
+}  // namespace
+
 std::string ShortReason(const Status& s, std::chrono::milliseconds timeout) {
   if (s.code() == StatusCode::kDeadlineExceeded) {
     return "no answer within " + std::to_string(timeout.count()) + " ms";
@@ -57,6 +58,8 @@ std::string ShortReason(const Status& s, std::chrono::milliseconds timeout) {
   if (!m.empty()) m[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(m[0])));
   return m;
 }
+
+namespace {
 
 bool HaveCapIpcLock() {
   std::ifstream f("/proc/self/status");
@@ -443,11 +446,13 @@ CheckResult CheckCoordinator(const DoctorOptions& o) {
   j->set_hostname(HostName());
   j->set_pid(static_cast<uint32_t>(getpid()));
   j->set_requested_rank(-1);
-  Status s = control::SendMagic(fd->get(), o.timeout);
-  if (s.ok()) s = control::SendEnvelope(fd->get(), env, o.timeout);
-  StatusOr<control::Envelope> reply = s;
   control::FrameDecoder decoder;
-  if (s.ok()) reply = control::ReceiveEnvelope(fd->get(), &decoder, o.timeout);
+  auto exchange = [&]() -> StatusOr<control::Envelope> {
+    RETURN_IF_ERROR(control::SendMagic(fd->get(), o.timeout));
+    RETURN_IF_ERROR(control::SendEnvelope(fd->get(), env, o.timeout));
+    return control::ReceiveEnvelope(fd->get(), &decoder, o.timeout);
+  };
+  StatusOr<control::Envelope> reply = exchange();
   const auto ms =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
   if (!reply.ok() || !reply->has_join_reply()) {

@@ -302,7 +302,7 @@ int Mpi(DoctorOptions o) {
                                           : CheckStatus::kOk;
         merged.checks.push_back({"rank " + std::to_string(r) + ": " + f[2], st, f[3],
                                  f.size() > 4 ? f[4] : ""});
-      } else if (f.size() >= 17 && f[0] == "P") {
+      } else if (f.size() >= 16 && f[0] == "P") {  // a trailing empty error is dropped
         PairResult p;
         const int from = atoi(f[1].c_str()), to = atoi(f[2].c_str());
         if (from < 0 || from >= size || to < 0 || to >= size) continue;
@@ -321,7 +321,7 @@ int Mpi(DoctorOptions o) {
         p.transport = f[13];
         p.to_host = f[14];
         p.why = f[15];
-        p.error = f[16];
+        p.error = f.size() > 16 ? f[16] : "";
         char c[96];
         if (p.ok) {
           snprintf(c, sizeof(c), "%s %.0fus %.0fMB/s", p.transport.c_str(), p.write.alpha_us,

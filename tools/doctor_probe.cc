@@ -328,10 +328,7 @@ PairResult ProbePeer(const DoctorOptions& o, const std::string& address, FabricC
   };
   auto fd = net::ConnectTcp(address, "", o.timeout);
   if (!fd.ok()) {
-    std::string why = fd.status().code() == StatusCode::kDeadlineExceeded
-                          ? "no answer within " + std::to_string(o.timeout.count()) + " ms"
-                          : ShortError(fd.status());
-    return fail("cannot reach peer " + address + " (" + why + ")");
+    return fail("cannot reach peer " + address + " (" + ShortReason(fd.status(), o.timeout) + ")");
   }
   std::string buf;
   auto hello = RecvLine(fd->get(), &buf, o.timeout);
