@@ -457,7 +457,7 @@ TEST(DoctorVerbs, ProbeBetweenRxe0AndRxe1) {
   for (const auto& port : r.ports) {
     if (port[1] != "rxe0:1") continue;
     rxe0 = true;
-    EXPECT_EQ(port[2], "PORT_ACTIVE");
+    EXPECT_EQ(port[2], "active");  // ibv_port_state_str
     EXPECT_GE(std::stoi(port[3]), 0);
     EXPECT_NE(port[4].find("RoCEv2 IPv4-mapped GID ::ffff:192.168.77.1"), std::string::npos)
         << port[4];

@@ -50,7 +50,7 @@ const char* GidTypeName(GidType t);
 // applies for rdma_gid_index = -1) would pick for bind_ip. Opens contexts only: no PD, no QP.
 struct PortInfo {
   int port = 0;
-  std::string state;        // ibv_port_state_str: "PORT_ACTIVE", "PORT_DOWN", ...
+  std::string state;        // ibv_port_state_str: "active", "down", ...
   bool active = false;
   bool roce = false;        // Ethernet link layer
   int active_mtu = 0;       // bytes
