@@ -30,16 +30,6 @@ bool IsV4Mapped(const std::array<uint8_t, 16>& raw) {
   return raw[10] == 0xff && raw[11] == 0xff;
 }
 
-const char* GidTypeName(GidType t) {
-  switch (t) {
-    case GidType::kIb: return "IB/RoCEv1";
-    case GidType::kRoceV1: return "RoCEv1";
-    case GidType::kRoceV2: return "RoCEv2";
-    case GidType::kUnknown: return "unknown";
-  }
-  return "?";
-}
-
 GidType FromIbvGidType(uint32_t t) {
   switch (t) {
     case IBV_GID_TYPE_IB: return GidType::kIb;
@@ -137,6 +127,16 @@ StatusOr<std::string> DeviceOwningIp(const std::string& ip, int* port) {
 }
 
 }  // namespace
+
+const char* GidTypeName(GidType t) {
+  switch (t) {
+    case GidType::kIb: return "IB/RoCEv1";
+    case GidType::kRoceV1: return "RoCEv1";
+    case GidType::kRoceV2: return "RoCEv2";
+    case GidType::kUnknown: return "unknown";
+  }
+  return "?";
+}
 
 std::string GidToString(const uint8_t raw[16]) {
   char buf[INET6_ADDRSTRLEN] = {};
@@ -295,6 +295,49 @@ StatusOr<std::shared_ptr<VerbsDevice>> VerbsDevice::open(const FabricOptions& op
             << "), GID index " << dev->gid_index_ << " " << GidToString(dev->gid_.raw) << ": "
             << dev->gid_reason_;
   return dev;
+}
+
+std::vector<DeviceInfo> InspectDevices(const std::string& bind_ip) {
+  std::vector<DeviceInfo> out;
+  int n = 0;
+  DeviceListPtr list = getDeviceList(&n);
+  for (int i = 0; i < n; ++i) {
+    DeviceInfo d;
+    d.name = ibv_get_device_name(list.get()[i]);
+    auto ctx = createContext(*list.get()[i]);
+    ibv_device_attr da{};
+    if (!ctx.ok()) {
+      d.error = ctx.status().message();
+    } else if (ibv_query_device(ctx->get(), &da) != 0) {
+      d.error = std::string("ibv_query_device: ") + strerror(errno);
+    } else {
+      for (int p = 1; p <= da.phys_port_cnt; ++p) {
+        ibv_port_attr pa{};
+        if (ibv_query_port(ctx->get(), p, &pa) != 0) continue;
+        PortInfo pi;
+        pi.port = p;
+        pi.state = PortStateName(pa.state);
+        pi.active = pa.state == IBV_PORT_ACTIVE;
+        pi.roce = pa.link_layer == IBV_LINK_LAYER_ETHERNET;
+        pi.active_mtu = 128 << static_cast<int>(pa.active_mtu);
+        pi.gid_tbl_len = pa.gid_tbl_len;
+        pi.gids = ReadGidTable(**ctx, p, pa.gid_tbl_len);
+        if (pi.roce) {
+          auto choice = ChooseAutoGid(pi.gids, bind_ip);
+          if (choice.ok()) {
+            pi.auto_gid = *choice;
+          } else {
+            pi.auto_gid_error = choice.status().message();
+          }
+        } else {
+          pi.auto_gid = GidChoice{0, "InfiniBand link layer: queue pairs are addressed by LID"};
+        }
+        d.ports.push_back(std::move(pi));
+      }
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
 }
 
 std::string VerbsDevice::DebugString() const {

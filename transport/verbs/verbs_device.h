@@ -42,6 +42,30 @@ StatusOr<GidChoice> ChooseAutoGid(const std::vector<GidEntry>& table, const std:
 
 // "fe80::..." / "::ffff:192.168.77.1" style text.
 std::string GidToString(const uint8_t raw[16]);
+// "RoCEv2", "RoCEv1", "IB/RoCEv1", "unknown".
+const char* GidTypeName(GidType t);
+
+// Read-only inspection for diagnostics (shardps doctor): every device, each port's state and
+// GID table, and the GID that automatic selection (ChooseAutoGid, the rule VerbsDevice::open
+// applies for rdma_gid_index = -1) would pick for bind_ip. Opens contexts only: no PD, no QP.
+struct PortInfo {
+  int port = 0;
+  std::string state;        // ibv_port_state_str: "active", "down", ...
+  bool active = false;
+  bool roce = false;        // Ethernet link layer
+  int active_mtu = 0;       // bytes
+  int gid_tbl_len = 0;
+  std::vector<GidEntry> gids;  // populated entries only
+  std::string auto_gid_error;  // non-empty when no GID can be chosen automatically
+  GidChoice auto_gid;          // valid when auto_gid_error is empty (RoCE ports)
+};
+struct DeviceInfo {
+  std::string name;
+  std::string error;  // non-empty when the device could not be opened or queried
+  std::vector<PortInfo> ports;
+};
+// Empty when ibv_get_device_list finds no device.
+std::vector<DeviceInfo> InspectDevices(const std::string& bind_ip);
 
 class VerbsDevice {
  public:

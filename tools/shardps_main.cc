@@ -1,0 +1,42 @@
+// `shardps SUBCOMMAND [flags]`: one binary for the operator tools. Add a subcommand with one
+// row in kSubcommands (and its declaration in tools/subcommands.h).
+#include <cstdio>
+#include <cstring>
+
+#include "tools/subcommands.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  int (*main)(int argc, char** argv);
+  const char* help;
+};
+
+const Subcommand kSubcommands[] = {
+    {"doctor", shardps::tools::DoctorMain,
+     "check this host (RDMA devices, GIDs, memlock, huge pages, fork safety), the "
+     "coordinator and peers; probe one-sided bandwidth and latency per pair"},
+};
+
+int Usage(FILE* out) {
+  std::fprintf(out, "usage: shardps SUBCOMMAND [--flags]   (shardps SUBCOMMAND --help)\n\n");
+  for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.help);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return Usage(stderr);
+  if (!std::strcmp(argv[1], "help") || !std::strcmp(argv[1], "--help") ||
+      !std::strcmp(argv[1], "-h")) {
+    Usage(stdout);
+    return 0;
+  }
+  for (const Subcommand& s : kSubcommands) {
+    if (!std::strcmp(argv[1], s.name)) return s.main(argc - 1, argv + 1);
+  }
+  std::fprintf(stderr, "shardps: unknown subcommand '%s'\n\n", argv[1]);
+  return Usage(stderr);
+}
