@@ -199,6 +199,18 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
       }
       HandleShardsReady(c, e.shards_ready());
       return;
+    case Envelope::kCheckpoint:
+      if (c->member.role() != ROLE_WORKER) {
+        Close(c, "checkpoint request from a non-worker", true);
+        return;
+      }
+      // Forwarded to every server; each checkpoints its group at that clock.
+      LOG(INFO) << "coordinator: checkpoint at clock " << e.checkpoint().clock()
+                << " requested by member " << c->member.member_id();
+      for (auto& [fd, o] : conns_) {
+        if (o->joined && !o->closing && o->member.role() == ROLE_SERVER) Queue(o.get(), e);
+      }
+      return;
     case Envelope::kHeartbeat:
       if (e.heartbeat().member_id() != c->member.member_id()) {
         Close(c, "heartbeat names another member", true);

@@ -25,6 +25,10 @@ DEFINE_double(weight_decay, 0.0, "L2 weight decay");
 DEFINE_string(aggregation, "average", "average or sum of the workers' gradients");
 DEFINE_double(vsgd_lambda, 1.0, "VSGD: lr / (1 + lambda * relative weight drift)");
 DEFINE_int32(vsgd_history, 8, "VSGD: weight versions kept per chunk");
+DEFINE_string(checkpoint_dir, "", "Write checkpoints here (default: the coordinator's --checkpoint_dir)");
+DEFINE_string(restore_from, "",
+              "Start from the newest complete, valid checkpoint in this directory (a corrupt or "
+              "incomplete newer one is refused and reported)");
 DEFINE_bool(exit_when_done, false,
             "Exit once every expected worker has joined and all have left (batch jobs, mpirun)");
 
@@ -70,6 +74,8 @@ int main(int argc, char** argv) {
   o.vsgd_lambda = static_cast<float>(FLAGS_vsgd_lambda);
   o.vsgd_history = FLAGS_vsgd_history;
   o.exit_when_workers_done = FLAGS_exit_when_done;
+  o.checkpoint_dir = FLAGS_checkpoint_dir;
+  o.restore_dir = FLAGS_restore_from;
   ShardServer server(o);
   g_server = &server;
   signal(SIGINT, OnSignal);

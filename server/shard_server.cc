@@ -76,8 +76,18 @@ ShardServer::ShardServer(const ShardServerOptions& options) : options_(options) 
 ShardServer::~ShardServer() = default;
 
 ShardServerCounters ShardServer::counters() const {
-  std::lock_guard<std::mutex> l(counters_mu_);
-  return counters_;
+  ShardServerCounters c;
+  {
+    std::lock_guard<std::mutex> l(counters_mu_);
+    c = counters_;
+  }
+  // (The writer is created during setup, before other threads look at counters.)
+  if (const CheckpointWriter* w = ckpt_writer_.get()) {
+    const CheckpointWriter::Stats s = w->stats();
+    c.checkpoints_written = s.written;
+    c.checkpoint_failures = s.failed;
+  }
+  return c;
 }
 
 Status ShardServer::Run() {
@@ -186,6 +196,12 @@ Status ShardServer::Setup() {
     c->optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, c->elems);
     chunks_.push_back(std::move(c));
   }
+  plan_fingerprint_ = a.plan_fingerprint();
+  if (!options_.restore_dir.empty()) RETURN_IF_ERROR(Restore(options_.restore_dir, plan_fingerprint_));
+  ckpt_every_ = config_.checkpoint_every();
+  const std::string ckpt_dir =
+      !options_.checkpoint_dir.empty() ? options_.checkpoint_dir : config_.checkpoint_dir();
+  if (!ckpt_dir.empty()) RETURN_IF_ERROR(EnsureCheckpointWriter(ckpt_dir));
   uint64_t total = 0;
   for (uint64_t b : bytes) total += b;
   LOG(INFO) << "server rank " << rank_ << ": " << (backup_ ? "BACKUP" : "primary")
@@ -343,6 +359,127 @@ void ShardServer::PollControl() {
   }
   auto p = control_->WaitMessage(control::Envelope::kPromote, std::chrono::milliseconds(0));
   if (p.ok()) Promote(p->promote());
+  auto k = control_->WaitMessage(control::Envelope::kCheckpoint, std::chrono::milliseconds(0));
+  if (k.ok()) {
+    const control::CheckpointRequest& r = k->checkpoint();
+    Status st = EnsureCheckpointWriter(r.dir().empty() ? config_.checkpoint_dir() : r.dir());
+    if (!st.ok()) {
+      LOG(ERROR) << "server rank " << rank_ << ": checkpoint at clock " << r.clock()
+                 << " requested, but: " << st;
+    } else if (r.clock() > ckpt_last_ && (ckpt_next_ == 0 || r.clock() < ckpt_next_) &&
+               ckpt_pending_ == nullptr) {
+      ckpt_next_ = r.clock();
+      LOG(INFO) << "server rank " << rank_ << ": checkpoint requested at clock " << r.clock();
+    }
+  }
+}
+
+Status ShardServer::EnsureCheckpointWriter(const std::string& dir) {
+  if (ckpt_writer_) return Status::OK();
+  if (dir.empty()) {
+    return FailedPreconditionError("no checkpoint directory (coordinator --checkpoint_dir or "
+                                   "server --checkpoint_dir)");
+  }
+  CheckpointWriter::Options o;
+  o.dir = dir;
+  o.keep = std::max<uint32_t>(1, config_.checkpoint_keep() ? config_.checkpoint_keep() : 3);
+  ckpt_writer_ = std::make_unique<CheckpointWriter>(o);
+  LOG(INFO) << "server rank " << rank_ << ": checkpoints of group " << group_ << " go to " << dir
+            << (ckpt_every_ ? " every " + std::to_string(ckpt_every_) + " clocks" : " on request")
+            << ", keeping " << o.keep;
+  return Status::OK();
+}
+
+Status ShardServer::Restore(const std::string& dir, const std::string& fingerprint) {
+  std::string report;
+  auto k = LatestCompleteCheckpoint(dir, num_groups_, fingerprint, &report);
+  if (!k.ok()) {
+    return k.status().WithContext("restoring group " + std::to_string(group_) + " from " + dir +
+                                  (report.empty() ? "" : " (" + report + ")"));
+  }
+  LOG(WARNING) << "server rank " << rank_ << ": restore: " << report;
+  const std::string path = SnapshotPath(dir, *k, group_, num_groups_);
+  ASSIGN_OR_RETURN(ShardSnapshot snap, ReadSnapshot(path));
+  if (snap.chunks.size() != chunks_.size()) {
+    return FailedPreconditionError(path + ": " + std::to_string(snap.chunks.size()) +
+                                   " chunks, the plan gives this group " +
+                                   std::to_string(chunks_.size()));
+  }
+  for (uint32_t s = 0; s < chunks_.size(); ++s) {
+    Chunk& c = *chunks_[s];
+    const ChunkState& cs = snap.chunks[s];
+    if (cs.chunk_id != c.chunk_id || cs.weights.size() != c.elems || cs.version == 0) {
+      return FailedPreconditionError(path + ": chunk " + std::to_string(s) +
+                                     " does not match the plan");
+    }
+    std::memcpy(c.buf[0], cs.weights.data(), c.bytes);
+    c.optimizer->RestoreState(cs.optimizer_steps, cs.state1, cs.state2);
+    c.version = cs.version;
+    c.published = 0;
+    c.header->version[0].store(cs.version, std::memory_order_relaxed);
+    c.header->min_clock_plus1[0].store(snap.clock, std::memory_order_relaxed);
+    c.header->state.store(cs.version << 1, std::memory_order_release);
+    c.applied_through = static_cast<int64_t>(snap.clock) - 1;
+  }
+  restored_clock_ = snap.clock;
+  ckpt_last_ = snap.clock;
+  {
+    std::lock_guard<std::mutex> l(counters_mu_);
+    counters_.restored_clock = snap.clock;
+  }
+  LOG(WARNING) << "server rank " << rank_ << ": group " << group_ << " RESTORED from " << path
+               << " (clock " << snap.clock << ")";
+  return Status::OK();
+}
+
+void ShardServer::MaybeCapture(uint32_t slot) {
+  if (!ckpt_writer_ || backup_) return;
+  Chunk& c = *chunks_[slot];
+  const uint64_t mc = c.header->min_clock_plus1[c.published].load(std::memory_order_relaxed);
+  if (ckpt_next_ == 0) {
+    if (ckpt_every_ == 0) return;
+    ckpt_next_ = std::max(ckpt_last_, mc) / ckpt_every_ * ckpt_every_ + ckpt_every_;
+  }
+  if (mc < ckpt_next_) return;
+  if (ckpt_pending_ == nullptr) {
+    ckpt_pending_ = std::make_unique<ShardSnapshot>();
+    ShardSnapshot& s = *ckpt_pending_;
+    s.plan_fingerprint = plan_fingerprint_;
+    s.group = group_;
+    s.num_groups = num_groups_;
+    s.clock = ckpt_next_;
+    s.epoch = control_->epoch();
+    s.optimizer = "lr=" + std::to_string(options_.optimizer.lr);
+    s.chunks.resize(chunks_.size());
+    ckpt_captured_.assign(chunks_.size(), false);
+    ckpt_captured_count_ = 0;
+  }
+  if (ckpt_captured_[slot]) return;
+  ChunkState& cs = ckpt_pending_->chunks[slot];
+  cs.chunk_id = c.chunk_id;
+  cs.version = c.version;
+  cs.weights.assign(c.buf[c.published], c.buf[c.published] + c.elems);
+  cs.optimizer_steps = c.optimizer->steps();
+  cs.state1 = c.optimizer->state1();
+  cs.state2 = c.optimizer->state2();
+  ckpt_captured_[slot] = true;
+  if (++ckpt_captured_count_ < chunks_.size()) return;
+  for (const auto& [rank, w] : workers_) {
+    WorkerProgress p;
+    p.rank = rank;
+    p.clock = w->clock;
+    p.last_seq = w->last_seq;
+    p.applied_clock = w->applied_clock;
+    ckpt_pending_->workers.push_back(std::move(p));
+  }
+  VLOG(1) << "server rank " << rank_ << ": checkpoint of group " << group_ << " at clock "
+          << ckpt_next_ << " captured";
+  ckpt_last_ = ckpt_next_;
+  ckpt_next_ = ckpt_every_ ? ckpt_next_ + ckpt_every_ : 0;
+  ckpt_writer_->Submit(std::move(*ckpt_pending_));
+  ckpt_pending_.reset();
+  std::lock_guard<std::mutex> l(counters_mu_);
+  ++counters_.checkpoints_submitted;
 }
 
 void ShardServer::RefreshMembership() {
@@ -891,6 +1028,7 @@ void ShardServer::FinishCommit(uint32_t slot) {
     if (ack->load(std::memory_order_relaxed) < a.seq) ack->store(a.seq, std::memory_order_release);
   }
   c.inflight_acks.clear();
+  MaybeCapture(slot);
   DrainDeferred(slot);
   if (config_.mode() == control::BSP) ApplyBsp(slot);
 }

@@ -37,6 +37,7 @@
 
 #include "common/status.h"
 #include "proto/control_client.h"
+#include "server/checkpoint.h"
 #include "server/layout.h"
 #include "server/optimizer.h"
 #include "transport/transport.h"
@@ -59,6 +60,10 @@ struct ShardServerOptions {
   bool exit_when_workers_done = false;
   // Replication ring entries cap (0: slots + 4, limited to ~256 MiB of ring).
   uint32_t replication_ring_entries = 0;
+  // Checkpoints: where to write them ("" = the cluster's checkpoint_dir), and a directory to
+  // restore the newest complete, valid checkpoint from at start ("" = start fresh).
+  std::string checkpoint_dir;
+  std::string restore_dir;
 };
 
 struct ShardServerCounters {
@@ -75,6 +80,10 @@ struct ShardServerCounters {
   uint64_t records_rejected = 0;   // backup: malformed, out of sequence or fenced
   uint64_t replication_stalls = 0; // primary: ring full, waited for the backup to consume
   uint64_t promotions = 0;         // backup -> primary
+  uint64_t checkpoints_submitted = 0;
+  uint64_t checkpoints_written = 0;
+  uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on
+  uint64_t restored_clock = 0;       // the checkpoint clock restored at start (0: none)
   bool backup = false;             // currently holds a backup copy (not serving workers)
   bool replicating = false;        // currently replicating to a backup
   uint32_t group = 0;
@@ -140,6 +149,11 @@ class ShardServer {
   void ApplyRecord(uint32_t entry);
   void Promote(const control::Promote& p);
   void PollControl();
+  // Checkpoints: capture each chunk's state at the first version whose min clock reaches the
+  // checkpoint clock; submit the group's snapshot once every chunk is captured.
+  void MaybeCapture(uint32_t slot);
+  Status EnsureCheckpointWriter(const std::string& dir);
+  Status Restore(const std::string& dir, const std::string& fingerprint);
   uint64_t SspMinClockPlus1(uint32_t slot) const;
   std::set<uint32_t> LiveWorkers() const;
 
@@ -192,6 +206,17 @@ class ShardServer {
   std::unique_ptr<transport::MemoryRegion> consumed_;  // remote-read: u64 last applied seq
   uint64_t primary_endpoint_ = 0;
   uint64_t expected_record_ = 1;
+
+  // Checkpoints (apply thread; the writer thread does the disk I/O).
+  std::string plan_fingerprint_;
+  std::unique_ptr<CheckpointWriter> ckpt_writer_;
+  uint64_t ckpt_every_ = 0;
+  uint64_t ckpt_next_ = 0;         // the clock of the next checkpoint (0: none planned)
+  uint64_t ckpt_last_ = 0;         // the clock of the last one submitted (or restored)
+  std::unique_ptr<ShardSnapshot> ckpt_pending_;
+  std::vector<bool> ckpt_captured_;
+  uint32_t ckpt_captured_count_ = 0;
+  uint64_t restored_clock_ = 0;
 
   mutable std::mutex counters_mu_;
   ShardServerCounters counters_;

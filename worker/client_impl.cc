@@ -1120,6 +1120,15 @@ Status ClientImpl::Step() {
   return first;
 }
 
+StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {
+  if (!started_) return FailedPreconditionError("RequestCheckpoint before Start()");
+  control::Envelope e;
+  e.mutable_checkpoint()->set_clock(clock_ + 1);
+  e.mutable_checkpoint()->set_dir(dir);
+  RETURN_IF_ERROR(control_->Send(e));
+  return clock_ + 1;
+}
+
 Status ClientImpl::Close() {
   if (closed_) return Status::OK();
   closed_ = true;

@@ -43,6 +43,7 @@ class ClientImpl final : public Client {
   Status Wait(Handle handle) override;
   Status Clock() override;
   Status Step() override;
+  StatusOr<uint64_t> RequestCheckpoint(const std::string& dir) override;
   uint32_t rank() const override { return rank_; }
   uint32_t num_workers() const override;
   uint64_t clock() const override { return clock_; }

@@ -69,6 +69,12 @@ DEFINE_int32(staleness, 0, "counter: the SSP bound s to check");
 DEFINE_int32(max_delay_ms, 0, "Random sleep in [0, max) before each step (seeded by rank)");
 DEFINE_int32(step_delay_ms, 0, "Fixed sleep before each step");
 DEFINE_string(out, "", "Result file");
+DEFINE_string(optimizer, "sgd", "standalone: sgd or momentum (the servers' --optimizer)");
+DEFINE_double(momentum, 0.9, "standalone: the servers' --momentum");
+DEFINE_bool(resume, false,
+            "train: continue the schedule from the clock Start() joined at (steps clock..steps-1), "
+            "as a cluster restored from a checkpoint does");
+DEFINE_int32(checkpoint_after_step, -1, "train: rank 0 requests a checkpoint after this step");
 DEFINE_string(progress_file, "", "If set, the number of completed steps is written here");
 DEFINE_int32(setup_timeout_ms, 30000, "Client setup timeout");
 DEFINE_int32(wait_timeout_ms, 15000, "Client wait timeout (a stuck pull fails after this)");
@@ -217,11 +223,22 @@ void SgdApply(std::vector<float>* w, const std::vector<float>& sum, float scale,
   }
 }
 
+// The servers' momentum update with weight decay 0, term for term (server/optimizer.cc).
+void MomentumApply(std::vector<float>* w, std::vector<float>* v, const std::vector<float>& sum,
+                   float scale, float lr, float mu) {
+  const float wd = 0.0f;
+  for (size_t i = 0; i < w->size(); ++i) {
+    (*v)[i] = mu * (*v)[i] + scale * sum[i] + wd * (*w)[i];
+    (*w)[i] = (*w)[i] - lr * (*v)[i];
+  }
+}
+
 int RunStandalone() {
   const LinReg m{FLAGS_dim, FLAGS_outputs};
   const size_t nw = static_cast<size_t>(FLAGS_dim) * FLAGS_outputs;
   std::vector<float> w(nw), b(FLAGS_outputs), gw(nw), gb(FLAGS_outputs);
   std::vector<float> sw(nw), sb(FLAGS_outputs);
+  std::vector<float> vw(nw, 0.0f), vb(FLAGS_outputs, 0.0f);  // momentum buffers
   for (size_t i = 0; i < nw; ++i) w[i] = m.InitW(i);
   for (size_t j = 0; j < b.size(); ++j) b[j] = m.InitB(j);
   const float lr = static_cast<float>(FLAGS_lr);  // the servers hold lr as a float too
@@ -237,8 +254,14 @@ int RunStandalone() {
       for (float g : gw) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
       for (float g : gb) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
     }
-    SgdApply(&w, sw, scale, lr);
-    SgdApply(&b, sb, scale, lr);
+    if (FLAGS_optimizer == "momentum") {
+      const float mu = static_cast<float>(FLAGS_momentum);
+      MomentumApply(&w, &vw, sw, scale, lr, mu);
+      MomentumApply(&b, &vb, sb, scale, lr, mu);
+    } else {
+      SgdApply(&w, sw, scale, lr);
+      SgdApply(&b, sb, scale, lr);
+    }
   }
   Result r;
   r.mode = "standalone";
@@ -306,7 +329,8 @@ int RunCluster() {
   r.start_clock = c.clock();
   std::mt19937 rng(1000 + me);
   Progress(0);
-  for (int t = 0; t < FLAGS_steps; ++t) {
+  const int first_step = FLAGS_resume ? static_cast<int>(r.start_clock) : 0;
+  for (int t = first_step; t < FLAGS_steps; ++t) {
     if (FLAGS_step_delay_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(FLAGS_step_delay_ms));
     }
@@ -332,6 +356,13 @@ int RunCluster() {
       for (size_t k = 0; k < nw; ++k) {
         if (w[k] < static_cast<float>(clock - FLAGS_staleness)) ++r.violations;
         r.max_lead = std::max<int64_t>(r.max_lead, clock - static_cast<int64_t>(w[k]));
+      }
+    }
+    if (t == FLAGS_checkpoint_after_step && me == 0) {
+      auto k = c.RequestCheckpoint();
+      if (!k.ok()) {
+        fprintf(stderr, "ps_test_worker: checkpoint request: %s\n", k.status().ToString().c_str());
+        return 5;
       }
     }
     Progress(t + 1);

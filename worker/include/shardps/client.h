@@ -107,6 +107,10 @@ class Client {
   virtual Status Clock() = 0;
   // One training step: push every tensor, wait, Clock(), pull every tensor, wait.
   virtual Status Step() = 0;
+  // Asks every server for a checkpoint at the next clock (after this worker's next Step, in
+  // BSP): written to the cluster's checkpoint directory, or `dir` if given. Returns the clock.
+  // One control message; the write itself happens on the servers' writer threads.
+  virtual StatusOr<uint64_t> RequestCheckpoint(const std::string& dir = "") = 0;
 
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
