@@ -744,7 +744,7 @@ Status ClientImpl::EnsureAcked(ChunkRt& c, uint64_t need) {
       }
       if (s.failed) break;
     }
-    if (s.failed && replicated() && !recovering_) {
+    if (s.failed && !recovering_) {
       acks_pending_ = 0;
       RETURN_IF_ERROR(Recover());  // resynchronises known_acked with the new server
       continue;
@@ -801,7 +801,7 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
     ++hs.pending;
     Status st = PostPush(c, seq, h);
     if (!st.ok()) {
-      if (replicated() && servers_[c.server].failed) continue;  // resent after the failover
+      if (servers_[c.server].failed) continue;  // resent after the reconnect or failover
       c.push_handle[parity] = 0;
       --hs.pending;
       hs.error = st;
@@ -1029,10 +1029,10 @@ Status ClientImpl::Wait(Handle handle) {
   auto next_check = SteadyClock::now();
   while (it->second.pending > 0) {
     RETURN_IF_ERROR(Progress());
-    if (replicated()) {
+    {
       bool failed = false;
       for (const Server& sv : servers_) failed = failed || sv.failed;
-      if (failed) {
+      if (failed && !recovering_) {
         RETURN_IF_ERROR(MaybeRecover());
         continue;
       }
@@ -1046,7 +1046,7 @@ Status ClientImpl::Wait(Handle handle) {
           errored_since_.erase(i);
           continue;
         }
-        if (replicated()) {
+        if (!recovering_) {
           RETURN_IF_ERROR(MaybeRecover());
           continue;
         }
@@ -1088,8 +1088,7 @@ Status ClientImpl::Clock() {
   for (Server& s : servers_) {
     Status st = SendClock(s);
     if (!st.ok()) {
-      if (!replicated()) return st;
-      s.failed = true;  // the clock is sent again to the promoted backup (ResyncServer)
+      s.failed = true;  // the clock is sent again after the reconnect or failover (ResyncServer)
     }
   }
   return Status::OK();
