@@ -57,6 +57,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(
     return PermissionDeniedError("coordinator refused the join: " + r.join_reply().error());
   }
   c->reply_ = r.join_reply();
+  c->options_ = options;
   c->counters_.messages_received = 1;
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
   return c;
@@ -106,8 +107,8 @@ void ControlClient::Loop() {
       hb.mutable_heartbeat()->set_epoch(epoch());
       Status s = Send(hb);
       if (!s.ok()) {
-        Fail(s);
-        return;
+        if (!Rejoin(s)) return;
+        continue;
       }
       next_hb = Clock::now() + interval;
     }
@@ -117,13 +118,13 @@ void ControlClient::Loop() {
     char buf[64 << 10];
     const ssize_t k = recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT);
     if (k == 0) {
-      Fail(UnavailableError("coordinator closed the control connection"));
-      return;
+      if (!Rejoin(UnavailableError("coordinator closed the control connection"))) return;
+      continue;
     }
     if (k < 0) {
       if (errno == EAGAIN || errno == EINTR) continue;
-      Fail(ErrnoError("control recv", errno));
-      return;
+      if (!Rejoin(ErrnoError("control recv", errno))) return;
+      continue;
     }
     decoder_.Feed(buf, static_cast<size_t>(k));
     Status st = DrainDecoder();
@@ -132,6 +133,77 @@ void ControlClient::Loop() {
       return;
     }
   }
+}
+
+bool ControlClient::Rejoin(const Status& why) {
+  if (options_.rejoin_window.count() <= 0 || stop_.load()) {
+    Fail(why);
+    return false;
+  }
+  LOG(WARNING) << "control: lost the coordinator (" << why << "); rejoining as member "
+               << reply_.member_id() << " for up to " << options_.rejoin_window.count() << " ms";
+  {
+    std::lock_guard<std::mutex> l(send_mu_);
+    fd_.reset();
+  }
+  const auto deadline = Clock::now() + options_.rejoin_window;
+  Status last = why;
+  while (!stop_.load() && Clock::now() < deadline) {
+    StatusOr<UniqueFd> fd = net::ConnectTcp(options_.coordinator_address, "",
+                                            std::chrono::milliseconds(1000));
+    if (!fd.ok()) {
+      last = fd.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    FrameDecoder decoder;
+    Envelope e;
+    *e.mutable_join() = options_.join;
+    e.mutable_join()->set_cluster_token(options_.cluster_token);
+    e.mutable_join()->set_previous_member_id(reply_.member_id());
+    e.mutable_join()->set_requested_rank(static_cast<int32_t>(reply_.rank()));
+    Status s = SendMagic(fd->get(), std::chrono::milliseconds(2000));
+    if (s.ok()) s = SendEnvelope(fd->get(), e, std::chrono::milliseconds(2000));
+    if (!s.ok()) {
+      last = s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    auto r = ReceiveEnvelope(fd->get(), &decoder, std::chrono::milliseconds(5000));
+    if (!r.ok() || r->body_case() != Envelope::kJoinReply) {
+      last = r.ok() ? InternalError("coordinator answered the rejoin with " + std::string(BodyName(*r)))
+                    : r.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    if (!r->join_reply().accepted()) {
+      Fail(PermissionDeniedError("coordinator refused to take member " +
+                                 std::to_string(reply_.member_id()) +
+                                 " back: " + r->join_reply().error()));
+      return false;
+    }
+    {
+      std::lock_guard<std::mutex> l(send_mu_);
+      fd_ = std::move(*fd);
+      decoder_ = std::move(decoder);
+    }
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.rejoins;
+    }
+    LOG(WARNING) << "control: rejoined the coordinator as member " << reply_.member_id()
+                 << " (epoch " << r->join_reply().epoch() << ")";
+    Status d = DrainDecoder();
+    if (!d.ok()) {
+      Fail(d);
+      return false;
+    }
+    return true;
+  }
+  Fail(UnavailableError("coordinator unreachable for " +
+                        std::to_string(options_.rejoin_window.count()) + " ms: " +
+                        last.ToString()));
+  return false;
 }
 
 Status ControlClient::DrainDecoder() {

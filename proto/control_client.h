@@ -29,12 +29,17 @@ struct ControlClientOptions {
   std::string cluster_token;
   JoinRequest join;  // role, hostname, pid, data_address, transport, regions...
   std::chrono::milliseconds connect_timeout{10000};
+  // When the control connection breaks (the coordinator died or restarted), rejoin as the same
+  // member (JoinRequest.previous_member_id) for up to this long before giving up; 0 = never.
+  // A coordinator that declared this member dead refuses: status() then says so.
+  std::chrono::milliseconds rejoin_window{60000};
 };
 
 struct ControlCounters {
   uint64_t heartbeats_sent = 0;
   uint64_t other_messages_sent = 0;  // everything but heartbeats
   uint64_t messages_received = 0;
+  uint64_t rejoins = 0;  // reconnections to a (restarted) coordinator as the same member
 };
 
 class ControlClient {
@@ -70,6 +75,10 @@ class ControlClient {
   void Loop();
   Status DrainDecoder();  // decodes every buffered frame (loop thread)
   void Fail(const Status& s);
+  // Loop thread: the connection broke for `why`; rejoin within the window or fail.
+  bool Rejoin(const Status& why);
+
+  ControlClientOptions options_;
 
   UniqueFd fd_;
   JoinReply reply_;

@@ -45,7 +45,7 @@ class FrameDecoder {
   size_t buffered() const { return buffer_.size() - consumed_; }
 
  private:
-  const size_t max_frame_bytes_;
+  size_t max_frame_bytes_;
   std::string buffer_;
   size_t consumed_ = 0;
   Status error_;

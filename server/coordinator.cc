@@ -1,6 +1,8 @@
 #include "server/coordinator.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <unistd.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
@@ -50,6 +52,7 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   RETURN_IF_ERROR(net::SetNonBlocking(c->listen_fd_.get(), true));
   c->wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!c->wake_fd_.valid()) return ErrnoError("eventfd", errno);
+  if (!options.state_file.empty()) RETURN_IF_ERROR(c->LoadState());
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
   LOG(INFO) << "coordinator: listening on " << c->address_ << ", heartbeat "
             << c->options_.config.heartbeat_interval_ms() << " ms, timeout "
@@ -110,6 +113,7 @@ void Coordinator::Loop() {
     for (auto it = conns_.begin(); it != conns_.end();) {
       it = it->second->closing ? conns_.erase(it) : std::next(it);
     }
+    if (dirty_) SaveState();
   }
   conns_.clear();
 }
@@ -238,12 +242,14 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     refuse = "transport '" + j.transport() + "' differs from the cluster's '" +
              options_.config.transport() + "'";
   }
-  if (refuse.empty() && j.role() == ROLE_WORKER && shards_assigned_) {
+  if (refuse.empty() && j.role() == ROLE_WORKER && shards_assigned_ &&
+      j.previous_member_id() == 0) {
     // The servers' inboxes have max_workers slots: a worker beyond them could never push.
     const uint32_t max_workers = std::max<uint32_t>(
         options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
     uint32_t workers = 0;
     for (auto& [fd, o] : conns_) workers += o->joined && o->member.role() == ROLE_WORKER;
+    for (auto& [id, p] : pending_) workers += p.member.role() == ROLE_WORKER;
     if (workers >= max_workers) {
       refuse = "cluster full: " + std::to_string(max_workers) +
                " workers (max_workers; start the coordinator with a larger --max_workers for "
@@ -268,12 +274,57 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     Close(c, "join refused: " + refuse, true);
     return;
   }
+  if (j.previous_member_id() != 0) {
+    // A member rejoining a restarted coordinator: it comes back as itself (same id and rank),
+    // if this coordinator's saved state still lists it.
+    auto p = pending_.find(j.previous_member_id());
+    if (p == pending_.end() || p->second.member.role() != j.role()) {
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ++counters_.joins_refused;
+      }
+      r->set_accepted(false);
+      r->set_error("member " + std::to_string(j.previous_member_id()) +
+                   " is not a member of this cluster any more (declared dead, or the coordinator "
+                   "restarted without its state file); restart the process to join anew");
+      Queue(c, reply);
+      FlushOutput(c);
+      Close(c, "rejoin refused", false);
+      return;
+    }
+    c->joined = true;
+    c->member = p->second.member;
+    c->peer = j.hostname() + "/" + std::to_string(j.pid());
+    c->has_model = std::find(has_model_ids_.begin(), has_model_ids_.end(),
+                             c->member.member_id()) != has_model_ids_.end();
+    pending_.erase(p);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.rejoins;
+    }
+    r->set_accepted(true);
+    r->set_member_id(c->member.member_id());
+    r->set_rank(c->member.rank());
+    r->set_epoch(epoch() + 1);
+    *r->mutable_config() = options_.config;
+    Queue(c, reply);
+    LOG(INFO) << "coordinator: member " << c->member.member_id() << " rejoined ("
+              << pending_.size() << " still expected)";
+    Publish("member " + std::to_string(c->member.member_id()) + " rejoined", 0);
+    return;
+  }
   // Rank: the requested one if free, else the lowest free rank of that role.
   std::vector<bool> used;
   for (auto& [fd, o] : conns_) {
     if (o->joined && o->member.role() == j.role()) {
       if (used.size() <= o->member.rank()) used.resize(o->member.rank() + 1);
       used[o->member.rank()] = true;
+    }
+  }
+  for (auto& [id, p] : pending_) {
+    if (p.member.role() == j.role()) {
+      if (used.size() <= p.member.rank()) used.resize(p.member.rank() + 1);
+      used[p.member.rank()] = true;
     }
   }
   uint32_t rank = 0;
@@ -375,6 +426,8 @@ void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
     return;
   }
   c->has_model = true;
+  has_model_ids_.push_back(c->member.member_id());
+  dirty_ = true;
   if (shard_map_ready_) {
     Envelope e;
     *e.mutable_shard_map() = shard_map_;
@@ -449,6 +502,7 @@ void Coordinator::MaybeAssignShards() {
   shard_map_.set_max_workers(max_workers);
   shard_map_.set_partition_bytes(plan->partition_bytes);
   shard_map_.set_plan_fingerprint(plan_fingerprint_);
+  dirty_ = true;
   LOG(INFO) << "coordinator: shards assigned to " << num_servers << " groups on "
             << NumServerRanks() << " servers"
             << (NumServerRanks() > num_servers ? " (every group has a backup)" : " (no backups)");
@@ -460,6 +514,7 @@ void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
     return;
   }
   ready_[c->member.rank()] = r;
+  dirty_ = true;
   MaybeSendReplicaTarget(c->member.rank() % NumGroups());
   MaybePublishShardMap();
 }
@@ -502,6 +557,7 @@ void Coordinator::FillServerEntry(uint32_t g, uint32_t server_rank, ServerEntry*
 }
 
 void Coordinator::BroadcastShardMap() {
+  dirty_ = true;
   shard_map_.set_epoch(epoch());
   Envelope e;
   *e.mutable_shard_map() = shard_map_;
@@ -587,6 +643,7 @@ void Coordinator::MaybePublishShardMap() {
     FillServerEntry(g, static_cast<uint32_t>(primary_of_[g]), shard_map_.add_servers());
   }
   shard_map_ready_ = true;
+  dirty_ = true;
   shard_map_.set_epoch(epoch());
   LOG(INFO) << "coordinator: shard map ready (" << shard_map_.chunks_size() << " chunks, "
             << num_servers << " servers); sending to " << awaiting_map_.size() << " workers";
@@ -669,6 +726,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   for (auto& [fd, c] : conns_) {
     if (c->joined && !c->closing) *m->add_members() = c->member;
   }
+  for (auto& [id, p] : pending_) *m->add_members() = p.member;  // expected back
   std::sort(m->mutable_members()->begin(), m->mutable_members()->end(),
             [](const Member& a, const Member& b) { return a.member_id() < b.member_id(); });
   {
@@ -677,6 +735,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   }
   LOG(INFO) << "coordinator: epoch " << m->epoch() << " (" << m->members_size()
             << " members): " << reason;
+  dirty_ = true;
   for (auto& [fd, c] : conns_) {
     if (c->joined && !c->closing) Queue(c.get(), e);
   }
@@ -684,6 +743,22 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
 
 void Coordinator::CheckTimeouts() {
   const auto now = Clock::now();
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (now < it->second.deadline) {
+      ++it;
+      continue;
+    }
+    const Member m = it->second.member;
+    it = pending_.erase(it);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      ++counters_.departures;
+    }
+    LOG(WARNING) << "coordinator: member " << m.member_id() << " did not rejoin within "
+                 << options_.rejoin_grace.count() << " ms of the restart; declared departed";
+    Publish("member " + std::to_string(m.member_id()) + " did not rejoin", m.member_id());
+    if (m.role() == ROLE_SERVER) ServerDeparted(m);
+  }
   const auto hb_timeout = std::chrono::milliseconds(options_.config.heartbeat_timeout_ms());
   for (auto& [fd, c] : conns_) {
     if (c->closing) continue;
@@ -697,6 +772,99 @@ void Coordinator::CheckTimeouts() {
       Close(c.get(), "no heartbeat for " + std::to_string(hb_timeout.count()) + " ms", false);
     }
   }
+}
+
+void Coordinator::SaveState() {
+  dirty_ = false;
+  CoordinatorState st;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    st.set_epoch(membership_.epoch());
+    *st.mutable_members() = membership_.members();
+  }
+  st.set_next_member_id(next_member_id_);
+  st.set_model_registered(model_registered_);
+  *st.mutable_model() = model_;
+  st.set_plan_fingerprint(plan_fingerprint_);
+  st.set_shards_assigned(shards_assigned_);
+  st.set_shard_map_ready(shard_map_ready_);
+  *st.mutable_shard_map() = shard_map_;
+  for (int64_t p : primary_of_) st.add_primary_of(p);
+  for (int64_t b : backup_of_) st.add_backup_of(b);
+  for (bool t : target_sent_) st.add_target_sent(t);
+  for (const auto& [rank, r] : ready_) {
+    st.add_ready_ranks(rank);
+    *st.add_ready() = r;
+  }
+  for (uint32_t id : has_model_ids_) st.add_model_members(id);
+  std::string bytes;
+  if (!st.SerializeToString(&bytes)) {
+    LOG(ERROR) << "coordinator: cannot serialise its state";
+    return;
+  }
+  const std::string tmp = options_.state_file + ".tmp";
+  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  bool ok = fd.valid();
+  for (size_t off = 0; ok && off < bytes.size();) {
+    const ssize_t k = write(fd.get(), bytes.data() + off, bytes.size() - off);
+    if (k < 0 && errno == EINTR) continue;
+    ok = k > 0;
+    if (ok) off += static_cast<size_t>(k);
+  }
+  ok = ok && fsync(fd.get()) == 0;
+  fd.reset();
+  if (!ok || rename(tmp.c_str(), options_.state_file.c_str()) != 0) {
+    PLOG(ERROR) << "coordinator: cannot save its state to " << options_.state_file
+                << " (a restart would not take the members back)";
+    unlink(tmp.c_str());
+  }
+}
+
+Status Coordinator::LoadState() {
+  UniqueFd fd(open(options_.state_file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) {
+    if (errno == ENOENT) return Status::OK();  // a fresh cluster
+    return ErrnoError("open " + options_.state_file, errno);
+  }
+  std::string bytes;
+  char buf[1 << 16];
+  while (true) {
+    const ssize_t k = read(fd.get(), buf, sizeof(buf));
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) return ErrnoError("read " + options_.state_file, errno);
+    if (k == 0) break;
+    bytes.append(buf, static_cast<size_t>(k));
+    if (bytes.size() > (256u << 20)) return DataLossError(options_.state_file + ": too large");
+  }
+  CoordinatorState st;
+  if (!st.ParseFromString(bytes)) {
+    return DataLossError(options_.state_file + ": not a coordinator state (corrupt?)");
+  }
+  next_member_id_ = std::max<uint32_t>(st.next_member_id(), 1);
+  model_registered_ = st.model_registered();
+  model_ = st.model();
+  plan_fingerprint_ = st.plan_fingerprint();
+  shards_assigned_ = st.shards_assigned();
+  shard_map_ready_ = st.shard_map_ready();
+  shard_map_ = st.shard_map();
+  primary_of_.assign(st.primary_of().begin(), st.primary_of().end());
+  backup_of_.assign(st.backup_of().begin(), st.backup_of().end());
+  target_sent_.assign(st.target_sent().begin(), st.target_sent().end());
+  for (int i = 0; i < st.ready_ranks_size() && i < st.ready_size(); ++i) {
+    ready_[st.ready_ranks(i)] = st.ready(i);
+  }
+  has_model_ids_.assign(st.model_members().begin(), st.model_members().end());
+  const auto deadline = Clock::now() + options_.rejoin_grace;
+  for (const Member& m : st.members()) pending_[m.member_id()] = Pending{m, deadline};
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    membership_.set_epoch(st.epoch());
+    *membership_.mutable_members() = st.members();
+  }
+  LOG(WARNING) << "coordinator: restarted from " << options_.state_file << " at epoch "
+               << st.epoch() << "; expecting " << pending_.size() << " members back within "
+               << options_.rejoin_grace.count() << " ms";
+  return Status::OK();
 }
 
 }  // namespace shardps::control

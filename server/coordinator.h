@@ -41,6 +41,10 @@ struct CoordinatorOptions {
   std::chrono::milliseconds handshake_timeout{5000};
   // A member whose unsent output exceeds this is too slow and is dropped.
   size_t max_pending_output = 64u << 20;
+  // Saved after every change (temp file + rename); loaded at start if it exists, and the
+  // members it names may then rejoin as themselves within rejoin_grace. "" = no state file.
+  std::string state_file;
+  std::chrono::milliseconds rejoin_grace{10000};
 };
 
 struct CoordinatorCounters {
@@ -52,6 +56,7 @@ struct CoordinatorCounters {
   uint64_t promotions = 0;      // a backup took over a group whose primary died
   uint64_t groups_lost = 0;     // a primary died with no backup left
   uint64_t backups_lost = 0;
+  uint64_t rejoins = 0;         // members taken back after a coordinator restart
 };
 
 class Coordinator {
@@ -93,6 +98,10 @@ class Coordinator {
   void ServerDeparted(const Member& m);
   void FillServerEntry(uint32_t group, uint32_t server_rank, ServerEntry* e);
   void BroadcastShardMap();
+  // Restart support.
+  void SaveState();
+  Status LoadState();
+  bool IsPending(uint32_t member_id) const { return pending_.count(member_id) != 0; }
 
   CoordinatorOptions options_;
   UniqueFd listen_fd_;
@@ -117,6 +126,15 @@ class Coordinator {
   std::vector<int64_t> primary_of_;
   std::vector<int64_t> backup_of_;
   std::vector<bool> target_sent_;
+  std::vector<uint32_t> has_model_ids_;
+  // Members of the saved state that have not rejoined this (restarted) coordinator yet: they
+  // stay in the membership until rejoin_grace passes.
+  struct Pending {
+    Member member;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::map<uint32_t, Pending> pending_;
+  bool dirty_ = false;
 
   mutable std::mutex mu_;  // guards the snapshot below
   Membership membership_;  // epoch + members

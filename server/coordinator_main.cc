@@ -37,6 +37,12 @@ DEFINE_int32(failover_timeout_ms, 20000,
 DEFINE_string(checkpoint_dir, "", "Periodic checkpoints go here (servers read it too)");
 DEFINE_int32(checkpoint_every, 0, "Checkpoint every N clocks (0: only on request)");
 DEFINE_int32(checkpoint_keep, 3, "Complete checkpoints kept");
+DEFINE_string(state_file, "",
+              "Save the coordinator's state here after every change; a coordinator restarted "
+              "with the same file takes its members back (docs/fault-tolerance.md)");
+DEFINE_int32(rejoin_grace_ms, 10000,
+             "After a restart: members of the saved state that do not rejoin within this are "
+             "declared departed");
 DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
 
 namespace {
@@ -82,6 +88,8 @@ int main(int argc, char** argv) {
   o.config.set_checkpoint_dir(FLAGS_checkpoint_dir);
   o.config.set_checkpoint_every(FLAGS_checkpoint_every);
   o.config.set_checkpoint_keep(FLAGS_checkpoint_keep);
+  o.state_file = FLAGS_state_file;
+  o.rejoin_grace = std::chrono::milliseconds(FLAGS_rejoin_grace_ms);
   auto c = Coordinator::Start(o);
   if (!c.ok()) {
     LOG(ERROR) << "coordinator: " << c.status();

@@ -123,6 +123,8 @@ Status ShardServer::Setup() {
   co.join.set_transport(fabric_->name());
   co.join.set_requested_rank(options_.requested_rank);
   co.connect_timeout = std::chrono::milliseconds(10000);
+  // A restarted coordinator takes the server back; training goes on meanwhile.
+  co.rejoin_window = std::chrono::milliseconds(300000);
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
@@ -534,6 +536,7 @@ void ShardServer::Reevaluate() {
 }
 
 Status ShardServer::Serve() {
+  Status fenced;
   Completion wc[64];
   auto last_accept = Clock::now() - std::chrono::seconds(1);
   while (!stop_.load()) {
@@ -552,6 +555,15 @@ Status ShardServer::Serve() {
       AcceptPending();
       RefreshMembership();
       last_accept = Clock::now();
+      Status cs = control_->status();
+      if (!cs.ok()) {
+        // Refused back by the coordinator (declared dead: its group may have been failed over)
+        // or unreachable for the whole rejoin window: this server must not serve on (fenced).
+        LOG(ERROR) << "server rank " << rank_ << ": lost its membership: " << cs
+                   << "; stopping (fenced)";
+        stop_ = true;
+        fenced = cs;
+      }
     }
     if (backup_ep_ && backup_state_ == BackupState::kConnected && !backup_ep_->status().ok()) {
       BackupFailed(backup_ep_->status());
@@ -580,7 +592,7 @@ Status ShardServer::Serve() {
   endpoint_worker_.clear();
   listener_.reset();
   cq_.reset();
-  return Status::OK();
+  return fenced;
 }
 
 void ShardServer::AcceptPending() {

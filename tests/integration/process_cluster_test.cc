@@ -136,6 +136,8 @@ struct ClusterSpec {
   std::string checkpoint_dir;
   int checkpoint_every = 0;
   std::string restore_from;
+  std::string listen = "127.0.0.1:0";
+  std::string state_file;
   std::string optimizer = "sgd";
 };
 
@@ -180,7 +182,8 @@ class ProcessTestBase : public ::testing::Test {
     std::error_code ec;
     std::filesystem::remove(addr_file, ec);  // a restarted cluster must not read the old one
     coordinator_ =
-        Spawn({SHARDPS_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--address_file=" + addr_file,
+        Spawn({SHARDPS_COORDINATOR_BIN, "--listen=" + spec.listen, "--address_file=" + addr_file,
+               "--state_file=" + spec.state_file, "--rejoin_grace_ms=15000",
                std::string("--cluster_token=") + kToken, "--consistency=" + spec.consistency,
                "--staleness=" + std::to_string(spec.staleness),
                "--num_servers=" + std::to_string(spec.servers),
@@ -894,6 +897,78 @@ TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
   EXPECT_LE(w2, 10.0f);
   std::cerr << "[ info ] worker 2 joined at clock " << res->Int("start_clock") << " (others at step "
             << done << "); its applied pushes: " << w2 << "\n";
+}
+
+// The coordinator is SIGKILLed mid-training and restarted on the same address with its state
+// file. Training goes on while it is down (a steady-state step needs no control message), every
+// member rejoins it as itself, and it is fully functional afterwards: a primary killed after the
+// restart is failed over through it. The weights are bit-identical to the one-process run.
+TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
+  ClusterSpec spec = Spec();
+  if (Emulated()) spec.heartbeat_timeout_ms = 6000;
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 2;
+  spec.state_file = Path("coordinator.state");
+  const int kSteps = 60;
+  const int step_delay_ms = Emulated() ? 60 : 20;
+  // A fixed port: the restarted coordinator must be found where the first one was.
+  auto probe = net::ListenTcp("127.0.0.1:0", &spec.listen);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  probe->reset();
+  ASSERT_NE(StartCoordinator(spec), "");
+  ChildProcess* first = coordinator_;
+  StartServers(spec);
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.push_back(SpawnWorker(
+        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+        {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms),
+         "--progress_file=" + Path("progress" + std::to_string(r))}));
+  }
+  ChildProcess* standalone = Spawn(
+      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
+       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
+      "standalone.log");
+  const int before = WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]);
+  ASSERT_GE(before, 10);
+  first->Kill();
+  // Down for a while: training must go on without it.
+  const int down_from = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  const int during = WaitProgress(Path("progress0"), down_from + 5, milliseconds(20000), workers[0]);
+  EXPECT_GE(during, down_from + 5) << "training stopped while the coordinator was down";
+  ASSERT_NE(StartCoordinator(spec), "");
+  // Every member rejoins (4 servers + 2 workers).
+  const auto until = Clock::now() + milliseconds(20000);
+  size_t rejoined = 0;
+  while (Clock::now() < until) {
+    const std::string log = coordinator_->LogTail(200000);
+    rejoined = 0;
+    for (size_t p = log.find("rejoined ("); p != std::string::npos; p = log.find("rejoined (", p + 1)) {
+      ++rejoined;
+    }
+    if (rejoined == 6) break;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  ASSERT_EQ(rejoined, 6u) << coordinator_->LogTail();
+  // Now a primary dies: the restarted coordinator fails its group over.
+  const int now = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  ASSERT_LT(now + 3, kSteps) << "training ended before the second fault";
+  servers_[1]->Kill();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
+  auto ref = ParseResult(Path("standalone.out"));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r;
+    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r;
+  }
+  std::cerr << "[ info ] coordinator killed after step " << down_from << "; " << during - down_from
+            << "+ steps done while it was down; 6 members rejoined; a primary killed at step "
+            << now << " failed over through the restarted coordinator\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ProcessClusterTest, ::testing::Values("tcp", "shm", "verbs"),
