@@ -186,12 +186,38 @@ TEST(CoordinatorTest, LeaveIsPublished) {
 TEST(CoordinatorTest, ClientSeesCoordinatorLoss) {
   auto c = StartCoordinator();
   ASSERT_TRUE(c);
+  // It tries to rejoin a restarted coordinator for rejoin_window, then reports the loss.
+  ControlClientOptions o = ClientOptions(*c, ROLE_WORKER, kToken);
+  o.rejoin_window = milliseconds(500);
+  auto w = ControlClient::Join(o);
+  ASSERT_TRUE(w.ok());
+  c.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = (*w)->WaitFor([](const Membership&) { return false; }, milliseconds(3000));
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("unreachable for 500 ms"), std::string::npos) << r.status();
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(450));
+  EXPECT_FALSE((*w)->status().ok());
+}
+
+// A coordinator that did not restart from a state listing the member refuses to take it back:
+// the member learns it is no longer part of the cluster (a server then fences itself).
+TEST(CoordinatorTest, RejoinOfAnUnknownMemberIsRefused) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  const std::string addr = (*c).address();
   auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
   ASSERT_TRUE(w.ok());
   c.reset();
-  auto r = (*w)->WaitFor([](const Membership&) { return false; }, milliseconds(3000));
-  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status();
-  EXPECT_FALSE((*w)->status().ok());
+  CoordinatorOptions o;
+  o.listen_address = addr;
+  o.cluster_token = kToken;
+  auto again = Coordinator::Start(o);  // no state file: it knows nobody
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto r = (*w)->WaitFor([](const Membership&) { return false; }, milliseconds(5000));
+  EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status();
+  EXPECT_NE(r.status().message().find("not a member of this cluster any more"), std::string::npos)
+      << r.status();
 }
 
 // Launchers start members and the coordinator together: a join retries a refused coordinator
