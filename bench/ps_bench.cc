@@ -322,11 +322,21 @@ class Worker {
     RETURN_IF_ERROR(WaitAll(&hs));
     const double deadline = NowSeconds() + 20;
     for (int k : mine) {
+      double repush_at = NowSeconds() + 0.1;
       while (true) {
         RETURN_IF_ERROR(Issue(Mode::kPull, k, &hs));
         RETURN_IF_ERROR(WaitAll(&hs));
         const int64_t bad = FirstMismatch(Weight(k), Grad(k), spec_.size);
         if (bad < 0) break;
+        // The keys are shared: another worker's push of this key from the timed series may
+        // still have been queued on the server (ASP applies in arrival order per key, and
+        // arrival order across workers is not send order). Push the pattern again: once no
+        // other push is in flight, the last one applied is ours.
+        if (NowSeconds() > repush_at) {
+          RETURN_IF_ERROR(Issue(Mode::kPush, k, &hs));
+          RETURN_IF_ERROR(WaitAll(&hs));
+          repush_at = NowSeconds() + 0.1;
+        }
         if (NowSeconds() > deadline) {
           return DataLossError("worker " + std::to_string(rank_) + ": key " + names_[k] +
                                " pulled back differs from the pushed bytes at offset " +

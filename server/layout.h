@@ -70,13 +70,17 @@ enum class ImmKind : uint32_t {
   kRepl = 6,       // primary -> backup: argument: the record's ring entry
 };
 
-// What a worker's hello writes at hello_offset(rank) in the inbox. A new incarnation (a
-// restarted worker process) starts fresh sequence numbers; a reconnect of the same incarnation
-// (after a failover) keeps them, so a retried push is recognised as a duplicate.
+// What a worker's hello writes into its clock slot (clocks region, clock_offset(rank)); not
+// into the inbox, where it would overwrite a push header the server may not have read yet. A
+// new incarnation (a restarted worker process) starts fresh sequence numbers; a reconnect of the
+// same incarnation (after a failover or a data-path error) keeps them, so a retried push is
+// recognised as a duplicate. (The clock in the slot is informative only: the server takes
+// clocks from the immediates.)
 struct alignas(kAlign) Hello {
+  uint64_t clock;        // the worker's clock
   uint64_t incarnation;  // the worker's coordinator member id (unique per process and join)
   uint64_t magic;        // kHelloMagic
-  uint64_t reserved[6];
+  uint64_t reserved[5];
 };
 static_assert(sizeof(Hello) == kAlign, "Hello is one cache line");
 constexpr uint64_t kHelloMagic = 0x5348505348454c4full;  // "SHPSHELO"
@@ -169,8 +173,6 @@ class ServerLayout {
     return push_header_offset(worker, slot, parity) + kAlign;
   }
 
-  // Where a worker's hello lands: the first bytes of its inbox area (valid with zero slots).
-  uint64_t hello_offset(uint32_t worker) const { return worker * inbox_stride_; }
 
   uint64_t acks_bytes() const { return AlignUp(sizeof(uint64_t) * slots()) * max_workers_; }
   uint64_t ack_offset(uint32_t worker, uint32_t slot) const {

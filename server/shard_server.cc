@@ -686,7 +686,7 @@ void ShardServer::HandleHello(uint64_t endpoint_id, uint32_t rank) {
     return;
   }
   layout::Hello hello;
-  std::memcpy(&hello, static_cast<const char*>(inbox_->data()) + layout_->hello_offset(rank),
+  std::memcpy(&hello, static_cast<const char*>(clocks_->data()) + layout_->clock_offset(rank),
               sizeof(hello));
   const uint64_t incarnation = hello.magic == layout::kHelloMagic ? hello.incarnation : 0;
   const bool known = workers_.count(rank) && workers_[rank]->incarnation == incarnation &&

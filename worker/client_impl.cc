@@ -406,11 +406,12 @@ Status ClientImpl::ConnectServer(Server& s) {
   const uint64_t hello_off = chunks_.size() * kStagingPerChunk;
   auto* hello = reinterpret_cast<layout::Hello*>(static_cast<char*>(staging_->data()) + hello_off);
   std::memset(hello, 0, sizeof(*hello));
+  hello->clock = clock_;
   hello->incarnation = control_->member_id();
   hello->magic = layout::kHelloMagic;
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostWriteImm({staging_.get(), hello_off, sizeof(layout::Hello)},
-                              transport::AtOffset(s.inbox, s.layout->hello_offset(rank_)),
+                              transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
                               layout::MakeImm(layout::ImmKind::kHello, rank_),
                               MakeContext(kOpSetup, 0, 0));
   }));
