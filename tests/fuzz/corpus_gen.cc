@@ -231,8 +231,9 @@ int main(int argc, char** argv) {
 
   // fuzz_descriptor: real descriptors and edge cases.
   ok &= Write(de, "tcp_read", Descriptor("tcp", 0x7f0000001000, 65536, Access::kRemoteRead, ""));
-  ok &= Write(de, "verbs_rw",
-              Descriptor("verbs", 0x1000, 1u << 20, Access::kRemoteReadWrite, std::string(24, 'g')));
+  ok &=
+      Write(de, "verbs_rw",
+            Descriptor("verbs", 0x1000, 1u << 20, Access::kRemoteReadWrite, std::string(24, 'g')));
   ok &= Write(de, "shm_local", Descriptor("shm", 0, 4096, Access::kLocalOnly, "memfd:7"));
   ok &= Write(de, "wraps", Descriptor("tcp", ~uint64_t{0} - 10, 100, Access::kRemoteRead, ""));
   const std::string good = Descriptor("tcp", 0x1000, 4096, Access::kRemoteWrite, "");

@@ -31,7 +31,7 @@
 
 namespace {
 
-using namespace shardps;          // NOLINT
+using namespace shardps;           // NOLINT
 using namespace shardps::control;  // NOLINT
 
 constexpr char kToken[] = "fuzz-token";

@@ -19,15 +19,15 @@ namespace {
   fprintf(stderr, "fuzz_descriptor: check failed: %s\n", what);
   abort();
 }
-#define FUZZ_CHECK(cond) \
-  do {                   \
+#define FUZZ_CHECK(cond)      \
+  do {                        \
     if (!(cond)) Fail(#cond); \
   } while (0)
 
 bool Same(const shardps::transport::RegionDescriptor& a,
           const shardps::transport::RegionDescriptor& b) {
-  return a.provider == b.provider && a.addr == b.addr && a.length == b.length &&
-         a.rkey == b.rkey && a.access == b.access && a.provider_data == b.provider_data;
+  return a.provider == b.provider && a.addr == b.addr && a.length == b.length && a.rkey == b.rkey &&
+         a.access == b.access && a.provider_data == b.provider_data;
 }
 
 }  // namespace

@@ -35,8 +35,8 @@ using shardps::control::FrameDecoder;
   fprintf(stderr, "fuzz_framing: check failed: %s\n", what);
   abort();
 }
-#define FUZZ_CHECK(cond) \
-  do {                   \
+#define FUZZ_CHECK(cond)      \
+  do {                        \
     if (!(cond)) Fail(#cond); \
   } while (0)
 
