@@ -215,7 +215,8 @@ int main(int argc, char** argv) {
   ok &= Write(fr, "no_body", std::string(1, '\0') + Le32(2) + std::string("\x58\x01", 2));
   ok &= Write(fr, "garbage", std::string(1, '\0') + Le32(8) + std::string(8, '\xff'));
 
-  // fuzz_coordinator edge cases: bad magic, half a magic, a worker's model of huge tensors, a
+  // fuzz_coordinator edge cases: bad magic, half a magic, a worker's model of huge tensors
+  // (regression: it ran the coordinator out of memory before shard plans were bounded), a
   // server's shards_ready for a plan never assigned, a heartbeat naming another member.
   ok &= Write(co, "bad_magic", std::string(1, '\0') + "SHPSCTL2" + hb);
   ok &= Write(co, "half_magic", std::string(1, '\0') + "SHPS");
@@ -224,6 +225,13 @@ int main(int argc, char** argv) {
   t->set_name("huge");
   t->add_shape(int64_t{1} << 40);
   ok &= Write(co, "worker_huge_model", std::string(1, '\1') + Frame(big));
+  // Regression: a shape whose element count wraps to 0 (a division by zero in the plan).
+  Envelope wrap;
+  t = wrap.mutable_register_model()->add_tensors();
+  t->set_name("wrap");
+  t->add_shape(int64_t{1} << 62);
+  t->add_shape(4);
+  ok &= Write(co, "worker_wrapping_model", std::string(1, '\1') + Frame(wrap));
   Envelope other;
   other.mutable_heartbeat()->set_member_id(999999);
   ok &= Write(co, "worker_foreign_heartbeat", std::string(1, '\1') + Frame(other));
