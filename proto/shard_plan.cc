@@ -53,8 +53,16 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
   for (uint32_t ti = 0; ti < tensors.size(); ++ti) {
     const TensorSpec& t = tensors[ti];
     if (t.name.empty()) return InvalidArgumentError("shard plan: tensor without a name");
+    // Checked product: a peer's shape must not wrap the element count (found by
+    // tests/fuzz/fuzz_coordinator: a wrapped count of 0 divided by zero below).
+    uint64_t checked_elems = 1;
     for (int64_t d : t.shape) {
       if (d <= 0) return InvalidArgumentError("shard plan: tensor '" + t.name + "' has a dimension <= 0");
+      if (__builtin_mul_overflow(checked_elems, static_cast<uint64_t>(d), &checked_elems) ||
+          checked_elems > kMaxTensorBytes / DTypeSize(t.dtype)) {
+        return InvalidArgumentError("shard plan: tensor '" + t.name + "' is larger than " +
+                                    std::to_string(kMaxTensorBytes) + " bytes");
+      }
     }
     for (uint32_t tj = 0; tj < ti; ++tj) {
       if (tensors[tj].name == t.name) {
@@ -68,6 +76,11 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
     // A tensor bigger than one partition is cut into a multiple of the server count, so every
     // server gets an equal share of it (Herring's point: balance bytes, not keys).
     if (n > 1 && n % num_servers != 0) n = std::min(elems, (n / num_servers + 1) * num_servers);
+    if (n > kMaxPlanChunks - plan.chunks.size()) {
+      return ResourceExhaustedError("shard plan: more than " + std::to_string(kMaxPlanChunks) +
+                                    " chunks (partition size " +
+                                    std::to_string(partition_bytes) + " B is too small)");
+    }
     // Near-equal split: the first (elems % n) chunks get one element more.
     const uint64_t base = elems / n, extra = elems % n;
     uint64_t off = 0;

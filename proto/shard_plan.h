@@ -44,8 +44,16 @@ struct ShardPlan {
   std::string Fingerprint() const;  // equal for equal plans
 };
 
+// Bounds on what a plan may hold: a model comes from a peer (RegisterModel), so its size must
+// not be able to exhaust the coordinator's memory, and the shard map built from the plan must
+// fit in one control frame (about 30 bytes per chunk entry, 16 MiB per frame).
+inline constexpr uint64_t kMaxPlanChunks = uint64_t{1} << 18;
+inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;  // 1 PiB
+
 // Cuts each tensor into ceil(bytes / partition_bytes) near-equal, element-aligned chunks (for a
 // tensor above one partition, rounded up to a multiple of num_servers) and assigns chunks to servers largest first, each to the least-loaded server (ties: lowest rank).
+// INVALID_ARGUMENT for a tensor over kMaxTensorBytes (or whose element count overflows) and
+// RESOURCE_EXHAUSTED for a plan over kMaxPlanChunks chunks.
 StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
                                uint64_t partition_bytes);
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every ShardPS test tier from a fresh machine: installs packages, builds, then
-#   1. unit + conformance (tcp, shm) + benchmark smoke on the host, through ctest;
+#   1. unit + conformance (tcp, shm) + benchmark smoke on the host, through ctest; then the
+#      control-plane fuzz targets for 20 s each (scripts/fuzz.sh, counted as tests);
 #   2. the verbs tier for real on SoftRoCE inside the qemu guest of ../shared/softroce
 #      (two rxe devices joined by a veth). SHARDPS_REQUIRE_VERBS=1 there turns a skip into a
 #      failure. If the harness is missing, the tier fails on a machine with /dev/kvm and is
@@ -26,6 +27,17 @@ echo "=== host tiers: unit, conformance (tcp, shm), benchmark smoke ==="
 # when ctest runs two tests at a time).
 ctest --test-dir "$BUILD" --output-on-failure --output-junit "$RESULTS/host/ctest.xml" \
   --timeout 900 -j 2 ${CTEST_ARGS:-} || status=1
+
+# Control-plane fuzzing, bounded (20 s per target; the nightly run is scripts/fuzz.sh with its
+# default 600 s). Each target is one test result in the count below (fuzz.xml, ctest's format);
+# a machine that cannot build the fuzz targets (no clang) fails here, loudly.
+echo "=== fuzz: control-plane libFuzzer targets, 20 s each ==="
+if ! "$ROOT/scripts/fuzz.sh" --seconds 20 --junit "$RESULTS/host/fuzz.xml"; then
+  status=1
+  [[ -s "$RESULTS/host/fuzz.xml" ]] || printf '%s\n' '<?xml version="1.0"?>' \
+    '<testsuite name="fuzz"><testcase name="fuzz" status="fail"><failure message="fuzz.sh failed"/></testcase></testsuite>' \
+    >"$RESULTS/host/fuzz.xml"
+fi
 
 verbs_ran=0
 if [[ ${SHARDPS_SKIP_VERBS:-0} == 1 ]]; then

@@ -63,5 +63,25 @@ TEST(ShardPlanTest, RejectsBadInput) {
   EXPECT_FALSE(PlanShards({T("", {4})}, 1, 4096).ok());
 }
 
+// Regression (tests/fuzz/fuzz_coordinator): a peer's model whose shape wraps the element count
+// divided by zero, and one with a huge shape allocated chunks until the coordinator ran out of
+// memory.
+TEST(ShardPlanTest, RejectsModelsTooLargeToPlan) {
+  auto wrap = PlanShards({T("w", {int64_t{1} << 62, 4})}, 1, 4096);
+  ASSERT_FALSE(wrap.ok());
+  EXPECT_EQ(wrap.status().code(), StatusCode::kInvalidArgument);
+  auto huge = PlanShards({T("h", {int64_t{1} << 40})}, 1, 4096);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
+  auto over = PlanShards({T("o", {int64_t{1} << 49})}, 1, uint64_t{1} << 40);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kInvalidArgument);
+  // The largest plan allowed still plans: kMaxPlanChunks chunks of 64 B.
+  auto max = PlanShards({T("m", {static_cast<int64_t>(kMaxPlanChunks * 16)})}, 1, 64);
+  ASSERT_TRUE(max.ok()) << max.status();
+  EXPECT_EQ(max->chunks.size(), kMaxPlanChunks);
+  EXPECT_FALSE(PlanShards({T("m", {static_cast<int64_t>(kMaxPlanChunks * 16 + 1)})}, 1, 64).ok());
+}
+
 }  // namespace
 }  // namespace shardps

@@ -62,12 +62,6 @@ uint8_t NakFor(AccessCheck c) {
   return kNakNone;
 }
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
