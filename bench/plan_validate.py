@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Validates `shardps_plan`'s predictions against real runs (scripts/bench-plan.sh runs this).
+
+1. probe: shardps_plan --probe (link alpha/beta/op cost, loaded round trips, update throughput)
+2. compute: digits_trainer --standalone --workers 1 (step minus the local update = compute)
+3. per configuration: predicted step (shardps_plan --predict) vs measured step (the digits
+   trainer on a local cluster via scripts/launch-local.sh, its "final:" line), error
+4. median and max absolute error; the configuration the model recommends among those run, and
+   how far its measured throughput is from the best measured one.
+Writes bench/results/plan-<stamp>.json. Exit 1 if --max-median-error is given and exceeded.
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(cmd, timeout, env=None):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=timeout, env=env)
+    return p.returncode, p.stdout
+
+
+def parse_cfg(s):
+    # "S:W:PARTITION:MODE[:STALENESS]", e.g. 2:4:4194304:ssp:1
+    f = s.split(":")
+    return {"servers": int(f[0]), "workers": int(f[1]), "partition": int(f[2]), "mode": f[3],
+            "staleness": int(f[4]) if len(f) > 4 else 0}
+
+
+def name(c):
+    p = c["partition"]
+    ps = f"{p >> 20}M" if p >= 1 << 20 else f"{p >> 10}K"
+    m = c["mode"] + (f"(s={c['staleness']})" if c["mode"] == "ssp" else "")
+    return f"{c['servers']}s x {c['workers']}w, {ps}, {m}"
+
+
+FULL = ["1:4:4194304:bsp", "2:4:4194304:bsp", "3:4:4194304:bsp", "4:4:4194304:bsp",
+        "1:4:4096:bsp", "2:4:4096:bsp", "4:4:4096:bsp",
+        "1:4:4194304:asp", "2:4:4194304:asp", "4:4:4194304:asp",
+        "1:4:4194304:ssp:1", "2:4:4194304:ssp:2", "2:4:4096:ssp:1",
+        "1:1:4194304:bsp", "1:2:4194304:bsp", "2:2:4194304:bsp", "1:3:4194304:bsp",
+        "2:6:4194304:bsp", "1:8:4194304:bsp"]
+QUICK = ["1:4:4194304:bsp", "2:4:4194304:bsp", "4:4:4194304:bsp", "1:1:4194304:bsp",
+         "2:4:4194304:asp", "1:2:4194304:bsp"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.environ.get("SHARDPS_BUILD_DIR", "build"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--configs", default="", help="comma-separated S:W:PART:MODE[:S] list")
+    ap.add_argument("--epochs", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=0, help="runs per configuration (median)")
+    ap.add_argument("--probe-file", default="")
+    ap.add_argument("--compute-us", type=float, default=0)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--max-median-error", type=float, default=0)
+    a = ap.parse_args()
+    build = a.build if os.path.isabs(a.build) else os.path.join(ROOT, a.build)
+    plan = os.path.join(build, "tools", "shardps_plan")
+    trainer = os.path.join(build, "examples", "digits_trainer")
+    data = os.environ.get("SHARDPS_DATA_DIR", os.path.join(build, "data"))
+    epochs = a.epochs or (8 if a.quick else 20)
+    reps = a.reps or (1 if a.quick else 3)
+    cfgs = [parse_cfg(s) for s in (a.configs.split(",") if a.configs else
+                                   (QUICK if a.quick else FULL))]
+    stamp = datetime.datetime.utcnow().strftime("%Y%m%dT%H%M%SZ")
+    work = os.path.join(build, "plan-work-" + stamp)
+    os.makedirs(work, exist_ok=True)
+
+    probe = a.probe_file
+    if not probe:
+        probe = os.path.join(work, "probe.json")
+        rc, out = run([plan, "--probe", "--probe_out=" + probe,
+                       "--probe_seconds=" + ("0.15" if a.quick else "0.3")], 120)
+        if rc != 0:
+            sys.exit("probe failed:\n" + out)
+    compute = a.compute_us
+    if not compute:
+        vals = []
+        for _ in range(3):
+            rc, out = run([trainer, "--standalone", "--workers=1", "--epochs=5", "--log_every=0",
+                           "--data=" + os.path.join(data, "digits_train.bin")], 60)
+            m = re.search(r"step ([0-9.]+) ms \(in Step\(\) ([0-9.]+) ms\)", out)
+            if rc != 0 or not m:
+                sys.exit("standalone trainer failed:\n" + out)
+            vals.append((float(m.group(1)) - float(m.group(2))) * 1e3)
+        compute = statistics.median(vals)
+    print(f"plan validation: probe {probe}, compute {compute:.0f} us/step, {epochs} epochs, "
+          f"{reps} run(s) per configuration")
+
+    rows = []
+    env = dict(os.environ, SHARDPS_BUILD_DIR=build)
+    for c in cfgs:
+        rc, out = run([plan, "--probe_file=" + probe, "--digits", f"--compute_us={compute}",
+                       "--predict", f"--servers={c['servers']}", f"--workers={c['workers']}",
+                       f"--partition_bytes={c['partition']}", f"--mode={c['mode']}",
+                       f"--staleness={c['staleness']}"], 30)
+        m = re.search(r"predicted_step_us ([0-9.]+).*\| (bound: .*)$", out, re.M)
+        if rc != 0 or not m:
+            sys.exit("shardps_plan --predict failed:\n" + out)
+        pred, why = float(m.group(1)), m.group(2)
+        meas = []
+        for r in range(reps):
+            mode = "ssp" if c["mode"] == "ssp" else c["mode"]
+            cmd = [os.path.join(ROOT, "scripts", "launch-local.sh"), "--servers", str(c["servers"]),
+                   "--workers", str(c["workers"]), "--transport", "tcp", "--consistency", mode,
+                   "--staleness", str(c["staleness"]), "--partition-bytes", str(c["partition"]),
+                   "--quiet", "--timeout", "120",
+                   "--run-dir", os.path.join(work, f"run-{len(rows)}-{r}"), "--",
+                   f"--epochs={epochs}", "--batch_size=32", "--log_every=0"]
+            rc, out = run(cmd, 150, env)
+            m = re.search(r"final:.* step ([0-9.]+) ms", out)
+            if rc != 0 or not m:
+                sys.exit(f"run {name(c)} failed (rc {rc}):\n" + out[-3000:])
+            meas.append(float(m.group(1)) * 1e3)
+        measured = statistics.median(meas)
+        err = (pred - measured) / measured
+        rows.append({"config": c, "name": name(c), "predicted_us": pred, "measured_us": measured,
+                     "measured_runs_us": meas, "error": err, "why": why,
+                     "predicted_samples_per_s": c["workers"] * 32 / pred * 1e6,
+                     "measured_samples_per_s": c["workers"] * 32 / measured * 1e6})
+        print(f"  {name(c):32s} predicted {pred:8.0f} us  measured {measured:8.0f} us  "
+              f"error {err * 100:+6.1f}%", flush=True)
+
+    abs_err = [abs(r["error"]) for r in rows]
+    med, worst = statistics.median(abs_err), max(abs_err)
+    # Recommendation among the configurations run with the fixed worker count of the job (the
+    # most common worker count in the list): highest predicted samples/s.
+    wmain = statistics.mode([r["config"]["workers"] for r in rows])
+    cand = [r for r in rows if r["config"]["workers"] == wmain]
+    rec = max(cand, key=lambda r: r["predicted_samples_per_s"])
+    best = max(cand, key=lambda r: r["measured_samples_per_s"])
+    gap = 1 - rec["measured_samples_per_s"] / best["measured_samples_per_s"]
+
+    print()
+    print(f"| configuration | predicted step (us) | measured step (us) | error |")
+    print(f"|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {r['predicted_us']:.0f} | {r['measured_us']:.0f} | "
+              f"{r['error'] * 100:+.1f}% |")
+    print()
+    print(f"median absolute error {med * 100:.1f}%, max {worst * 100:.1f}% over {len(rows)} "
+          f"configurations")
+    print(f"recommended ({wmain} workers): {rec['name']}, measured "
+          f"{rec['measured_samples_per_s']:.0f} samples/s; best measured: {best['name']}, "
+          f"{best['measured_samples_per_s']:.0f} samples/s; gap {gap * 100:.1f}% "
+          f"({'within' if gap <= 0.05 else 'NOT within'} 5%)")
+    out = a.out or os.path.join(ROOT, "bench", "results", f"plan-{stamp}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": {"stamp": stamp, "quick": a.quick, "epochs": epochs, "reps": reps,
+                            "compute_us": compute, "probe": json.load(open(probe))},
+                   "rows": rows, "median_abs_error": med, "max_abs_error": worst,
+                   "recommended": rec["name"], "best_measured": best["name"],
+                   "recommended_gap": gap}, f, indent=1)
+    print("wrote " + out)
+    if a.max_median_error and med > a.max_median_error:
+        print(f"FAIL: median absolute error {med * 100:.1f}% > {a.max_median_error * 100:.0f}%")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+#include "tools/plan.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace shardps::plan {
+
+// ---- model -----------------------------------------------------------------------------------
+
+StatusOr<std::vector<TensorSpec>> ParseModel(const std::string& text) {
+  std::vector<TensorSpec> out;
+  std::istringstream in(text);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    std::istringstream ls(line);
+    TensorSpec t;
+    if (!(ls >> t.name)) continue;  // blank
+    std::string d;
+    while (ls >> d) {
+      char* end = nullptr;
+      const long long v = std::strtoll(d.c_str(), &end, 10);
+      if (*end != '\0' || v <= 0 || v > (1LL << 40)) {
+        return InvalidArgumentError("model line " + std::to_string(lineno) + ": dimension '" + d +
+                                    "' is not a positive integer");
+      }
+      t.shape.push_back(v);
+    }
+    if (t.shape.empty()) {
+      return InvalidArgumentError("model line " + std::to_string(lineno) + ": tensor '" + t.name +
+                                  "' has no dimensions");
+    }
+    out.push_back(std::move(t));
+  }
+  if (out.empty()) return InvalidArgumentError("model: no tensors");
+  return out;
+}
+
+StatusOr<std::vector<TensorSpec>> LoadModelFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return NotFoundError("cannot open model file " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ParseModel(ss.str());
+}
+
+std::vector<TensorSpec> DigitsMlp(int features, int hidden, int classes) {
+  // The names and order of examples/digits_model (fc1 then fc2, weight then bias).
+  auto t = [](const char* n, std::vector<int64_t> s) {
+    TensorSpec x;
+    x.name = n;
+    x.shape = std::move(s);
+    return x;
+  };
+  return {t("fc1.weight", {hidden, features}), t("fc1.bias", {hidden}),
+          t("fc2.weight", {classes, hidden}), t("fc2.bias", {classes})};
+}
+
+// ---- probe file ------------------------------------------------------------------------------
+
+StatusOr<ProbeFile> ParseProbeJson(const std::string& json) {
+  ProbeFile p;
+  google::protobuf::util::JsonParseOptions o;
+  o.ignore_unknown_fields = true;  // doctor may add fields
+  auto st = google::protobuf::util::JsonStringToMessage(json, &p, o);
+  if (!st.ok()) return InvalidArgumentError("probe file: " + std::string(st.ToString()));
+  return p;
+}
+
+StatusOr<ProbeFile> LoadProbeFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return NotFoundError("cannot open probe file " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ParseProbeJson(ss.str());
+}
+
+StatusOr<std::string> ProbeToJson(const ProbeFile& p) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.add_whitespace = true;
+  auto st = google::protobuf::util::MessageToJsonString(p, &out, o);
+  if (!st.ok()) return InternalError("probe to json: " + std::string(st.ToString()));
+  return out;
+}
+
+namespace {
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+bool Sane(const OpCost& c) {
+  return std::isfinite(c.alpha_us()) && c.alpha_us() > 0 && std::isfinite(c.beta_bps()) &&
+         c.beta_bps() > 0;
+}
+}  // namespace
+
+StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
+  // Several pairs (doctor probes every pair): the median of each figure. A pair without op_us
+  // gets alpha / 8 (eight operations overlap in a window): an assumption, stated in plan.md.
+  std::vector<double> wa, wb, wo, ra, rb, ro;
+  for (const Pair& pr : p.pairs()) {
+    if (!Sane(pr.write()) || !Sane(pr.read())) {
+      return InvalidArgumentError("probe file: pair " + pr.from() + "->" + pr.to() +
+                                  " lacks positive alpha_us / beta_Bps");
+    }
+    wa.push_back(pr.write().alpha_us());
+    wb.push_back(pr.write().beta_bps());
+    wo.push_back(pr.write().op_us() > 0 ? pr.write().op_us() : pr.write().alpha_us() / 8);
+    ra.push_back(pr.read().alpha_us());
+    rb.push_back(pr.read().beta_bps());
+    ro.push_back(pr.read().op_us() > 0 ? pr.read().op_us() : pr.read().alpha_us() / 8);
+  }
+  if (wa.empty()) return InvalidArgumentError("probe file: no pairs");
+  Costs c;
+  c.write.set_alpha_us(Median(wa));
+  c.write.set_beta_bps(Median(wb));
+  c.write.set_op_us(Median(wo));
+  c.read.set_alpha_us(Median(ra));
+  c.read.set_beta_bps(Median(rb));
+  c.read.set_op_us(Median(ro));
+  const HostProbe& h = p.host();
+  if (h.cores() > 0) c.cores = h.cores();
+  if (h.apply_bps() > 0) c.apply_Bps = h.apply_bps();
+  if (h.add_bps() > 0) c.add_Bps = h.add_bps();
+  c.spin_rtt_us.assign(h.spin_rtt_us().begin(), h.spin_rtt_us().end());
+  return c;
+}
+
+double Costs::Rtt(double k) const {
+  // The link's own round trip, plus what k spinning threads on the host add to it (measured
+  // on this host by the probe; a doctor file without it: no contention term).
+  const double base = read.alpha_us();
+  if (spin_rtt_us.size() < 2 || k <= 0) return base;
+  const double n = static_cast<double>(spin_rtt_us.size() - 1);
+  double extra;
+  if (k <= n) {
+    const size_t i = static_cast<size_t>(std::floor(k));
+    const double f = k - i;
+    const double hi = i + 1 < spin_rtt_us.size() ? spin_rtt_us[i + 1] : spin_rtt_us[i];
+    extra = spin_rtt_us[i] * (1 - f) + hi * f - spin_rtt_us[0];
+  } else {
+    const double slope = spin_rtt_us.back() - spin_rtt_us[spin_rtt_us.size() - 2];
+    extra = spin_rtt_us.back() - spin_rtt_us[0] + slope * (k - n);
+  }
+  return base + std::max(0.0, extra);
+}
+
+// ---- predictor -------------------------------------------------------------------------------
+
+const char* ModeName(Mode m) {
+  return m == Mode::kBsp ? "bsp" : m == Mode::kSsp ? "ssp" : "asp";
+}
+
+std::string Config::Describe() const {
+  std::ostringstream os;
+  os << servers << "s x " << workers << "w";
+  if (machines > 1) os << " on " << machines << " machines" << (colocated ? " colocated" : " apart");
+  os << ", partition ";
+  if (partition_bytes >= (1u << 20) && partition_bytes % (1u << 20) == 0) {
+    os << (partition_bytes >> 20) << "M";
+  } else if (partition_bytes % 1024 == 0) {
+    os << (partition_bytes >> 10) << "K";
+  } else {
+    os << partition_bytes;
+  }
+  os << ", " << ModeName(mode);
+  if (mode == Mode::kSsp) os << "(s=" << staleness << ")";
+  return os.str();
+}
+
+std::string Prediction::Why() const {
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "bound: %s; compute %.0f + push %.0f + barrier %.0f + pull %.0f us; busiest "
+                "server %u %.0f us (imbalance %.2f, %u chunks); cpu %.0f us",
+                bound.c_str(), compute_us, push_us, barrier_us, pull_us, busiest_server, server_us,
+                imbalance, chunks, cpu_us);
+  return buf;
+}
+
+StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cfg) {
+  if (cfg.servers == 0 || cfg.workers == 0 || cfg.machines == 0) {
+    return InvalidArgumentError("plan: servers, workers and machines must be >= 1");
+  }
+  if (!cfg.colocated && cfg.machines < 2) {
+    return InvalidArgumentError("plan: servers apart from workers needs >= 2 machines");
+  }
+  ASSIGN_OR_RETURN(ShardPlan sp, PlanShards(w.tensors, cfg.servers, cfg.partition_bytes));
+  const double S = cfg.servers, W = cfg.workers, C = std::max<uint32_t>(1, c.cores);
+  // Placement: round robin; apart: servers on min(S, M-1) machines, workers on the rest.
+  double ws_host, ss_host;  // workers / servers on the busiest host
+  bool remote;              // does a worker reach some server over the network
+  if (cfg.colocated) {
+    ws_host = std::ceil(W / cfg.machines);
+    ss_host = std::ceil(S / cfg.machines);
+    remote = cfg.machines > 1;
+  } else {
+    const double ms = std::min<double>(S, cfg.machines - 1);
+    ws_host = std::ceil(W / (cfg.machines - ms));
+    ss_host = std::ceil(S / ms);
+    remote = true;
+  }
+  (void)remote;  // one link model for local and remote pairs (docs/plan.md)
+  // Spinners a worker's round trip competes with: the other workers on its host (they
+  // busy-poll in Step()); servers block in their CQ wait and only run when work arrives.
+  const double k = std::max(0.0, ws_host - 1);
+  const double rtt = c.Rtt(k);
+  const double share_w = std::max(1.0, ws_host / C);  // CPU stretch of a worker's own work
+  const double share_s =
+      std::max(1.0, ((cfg.colocated ? ws_host : 0) + ss_host) / C);  // of a server's work
+
+  std::vector<double> n(cfg.servers, 0), b(cfg.servers, 0);
+  for (const auto& ch : sp.chunks) {
+    n[ch.server] += 1;
+    b[ch.server] += static_cast<double>(ch.bytes);
+  }
+  double chunks = 0, bytes = 0;
+  for (uint32_t s = 0; s < cfg.servers; ++s) {
+    chunks += n[s];
+    bytes += b[s];
+  }
+  const uint32_t servers_used = static_cast<uint32_t>(
+      std::count_if(n.begin(), n.end(), [](double x) { return x > 0; }));
+
+  Prediction p;
+  p.config = cfg;
+  p.chunks = static_cast<uint32_t>(chunks);
+  p.imbalance = sp.imbalance();
+  // Operations per worker per step (worker/client_impl.h): a push is a data write and a header
+  // write-with-immediate per chunk plus an ack read every other push; one clock write per
+  // server; a pull is three reads per chunk (header, buffer, header).
+  const double push_ops = 2.5 * chunks + S;
+  const double pull_ops = 3 * chunks;
+  // Round trips per worker-server pair per step: the push (1), the ack read (every other step,
+  // 0.5), the pull (1); under BSP a pull that finds the version not yet ready is retried (1),
+  // under SSP(s) one step in s+1 waits, under ASP none.
+  const double retry = cfg.mode == Mode::kBsp   ? 1.0
+                       : cfg.mode == Mode::kSsp ? 1.0 / (cfg.staleness + 1)
+                                                : 0.0;
+  const double rts = 2.5 + (W > 1 ? retry : 0.0);
+  const double op_w = c.write.op_us(), op_r = c.read.op_us();
+
+  // (1) The latency path of one worker's step with the host to itself.
+  const double rtt0 = c.Rtt(0);
+  p.compute_us = w.compute_us;
+  p.push_us = 1.5 * c.write.alpha_us() + push_ops * op_w + bytes / c.write.beta_bps() * 1e6;
+  p.pull_us = c.read.alpha_us() + pull_ops * op_r + bytes / c.read.beta_bps() * 1e6;
+  // (2) The busiest server, serially: its side of every worker's operations (half an op's cost:
+  // receive and answer, the initiator posts and reaps), W gradients accumulated, one apply.
+  for (uint32_t s = 0; s < cfg.servers; ++s) {
+    const double ops = W * (5.5 * n[s] + 1);
+    const double t = ops * 0.5 * 0.5 * (op_w + op_r) + W * b[s] / c.add_Bps * 1e6 +
+                     b[s] / c.apply_Bps * 1e6;
+    if (t > p.server_us) {
+      p.server_us = t;
+      p.busiest_server = s;
+    }
+  }
+  // BSP: a pull waits for the slowest worker's push to be applied: the busiest server's work
+  // beyond our own push, plus the retried pull's round trip; SSP(s) waits one step in s+1.
+  p.barrier_us = W > 1 ? retry * (std::max(0.0, p.server_us - p.push_us) + rtt0) : 0.0;
+  const double path = p.compute_us + p.push_us + p.barrier_us + p.pull_us;
+  // (3) CPU of the busiest host per step over its cores. Every worker-server exchange costs CPU
+  // on both ends: per round trip c_rt (the probe's loaded round trip on a saturated host times
+  // cores / clients) and per pipelined operation c_op (the probe's op_us).
+  const double kmax = c.spin_rtt_us.empty() ? 0 : c.spin_rtt_us.size() - 1;
+  const double c_rt = c.spin_rtt_us.empty() ? 2 * rtt0 : C * c.Rtt(kmax) / (kmax + 1);
+  const double pairs_host = ws_host * S;  // every worker talks to every server
+  const double ops_pair = (push_ops + pull_ops) / S;
+  const double c_op = 0.5 * (op_w + op_r);
+  double server_bytes_cpu = 0;
+  for (uint32_t s = 0; s < cfg.servers; ++s) {
+    server_bytes_cpu += W * b[s] / c.add_Bps * 1e6 + b[s] / c.apply_Bps * 1e6;
+  }
+  const double servers_here = cfg.colocated ? ss_host / S : 0;  // share of the servers
+  p.cpu_us = (ws_host * w.compute_us + pairs_host * (rts * c_rt + ops_pair * c_op) +
+              servers_here * server_bytes_cpu) / C;
+  p.step_us = path;
+  p.bound = "latency path";
+  if (p.server_us > p.step_us) {
+    p.step_us = p.server_us;
+    p.bound = "busiest server";
+  }
+  if (p.cpu_us > p.step_us) {
+    p.step_us = p.cpu_us;
+    p.bound = "host cpu";
+  }
+  (void)share_w;
+  (void)share_s;
+  (void)servers_used;
+  (void)k;
+  (void)rtt;
+  p.samples_per_s = W * w.batch / p.step_us * 1e6;
+  return p;
+}
+
+StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b) {
+  if (b.cores > 0) c.cores = b.cores;
+  std::vector<Prediction> out;
+  for (uint32_t s = 1; s <= b.max_servers; ++s) {
+    for (int colo = 1; colo >= 0; --colo) {
+      if (!colo && b.machines < 2) continue;
+      for (uint64_t part : b.partitions) {
+        for (const auto& [mode, st] : b.modes) {
+          Config cfg;
+          cfg.servers = s;
+          cfg.workers = b.workers;
+          cfg.machines = b.machines;
+          cfg.colocated = colo;
+          cfg.partition_bytes = part;
+          cfg.mode = mode;
+          cfg.staleness = st;
+          ASSIGN_OR_RETURN(Prediction p, Predict(w, c, cfg));
+          out.push_back(p);
+        }
+      }
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Prediction& a, const Prediction& x) {
+    return a.samples_per_s > x.samples_per_s;
+  });
+  return out;
+}
+
+}  // namespace shardps::plan
