@@ -133,7 +133,21 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
   if (h.apply_bps() > 0) c.apply_Bps = h.apply_bps();
   if (h.add_bps() > 0) c.add_Bps = h.add_bps();
   c.spin_rtt_us.assign(h.spin_rtt_us().begin(), h.spin_rtt_us().end());
+  c.pair_step_us.assign(h.pair_step_us().begin(), h.pair_step_us().end());
   return c;
+}
+
+double Costs::PairCpu() const {
+  // Once the host is saturated (more clients than cores) an exchange's wall time times cores
+  // over clients is its CPU cost; the median over those points (the host is shared, the
+  // probe's points are noisy).
+  std::vector<double> v;
+  for (size_t i = 0; i < pair_step_us.size(); ++i) {
+    if (i + 1 > cores) v.push_back(cores * pair_step_us[i] / (i + 1));
+  }
+  if (!v.empty()) return Median(v);
+  if (!pair_step_us.empty()) return pair_step_us.back();
+  return 2.5 * 2 * read.alpha_us() + 6.5 * 0.5 * (write.op_us() + read.op_us());
 }
 
 double Costs::Rtt(double k) const {
@@ -271,19 +285,23 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   p.barrier_us = W > 1 ? retry * (std::max(0.0, p.server_us - p.push_us) + rtt0) : 0.0;
   const double path = p.compute_us + p.push_us + p.barrier_us + p.pull_us;
   // (3) CPU of the busiest host per step over its cores. Every worker-server exchange costs CPU
-  // on both ends: per round trip c_rt (the probe's loaded round trip on a saturated host times
-  // cores / clients) and per pipelined operation c_op (the probe's op_us).
+  // on both ends (system calls, wake-ups of the progress and apply threads): c_pair per
+  // exchange of one chunk (the probe's pair step on a saturated host: cores x its mean time /
+  // clients), c_op per further pipelined operation (chunks beyond one), c_rt per retried pull
+  // round trip (BSP/SSP waits).
   const double kmax = c.spin_rtt_us.empty() ? 0 : c.spin_rtt_us.size() - 1;
   const double c_rt = c.spin_rtt_us.empty() ? 2 * rtt0 : C * c.Rtt(kmax) / (kmax + 1);
-  const double pairs_host = ws_host * S;  // every worker talks to every server
-  const double ops_pair = (push_ops + pull_ops) / S;
+  const double c_pair = c.PairCpu();
   const double c_op = 0.5 * (op_w + op_r);
+  const double pairs_host = ws_host * S;  // every worker talks to every server
+  const double extra_ops_pair = std::max(0.0, (push_ops + pull_ops) / S - 6.5);
   double server_bytes_cpu = 0;
   for (uint32_t s = 0; s < cfg.servers; ++s) {
     server_bytes_cpu += W * b[s] / c.add_Bps * 1e6 + b[s] / c.apply_Bps * 1e6;
   }
   const double servers_here = cfg.colocated ? ss_host / S : 0;  // share of the servers
-  p.cpu_us = (ws_host * w.compute_us + pairs_host * (rts * c_rt + ops_pair * c_op) +
+  p.cpu_us = (ws_host * w.compute_us +
+              pairs_host * (c_pair + extra_ops_pair * c_op + (rts - 2.5) * c_rt) +
               servers_here * server_bytes_cpu) / C;
   p.step_us = path;
   p.bound = "latency path";

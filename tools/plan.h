@@ -46,8 +46,10 @@ struct Costs {
   OpCost write, read;
   uint32_t cores = 2;
   double apply_Bps = 1e9, add_Bps = 4e9;
-  std::vector<double> spin_rtt_us;  // by spinners; empty: read.alpha_us for every k
+  std::vector<double> spin_rtt_us;   // loaded round trip by clients - 1; empty: no contention
+  std::vector<double> pair_step_us;  // loaded worker-server exchange by clients - 1
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
+  double PairCpu() const;  // CPU of one worker-server exchange (docs/plan.md)
 };
 StatusOr<Costs> CostsFromProbe(const ProbeFile& p);
 

@@ -7,6 +7,9 @@
 //  * spin_rtt_us[k]: the mean 8-byte read round trip when k + 1 clients, each a pair of fabrics
 //    with a busy-polling thread (like a worker and its server), run at once on this host:
 //    what a round trip costs in a local cluster of k + 1 workers (CPU contention, measured).
+//  * pair_step_us[k]: k + 1 client processes, each doing the exchange of one worker with one
+//    server in a training step (PairStep) against its own server process; mean time per
+//    exchange.
 //  * apply_Bps / add_Bps: ChunkOptimizer::Apply (momentum) and a gradient accumulation loop
 //    over a 256 KiB chunk, bytes of weights per second.
 //
@@ -17,7 +20,12 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include "server/optimizer.h"
 #include "tools/plan.h"
@@ -42,43 +50,64 @@ class LoopbackPair {
   }
 
   Status Open(const std::string& provider) {
+    RETURN_IF_ERROR(OpenTarget(provider));
+    std::thread t([this] { ServeTarget([this] { return stop_.load(); }); });
+    Status connected = Connect(provider, address(), remote_);
+    while (!ready_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    target_thread_ = std::move(t);
+    RETURN_IF_ERROR(accepted_);
+    return connected;
+  }
+
+  // Target half: a fabric with one remote read/write region, listening.
+  Status OpenTarget(const std::string& provider) {
     transport::FabricOptions fo;
     fo.provider = provider;
     fo.bind_ip = provider == "shm" ? "" : "127.0.0.1";
     ASSIGN_OR_RETURN(tfab_, transport::Fabric::Open(fo));
-    ASSIGN_OR_RETURN(ifab_, transport::Fabric::Open(fo));
     ASSIGN_OR_RETURN(tregion_, tfab_->AllocateMemory(kRegionBytes, transport::Access::kRemoteReadWrite));
-    ASSIGN_OR_RETURN(local_, ifab_->AllocateMemory(kRegionBytes, transport::Access::kLocalOnly));
     std::memset(tregion_->data(), 1, kRegionBytes);
-    std::memset(local_->data(), 2, kRegionBytes);
     ASSIGN_OR_RETURN(tcq_, tfab_->CreateCompletionQueue(256));
-    ASSIGN_OR_RETURN(cq_, ifab_->CreateCompletionQueue(4 * kWindow));
     ASSIGN_OR_RETURN(listener_, tfab_->Listen(provider == "shm" ? "" : "127.0.0.1:0"));
-    const std::string addr = listener_->address();
-    Status accepted = UnavailableError("not accepted");
-    target_thread_ = std::thread([this, &accepted] {
-      transport::EndpointOptions eo;
-      eo.endpoint_id = 1;
-      eo.send_depth = 16;
-      eo.recv_depth = 16;
-      auto ep = listener_->Accept(tcq_.get(), eo, std::chrono::milliseconds(10000));
-      accepted = ep.status();
-      ready_ = true;
-      if (!ep.ok()) return;
-      transport::Completion wc[16];
-      while (!stop_) tcq_->Wait(wc, 16, std::chrono::microseconds(20000));
-      ep->reset();
-    });
+    remote_ = tregion_->descriptor();
+    return Status::OK();
+  }
+  std::string address() const { return listener_->address(); }
+  const transport::RegionDescriptor& remote() const { return remote_; }
+
+  // Accepts one initiator, then drains the target's CQ (immediates wake this thread, as they
+  // wake a server's apply thread) until stop() says so.
+  template <typename Stop>
+  void ServeTarget(Stop stop) {
+    transport::EndpointOptions eo;
+    eo.endpoint_id = 1;
+    eo.send_depth = 16;
+    eo.recv_depth = 64;
+    auto ep = listener_->Accept(tcq_.get(), eo, std::chrono::milliseconds(10000));
+    accepted_ = ep.status();
+    ready_ = true;
+    if (!ep.ok()) return;
+    transport::Completion wc[64];
+    while (!stop()) tcq_->Wait(wc, 64, std::chrono::microseconds(20000));
+    ep->reset();
+  }
+
+  // Initiator half: its own fabric, connected to the target at addr.
+  Status Connect(const std::string& provider, const std::string& addr,
+                 const transport::RegionDescriptor& remote) {
+    transport::FabricOptions fo;
+    fo.provider = provider;
+    fo.bind_ip = provider == "shm" ? "" : "127.0.0.1";
+    ASSIGN_OR_RETURN(ifab_, transport::Fabric::Open(fo));
+    ASSIGN_OR_RETURN(local_, ifab_->AllocateMemory(kRegionBytes, transport::Access::kLocalOnly));
+    std::memset(local_->data(), 2, kRegionBytes);
+    ASSIGN_OR_RETURN(cq_, ifab_->CreateCompletionQueue(4 * kWindow));
     transport::EndpointOptions eo;
     eo.endpoint_id = 2;
     eo.send_depth = kWindow + 1;
     eo.recv_depth = 16;
-    auto ep = ifab_->Connect(addr, cq_.get(), eo);
-    while (!ready_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    RETURN_IF_ERROR(accepted);
-    if (!ep.ok()) return ep.status();
-    ep_ = std::move(*ep);
-    remote_ = tregion_->descriptor();
+    ASSIGN_OR_RETURN(ep_, ifab_->Connect(addr, cq_.get(), eo));
+    remote_ = remote;
     return Status::OK();
   }
 
@@ -104,6 +133,44 @@ class LoopbackPair {
       }
       if (Now() - t0 > 30) return DeadlineExceededError("probe: no progress for 30 s");
     }
+    return Now() - t0;
+  }
+
+  // One worker-server exchange of a training step with one chunk of 64 B, as the client does
+  // it (worker/client_impl.h): data write + header write-with-immediate (the target's thread is
+  // woken, like a server's apply thread), an ack read every other step, a clock
+  // write-with-immediate, then three reads; waits for each phase. Returns seconds.
+  StatusOr<double> PairStep(uint64_t step) {
+    const double t0 = Now();
+    transport::LocalSlice l{local_.get(), 0, 64};
+    auto wait = [&](int n) -> Status {
+      transport::Completion wc[16];
+      const double deadline = Now() + 30;
+      while (n > 0) {
+        const int got = cq_->Poll(wc, 16);
+        if (got < 0) return InternalError("completion queue poll failed");
+        for (int i = 0; i < got; ++i) {
+          if (!wc[i].ok()) return InternalError("probe step failed: " + ep_->status().ToString());
+        }
+        n -= got;
+        if (Now() > deadline) return DeadlineExceededError("probe step: no progress for 30 s");
+      }
+      return Status::OK();
+    };
+    RETURN_IF_ERROR(ep_->PostWrite(l, transport::AtOffset(remote_, 0), 1, transport::kUnsignaled));
+    RETURN_IF_ERROR(ep_->PostWriteImm(l, transport::AtOffset(remote_, 4096), 7, 2));
+    RETURN_IF_ERROR(wait(1));
+    if (step % 2 == 1) {
+      RETURN_IF_ERROR(ep_->PostRead({local_.get(), 128, 8}, transport::AtOffset(remote_, 8192), 3));
+      RETURN_IF_ERROR(wait(1));
+    }
+    RETURN_IF_ERROR(ep_->PostWriteImm({local_.get(), 256, 8}, transport::AtOffset(remote_, 12288),
+                                      9, 4, transport::kUnsignaled));
+    for (int i = 0; i < 3; ++i) {
+      RETURN_IF_ERROR(ep_->PostRead({local_.get(), 512 + 64u * i, 64},
+                                    transport::AtOffset(remote_, 16384 + 64u * i), 5 + i));
+    }
+    RETURN_IF_ERROR(wait(3));
     return Now() - t0;
   }
 
@@ -136,7 +203,123 @@ class LoopbackPair {
   transport::RegionDescriptor remote_;
   std::thread target_thread_;
   std::atomic<bool> stop_{false}, ready_{false};
+  Status accepted_ = UnavailableError("not accepted");
 };
+
+// The pair step with k + 1 worker-like and k + 1 server-like *processes* (context switches
+// between address spaces cost more than between threads). Forked before this process opens
+// any fabric (no threads to lose across fork). Each client reports its exchanges and seconds.
+StatusOr<std::vector<double>> PairStepProcesses(const std::string& provider, int max_k,
+                                                double seconds) {
+  std::vector<double> out;
+  for (int k = 0; k <= max_k; ++k) {
+    const int n = k + 1;
+    std::vector<pid_t> pids;
+    std::vector<int> server_ctl;  // write ends: closing one stops that server
+    std::vector<int> results;     // read ends of the clients' result pipes
+    Status err;
+    for (int i = 0; i < n && err.ok(); ++i) {
+      int info[2], ctl[2];
+      if (pipe(info) != 0 || pipe(ctl) != 0) return ErrnoError("pipe", errno);
+      const pid_t pid = fork();
+      if (pid < 0) return ErrnoError("fork", errno);
+      if (pid == 0) {  // server child
+        close(info[0]);
+        close(ctl[1]);
+        LoopbackPair t;
+        if (!t.OpenTarget(provider).ok()) _exit(2);
+        const std::string msg = t.address() + "\n" + t.remote().Encode();
+        const uint32_t len = static_cast<uint32_t>(msg.size());
+        if (write(info[1], &len, 4) != 4 || write(info[1], msg.data(), len) != len) _exit(2);
+        close(info[1]);
+        t.ServeTarget([&] {
+          struct pollfd pf{ctl[0], POLLIN, 0};
+          return ::poll(&pf, 1, 0) > 0;  // readable = EOF: the parent closed it
+        });
+        _exit(0);
+      }
+      close(info[1]);
+      close(ctl[0]);
+      pids.push_back(pid);
+      server_ctl.push_back(ctl[1]);
+      uint32_t len = 0;
+      std::string msg;
+      if (read(info[0], &len, 4) == 4 && len < 4096) {
+        msg.resize(len);
+        size_t got = 0;
+        while (got < len) {
+          const ssize_t r = read(info[0], msg.data() + got, len - got);
+          if (r <= 0) break;
+          got += r;
+        }
+        if (got != len) msg.clear();
+      }
+      close(info[0]);
+      const size_t nl = msg.find('\n');
+      if (nl == std::string::npos) {
+        err = InternalError("probe: a server process did not start");
+        break;
+      }
+      auto desc = transport::RegionDescriptor::Decode(std::string_view(msg).substr(nl + 1));
+      if (!desc.ok()) {
+        err = desc.status();
+        break;
+      }
+      int res[2];
+      if (pipe(res) != 0) return ErrnoError("pipe", errno);
+      const pid_t cpid = fork();
+      if (cpid < 0) return ErrnoError("fork", errno);
+      if (cpid == 0) {  // client child
+        close(res[0]);
+        LoopbackPair c;
+        double r[2] = {0, 0};
+        if (c.Connect(provider, msg.substr(0, nl), *desc).ok()) {
+          const double t0 = Now();
+          uint64_t steps = 0;
+          while (Now() - t0 < seconds) {
+            if (!c.PairStep(steps).ok()) break;
+            ++steps;
+          }
+          r[0] = static_cast<double>(steps);
+          r[1] = Now() - t0;
+        }
+        if (write(res[1], r, sizeof(r)) != sizeof(r)) _exit(2);
+        _exit(0);
+      }
+      close(res[1]);
+      pids.push_back(cpid);
+      results.push_back(res[0]);
+    }
+    // Aggregate: n clients over their mean duration / all their exchanges (a client starved
+    // by the scheduler then weighs by its exchanges, not by its own slow mean).
+    double total_steps = 0, total_s = 0;
+    int reported = 0;
+    for (int fd : results) {
+      double r[2] = {0, 0};
+      if (read(fd, r, sizeof(r)) == sizeof(r) && r[0] > 0) {
+        total_steps += r[0];
+        total_s += r[1];
+        ++reported;
+      }
+      close(fd);
+    }
+    for (int fd : server_ctl) close(fd);
+    for (pid_t p : pids) {
+      int st = 0;
+      for (int i = 0; i < 200 && waitpid(p, &st, WNOHANG) == 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (waitpid(p, &st, WNOHANG) == 0) {
+        kill(p, SIGKILL);
+        waitpid(p, &st, 0);
+      }
+    }
+    RETURN_IF_ERROR(err);
+    if (reported != n) return InternalError("probe: a pair-step client failed");
+    out.push_back(total_s / total_steps * 1e6);
+  }
+  return out;
+}
 
 void MeasureApply(HostProbe* h) {
   constexpr size_t kElems = 64 * 1024;  // 256 KiB chunk
@@ -167,6 +350,20 @@ void MeasureApply(HostProbe* h) {
 
 StatusOr<ProbeFile> RunProbe(const ProbeOptions& o) {
   ProbeFile pf;
+  // First, while this process has no fabric (and so no threads): the multi-process pair step.
+  // Three sweeps, the median per point: the host is shared and single sweeps differ a lot.
+  std::vector<std::vector<double>> sweeps;
+  for (int rep = 0; rep < 3; ++rep) {
+    ASSIGN_OR_RETURN(std::vector<double> steps,
+                     PairStepProcesses(o.transport, o.max_spinners,
+                                       std::max(0.2, o.seconds_per_point)));
+    sweeps.push_back(std::move(steps));
+  }
+  for (int k = 0; k <= o.max_spinners; ++k) {
+    std::vector<double> v = {sweeps[0][k], sweeps[1][k], sweeps[2][k]};
+    std::sort(v.begin(), v.end());
+    pf.mutable_host()->add_pair_step_us(v[1]);
+  }
   LoopbackPair pair;
   RETURN_IF_ERROR(pair.Open(o.transport));
   Pair* p = pf.add_pairs();
