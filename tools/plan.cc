@@ -134,6 +134,7 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
   if (h.add_bps() > 0) c.add_Bps = h.add_bps();
   c.spin_rtt_us.assign(h.spin_rtt_us().begin(), h.spin_rtt_us().end());
   c.pair_step_us.assign(h.pair_step_us().begin(), h.pair_step_us().end());
+  c.pair_step4_us.assign(h.pair_step4_us().begin(), h.pair_step4_us().end());
   return c;
 }
 
@@ -148,6 +149,30 @@ double Costs::PairCpu() const {
   if (!v.empty()) return Median(v);
   if (!pair_step_us.empty()) return pair_step_us.back();
   return 2.5 * 2 * read.alpha_us() + 6.5 * 0.5 * (write.op_us() + read.op_us());
+}
+
+// The probe's exchange has 6.5 operations with one chunk, 23 with four.
+constexpr double kProbeOps1 = 6.5, kProbeOps4 = 23;
+
+double Costs::OpCpu() const {
+  if (pair_step4_us.size() == 2 && pair_step_us.size() > cores) {
+    const double n = pair_step_us.size();
+    const double d = cores * (pair_step4_us[1] - pair_step_us.back()) / n;
+    return std::max(0.0, d / (kProbeOps4 - kProbeOps1));
+  }
+  return 0.5 * (write.op_us() + read.op_us());
+}
+
+double Costs::ExchangeLatency() const {
+  if (!pair_step_us.empty()) return pair_step_us[0];
+  return 1.5 * write.alpha_us() + read.alpha_us() + kProbeOps1 * 0.5 * (write.op_us() + read.op_us());
+}
+
+double Costs::OpLatency() const {
+  if (pair_step4_us.size() == 2 && !pair_step_us.empty()) {
+    return std::max(0.0, (pair_step4_us[0] - pair_step_us[0]) / (kProbeOps4 - kProbeOps1));
+  }
+  return 0.5 * (write.op_us() + read.op_us());
 }
 
 double Costs::Rtt(double k) const {
@@ -212,26 +237,16 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   ASSIGN_OR_RETURN(ShardPlan sp, PlanShards(w.tensors, cfg.servers, cfg.partition_bytes));
   const double S = cfg.servers, W = cfg.workers, C = std::max<uint32_t>(1, c.cores);
   // Placement: round robin; apart: servers on min(S, M-1) machines, workers on the rest.
+  // One link model serves local and remote pairs alike (the probe's median; docs/plan.md).
   double ws_host, ss_host;  // workers / servers on the busiest host
-  bool remote;              // does a worker reach some server over the network
   if (cfg.colocated) {
     ws_host = std::ceil(W / cfg.machines);
     ss_host = std::ceil(S / cfg.machines);
-    remote = cfg.machines > 1;
   } else {
     const double ms = std::min<double>(S, cfg.machines - 1);
     ws_host = std::ceil(W / (cfg.machines - ms));
     ss_host = std::ceil(S / ms);
-    remote = true;
   }
-  (void)remote;  // one link model for local and remote pairs (docs/plan.md)
-  // Spinners a worker's round trip competes with: the other workers on its host (they
-  // busy-poll in Step()); servers block in their CQ wait and only run when work arrives.
-  const double k = std::max(0.0, ws_host - 1);
-  const double rtt = c.Rtt(k);
-  const double share_w = std::max(1.0, ws_host / C);  // CPU stretch of a worker's own work
-  const double share_s =
-      std::max(1.0, ((cfg.colocated ? ws_host : 0) + ss_host) / C);  // of a server's work
 
   std::vector<double> n(cfg.servers, 0), b(cfg.servers, 0);
   for (const auto& ch : sp.chunks) {
@@ -243,8 +258,6 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
     chunks += n[s];
     bytes += b[s];
   }
-  const uint32_t servers_used = static_cast<uint32_t>(
-      std::count_if(n.begin(), n.end(), [](double x) { return x > 0; }));
 
   Prediction p;
   p.config = cfg;
@@ -262,19 +275,20 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
                        : cfg.mode == Mode::kSsp ? 1.0 / (cfg.staleness + 1)
                                                 : 0.0;
   const double rts = 2.5 + (W > 1 ? retry : 0.0);
-  const double op_w = c.write.op_us(), op_r = c.read.op_us();
+  const double op_lat = c.OpLatency(), c_op = c.OpCpu(), x0 = c.ExchangeLatency();
 
-  // (1) The latency path of one worker's step with the host to itself.
+  // (1) The latency path of one worker's step with the host to itself: the probe's exchange
+  // (2.5 round trips, 6.5 operations; exchanges with all servers overlap) plus the worker's
+  // further operations, serialized through its one thread, plus the bytes.
   const double rtt0 = c.Rtt(0);
   p.compute_us = w.compute_us;
-  p.push_us = 1.5 * c.write.alpha_us() + push_ops * op_w + bytes / c.write.beta_bps() * 1e6;
-  p.pull_us = c.read.alpha_us() + pull_ops * op_r + bytes / c.read.beta_bps() * 1e6;
-  // (2) The busiest server, serially: its side of every worker's operations (half an op's cost:
-  // receive and answer, the initiator posts and reaps), W gradients accumulated, one apply.
+  p.push_us = 0.6 * x0 + std::max(0.0, push_ops - 3.5) * op_lat + bytes / c.write.beta_bps() * 1e6;
+  p.pull_us = 0.4 * x0 + std::max(0.0, pull_ops - 3) * op_lat + bytes / c.read.beta_bps() * 1e6;
+  // (2) The busiest server, serially: its half of the CPU of every worker's operations to it,
+  // W gradients accumulated, one apply.
   for (uint32_t s = 0; s < cfg.servers; ++s) {
     const double ops = W * (5.5 * n[s] + 1);
-    const double t = ops * 0.5 * 0.5 * (op_w + op_r) + W * b[s] / c.add_Bps * 1e6 +
-                     b[s] / c.apply_Bps * 1e6;
+    const double t = ops * 0.5 * c_op + W * b[s] / c.add_Bps * 1e6 + b[s] / c.apply_Bps * 1e6;
     if (t > p.server_us) {
       p.server_us = t;
       p.busiest_server = s;
@@ -292,17 +306,19 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   const double kmax = c.spin_rtt_us.empty() ? 0 : c.spin_rtt_us.size() - 1;
   const double c_rt = c.spin_rtt_us.empty() ? 2 * rtt0 : C * c.Rtt(kmax) / (kmax + 1);
   const double c_pair = c.PairCpu();
-  const double c_op = 0.5 * (op_w + op_r);
-  const double pairs_host = ws_host * S;  // every worker talks to every server
   const double extra_ops_pair = std::max(0.0, (push_ops + pull_ops) / S - 6.5);
-  double server_bytes_cpu = 0;
+  const double per_pair = c_pair + extra_ops_pair * c_op + (rts - 2.5) * c_rt;
+  double server_bytes_cpu = 0;  // all servers: accumulate W gradients, apply once
   for (uint32_t s = 0; s < cfg.servers; ++s) {
     server_bytes_cpu += W * b[s] / c.add_Bps * 1e6 + b[s] / c.apply_Bps * 1e6;
   }
-  const double servers_here = cfg.colocated ? ss_host / S : 0;  // share of the servers
-  p.cpu_us = (ws_host * w.compute_us +
-              pairs_host * (c_pair + extra_ops_pair * c_op + (rts - 2.5) * c_rt) +
-              servers_here * server_bytes_cpu) / C;
+  // An exchange's CPU is split between the worker's and the server's side (half each); every
+  // worker talks to every server. Colocated: the busiest host has ws_host workers (each in S
+  // exchanges) and ss_host servers (each in W). Apart: a worker host and a server host.
+  const double worker_side = ws_host * (w.compute_us + 0.5 * S * per_pair);
+  const double server_side = ss_host * (0.5 * W * per_pair + server_bytes_cpu / S);
+  p.cpu_us = cfg.colocated ? (worker_side + server_side) / C
+                           : std::max(worker_side, server_side) / C;
   p.step_us = path;
   p.bound = "latency path";
   if (p.server_us > p.step_us) {
@@ -313,11 +329,6 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
     p.step_us = p.cpu_us;
     p.bound = "host cpu";
   }
-  (void)share_w;
-  (void)share_s;
-  (void)servers_used;
-  (void)k;
-  (void)rtt;
   p.samples_per_s = W * w.batch / p.step_us * 1e6;
   return p;
 }

@@ -47,9 +47,13 @@ struct Costs {
   uint32_t cores = 2;
   double apply_Bps = 1e9, add_Bps = 4e9;
   std::vector<double> spin_rtt_us;   // loaded round trip by clients - 1; empty: no contention
-  std::vector<double> pair_step_us;  // loaded worker-server exchange by clients - 1
+  std::vector<double> pair_step_us;   // loaded worker-server exchange by clients - 1
+  std::vector<double> pair_step4_us;  // the same with 4 chunks: alone, at the last k
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
-  double PairCpu() const;  // CPU of one worker-server exchange (docs/plan.md)
+  double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
+  double OpCpu() const;            // CPU of one more pipelined operation
+  double ExchangeLatency() const;  // one exchange with the host to itself
+  double OpLatency() const;        // one more pipelined operation in it
 };
 StatusOr<Costs> CostsFromProbe(const ProbeFile& p);
 

@@ -20,6 +20,8 @@ Costs FixedCosts() {
   c.add_Bps = 4e9;
   c.spin_rtt_us = {20, 40, 60, 80, 100};       // +20 us per extra client
   c.pair_step_us = {100, 100, 150, 200, 250};  // saturated: 2 * 150/3 = 100 us CPU, etc.
+  // 4 chunks: alone 100 + 16.5 x 8 us; at k = 4: CPU 2 x 662.5 / 5 = 265 = 100 + 16.5 x 10.
+  c.pair_step4_us = {232, 662.5};
   return c;
 }
 
@@ -92,6 +94,17 @@ TEST(PlanCosts, InterpolatesLoadedRoundTripAndPairCpu) {
   EXPECT_DOUBLE_EQ(c.Rtt(6), 20 + 80 + 40);  // extrapolated at 20 us per client
   // Saturated points (clients > cores = 2): 2*150/3 = 100, 2*200/4 = 100, 2*250/5 = 100.
   EXPECT_DOUBLE_EQ(c.PairCpu(), 100);
+  EXPECT_DOUBLE_EQ(c.ExchangeLatency(), 100);
+  EXPECT_DOUBLE_EQ(c.OpLatency(), 8);
+  EXPECT_DOUBLE_EQ(c.OpCpu(), 10);
+  // Without the host part (a doctor file): from the link figures.
+  Costs d;
+  d.write.set_alpha_us(20);
+  d.write.set_op_us(4);
+  d.read.set_alpha_us(30);
+  d.read.set_op_us(6);
+  EXPECT_DOUBLE_EQ(d.OpLatency(), 5);
+  EXPECT_DOUBLE_EQ(d.ExchangeLatency(), 1.5 * 20 + 30 + 6.5 * 5);
 }
 
 TEST(PlanPredict, OneWorkerIsTheLatencyPath) {
@@ -100,8 +113,9 @@ TEST(PlanPredict, OneWorkerIsTheLatencyPath) {
   auto p = Predict(Digits(200), c, cfg);
   ASSERT_TRUE(p.ok()) << p.status();
   const double bytes = (64 * 64 + 64 + 10 * 64 + 10) * 4.0;
-  // push: 1.5 alpha + (2.5 * 4 + 1) ops * 10 us + bytes / beta; pull: alpha + 12 ops + bytes.
-  const double push = 30 + 110 + bytes / 1e3, pull = 20 + 120 + bytes / 1e3;
+  // push: 0.6 x exchange + (2.5 * 4 + 1 - 3.5) ops x 8 us + bytes / beta;
+  // pull: 0.4 x exchange + (12 - 3) ops x 8 us + bytes / beta.
+  const double push = 60 + 7.5 * 8 + bytes / 1e3, pull = 40 + 9 * 8 + bytes / 1e3;
   EXPECT_NEAR(p->push_us, push, 1e-6);
   EXPECT_NEAR(p->pull_us, pull, 1e-6);
   EXPECT_DOUBLE_EQ(p->barrier_us, 0);  // one worker: nobody to wait for
