@@ -148,7 +148,7 @@ double Costs::PairCpu() const {
   }
   if (!v.empty()) return Median(v);
   if (!pair_step_us.empty()) return pair_step_us.back();
-  return 2.5 * 2 * read.alpha_us() + 6.5 * 0.5 * (write.op_us() + read.op_us());
+  return ExchangeLatency();
 }
 
 // The probe's exchange has 6.5 operations with one chunk, 23 with four.
