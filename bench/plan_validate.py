@@ -4,6 +4,8 @@
 1. probe: shardps_plan --probe (link alpha/beta/op cost, loaded round trips, update throughput)
 2. compute: digits_trainer --standalone --workers 1 (step minus the local update = compute;
    the least of 3 runs)
+2b. calibration: one ASP and one BSP run of 2 servers x 4 workers give the exchange CPU and the
+   wait CPU (shardps_plan --calibrate_step_us); they are left out of the error figures
 3. per configuration: predicted step (shardps_plan --predict) vs measured step (the digits
    trainer on a local cluster via scripts/launch-local.sh, its "final:" line), error
 4. median and max absolute error; the configuration the model recommends among those run, and
@@ -48,8 +50,9 @@ FULL = ["1:4:4194304:bsp", "2:4:4194304:bsp", "3:4:4194304:bsp", "4:4:4194304:bs
         "1:4:4194304:ssp:1", "2:4:4194304:ssp:2", "2:4:4096:ssp:1",
         "1:1:4194304:bsp", "1:2:4194304:bsp", "2:2:4194304:bsp", "1:3:4194304:bsp",
         "2:6:4194304:bsp", "1:8:4194304:bsp"]
-QUICK = ["1:4:4194304:bsp", "2:4:4194304:bsp", "4:4:4194304:bsp", "1:1:4194304:bsp",
-         "2:4:4194304:asp", "1:2:4194304:bsp"]
+CALIBRATION = ["2:4:4194304:asp", "2:4:4194304:bsp"]
+QUICK = ["1:4:4194304:bsp", "4:4:4194304:bsp", "1:4:4194304:asp", "1:1:4194304:bsp",
+         "1:2:4194304:bsp", "2:2:4194304:bsp"]
 
 
 def main():
@@ -63,6 +66,8 @@ def main():
     ap.add_argument("--compute-us", type=float, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--max-median-error", type=float, default=0)
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="use the probe's own exchange CPU estimate (no calibration runs)")
     a = ap.parse_args()
     build = a.build if os.path.isabs(a.build) else os.path.join(ROOT, a.build)
     plan = os.path.join(build, "tools", "shardps_plan")
@@ -105,9 +110,58 @@ def main():
     print(f"plan validation: probe {probe}, compute {compute:.0f} us/step, {epochs} epochs, "
           f"{reps} run(s) per configuration")
 
-    rows = []
+    def measure(c, tag):
+        meas = []
+        for r in range(reps):
+            mode = c["mode"]
+            run_dir = os.path.join(work, f"run-{tag}-{r}")
+            cmd = [os.path.join(ROOT, "scripts", "launch-local.sh"), "--servers", str(c["servers"]),
+                   "--workers", str(c["workers"]), "--transport", "tcp", "--consistency", mode,
+                   "--staleness", str(c["staleness"]), "--partition-bytes", str(c["partition"]),
+                   "--quiet", "--timeout", "120", "--run-dir", run_dir, "--",
+                   f"--epochs={epochs}", "--batch_size=32", "--log_every=0"]
+            rc, out = run(cmd, 150, env)
+            m = re.search(r"final:.* step ([0-9.]+) ms", out)
+            if rc != 0 or not m:
+                # One retry: a cluster start-up on this shared host occasionally loses a tcp
+                # connection (see the run directory); a second failure is fatal.
+                print(f"  ({name(c)}: run failed with rc {rc}, retrying once; logs in {run_dir})",
+                      flush=True)
+                retries.append(name(c))
+                cmd[cmd.index("--run-dir") + 1] += "-retry"
+                rc, out = run(cmd, 150, env)
+                m = re.search(r"final:.* step ([0-9.]+) ms", out)
+            if rc != 0 or not m:
+                sys.exit(f"run {name(c)} failed (rc {rc}):\n" + out[-3000:])
+            meas.append(float(m.group(1)) * 1e3)
+        return meas
+
     retries = []
     env = dict(os.environ, SHARDPS_BUILD_DIR=build)
+    # Calibration (docs/plan.md): one ASP and one BSP run of CALIBRATION's layout give the
+    # exchange CPU and the wait CPU; both runs are left out of the error figures.
+    calibration = []
+    if not a.no_calibrate:
+        for i, cs in enumerate(CALIBRATION):
+            c = parse_cfg(cs)
+            meas = measure(c, f"cal{i}")
+            step = statistics.median(meas)
+            rc, out = run([plan, "--probe_file=" + probe, "--digits", f"--compute_us={compute}",
+                           "--predict", f"--servers={c['servers']}", f"--workers={c['workers']}",
+                           f"--partition_bytes={c['partition']}", f"--mode={c['mode']}",
+                           f"--calibrate_step_us={step}",
+                           "--probe_out=" + os.path.join(work, f"probe-cal{i}.json")], 30)
+            if rc != 0:
+                sys.exit("calibration failed:\n" + out)
+            probe = os.path.join(work, f"probe-cal{i}.json")
+            calibration.append({"config": c, "name": name(c), "measured_us": step,
+                                "measured_runs_us": meas, "result": out.splitlines()[0]})
+            print(f"  calibration {name(c):20s} measured {step:8.0f} us: {out.splitlines()[0]}",
+                  flush=True)
+        cal_names = {x["name"] for x in calibration}
+        cfgs = [c for c in cfgs if name(c) not in cal_names]
+
+    rows = []
     for c in cfgs:
         rc, out = run([plan, "--probe_file=" + probe, "--digits", f"--compute_us={compute}",
                        "--predict", f"--servers={c['servers']}", f"--workers={c['workers']}",
@@ -117,29 +171,7 @@ def main():
         if rc != 0 or not m:
             sys.exit("shardps_plan --predict failed:\n" + out)
         pred, why = float(m.group(1)), m.group(2)
-        meas = []
-        for r in range(reps):
-            mode = "ssp" if c["mode"] == "ssp" else c["mode"]
-            cmd = [os.path.join(ROOT, "scripts", "launch-local.sh"), "--servers", str(c["servers"]),
-                   "--workers", str(c["workers"]), "--transport", "tcp", "--consistency", mode,
-                   "--staleness", str(c["staleness"]), "--partition-bytes", str(c["partition"]),
-                   "--quiet", "--timeout", "120",
-                   "--run-dir", os.path.join(work, f"run-{len(rows)}-{r}"), "--",
-                   f"--epochs={epochs}", "--batch_size=32", "--log_every=0"]
-            rc, out = run(cmd, 150, env)
-            m = re.search(r"final:.* step ([0-9.]+) ms", out)
-            if rc != 0 or not m:
-                # One retry: a cluster start-up on this shared host occasionally loses a tcp
-                # connection (see the run directory); a second failure is fatal.
-                print(f"  ({name(c)}: run failed with rc {rc}, retrying once; logs in "
-                      f"{os.path.join(work, f'run-{len(rows)}-{r}')})", flush=True)
-                retries.append(name(c))
-                cmd[cmd.index("--run-dir") + 1] += "-retry"
-                rc, out = run(cmd, 150, env)
-                m = re.search(r"final:.* step ([0-9.]+) ms", out)
-            if rc != 0 or not m:
-                sys.exit(f"run {name(c)} failed (rc {rc}):\n" + out[-3000:])
-            meas.append(float(m.group(1)) * 1e3)
+        meas = measure(c, str(len(rows)))
         measured = statistics.median(meas)
         err = (pred - measured) / measured
         rows.append({"config": c, "name": name(c), "predicted_us": pred, "measured_us": measured,
@@ -154,7 +186,11 @@ def main():
     # Recommendation among the configurations run with the fixed worker count of the job (the
     # most common worker count in the list): highest predicted samples/s.
     wmain = statistics.mode([r["config"]["workers"] for r in rows])
-    cand = [r for r in rows if r["config"]["workers"] == wmain]
+    # The calibration runs compete too (their prediction is their measurement).
+    cand = [r for r in rows if r["config"]["workers"] == wmain] + [
+        {"name": x["name"], "predicted_samples_per_s": x["config"]["workers"] * 32 / x["measured_us"] * 1e6,
+         "measured_samples_per_s": x["config"]["workers"] * 32 / x["measured_us"] * 1e6}
+        for x in calibration if x["config"]["workers"] == wmain]
     rec = max(cand, key=lambda r: r["predicted_samples_per_s"])
     best = max(cand, key=lambda r: r["measured_samples_per_s"])
     gap = 1 - rec["measured_samples_per_s"] / best["measured_samples_per_s"]
@@ -176,7 +212,8 @@ def main():
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"meta": {"stamp": stamp, "quick": a.quick, "epochs": epochs, "reps": reps,
-                            "compute_us": compute, "probe": json.load(open(probe))},
+                            "compute_us": compute, "probe": json.load(open(probe)),
+                            "calibration": calibration},
                    "rows": rows, "median_abs_error": med, "max_abs_error": worst,
                    "recommended": rec["name"], "best_measured": best["name"],
                    "recommended_gap": gap, "retried_runs": retries}, f, indent=1)

@@ -135,10 +135,13 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
   c.spin_rtt_us.assign(h.spin_rtt_us().begin(), h.spin_rtt_us().end());
   c.pair_step_us.assign(h.pair_step_us().begin(), h.pair_step_us().end());
   c.pair_step4_us.assign(h.pair_step4_us().begin(), h.pair_step4_us().end());
+  c.pair_cpu_us = h.pair_cpu_us();
+  c.wait_cpu_us = h.wait_cpu_us();
   return c;
 }
 
 double Costs::PairCpu() const {
+  if (pair_cpu_us > 0) return pair_cpu_us;
   // Once the host is saturated (more clients than cores) an exchange's wall time times cores
   // over clients is its CPU cost; the median over those points (the host is shared, the
   // probe's points are noisy).
@@ -304,10 +307,17 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // clients), c_op per further pipelined operation (chunks beyond one), c_rt per retried pull
   // round trip (BSP/SSP waits).
   const double kmax = c.spin_rtt_us.empty() ? 0 : c.spin_rtt_us.size() - 1;
-  const double c_rt = c.spin_rtt_us.empty() ? 2 * rtt0 : C * c.Rtt(kmax) / (kmax + 1);
+  const double c_rt = c.wait_cpu_us > 0      ? c.wait_cpu_us
+                      : c.spin_rtt_us.empty() ? 2 * rtt0
+                                              : C * c.Rtt(kmax) / (kmax + 1);
   const double c_pair = c.PairCpu();
   const double extra_ops_pair = std::max(0.0, (push_ops + pull_ops) / S - 6.5);
-  const double per_pair = c_pair + extra_ops_pair * c_op + (rts - 2.5) * c_rt;
+  // SSP on an oversubscribed host: fair CPU sharing drifts the workers apart until the leader
+  // sits at the bound, and from then on it waits every step as under BSP (the validation
+  // measures SSP no faster than BSP here); SSP's 1/(s+1) only holds for transient stragglers.
+  const double r_cpu =
+      cfg.mode == Mode::kSsp && W > 1 && ws_host > C ? 1.0 : (rts - 2.5);
+  const double per_pair = c_pair + extra_ops_pair * c_op + r_cpu * c_rt;
   double server_bytes_cpu = 0;  // all servers: accumulate W gradients, apply once
   for (uint32_t s = 0; s < cfg.servers; ++s) {
     server_bytes_cpu += W * b[s] / c.add_Bps * 1e6 + b[s] / c.apply_Bps * 1e6;
@@ -331,6 +341,22 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   }
   p.samples_per_s = W * w.batch / p.step_us * 1e6;
   return p;
+}
+
+StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double measured_step_us) {
+  double& knob = cfg.mode == Mode::kAsp ? c.pair_cpu_us : c.wait_cpu_us;
+  knob = 1;
+  ASSIGN_OR_RETURN(Prediction p1, Predict(w, c, cfg));
+  knob = 2;
+  ASSIGN_OR_RETURN(Prediction p2, Predict(w, c, cfg));
+  const double slope = p2.cpu_us - p1.cpu_us;
+  if (slope <= 0) return InvalidArgumentError("calibration: the host CPU term does not depend on it");
+  const double v = 1 + (measured_step_us - p1.cpu_us) / slope;
+  if (!(v > 0)) {
+    return InvalidArgumentError("calibration: the measured step is below what compute and "
+                                "operations alone need; is this configuration CPU-bound?");
+  }
+  return v;
 }
 
 StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b) {

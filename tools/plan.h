@@ -49,6 +49,8 @@ struct Costs {
   std::vector<double> spin_rtt_us;   // loaded round trip by clients - 1; empty: no contention
   std::vector<double> pair_step_us;   // loaded worker-server exchange by clients - 1
   std::vector<double> pair_step4_us;  // the same with 4 chunks: alone, at the last k
+  double pair_cpu_us = 0;             // calibrated exchange CPU (0: from pair_step_us)
+  double wait_cpu_us = 0;             // calibrated BSP wait CPU per exchange (0: c_rt)
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
   double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
   double OpCpu() const;            // CPU of one more pipelined operation
@@ -101,6 +103,11 @@ struct Budget {
   std::vector<std::pair<Mode, uint32_t>> modes = {
       {Mode::kBsp, 0}, {Mode::kSsp, 1}, {Mode::kSsp, 2}, {Mode::kSsp, 4}, {Mode::kAsp, 0}};
 };
+// Calibration from real runs (docs/plan.md): the value of c.pair_cpu_us (cfg ASP) or of
+// c.wait_cpu_us (cfg BSP/SSP) that makes Predict(cfg)'s host-CPU term equal a measured step
+// time (the term is linear in either); cfg must be CPU-bound (more workers than cores).
+StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double measured_step_us);
+
 // Every configuration within the budget, ranked best (highest samples/s) first.
 StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b);
 

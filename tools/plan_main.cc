@@ -36,6 +36,10 @@ DEFINE_uint64(partition_bytes, 4u << 20, "--predict: partition size");
 DEFINE_string(mode, "bsp", "--predict: bsp, ssp or asp");
 DEFINE_int32(staleness, 0, "--predict: SSP staleness bound");
 DEFINE_bool(colocated, true, "--predict: servers on the workers' machines");
+DEFINE_double(calibrate_step_us, 0,
+              "Measured step of the --predict configuration (CPU-bound): solve for the exchange "
+              "CPU (--mode=asp) or the wait CPU (bsp/ssp) and store it in the probe file written "
+              "to --probe_out (calibrate asp first)");
 
 namespace {
 
@@ -99,6 +103,29 @@ int Main() {
       return Fail(InvalidArgumentError("--mode must be bsp, ssp or asp"));
     }
     c.staleness = FLAGS_staleness;
+    if (FLAGS_calibrate_step_us > 0) {
+      auto v = Calibrate(w, *costs, c, FLAGS_calibrate_step_us);
+      if (!v.ok()) return Fail(v.status());
+      Costs estimate = *costs;
+      if (c.mode == Mode::kAsp) {
+        probe.mutable_host()->set_pair_cpu_us(*v);
+        estimate.pair_cpu_us = 0;
+        std::printf("calibrated pair_cpu_us %.1f (the probe's own estimate %.1f)\n", *v,
+                    estimate.PairCpu());
+        costs->pair_cpu_us = *v;
+      } else {
+        probe.mutable_host()->set_wait_cpu_us(*v);
+        std::printf("calibrated wait_cpu_us %.1f\n", *v);
+        costs->wait_cpu_us = *v;
+      }
+      if (!FLAGS_probe_out.empty()) {
+        auto json = ProbeToJson(probe);
+        if (!json.ok()) return Fail(json.status());
+        std::ofstream f(FLAGS_probe_out);
+        f << *json;
+        if (!f) return Fail(InternalError("cannot write " + FLAGS_probe_out));
+      }
+    }
     auto p = Predict(w, *costs, c);
     if (!p.ok()) return Fail(p.status());
     std::printf("predicted_step_us %.1f samples_per_s %.0f | %s | %s\n", p->step_us,
