@@ -51,8 +51,7 @@ FULL = ["1:4:4194304:bsp", "2:4:4194304:bsp", "3:4:4194304:bsp", "4:4:4194304:bs
         "1:1:4194304:bsp", "1:2:4194304:bsp", "2:2:4194304:bsp", "1:3:4194304:bsp",
         "2:6:4194304:bsp", "1:8:4194304:bsp"]
 CALIBRATION = ["2:4:4194304:asp", "2:4:4194304:bsp"]
-QUICK = ["1:4:4194304:bsp", "4:4:4194304:bsp", "1:4:4194304:asp", "1:1:4194304:bsp",
-         "1:2:4194304:bsp", "2:2:4194304:bsp"]
+QUICK = ["1:4:4194304:bsp", "1:4:4194304:asp", "1:1:4194304:bsp", "2:2:4194304:bsp"]
 
 
 def main():
@@ -93,7 +92,8 @@ def main():
     if not probe:
         probe = os.path.join(work, "probe.json")
         rc, out = run([plan, "--probe", "--probe_out=" + probe,
-                       "--probe_seconds=" + ("0.15" if a.quick else "0.3")], 120)
+                       "--probe_seconds=" + ("0.15" if a.quick else "0.3"),
+                       "--probe_clients=" + ("5" if a.quick else "9")], 120)
         if rc != 0:
             sys.exit("probe failed:\n" + out)
     compute = a.compute_us
@@ -110,9 +110,9 @@ def main():
     print(f"plan validation: probe {probe}, compute {compute:.0f} us/step, {epochs} epochs, "
           f"{reps} run(s) per configuration")
 
-    def measure(c, tag):
+    def measure(c, tag, n=None):
         meas = []
-        for r in range(reps):
+        for r in range(n or reps):
             mode = c["mode"]
             run_dir = os.path.join(work, f"run-{tag}-{r}")
             cmd = [os.path.join(ROOT, "scripts", "launch-local.sh"), "--servers", str(c["servers"]),
@@ -144,7 +144,7 @@ def main():
     if not a.no_calibrate:
         for i, cs in enumerate(CALIBRATION):
             c = parse_cfg(cs)
-            meas = measure(c, f"cal{i}")
+            meas = measure(c, f"cal{i}", max(3, reps))  # one bad run must not decide it
             step = statistics.median(meas)
             rc, out = run([plan, "--probe_file=" + probe, "--digits", f"--compute_us={compute}",
                            "--predict", f"--servers={c['servers']}", f"--workers={c['workers']}",
@@ -152,7 +152,12 @@ def main():
                            f"--calibrate_step_us={step}",
                            "--probe_out=" + os.path.join(work, f"probe-cal{i}.json")], 30)
             if rc != 0:
-                sys.exit("calibration failed:\n" + out)
+                # The knob keeps the probe's own estimate (logged, and stored in the JSON).
+                print(f"  calibration {name(c)}: {out.strip()}; keeping the probe's estimate",
+                      flush=True)
+                calibration.append({"config": c, "name": name(c), "measured_us": step,
+                                    "measured_runs_us": meas, "result": "failed: " + out.strip()})
+                continue
             probe = os.path.join(work, f"probe-cal{i}.json")
             calibration.append({"config": c, "name": name(c), "measured_us": step,
                                 "measured_runs_us": meas, "result": out.splitlines()[0]})
@@ -174,8 +179,9 @@ def main():
         meas = measure(c, str(len(rows)))
         measured = statistics.median(meas)
         err = (pred - measured) / measured
+        spread = (max(meas) - min(meas)) / measured  # this host's run-to-run noise
         rows.append({"config": c, "name": name(c), "predicted_us": pred, "measured_us": measured,
-                     "measured_runs_us": meas, "error": err, "why": why,
+                     "measured_runs_us": meas, "error": err, "spread": spread, "why": why,
                      "predicted_samples_per_s": c["workers"] * 32 / pred * 1e6,
                      "measured_samples_per_s": c["workers"] * 32 / measured * 1e6})
         print(f"  {name(c):32s} predicted {pred:8.0f} us  measured {measured:8.0f} us  "
@@ -196,14 +202,18 @@ def main():
     gap = 1 - rec["measured_samples_per_s"] / best["measured_samples_per_s"]
 
     print()
-    print(f"| configuration | predicted step (us) | measured step (us) | error |")
-    print(f"|---|---:|---:|---:|")
+    print("| configuration | predicted step (us) | measured step (us), median | runs (us) | "
+          "run spread | error |")
+    print("|---|---:|---:|---|---:|---:|")
     for r in rows:
-        print(f"| {r['name']} | {r['predicted_us']:.0f} | {r['measured_us']:.0f} | "
-              f"{r['error'] * 100:+.1f}% |")
+        runs = " / ".join(f"{x:.0f}" for x in r["measured_runs_us"])
+        print(f"| {r['name']} | {r['predicted_us']:.0f} | {r['measured_us']:.0f} | {runs} | "
+              f"{r['spread'] * 100:.0f}% | {r['error'] * 100:+.1f}% |")
     print()
+    spread_med = statistics.median(r["spread"] for r in rows)
     print(f"median absolute error {med * 100:.1f}%, max {worst * 100:.1f}% over {len(rows)} "
-          f"configurations")
+          f"configurations (median run-to-run spread, (max - min) / median: "
+          f"{spread_med * 100:.0f}%)")
     print(f"recommended ({wmain} workers): {rec['name']}, measured "
           f"{rec['measured_samples_per_s']:.0f} samples/s; best measured: {best['name']}, "
           f"{best['measured_samples_per_s']:.0f} samples/s; gap {gap * 100:.1f}% "
@@ -215,6 +225,7 @@ def main():
                             "compute_us": compute, "probe": json.load(open(probe)),
                             "calibration": calibration},
                    "rows": rows, "median_abs_error": med, "max_abs_error": worst,
+                   "median_run_spread": spread_med,
                    "recommended": rec["name"], "best_measured": best["name"],
                    "recommended_gap": gap, "retried_runs": retries}, f, indent=1)
     print("wrote " + out)

@@ -19,6 +19,7 @@ DEFINE_string(probe_out, "", "--probe: write the probe file here (JSON, tools/pr
 DEFINE_string(probe_file, "", "Read costs from this probe file (plan's or doctor's)");
 DEFINE_string(transport, "tcp", "--probe: provider to measure (tcp, shm)");
 DEFINE_double(probe_seconds, 0.3, "--probe: seconds per measured point");
+DEFINE_int32(probe_clients, 9, "--probe: loaded points with 1..this many concurrent clients");
 DEFINE_string(model, "", "Model file: one tensor per line, 'name dim0 dim1 ...'");
 DEFINE_bool(digits, false, "Model: the digits trainer's MLP (64 x --hidden x 10)");
 DEFINE_int32(hidden, 64, "--digits: hidden units");
@@ -57,6 +58,10 @@ int Main() {
     ProbeOptions o;
     o.transport = FLAGS_transport;
     o.seconds_per_point = FLAGS_probe_seconds;
+    if (FLAGS_probe_clients < 1 || FLAGS_probe_clients > 64) {
+      return Fail(InvalidArgumentError("--probe_clients must be 1..64"));
+    }
+    o.max_spinners = FLAGS_probe_clients - 1;
     auto p = RunProbe(o);
     if (!p.ok()) return Fail(p.status());
     probe = *p;
