@@ -109,10 +109,8 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
   // gets alpha / 8 (eight operations overlap in a window): an assumption, stated in plan.md.
   std::vector<double> wa, wb, wo, ra, rb, ro;
   for (const Pair& pr : p.pairs()) {
-    if (!Sane(pr.write()) || !Sane(pr.read())) {
-      return InvalidArgumentError("probe file: pair " + pr.from() + "->" + pr.to() +
-                                  " lacks positive alpha_us / beta_Bps");
-    }
+    // A pair doctor could not measure ("ok": false, figures null) is left out.
+    if (!Sane(pr.write()) || !Sane(pr.read())) continue;
     wa.push_back(pr.write().alpha_us());
     wb.push_back(pr.write().beta_bps());
     wo.push_back(pr.write().op_us() > 0 ? pr.write().op_us() : pr.write().alpha_us() / 8);
@@ -120,7 +118,9 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
     rb.push_back(pr.read().beta_bps());
     ro.push_back(pr.read().op_us() > 0 ? pr.read().op_us() : pr.read().alpha_us() / 8);
   }
-  if (wa.empty()) return InvalidArgumentError("probe file: no pairs");
+  if (wa.empty()) {
+    return InvalidArgumentError("probe file: no pair with positive alpha_us and beta_Bps");
+  }
   Costs c;
   c.write.set_alpha_us(Median(wa));
   c.write.set_beta_bps(Median(wb));

@@ -65,6 +65,25 @@ TEST(PlanProbeFile, ReadsDoctorSchemaAndTakesMedians) {
   EXPECT_DOUBLE_EQ(c->read.alpha_us(), 14);
   EXPECT_DOUBLE_EQ(c->read.beta_bps(), 3e9);
   EXPECT_FALSE(ParseProbeJson("{\"pairs\": 3}").ok());
+  // doctor's own output (tools/doctor_report.cc), with a pair it could not measure.
+  auto doc = ParseProbeJson(R"({"schema": "shardps-probe/1", "pairs": [
+    {"from": "w0", "to": "s0", "to_host": "h", "transport": "tcp", "why": "", "ok": true,
+     "error": "", "verified_bytes": 4096,
+     "write": {"alpha_us": 40, "p99_us": 90, "beta_Bps": 1.5e+09, "small_bytes": 8,
+               "large_bytes": 1048576, "latency_ops": 100, "bandwidth_ops": 50},
+     "read": {"alpha_us": 50, "p99_us": 99, "beta_Bps": 2e+09, "small_bytes": 8,
+              "large_bytes": 1048576, "latency_ops": 100, "bandwidth_ops": 50}},
+    {"from": "w0", "to": "s1", "to_host": "h", "transport": "tcp", "why": "", "ok": false,
+     "error": "refused", "verified_bytes": 0,
+     "write": {"alpha_us": null, "p99_us": null, "beta_Bps": null, "small_bytes": 8,
+               "large_bytes": 0, "latency_ops": 0, "bandwidth_ops": 0},
+     "read": {"alpha_us": null, "p99_us": null, "beta_Bps": null, "small_bytes": 8,
+              "large_bytes": 0, "latency_ops": 0, "bandwidth_ops": 0}}]})");
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  auto dc = CostsFromProbe(*doc);
+  ASSERT_TRUE(dc.ok()) << dc.status();
+  EXPECT_DOUBLE_EQ(dc->write.alpha_us(), 40);  // the failed pair is left out
+  EXPECT_DOUBLE_EQ(dc->read.beta_bps(), 2e9);
   auto bad = ParseProbeJson(R"({"pairs":[{"write":{"alpha_us":0,"beta_Bps":1},"read":{}}]})");
   ASSERT_TRUE(bad.ok());
   EXPECT_FALSE(CostsFromProbe(*bad).ok());
