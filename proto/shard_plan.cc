@@ -1,6 +1,7 @@
 #include "proto/shard_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <sstream>
 
@@ -29,9 +30,24 @@ double ShardPlan::imbalance() const {
   return *std::max_element(server_bytes.begin(), server_bytes.end()) / mean;
 }
 
+double ShardPlan::weighted_imbalance() const {
+  if (capacity.empty()) return imbalance();
+  const double total = std::accumulate(server_bytes.begin(), server_bytes.end(), 0.0);
+  const double wsum = std::accumulate(capacity.begin(), capacity.end(), 0.0);
+  if (total == 0 || wsum <= 0) return 1.0;
+  double worst = 0;
+  for (size_t s = 0; s < server_bytes.size() && s < capacity.size(); ++s) {
+    worst = std::max(worst, server_bytes[s] / (total * capacity[s] / wsum));
+  }
+  return worst;
+}
+
 std::string ShardPlan::Fingerprint() const {
   std::ostringstream os;
   os << partition_bytes << "|";
+  // Weighted plans only: an unweighted plan's fingerprint is unchanged.
+  for (double w : capacity) os << "w" << w;
+  if (!capacity.empty()) os << "|";
   for (const auto& t : tensors) {
     os << t.name << ":" << static_cast<int>(t.dtype);
     for (auto d : t.shape) os << "x" << d;
@@ -43,10 +59,32 @@ std::string ShardPlan::Fingerprint() const {
 }
 
 StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
-                               uint64_t partition_bytes) {
+                               uint64_t partition_bytes, const std::vector<double>& capacity) {
   if (num_servers == 0) return InvalidArgumentError("shard plan: no servers");
   if (partition_bytes < 64) return InvalidArgumentError("shard plan: partition size below 64 B");
+  bool weighted = false;
+  uint64_t multiple = num_servers;  // a big tensor's chunk count is a multiple of this
+  if (!capacity.empty()) {
+    if (capacity.size() != num_servers) {
+      return InvalidArgumentError("shard plan: " + std::to_string(capacity.size()) +
+                                  " capacities for " + std::to_string(num_servers) + " servers");
+    }
+    for (double w : capacity) {
+      if (!std::isfinite(w) || w <= 0) {
+        return InvalidArgumentError("shard plan: a server capacity is not a positive number");
+      }
+    }
+    const double lo = *std::min_element(capacity.begin(), capacity.end());
+    const double hi = *std::max_element(capacity.begin(), capacity.end());
+    weighted = hi > lo;  // all equal: the byte-balanced plan, bit for bit
+    if (weighted) {
+      const double sum = std::accumulate(capacity.begin(), capacity.end(), 0.0);
+      multiple = std::clamp<uint64_t>(static_cast<uint64_t>(std::llround(sum / lo)), num_servers,
+                                      64);
+    }
+  }
   ShardPlan plan;
+  if (weighted) plan.capacity = capacity;
   plan.tensors = tensors;
   plan.partition_bytes = partition_bytes;
   plan.server_bytes.assign(num_servers, 0);
@@ -75,7 +113,7 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
     uint64_t n = (elems + per_chunk_elems - 1) / per_chunk_elems;
     // A tensor bigger than one partition is cut into a multiple of the server count, so every
     // server gets an equal share of it (Herring's point: balance bytes, not keys).
-    if (n > 1 && n % num_servers != 0) n = std::min(elems, (n / num_servers + 1) * num_servers);
+    if (n > 1 && n % multiple != 0) n = std::min(elems, (n / multiple + 1) * multiple);
     if (n > kMaxPlanChunks - plan.chunks.size()) {
       return ResourceExhaustedError("shard plan: more than " + std::to_string(kMaxPlanChunks) +
                                     " chunks (partition size " +
@@ -99,9 +137,22 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return plan.chunks[a].bytes > plan.chunks[b].bytes; });
   for (size_t idx : order) {
-    const uint32_t s = static_cast<uint32_t>(
-        std::min_element(plan.server_bytes.begin(), plan.server_bytes.end()) -
-        plan.server_bytes.begin());
+    uint32_t s = 0;
+    if (!weighted) {
+      s = static_cast<uint32_t>(
+          std::min_element(plan.server_bytes.begin(), plan.server_bytes.end()) -
+          plan.server_bytes.begin());
+    } else {
+      // Earliest finish: the least (load + this chunk) / capacity.
+      double best = 0;
+      for (uint32_t r = 0; r < num_servers; ++r) {
+        const double t = (plan.server_bytes[r] + plan.chunks[idx].bytes) / capacity[r];
+        if (r == 0 || t < best) {
+          best = t;
+          s = r;
+        }
+      }
+    }
     plan.chunks[idx].server = s;
     plan.server_bytes[s] += plan.chunks[idx].bytes;
   }

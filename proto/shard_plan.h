@@ -39,8 +39,12 @@ struct ShardPlan {
   std::vector<ChunkPlan> chunks;
   std::vector<uint64_t> server_bytes;  // bytes owned per server
   uint64_t partition_bytes = 0;
+  std::vector<double> capacity;       // the weights planned for (empty: equal)
   // max(server_bytes) / mean(server_bytes); 1.0 is perfect balance.
   double imbalance() const;
+  // max over servers of (server_bytes / capacity share) / (total bytes): 1.0 when every
+  // server's bytes are exactly proportional to its capacity (equals imbalance() unweighted).
+  double weighted_imbalance() const;
   std::string Fingerprint() const;  // equal for equal plans
 };
 
@@ -51,11 +55,21 @@ inline constexpr uint64_t kMaxPlanChunks = uint64_t{1} << 18;
 inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;  // 1 PiB
 
 // Cuts each tensor into ceil(bytes / partition_bytes) near-equal, element-aligned chunks (for a
-// tensor above one partition, rounded up to a multiple of num_servers) and assigns chunks to servers largest first, each to the least-loaded server (ties: lowest rank).
+// tensor above one partition, rounded up to a multiple of num_servers) and assigns chunks to
+// servers largest first, each to the least-loaded server (ties: lowest rank).
+//
+// capacity (optional; empty = all equal, which is exactly the byte-balanced plan above): one
+// positive weight per server, e.g. measured bandwidth. Each server's bytes are then made
+// proportional to its weight: a tensor above one partition is cut into a multiple of
+// K = clamp(round(sum(capacity) / min(capacity)), num_servers, 64) chunks (so the small share is
+// representable), and each chunk, largest first, goes to the server whose load after taking it,
+// divided by its weight, is least (earliest finish on uniform machines; ties: lowest rank).
+//
 // INVALID_ARGUMENT for a tensor over kMaxTensorBytes (or whose element count overflows) and
 // RESOURCE_EXHAUSTED for a plan over kMaxPlanChunks chunks.
 StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
-                               uint64_t partition_bytes);
+                               uint64_t partition_bytes,
+                               const std::vector<double>& capacity = {});
 
 }  // namespace shardps
 

@@ -373,7 +373,8 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
 namespace {
 
 StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
-                                  uint64_t default_partition) {
+                                  uint64_t default_partition,
+                                  const std::vector<double>& capacity = {}) {
   std::vector<TensorSpec> specs;
   for (const auto& t : m.tensors()) {
     if (t.dtype() != 0) return InvalidArgumentError("tensor '" + t.name() + "': only float32");
@@ -384,7 +385,11 @@ StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
   }
   if (specs.empty()) return InvalidArgumentError("a model without tensors");
   const uint64_t part = m.partition_bytes() ? m.partition_bytes() : default_partition;
-  return PlanShards(specs, num_servers, part);
+  return PlanShards(specs, num_servers, part, capacity);
+}
+
+std::vector<double> Capacity(const ClusterConfig& c) {  // --server_capacity; empty: equal
+  return {c.server_capacity().begin(), c.server_capacity().end()};
 }
 
 }  // namespace
@@ -399,7 +404,8 @@ uint32_t Coordinator::NumServerRanks() const {
 
 void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
   const uint32_t num_servers = NumGroups();
-  auto plan = PlanFromModel(m, num_servers, options_.config.partition_bytes());
+  auto plan = PlanFromModel(m, num_servers, options_.config.partition_bytes(),
+                            Capacity(options_.config));
   if (!plan.ok()) {
     Envelope err;
     err.mutable_error()->set_message("model refused: " + plan.status().ToString());
@@ -454,7 +460,8 @@ void Coordinator::MaybeAssignShards() {
   for (uint32_t r = 0; r < NumServerRanks(); ++r) {
     if (ServerByRank(r) == nullptr) return;  // wait for every server rank
   }
-  auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes());
+  auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes(),
+                            Capacity(options_.config));
   if (!plan.ok()) return;  // checked when registered
   const uint32_t max_workers = std::max<uint32_t>(
       options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));

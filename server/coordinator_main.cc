@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include <gflags/gflags.h>
@@ -24,6 +25,9 @@ DEFINE_int32(heartbeat_interval_ms, 500, "Member heartbeat interval");
 DEFINE_int32(heartbeat_timeout_ms, 3000, "A member silent this long is declared dead");
 DEFINE_string(data_transport, "", "If set, members must use this transport (verbs, tcp, shm)");
 DEFINE_uint64(partition_bytes, 4u << 20, "Chunk size for sharding tensors");
+DEFINE_string(server_capacity, "",
+              "Optional per-server capacity weights in rank order, e.g. 1,0.25 (from shardps plan "
+              "--probe or doctor): chunk bytes per server proportional to them; empty: balanced");
 DEFINE_string(address_file, "", "Write the bound address here once listening (for scripts)");
 DEFINE_bool(exit_when_done, false,
             "Exit once all --num_workers workers have joined and left again, after the servers "
@@ -90,6 +94,23 @@ int main(int argc, char** argv) {
   o.config.set_checkpoint_keep(FLAGS_checkpoint_keep);
   o.state_file = FLAGS_state_file;
   o.rejoin_grace = std::chrono::milliseconds(FLAGS_rejoin_grace_ms);
+  if (!FLAGS_server_capacity.empty()) {
+    std::stringstream ss(FLAGS_server_capacity);
+    for (std::string w; std::getline(ss, w, ',');) {
+      char* end = nullptr;
+      const double v = std::strtod(w.c_str(), &end);
+      if (w.empty() || *end != '\0' || !(v > 0)) {
+        LOG(ERROR) << "--server_capacity: '" << w << "' is not a positive number";
+        return 2;
+      }
+      o.config.add_server_capacity(v);
+    }
+    if (o.config.server_capacity_size() != FLAGS_num_servers) {
+      LOG(ERROR) << "--server_capacity has " << o.config.server_capacity_size()
+                 << " weights for --num_servers=" << FLAGS_num_servers;
+      return 2;
+    }
+  }
   auto c = Coordinator::Start(o);
   if (!c.ok()) {
     LOG(ERROR) << "coordinator: " << c.status();

@@ -1,0 +1,116 @@
+// shardps plan: a performance model of a ShardPS cluster and a search over configurations.
+// docs/plan.md states every equation used here.
+//
+//   inputs : the model (tensor shapes), compute time per step per worker, the link costs
+//            (alpha, beta, per-op cost; from plan's own probe or doctor's probe file), the
+//            server's update throughput and the host's CPU contention (plan's probe).
+//   output : predicted step time and samples/s per configuration; the best one.
+//
+// Thread safety: free functions and plain structs; RunProbe starts and joins its own threads.
+#ifndef SHARDPS_TOOLS_PLAN_H_
+#define SHARDPS_TOOLS_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "proto/shard_plan.h"
+#include "tools/probe.pb.h"
+
+namespace shardps::plan {
+
+// Model file: one tensor per line, "name dim0 dim1 ...", '#' starts a comment.
+StatusOr<std::vector<TensorSpec>> LoadModelFile(const std::string& path);
+StatusOr<std::vector<TensorSpec>> ParseModel(const std::string& text);
+// The digits trainer's MLP (features x hidden x classes), as examples/digits_trainer registers it.
+std::vector<TensorSpec> DigitsMlp(int features, int hidden, int classes);
+
+// Probe file (tools/probe.proto as JSON; doctor's "pairs" schema is a subset).
+StatusOr<ProbeFile> LoadProbeFile(const std::string& path);
+StatusOr<ProbeFile> ParseProbeJson(const std::string& json);
+StatusOr<std::string> ProbeToJson(const ProbeFile& p);
+
+struct ProbeOptions {
+  std::string transport = "tcp";
+  double seconds_per_point = 0.3;
+  int max_spinners = 8;
+};
+// Measures on this host: one-sided write/read alpha, beta and per-op cost between two
+// endpoints of two fabrics (loopback), the read round trip with k = 0..max_spinners threads
+// spinning, and ChunkOptimizer::Apply / accumulation throughput.
+StatusOr<ProbeFile> RunProbe(const ProbeOptions& o);
+
+// The costs the predictor uses, reduced from a probe file.
+struct Costs {
+  OpCost write, read;
+  uint32_t cores = 2;
+  double apply_Bps = 1e9, add_Bps = 4e9;
+  std::vector<double> spin_rtt_us;   // loaded round trip by clients - 1; empty: no contention
+  std::vector<double> pair_step_us;   // loaded worker-server exchange by clients - 1
+  std::vector<double> pair_step4_us;  // the same with 4 chunks: alone, at the last k
+  double pair_cpu_us = 0;             // calibrated exchange CPU (0: from pair_step_us)
+  double wait_cpu_us = 0;             // calibrated BSP wait CPU per exchange (0: c_rt)
+  double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
+  double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
+  double OpCpu() const;            // CPU of one more pipelined operation
+  double ExchangeLatency() const;  // one exchange with the host to itself
+  double OpLatency() const;        // one more pipelined operation in it
+};
+StatusOr<Costs> CostsFromProbe(const ProbeFile& p);
+
+enum class Mode { kBsp, kSsp, kAsp };
+const char* ModeName(Mode m);
+
+struct Config {
+  uint32_t servers = 1;
+  uint32_t workers = 1;
+  uint32_t machines = 1;
+  bool colocated = true;  // servers share machines with workers (always, on one machine)
+  uint64_t partition_bytes = 4u << 20;
+  Mode mode = Mode::kBsp;
+  uint32_t staleness = 0;
+  std::string Describe() const;
+};
+
+struct Workload {
+  std::vector<TensorSpec> tensors;
+  double compute_us = 0;   // per step per worker, measured alone on one core
+  uint32_t batch = 32;     // samples per worker per step
+};
+
+struct Prediction {
+  Config config;
+  double step_us = 0;        // per worker step
+  double samples_per_s = 0;  // cluster-wide
+  // The terms (docs/plan.md): compute, push, pull, barrier, the busiest server, the CPU bound.
+  double compute_us = 0, push_us = 0, pull_us = 0, barrier_us = 0, server_us = 0, cpu_us = 0;
+  uint32_t busiest_server = 0;
+  double imbalance = 1;
+  uint32_t chunks = 0;
+  std::string bound;  // which term set the step time
+  std::string Why() const;
+};
+
+StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cfg);
+
+struct Budget {
+  uint32_t machines = 1;
+  uint32_t cores = 2;  // per machine (overrides the probe's)
+  uint32_t workers = 4;  // data-parallel workers to place (fixed by the job)
+  uint32_t max_servers = 4;
+  std::vector<uint64_t> partitions = {4096, 16384, 65536, 1u << 20, 4u << 20};
+  std::vector<std::pair<Mode, uint32_t>> modes = {
+      {Mode::kBsp, 0}, {Mode::kSsp, 1}, {Mode::kSsp, 2}, {Mode::kSsp, 4}, {Mode::kAsp, 0}};
+};
+// Calibration from real runs (docs/plan.md): the value of c.pair_cpu_us (cfg ASP) or of
+// c.wait_cpu_us (cfg BSP/SSP) that makes Predict(cfg)'s host-CPU term equal a measured step
+// time (the term is linear in either); cfg must be CPU-bound (more workers than cores).
+StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double measured_step_us);
+
+// Every configuration within the budget, ranked best (highest samples/s) first.
+StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b);
+
+}  // namespace shardps::plan
+
+#endif  // SHARDPS_TOOLS_PLAN_H_

@@ -1,0 +1,177 @@
+// shardps_plan: predicts step time and throughput of ShardPS configurations and recommends one.
+// See docs/plan.md.
+//
+//   shardps_plan --probe --probe_out=probe.json              # measure this host
+//   shardps_plan --probe_file=probe.json --model=model.txt --compute_us=200 --workers=4
+//   shardps_plan --probe_file=probe.json --digits --compute_us=200 --predict
+//       --servers=2 --workers=4 --partition_bytes=4194304 --mode=bsp
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+
+#include "tools/plan.h"
+
+DEFINE_bool(probe, false, "Measure link, contention and update costs on this host");
+DEFINE_string(probe_out, "", "--probe: write the probe file here (JSON, tools/probe.proto)");
+DEFINE_string(probe_file, "", "Read costs from this probe file (plan's or doctor's)");
+DEFINE_string(transport, "tcp", "--probe: provider to measure (tcp, shm)");
+DEFINE_double(probe_seconds, 0.3, "--probe: seconds per measured point");
+DEFINE_int32(probe_clients, 9, "--probe: loaded points with 1..this many concurrent clients");
+DEFINE_string(model, "", "Model file: one tensor per line, 'name dim0 dim1 ...'");
+DEFINE_bool(digits, false, "Model: the digits trainer's MLP (64 x --hidden x 10)");
+DEFINE_int32(hidden, 64, "--digits: hidden units");
+DEFINE_double(compute_us, 0, "Compute time per step per worker, microseconds");
+DEFINE_int32(batch, 32, "Samples per worker per step");
+DEFINE_int32(machines, 1, "Machine budget");
+DEFINE_int32(cores, 0, "Cores per machine (0: the probe's)");
+DEFINE_int32(workers, 4, "Workers (data-parallel replicas) to place");
+DEFINE_int32(max_servers, 4, "Search servers 1..this");
+DEFINE_string(partitions, "4096,16384,65536,1048576,4194304", "Partition sizes to search");
+DEFINE_int32(top, 10, "Print this many configurations");
+DEFINE_bool(predict, false, "Predict one configuration (--servers, --workers, ...) only");
+DEFINE_int32(servers, 1, "--predict: servers");
+DEFINE_uint64(partition_bytes, 4u << 20, "--predict: partition size");
+DEFINE_string(mode, "bsp", "--predict: bsp, ssp or asp");
+DEFINE_int32(staleness, 0, "--predict: SSP staleness bound");
+DEFINE_bool(colocated, true, "--predict: servers on the workers' machines");
+DEFINE_double(calibrate_step_us, 0,
+              "Measured step of the --predict configuration (CPU-bound): solve for the exchange "
+              "CPU (--mode=asp) or the wait CPU (bsp/ssp) and store it in the probe file written "
+              "to --probe_out (calibrate asp first)");
+
+namespace {
+
+using namespace shardps;
+using namespace shardps::plan;
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "shardps_plan: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+int Main() {
+  ProbeFile probe;
+  if (FLAGS_probe) {
+    ProbeOptions o;
+    o.transport = FLAGS_transport;
+    o.seconds_per_point = FLAGS_probe_seconds;
+    if (FLAGS_probe_clients < 1 || FLAGS_probe_clients > 64) {
+      return Fail(InvalidArgumentError("--probe_clients must be 1..64"));
+    }
+    o.max_spinners = FLAGS_probe_clients - 1;
+    auto p = RunProbe(o);
+    if (!p.ok()) return Fail(p.status());
+    probe = *p;
+    auto json = ProbeToJson(probe);
+    if (!json.ok()) return Fail(json.status());
+    if (!FLAGS_probe_out.empty()) {
+      std::ofstream f(FLAGS_probe_out);
+      f << *json;
+      if (!f) return Fail(InternalError("cannot write " + FLAGS_probe_out));
+    }
+    std::printf("%s\n", json->c_str());
+  } else if (!FLAGS_probe_file.empty()) {
+    auto p = LoadProbeFile(FLAGS_probe_file);
+    if (!p.ok()) return Fail(p.status());
+    probe = *p;
+  }
+  if (FLAGS_model.empty() && !FLAGS_digits) {
+    if (FLAGS_probe) return 0;
+    return Fail(InvalidArgumentError("give --model=FILE or --digits"));
+  }
+  if (probe.pairs_size() == 0) return Fail(InvalidArgumentError("give --probe or --probe_file"));
+  auto costs = CostsFromProbe(probe);
+  if (!costs.ok()) return Fail(costs.status());
+  if (FLAGS_cores > 0) costs->cores = FLAGS_cores;
+  Workload w;
+  if (FLAGS_digits) {
+    w.tensors = DigitsMlp(64, FLAGS_hidden, 10);
+  } else {
+    auto t = LoadModelFile(FLAGS_model);
+    if (!t.ok()) return Fail(t.status());
+    w.tensors = *t;
+  }
+  w.compute_us = FLAGS_compute_us > 0 ? FLAGS_compute_us : probe.host().compute_us();
+  w.batch = static_cast<uint32_t>(FLAGS_batch);
+  if (FLAGS_predict) {
+    Config c;
+    c.servers = FLAGS_servers;
+    c.workers = FLAGS_workers;
+    c.machines = FLAGS_machines;
+    c.colocated = FLAGS_colocated;
+    c.partition_bytes = FLAGS_partition_bytes;
+    c.mode = FLAGS_mode == "asp" ? Mode::kAsp : FLAGS_mode == "ssp" ? Mode::kSsp : Mode::kBsp;
+    if (FLAGS_mode != "asp" && FLAGS_mode != "ssp" && FLAGS_mode != "bsp") {
+      return Fail(InvalidArgumentError("--mode must be bsp, ssp or asp"));
+    }
+    c.staleness = FLAGS_staleness;
+    if (FLAGS_calibrate_step_us > 0) {
+      auto v = Calibrate(w, *costs, c, FLAGS_calibrate_step_us);
+      if (!v.ok()) return Fail(v.status());
+      Costs estimate = *costs;
+      if (c.mode == Mode::kAsp) {
+        probe.mutable_host()->set_pair_cpu_us(*v);
+        estimate.pair_cpu_us = 0;
+        std::printf("calibrated pair_cpu_us %.1f (the probe's own estimate %.1f)\n", *v,
+                    estimate.PairCpu());
+        costs->pair_cpu_us = *v;
+      } else {
+        probe.mutable_host()->set_wait_cpu_us(*v);
+        std::printf("calibrated wait_cpu_us %.1f\n", *v);
+        costs->wait_cpu_us = *v;
+      }
+      if (!FLAGS_probe_out.empty()) {
+        auto json = ProbeToJson(probe);
+        if (!json.ok()) return Fail(json.status());
+        std::ofstream f(FLAGS_probe_out);
+        f << *json;
+        if (!f) return Fail(InternalError("cannot write " + FLAGS_probe_out));
+      }
+    }
+    auto p = Predict(w, *costs, c);
+    if (!p.ok()) return Fail(p.status());
+    std::printf("predicted_step_us %.1f samples_per_s %.0f | %s | %s\n", p->step_us,
+                p->samples_per_s, c.Describe().c_str(), p->Why().c_str());
+    return 0;
+  }
+  Budget b;
+  b.machines = FLAGS_machines;
+  b.cores = FLAGS_cores;
+  b.workers = FLAGS_workers;
+  b.max_servers = FLAGS_max_servers;
+  b.partitions.clear();
+  std::stringstream ss(FLAGS_partitions);
+  for (std::string x; std::getline(ss, x, ',');) b.partitions.push_back(std::stoull(x));
+  auto ranked = Search(w, *costs, b);
+  if (!ranked.ok()) return Fail(ranked.status());
+  std::printf("model: %zu tensors; compute %.0f us/step; %u cores/machine; link: write "
+              "alpha %.1f us op %.2f us beta %.0f MB/s, read alpha %.1f us op %.2f us beta %.0f "
+              "MB/s\n",
+              w.tensors.size(), w.compute_us, costs->cores, costs->write.alpha_us(),
+              costs->write.op_us(), costs->write.beta_bps() / 1e6, costs->read.alpha_us(),
+              costs->read.op_us(), costs->read.beta_bps() / 1e6);
+  std::printf("%-4s %-44s %10s %12s  %s\n", "rank", "configuration", "step_us", "samples/s",
+              "why");
+  for (size_t i = 0; i < ranked->size() && i < static_cast<size_t>(FLAGS_top); ++i) {
+    const Prediction& p = (*ranked)[i];
+    std::printf("%-4zu %-44s %10.1f %12.0f  %s\n", i + 1, p.config.Describe().c_str(), p.step_us,
+                p.samples_per_s, p.Why().c_str());
+  }
+  const Prediction& best = ranked->front();
+  std::printf("recommended: %s (%.0f samples/s, step %.1f us)\n", best.config.Describe().c_str(),
+              best.samples_per_s, best.step_us);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("shardps_plan --probe | --probe_file=F (--model=F | --digits) ...");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  return Main();
+}
