@@ -113,7 +113,13 @@ void Coordinator::Loop() {
     for (auto it = conns_.begin(); it != conns_.end();) {
       it = it->second->closing ? conns_.erase(it) : std::next(it);
     }
-    if (dirty_) SaveState();
+    if (dirty_) {
+      if (options_.state_file.empty()) {
+        dirty_ = false;
+      } else {
+        SaveState();
+      }
+    }
   }
   conns_.clear();
 }
@@ -237,6 +243,8 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     refuse = "wrong cluster token";
   } else if (j.role() != ROLE_SERVER && j.role() != ROLE_WORKER) {
     refuse = "join without a valid role";
+  } else if (j.requested_rank() >= 65536) {
+    refuse = "requested rank " + std::to_string(j.requested_rank()) + " is out of range";
   } else if (!options_.config.transport().empty() && !j.transport().empty() &&
              j.transport() != options_.config.transport()) {
     refuse = "transport '" + j.transport() + "' differs from the cluster's '" +
@@ -676,6 +684,10 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
   } else {
     LOG(INFO) << "coordinator: closing " << c->peer << ": " << why;
   }
+  // A worker that left before the shard map was ready is not waited for any more.
+  awaiting_map_.erase(
+      std::remove(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()),
+      awaiting_map_.end());
   if (c->joined) {
     c->joined = false;
     {

@@ -275,9 +275,12 @@ Status ClientImpl::Start() {
   chunks_.resize(map.chunks_size());
   std::vector<std::vector<uint64_t>> slot_bytes(servers_.size());
   for (const auto& ce : map.chunks()) {
+    // The map comes from the coordinator, a peer: every index and range is checked before use
+    // (a slot beyond the chunk count, or an offset + bytes that wraps, would index out of bounds).
     if (ce.chunk_id() >= chunks_.size() || ce.tensor() >= tensors_.size() ||
-        ce.server_rank() >= servers_.size() ||
-        ce.offset() + ce.bytes() > tensors_[ce.tensor()].bytes) {
+        ce.server_rank() >= servers_.size() || ce.slot() >= chunks_.size() || ce.bytes() == 0 ||
+        ce.bytes() % sizeof(float) != 0 || ce.offset() > tensors_[ce.tensor()].bytes ||
+        ce.bytes() > tensors_[ce.tensor()].bytes - ce.offset()) {
       return InvalidArgumentError("shard map: chunk out of range");
     }
     ChunkRt& c = chunks_[ce.chunk_id()];

@@ -6,6 +6,7 @@
 //
 // Every wait is bounded, and every child is killed (SIGKILL) and reaped in TearDown, whatever
 // the test's outcome. On failure the children's logs are printed and their directory is kept.
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -969,6 +970,97 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   std::cerr << "[ info ] coordinator killed after step " << down_from << "; " << during - down_from
             << "+ steps done while it was down; 6 members rejoined; a primary killed at step "
             << now << " failed over through the restarted coordinator\n";
+}
+
+// Control-plane faults during training and a failover: every member reaches the coordinator
+// through two control_fault_proxy instances in a row, one delaying half of all messages by
+// 20 ms (order kept), one dropping 30% of the heartbeats. A primary is killed mid-run. Nobody is
+// declared dead by the lost heartbeats, the failover goes through the delayed messages, and the
+// weights are bit-identical to the one-process run.
+TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
+  ClusterSpec spec = Spec();
+  spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 2;
+  const int kSteps = 40;
+  const std::string delay = Emulated() ? "40" : "15";
+  ASSERT_NE(StartCoordinator(spec), "");
+  const std::string coordinator = coordinator_address_;
+  std::vector<ChildProcess*> proxies;
+  auto proxy = [&](const std::string& name, const std::string& upstream,
+                   std::vector<std::string> flags) -> std::string {
+    const std::string port_file = Path(name + ".port");
+    std::vector<std::string> argv = {CONTROL_FAULT_PROXY_BIN, "--upstream=" + upstream,
+                                     "--listen=127.0.0.1:0", "--port_file=" + port_file,
+                                     "--stats"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    ChildProcess* p = Spawn(argv, name + ".log");
+    if (p == nullptr) return "";
+    proxies.push_back(p);
+    auto addr = WaitForFile(port_file, milliseconds(10000), p);
+    if (!addr.ok()) return "";
+    std::string a = *addr;
+    a.erase(a.find_last_not_of("\n ") + 1);
+    return a;
+  };
+  const std::string delayer =
+      proxy("delay-proxy", coordinator, {"--delay_ms=20", "--delay_percent=50", "--seed=7"});
+  ASSERT_NE(delayer, "");
+  const std::string dropper = proxy("drop-proxy", delayer,
+                                    {"--drop_percent=30", "--only=heartbeat", "--direction=up",
+                                     "--seed=11"});
+  ASSERT_NE(dropper, "");
+  coordinator_address_ = dropper;  // every member dials the proxies
+  StartServers(spec);
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+                                  {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
+                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
+  }
+  ChildProcess* standalone = Spawn(
+      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
+       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
+      "standalone.log");
+  ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
+  servers_[0]->Kill();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
+  auto ref = ParseResult(Path("standalone.out"));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r;
+    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r;
+  }
+  // The faults really happened, and no member was declared dead for lost heartbeats.
+  auto last_count = [&](const std::string& log, const std::string& key) -> int64_t {
+    const size_t p = log.rfind(key);
+    return p == std::string::npos ? -1 : std::strtoll(log.c_str() + p + key.size(), nullptr, 10);
+  };
+  for (ChildProcess* p : proxies) {  // SIGTERM: each prints its final counters and exits 0
+    kill(p->pid(), SIGTERM);
+    EXPECT_EQ(ExitCode(p, milliseconds(10000)), 0) << Tail(p);
+  }
+  auto text = [&](const std::string& name) {
+    auto t = ReadFile(Path(name));
+    return t.ok() ? *t : std::string();
+  };
+  const std::string drop_log = text("drop-proxy.log");
+  const std::string delay_log = text("delay-proxy.log");
+  const std::string coord_log = text("coordinator.log");
+  EXPECT_GT(last_count(drop_log, "heartbeat: forwarded "), 0) << drop_log.substr(0, 2000);
+  const size_t hb = drop_log.rfind("heartbeat: forwarded");
+  ASSERT_NE(hb, std::string::npos);
+  EXPECT_GT(last_count(drop_log.substr(hb), "dropped "), 0) << "no heartbeat was dropped";
+  EXPECT_GT(last_count(delay_log, "total: forwarded "), 0);
+  const size_t tot = delay_log.rfind("total: forwarded");
+  ASSERT_NE(tot, std::string::npos);
+  EXPECT_GT(last_count(delay_log.substr(tot), "delayed "), 0) << "no message was delayed";
+  EXPECT_EQ(coord_log.find("no heartbeat for"), std::string::npos) << "a member was declared dead";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ProcessClusterTest, ::testing::Values("tcp", "shm", "verbs"),

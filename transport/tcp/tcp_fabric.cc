@@ -587,8 +587,13 @@ StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
       return ErrnoError("tcp: accept", errno);
     }
     ConfigureSocket(conn.get());
-    const Status hs =
-        Handshake(conn.get(), options, std::min(deadline, Clock::now() + kHandshakeTimeout));
+    // The peer's handshake follows its connect() by microseconds, but not always within a
+    // zero-timeout Accept (a server polling for new workers): give it at least 1 s, never more
+    // than kHandshakeTimeout. (Bounding it by `deadline` dropped such peers: a worker's setup
+    // then failed with "peer closed the connection", ~1 start in 50 under load.)
+    const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
+                                        Clock::now() + kHandshakeTimeout);
+    const Status hs = Handshake(conn.get(), options, hs_deadline);
     if (!hs.ok()) {
       // A stray or hostile client: drop it and keep waiting for a real peer.
       LOG(WARNING) << "tcp: rejected a connection from " << PeerAddress(conn.get()) << " on "
