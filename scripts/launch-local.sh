@@ -5,7 +5,10 @@
 # killed on exit, and every wait is bounded.
 #
 # usage: scripts/launch-local.sh [options] [-- TRAINER ARGS...]
-#   --servers N            shard servers (default 2)
+#   --servers N            shard server groups (default 2)
+#   --replicas R           1, or 2: every group also gets a backup server (N*R server processes;
+#                          docs/fault-tolerance.md) (default 1)
+#   --checkpoint-dir DIR   periodic checkpoints go here (with --checkpoint-every K clocks)
 #   --workers M            workers (default 2)
 #   --transport T          verbs, tcp, shm or auto (default $SHARDPS_TRANSPORT, else auto)
 #   --consistency C        bsp, ssp, asp or vsgd (default bsp)
@@ -30,6 +33,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${SHARDPS_BUILD_DIR:-build}
 [[ $BUILD == /* ]] || BUILD="$ROOT/$BUILD"
 
+replicas=1 checkpoint_dir= checkpoint_every=
 servers=2 workers=2 transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0
 optimizer=momentum lr=0.2 partition_bytes="" bind_ip=127.0.0.1 server_bind_ip="" trainer="" run_dir=""
 timeout_s=300 quiet=0
@@ -38,6 +42,9 @@ die() { echo "launch-local: $*" >&2; exit 2; }
 while (($#)); do
   case $1 in
     --servers) servers=$2; shift 2 ;;
+    --replicas) replicas=$2; shift 2 ;;
+    --checkpoint-dir) checkpoint_dir=$2; shift 2 ;;
+    --checkpoint-every) checkpoint_every=$2; shift 2 ;;
     --workers) workers=$2; shift 2 ;;
     --transport) transport=$2; shift 2 ;;
     --consistency) consistency=$2; shift 2 ;;
@@ -59,6 +66,7 @@ while (($#)); do
   esac
 done
 [[ $servers =~ ^[1-9][0-9]*$ && $workers =~ ^[1-9][0-9]*$ ]] || die "--servers/--workers must be >= 1"
+[[ $replicas =~ ^[12]$ ]] || die "--replicas must be 1 or 2"
 [[ $timeout_s =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 case $transport in verbs|tcp|shm|auto) ;; *) die "--transport must be verbs, tcp, shm or auto" ;; esac
 case $consistency in
@@ -111,14 +119,18 @@ show_logs() {  # the tail of every stderr log, for a failure report
   done
 }
 
-echo "launch-local: $servers server(s), $workers worker(s), transport $transport, consistency" \
+echo "launch-local: $servers server group(s) x $replicas replica(s), $workers worker(s)," \
+     "transport $transport, consistency" \
      "$consistency$([[ $consistency == ssp || $consistency == vsgd ]] && echo "(s=$staleness)")," \
      "optimizer $optimizer lr $lr; logs in $run_dir"
 
 # --- coordinator ---------------------------------------------------------------------------------
 coord_args=(--listen="$bind_ip:0" --address_file="$run_dir/coordinator.addr"
             --consistency="$consistency" --staleness="$staleness"
-            --num_servers="$servers" --num_workers="$workers" --exit_when_done)
+            --num_servers="$servers" --num_workers="$workers" --exit_when_done
+            --replicas="$replicas" --state_file="$run_dir/coordinator.state")
+[[ -z $checkpoint_dir ]] || coord_args+=(--checkpoint_dir="$checkpoint_dir"
+                                         --checkpoint_every="${checkpoint_every:-10}")
 # A transport asked for by name is enforced cluster-wide: a member that opened another is refused.
 [[ $transport == auto ]] || coord_args+=(--data_transport="$transport")
 [[ -z $partition_bytes ]] || coord_args+=(--partition_bytes="$partition_bytes")
@@ -137,7 +149,7 @@ echo "launch-local: coordinator at $addr (pid $coord_pid)"
 
 # --- servers -------------------------------------------------------------------------------------
 server_pids=()
-for ((i = 0; i < servers; i++)); do
+for ((i = 0; i < servers * replicas; i++)); do
   "$SERVER" --coordinator="$addr" --transport="$transport" --bind_ip="${server_bind_ip:-$bind_ip}" \
     --optimizer="$optimizer" --lr="$lr" --exit_when_done \
     ${server_extra[@]+"${server_extra[@]}"} >"$run_dir/server-$i.log" 2>&1 &
@@ -167,6 +179,7 @@ fi
 deadline=$((SECONDS + timeout_s))
 failed=""
 declare -A exited=()
+reported=()
 died() {  # died PID: true if PID is gone with a non-zero status
   alive "$1" && return 1
   if [[ -z ${exited[$1]:-} ]]; then
@@ -181,8 +194,19 @@ while :; do
   for p in "${worker_pids[@]}"; do alive "$p" && running=1; done
   ((running)) || break
   died "$coord_pid" && { failed="the coordinator died (exit status ${exited[$coord_pid]})"; break; }
-  for ((i = 0; i < servers; i++)); do
-    died "${server_pids[i]}" && { failed="server $i (pid ${server_pids[i]}) died"; break 2; }
+  for ((i = 0; i < servers * replicas; i++)); do
+    if died "${server_pids[i]}"; then
+      if ((replicas > 1)); then  # its group fails over to the backup; training goes on
+        if [[ -z ${reported[i]:-} ]]; then
+          echo "launch-local: server $i (pid ${server_pids[i]}) died (exit status" \
+               "${exited[${server_pids[i]}]}); its group fails over to its backup" >&2
+          reported[i]=1
+        fi
+      else
+        failed="server $i (pid ${server_pids[i]}) died"
+        break 2
+      fi
+    fi
   done
   ((SECONDS < deadline)) || { failed="the workers did not finish within ${timeout_s} s"; break; }
   sleep 0.2
