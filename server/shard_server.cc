@@ -168,7 +168,7 @@ Status ShardServer::Setup() {
   const uint64_t contrib_bytes = layout::AlignUp(sizeof(layout::ReplContributor) * a.max_workers());
   const uint64_t stride = sizeof(layout::ReplHeader) + contrib_bytes + layout::AlignUp(max_chunk);
   uint32_t entries = options_.replication_ring_entries != 0 ? options_.replication_ring_entries
-                                                            : layout_->slots() + 4;
+                                                            : 4 * layout_->slots() + 16;
   entries = static_cast<uint32_t>(std::max<uint64_t>(
       2, std::min<uint64_t>(entries, std::max<uint64_t>(2, (256ull << 20) / stride))));
   repl_layout_ = std::make_unique<layout::ReplLayout>(max_chunk, a.max_workers(), entries);
