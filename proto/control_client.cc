@@ -142,6 +142,7 @@ bool ControlClient::Rejoin(const Status& why) {
   }
   LOG(WARNING) << "control: lost the coordinator (" << why << "); rejoining as member "
                << reply_.member_id() << " for up to " << options_.rejoin_window.count() << " ms";
+  connected_ = false;
   {
     std::lock_guard<std::mutex> l(send_mu_);
     fd_.reset();
@@ -191,6 +192,7 @@ bool ControlClient::Rejoin(const Status& why) {
       std::lock_guard<std::mutex> l(mu_);
       ++counters_.rejoins;
     }
+    connected_ = true;
     LOG(WARNING) << "control: rejoined the coordinator as member " << reply_.member_id()
                  << " (epoch " << r->join_reply().epoch() << ")";
     Status d = DrainDecoder();

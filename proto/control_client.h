@@ -55,6 +55,8 @@ class ControlClient {
   uint64_t epoch() const;
   // OK while the coordinator is reachable; the reason otherwise.
   Status status() const;
+  // False while the connection is broken and a rejoin is being attempted.
+  bool connected() const { return connected_.load(); }
   ControlCounters counters() const;
 
   // Waits until pred(membership) holds, the connection fails, or the timeout passes.
@@ -85,6 +87,7 @@ class ControlClient {
   FrameDecoder decoder_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> connected_{true};
   std::mutex send_mu_;
 
   mutable std::mutex mu_;

@@ -318,6 +318,26 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     Queue(c, reply);
     LOG(INFO) << "coordinator: member " << c->member.member_id() << " rejoined ("
               << pending_.size() << " still expected)";
+    if (c->member.role() == ROLE_SERVER && shards_assigned_ && !primary_of_.empty()) {
+      // A Promote or ReplicaTarget{none} queued before a coordinator crash may never have
+      // reached it: both are idempotent, so send them again.
+      const uint32_t g = c->member.rank() % NumGroups();
+      if (primary_of_[g] == static_cast<int64_t>(c->member.rank())) {
+        if (c->member.rank() >= NumGroups()) {
+          Envelope e;
+          e.mutable_promote()->set_group(g);
+          e.mutable_promote()->set_epoch(epoch() + 1);
+          Queue(c, e);
+        }
+        if (options_.config.replicas() >= 2 && backup_of_[g] < 0) {
+          Envelope e;
+          e.mutable_replica_target()->set_group(g);
+          e.mutable_replica_target()->set_epoch(epoch() + 1);
+          e.mutable_replica_target()->set_none(true);
+          Queue(c, e);
+        }
+      }
+    }
     Publish("member " + std::to_string(c->member.member_id()) + " rejoined", 0);
     return;
   }

@@ -39,7 +39,10 @@ struct alignas(kAlign) ChunkHeader {
   std::atomic<uint64_t> gen[2];
   std::atomic<uint64_t> min_clock_plus1[2];
   std::atomic<uint64_t> version[2];
-  uint64_t reserved;
+  // Nonzero once this server serves the chunk: set at setup by a primary, at the end of its
+  // promotion by a backup (the epoch), so a worker that failed over reads acks only after the
+  // promoted backup applied every replicated record.
+  std::atomic<uint64_t> serving_epoch;
 };
 static_assert(sizeof(ChunkHeader) == kAlign, "ChunkHeader is one cache line");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "lock-free 64-bit atomics required");

@@ -81,12 +81,6 @@ ShardServerCounters ShardServer::counters() const {
     std::lock_guard<std::mutex> l(counters_mu_);
     c = counters_;
   }
-  // (The writer is created during setup, before other threads look at counters.)
-  if (const CheckpointWriter* w = ckpt_writer_.get()) {
-    const CheckpointWriter::Stats s = w->stats();
-    c.checkpoints_written = s.written;
-    c.checkpoint_failures = s.failed;
-  }
   return c;
 }
 
@@ -196,6 +190,7 @@ Status ShardServer::Setup() {
     c->sum_offset = stride * s + sizeof(layout::ReplHeader) + contrib_bytes;
     c->sum = reinterpret_cast<float*>(static_cast<char*>(repl_staging_->data()) + c->sum_offset);
     c->optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, c->elems);
+    if (!backup_) c->header->serving_epoch.store(1, std::memory_order_release);
     chunks_.push_back(std::move(c));
   }
   plan_fingerprint_ = a.plan_fingerprint();
@@ -370,8 +365,22 @@ void ShardServer::PollControl() {
                  << " requested, but: " << st;
     } else if (r.clock() > ckpt_last_ && (ckpt_next_ == 0 || r.clock() < ckpt_next_) &&
                ckpt_pending_ == nullptr) {
-      ckpt_next_ = r.clock();
-      LOG(INFO) << "server rank " << rank_ << ": checkpoint requested at clock " << r.clock();
+      uint64_t passed = 0;
+      for (const auto& c : chunks_) {
+        passed = std::max(passed, c->header->min_clock_plus1[c->published].load(
+                                      std::memory_order_relaxed));
+      }
+      if (passed > r.clock()) {
+        // Some chunk already holds updates of clocks >= the requested one: a snapshot now would
+        // mix clocks. Refused (this group's file is missing, so that checkpoint is never
+        // complete and never restored).
+        LOG(ERROR) << "server rank " << rank_ << ": checkpoint at clock " << r.clock()
+                   << " refused: group " << group_ << " is already at clock " << passed - 1
+                   << "; request a later clock";
+      } else {
+        ckpt_next_ = r.clock();
+        LOG(INFO) << "server rank " << rank_ << ": checkpoint requested at clock " << r.clock();
+      }
     }
   }
 }
@@ -555,6 +564,36 @@ Status ShardServer::Serve() {
       AcceptPending();
       RefreshMembership();
       last_accept = Clock::now();
+      bool primary_member = false;  // the group's primary is still in the membership
+      if (backup_ && repl_broken_since_ != Clock::time_point()) {
+        const control::Membership now = control_->membership();
+        for (const auto& m : now.members()) {
+          primary_member = primary_member ||
+                           (m.role() == control::ROLE_SERVER && m.rank() == group_);
+        }
+      }
+      if (backup_ && repl_broken_since_ != Clock::time_point() && primary_member &&
+          control_->connected() &&
+          Clock::now() - repl_broken_since_ >
+              std::chrono::milliseconds(2 * std::max<uint32_t>(1000, config_.heartbeat_timeout_ms()))) {
+        // Not promoted: the primary is alive but this backup can no longer follow it. Leave,
+        // so that the coordinator tells the primary to go on alone instead of stalling.
+        LOG(ERROR) << "server rank " << rank_ << ": lost the replication stream of group "
+                   << group_ << "'s primary and was not promoted; leaving the cluster so the "
+                   << "primary goes on without a backup";
+        fenced = UnavailableError("backup of group " + std::to_string(group_) +
+                                  " lost its primary's replication stream");
+        stop_ = true;
+      }
+      {
+        // Checkpoint writer statistics, for counters() (read by other threads).
+        if (ckpt_writer_) {
+          const CheckpointWriter::Stats st = ckpt_writer_->stats();
+          std::lock_guard<std::mutex> l(counters_mu_);
+          counters_.checkpoints_written = st.written;
+          counters_.checkpoint_failures = st.failed;
+        }
+      }
       Status cs = control_->status();
       if (!cs.ok()) {
         // Refused back by the coordinator (declared dead: its group may have been failed over)
@@ -575,7 +614,11 @@ Status ShardServer::Serve() {
                      << (it->first == primary_endpoint_ ? " (the primary's replication stream)"
                                                         : "")
                      << " failed: " << it->second->status();
-        endpoint_worker_.erase(it->first);
+        // endpoint_worker_ keeps its entry: immediates of this endpoint still queued in the CQ
+        // are pushes that arrived and are applied like any other (ids are never reused).
+        if (it->first == primary_endpoint_ && backup_ && repl_broken_since_ == Clock::time_point()) {
+          repl_broken_since_ = Clock::now();
+        }
         it = endpoints_.erase(it);
         std::lock_guard<std::mutex> l(counters_mu_);
         ++counters_.endpoint_errors;
@@ -754,7 +797,12 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     ++counters_.duplicate_pushes;
     return true;  // applied already: exactly once
   }
-  if (c.inflight || (!from_queue && !c.deferred.empty())) return defer();
+  // ASP/SSP apply pushes in arrival order (FIFO behind deferred ones); BSP only needs clock
+  // order (a clock's gradients are summed in worker-rank order whatever their arrival order).
+  if (c.inflight ||
+      (config_.mode() != control::BSP && !from_queue && !c.deferred.empty())) {
+    return defer();
+  }
   if (c.version == 0) return reject("chunk not initialised yet");
   const uint64_t incarnation = w.incarnation;
   if (config_.mode() == control::BSP) {
@@ -823,9 +871,13 @@ void ShardServer::ApplyBsp(uint32_t slot) {
   const std::set<uint32_t> live = LiveWorkers();
   for (uint32_t r : live) {
     if (c.contrib.count(r)) continue;
-    // A worker whose clock moved past the pending clock will not push this chunk for it.
+    // A worker whose clock moved past the pending clock will not push this chunk for it —
+    // unless its push of that clock is still queued here (deferred behind a replication).
     auto w = workers_.find(r);
-    if (w != workers_.end() && w->second->clock > static_cast<uint64_t>(c.pending_clock)) continue;
+    if (w != workers_.end() && w->second->clock > static_cast<uint64_t>(c.pending_clock) &&
+        MinDeferredClock(slot, r) > c.pending_clock) {
+      continue;
+    }
     return;  // still waiting for a live worker
   }
   // Sum in worker-rank order (std::map), straight from the inbox slots.
@@ -886,6 +938,9 @@ uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
     if (it != workers_.end()) {
       applied = std::max(it->second->applied_clock[slot],
                          static_cast<int64_t>(it->second->clock) - 1);
+      // A push of this worker still queued here is not applied, whatever its clock says.
+      const int64_t d = MinDeferredClock(slot, r);
+      if (d != INT64_MAX) applied = std::min(applied, d - 1);
     }
     m = std::min(m, applied);
   }
@@ -1048,16 +1103,46 @@ void ShardServer::FinishCommit(uint32_t slot) {
 void ShardServer::DrainDeferred(uint32_t slot) {
   Chunk& c = *chunks_[slot];
   while (!c.inflight && !c.deferred.empty()) {
-    const auto [worker, parity] = c.deferred.front();
-    c.deferred.pop_front();
+    // BSP: the lowest clock first (a later clock's push must not hold back an earlier one's);
+    // ASP/SSP: arrival order.
+    size_t pick = 0;
+    if (config_.mode() == control::BSP) {
+      int64_t best = INT64_MAX;
+      for (size_t i = 0; i < c.deferred.size(); ++i) {
+        const int64_t k = DeferredClock(slot, c.deferred[i].first, c.deferred[i].second);
+        if (k < best) {
+          best = k;
+          pick = i;
+        }
+      }
+    }
+    const auto [worker, parity] = c.deferred[pick];
+    c.deferred.erase(c.deferred.begin() + static_cast<std::ptrdiff_t>(pick));
     if (!HandlePush(worker, slot, parity, true)) break;  // it waits again, at the front
   }
+}
+
+int64_t ShardServer::DeferredClock(uint32_t slot, uint32_t worker, uint32_t parity) const {
+  layout::PushHeader h;
+  std::memcpy(&h, static_cast<const char*>(inbox_->data()) +
+                      layout_->push_header_offset(worker, slot, parity),
+              sizeof(h));
+  return static_cast<int64_t>(h.clock);
+}
+
+int64_t ShardServer::MinDeferredClock(uint32_t slot, uint32_t worker) const {
+  int64_t m = INT64_MAX;
+  for (const auto& [w, p] : chunks_[slot]->deferred) {
+    if (w == worker) m = std::min(m, DeferredClock(slot, w, p));
+  }
+  return m;
 }
 
 void ShardServer::ApplyRecord(uint32_t entry) {
   auto reject = [&](const std::string& why) {
     LOG(ERROR) << "server rank " << rank_ << ": replication record in entry " << entry
-               << " refused: " << why;
+               << " refused: " << why << " (this backup can no longer follow its primary)";
+    if (repl_broken_since_ == Clock::time_point()) repl_broken_since_ = Clock::now();
     std::lock_guard<std::mutex> l(counters_mu_);
     ++counters_.records_rejected;
   };
@@ -1099,6 +1184,10 @@ void ShardServer::ApplyRecord(uint32_t entry) {
   const auto* k = reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
   for (uint32_t i = 0; i < h.contributors; ++i) {
     if (k[i].worker >= layout_->max_workers()) continue;
+    // Member ids only grow: a record folding in a push of an older incarnation of this worker
+    // (it restarted meanwhile) must not reset the newer incarnation's exactly-once state.
+    auto known = workers_.find(k[i].worker);
+    if (known != workers_.end() && k[i].incarnation < known->second->incarnation) continue;
     WorkerState& w = Worker(k[i].worker, k[i].incarnation);
     w.last_seq[h.slot] = std::max(w.last_seq[h.slot], k[i].seq);
     w.applied_clock[h.slot] = std::max(w.applied_clock[h.slot], k[i].clock);
@@ -1139,10 +1228,22 @@ void ShardServer::Promote(const control::Promote& p) {
     const bool primary_gone = it == endpoints_.end() || !it->second->status().ok();
     if (n == 0 && (primary_gone || Clock::now() > deadline)) break;
   }
+  // Cut the old primary off first (a partitioned one's later writes fail, so it never sees
+  // them complete and never publishes them), then apply what it completed before the cut.
   endpoints_.erase(primary_endpoint_);
+  for (int empty = 0; empty < 3;) {
+    const int n = cq_->Wait(wc, 64, std::chrono::microseconds(1000));
+    empty = n == 0 ? empty + 1 : 0;
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].op == OpType::kRecvImm && wc[i].ok()) HandleRecvImm(wc[i]);
+    }
+  }
   primary_endpoint_ = 0;
   backup_ = false;
   fence_epoch_ = p.epoch();
+  for (auto& c : chunks_) {
+    c->header->serving_epoch.store(std::max<uint64_t>(1, p.epoch()), std::memory_order_release);
+  }
   backup_state_ = BackupState::kGone;
   {
     std::lock_guard<std::mutex> l(counters_mu_);

@@ -137,6 +137,10 @@ class ShardServer {
               float lr_scale, std::vector<Contributor> contributors);
   void FinishCommit(uint32_t slot);
   void DrainDeferred(uint32_t slot);
+  // The clock in the header of a deferred push; the lowest clock of a worker's deferred pushes
+  // of a slot (INT64_MAX: none).
+  int64_t DeferredClock(uint32_t slot, uint32_t worker, uint32_t parity) const;
+  int64_t MinDeferredClock(uint32_t slot, uint32_t worker) const;
   void Publish(uint32_t slot, uint32_t target, uint64_t min_clock_plus1);
   void RefreshMembership();
   WorkerState& Worker(uint32_t rank, uint64_t incarnation);
@@ -206,6 +210,8 @@ class ShardServer {
   std::unique_ptr<transport::MemoryRegion> consumed_;  // remote-read: u64 last applied seq
   uint64_t primary_endpoint_ = 0;
   uint64_t expected_record_ = 1;
+  // When this backup lost its primary's stream or refused a record (it cannot follow any more).
+  std::chrono::steady_clock::time_point repl_broken_since_{};
 
   // Checkpoints (apply thread; the writer thread does the disk I/O).
   std::string plan_fingerprint_;

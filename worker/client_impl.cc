@@ -548,6 +548,7 @@ Status ClientImpl::Recover() {
     if (se.member_id() == s.member_id && !s.failed) continue;
     RETURN_IF_ERROR(ApplyServerEntry(se, s));
     RETURN_IF_ERROR(ConnectServer(s));
+    RETURN_IF_ERROR(WaitServing(se.rank()));
     RETURN_IF_ERROR(ResyncServer(se.rank()));
     ++counters_.failovers;
     LOG(WARNING) << "worker rank " << rank_ << ": server group " << se.rank()
@@ -558,6 +559,33 @@ Status ClientImpl::Recover() {
                  << " ms";
   }
   return Status::OK();
+}
+
+// A promoted backup serves (and its acks are final) once it has applied every record of the old
+// primary: it then sets serving_epoch in its chunk headers. Read before trusting its acks.
+Status ClientImpl::WaitServing(uint32_t server) {
+  Server& s = servers_[server];
+  if (s.chunk_of_slot.empty()) return Status::OK();
+  const uint32_t chunk = s.chunk_of_slot[0];
+  const auto deadline = SteadyClock::now() + options_.setup_timeout;
+  while (true) {
+    acks_pending_ = 1;
+    setup_error_ = Status::OK();
+    RETURN_IF_ERROR(PostWithCredit([&] {
+      return s.ep->PostRead({staging_.get(), StagingOffset(chunk, 2), layout::kAlign},
+                            transport::AtOffset(s.weights, s.layout->header_offset(0)),
+                            MakeContext(kOpAcks, chunk, 0));
+    }));
+    while (acks_pending_ > 0) {
+      RETURN_IF_ERROR(Progress());
+      if (SteadyClock::now() > deadline) return ServerError(server, "never started serving");
+    }
+    RETURN_IF_ERROR(setup_error_);
+    const auto* h = reinterpret_cast<const layout::ChunkHeader*>(Staging(chunk, 2));
+    if (h->serving_epoch.load(std::memory_order_relaxed) != 0) return Status::OK();
+    if (SteadyClock::now() > deadline) return ServerError(server, "never started serving");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 // After reconnecting to a promoted backup: learn which pushes it has (its acks follow the
@@ -598,15 +626,27 @@ Status ClientImpl::ResyncServer(uint32_t server) {
                                          "gradient buffer was reused by a later push)"));
     }
     if (c.seq > a) {
-      if (c.seq - 1 > a) {
-        counters_.pushes_lost += c.seq - 1 - a;
-        LOG(WARNING) << "worker rank " << rank_ << ": chunk " << c.id << ": pushes " << a + 1
-                     << ".." << c.seq - 1 << " were not replicated before the failover and "
-                     << "cannot be resent";
-      }
       const uint32_t p = static_cast<uint32_t>(c.seq & 1);
-      RETURN_IF_ERROR(PostPush(c, c.seq, c.push_handle[p]));
-      ++counters_.pushes_resent;
+      // The latest push is resent from the caller's gradient buffer only when its bytes are
+      // certainly still there: its handle has not completed (the caller may not touch the
+      // buffer yet), or it was pushed by the Step() we are inside, or the mode is BSP (where a
+      // gradient buffer is rewritten only after the pull that needs this push). Otherwise the
+      // caller may have reused the buffer: resending would apply other bytes — never twice,
+      // never wrong: count it lost instead.
+      const bool resendable = c.push_handle[p] != 0 || config_.mode() == control::BSP ||
+                              (in_step_ && c.push_step == step_id_);
+      const uint64_t lost = resendable ? c.seq - 1 - a : c.seq - a;
+      if (lost > 0) {
+        counters_.pushes_lost += lost;
+        LOG(WARNING) << "worker rank " << rank_ << ": chunk " << c.id << ": pushes " << a + 1
+                     << ".." << (resendable ? c.seq - 1 : c.seq)
+                     << " were not replicated before the failover and cannot be resent (their "
+                        "gradient buffer may have been reused)";
+      }
+      if (resendable) {
+        RETURN_IF_ERROR(PostPush(c, c.seq, c.push_handle[p]));
+        ++counters_.pushes_resent;
+      }
     } else {
       const uint32_t p = static_cast<uint32_t>(c.seq & 1);
       if (c.push_handle[p] != 0) {
@@ -800,6 +840,7 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
     c.seq = seq;
     c.last_push_clock = clock_;
     c.last_push_base = c.pulled_version;
+    c.push_step = in_step_ ? step_id_ : 0;
     c.push_handle[parity] = h;
     c.push_seq[parity] = seq;
     ++hs.pending;
@@ -1099,6 +1140,12 @@ Status ClientImpl::Clock() {
 }
 
 Status ClientImpl::Step() {
+  struct InStep {
+    bool* f;
+    ~InStep() { *f = false; }
+  } guard{&in_step_};
+  in_step_ = true;
+  ++step_id_;
   std::vector<Handle> hs;
   for (const Tensor& t : tensors_) {
     ASSIGN_OR_RETURN(Handle h, Push(t.name));

@@ -98,6 +98,7 @@ class ClientImpl final : public Client {
     uint64_t last_push_clock = 0;
     uint64_t last_push_base = 0;
     uint64_t pulled_min_clock_plus1 = 0;
+    uint64_t push_step = 0;  // the Step() that pushed it (0: pushed outside Step())
     uint64_t pulled_version = 0;
     uint32_t last_buf = 1;  // version 1 is published into buffer 0
     // Parity of the number of versions published between our last two pulls: every new version
@@ -174,6 +175,9 @@ class ClientImpl final : public Client {
   uint64_t map_epoch_ = 0;
   bool recovering_ = false;
   uint64_t inject_data_error_every_ = 0;  // SHARDPS_FAULT_INJECT (tests)
+  uint64_t step_id_ = 0;   // Step() calls so far
+  bool in_step_ = false;   // inside Step(): its pushes' gradients are still in the buffers
+  Status WaitServing(uint32_t server);
   uint64_t pushes_posted_ = 0;
 };
 

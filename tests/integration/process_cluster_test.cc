@@ -160,7 +160,7 @@ class ProcessTestBase : public ::testing::Test {
                   << c->LogTail() << "\n";
       }
       std::cerr << "logs kept in " << dir_ << "\n";
-    } else if (!dir_.empty()) {
+    } else if (!dir_.empty() && getenv("SHARDPS_KEEP_TEST_LOGS") == nullptr) {
       std::error_code ec;
       std::filesystem::remove_all(dir_, ec);
     }
