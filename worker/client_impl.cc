@@ -390,14 +390,16 @@ Status ClientImpl::ApplyServerEntry(const control::ServerEntry& se, Server& s) {
   return Status::OK();
 }
 
-Status ClientImpl::ConnectServer(Server& s) {
+Status ClientImpl::ConnectServer(Server& s, std::chrono::milliseconds timeout) {
   s.ep.reset();
   ++s.gen;
   transport::EndpointOptions eo;
   eo.endpoint_id = (static_cast<uint64_t>(s.gen) << 32) | s.rank;
   eo.send_depth = kSendDepth;
   eo.recv_depth = 4;
-  eo.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+  eo.connect_timeout = timeout.count() > 0
+                           ? timeout
+                           : std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
   auto ep = fabric_->Connect(s.address, cq_.get(), eo);
   if (!ep.ok()) {
     return ep.status().WithContext("connecting to server group " + std::to_string(s.rank) +
@@ -418,7 +420,7 @@ Status ClientImpl::ConnectServer(Server& s) {
                               layout::MakeImm(layout::ImmKind::kHello, rank_),
                               MakeContext(kOpSetup, 0, 0));
   }));
-  return WaitSetupOps(1);
+  return WaitSetupOps(1, timeout);
 }
 
 Status ClientImpl::SendClock(Server& s) {
@@ -497,7 +499,9 @@ Status ClientImpl::Recover() {
       bool member = false;
       for (const auto& m : members.members()) member = member || m.member_id() == s.member_id;
       if (member && SteadyClock::now() >= next_reconnect) {
-        Status st = ConnectServer(s);
+        // Bounded: a server that just died may not refuse at once (a verbs bootstrap behind a
+        // slow route, a half-open connection); the membership decides soon anyway.
+        Status st = ConnectServer(s, std::chrono::milliseconds(1000));
         if (st.ok()) st = ResyncServer(i);
         if (st.ok()) {
           ++counters_.reconnects;
@@ -547,7 +551,9 @@ Status ClientImpl::Recover() {
     Server& s = servers_[se.rank()];
     if (se.member_id() == s.member_id && !s.failed) continue;
     RETURN_IF_ERROR(ApplyServerEntry(se, s));
-    RETURN_IF_ERROR(ConnectServer(s));
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline + timeout - SteadyClock::now());
+    RETURN_IF_ERROR(ConnectServer(s, std::max(left, std::chrono::milliseconds(1000))));
     RETURN_IF_ERROR(WaitServing(se.rank()));
     RETURN_IF_ERROR(ResyncServer(se.rank()));
     ++counters_.failovers;
@@ -665,10 +671,11 @@ Status ClientImpl::ResyncServer(uint32_t server) {
   return Status::OK();
 }
 
-Status ClientImpl::WaitSetupOps(int count) {
+Status ClientImpl::WaitSetupOps(int count, std::chrono::milliseconds timeout) {
   setup_done_ = 0;
   setup_error_ = Status::OK();
-  const auto deadline = SteadyClock::now() + options_.setup_timeout;
+  const auto deadline =
+      SteadyClock::now() + (timeout.count() > 0 ? timeout : options_.setup_timeout);
   while (setup_done_ < count) {
     RETURN_IF_ERROR(Progress());
     if (!setup_error_.ok()) return setup_error_;

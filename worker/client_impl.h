@@ -128,7 +128,7 @@ class ClientImpl final : public Client {
   void EvaluatePull(ChunkRt& c);
   void FinishChunk(uint64_t handle, const Status& s);
   Status EnsureAcked(ChunkRt& c, uint64_t need);
-  Status WaitSetupOps(int count);
+  Status WaitSetupOps(int count, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   uint64_t RequiredPlus1() const;
   char* Staging(uint32_t chunk, int which);  // 0,1: push headers; 2,3: header reads
   uint64_t StagingOffset(uint32_t chunk, int which) const;
@@ -138,7 +138,8 @@ class ClientImpl final : public Client {
   // restart the pulls in flight. Bounded by the failover timeout.
   Status MaybeRecover();
   Status Recover();
-  Status ConnectServer(Server& s);
+  // Connects (a new endpoint generation) and says hello, within `timeout` (0: the setup bounds).
+  Status ConnectServer(Server& s, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   Status ApplyServerEntry(const control::ServerEntry& se, Server& s);
   Status ResyncServer(uint32_t server);
   Status PostPush(ChunkRt& c, uint64_t seq, uint64_t handle);
