@@ -319,6 +319,9 @@ TEST(ControlFaultProxyTest, DroppedHeartbeatsGetTheMemberDeclaredDead) {
     cl.join.set_role(control::ROLE_WORKER);
     cl.join.set_hostname("h");
     cl.join.set_requested_rank(-1);
+    // Declared dead is final here: no rejoin attempt (a rejoin would be refused anyway, but it
+    // would be one more join through the proxy).
+    cl.rejoin_window = milliseconds(0);
     const auto joined_at = Clock::now();
     auto member = control::ControlClient::Join(cl);
     ASSERT_TRUE(member.ok()) << member.status();
