@@ -232,6 +232,13 @@ class ProcessTestBase : public ::testing::Test {
     }
   }
 
+  // The coordinator, then its servers; false if the coordinator did not come up.
+  bool StartCluster(const ClusterSpec& spec) {
+    if (StartCoordinator(spec).empty()) return false;
+    StartServers(spec);
+    return true;
+  }
+
   // A ps_test_worker joining this test's coordinator; its result goes to worker<rank>.out.
   std::vector<std::string> WorkerArgs(const ClusterSpec& spec, int rank,
                                       const std::string& token = kToken) {
@@ -260,6 +267,31 @@ class ProcessTestBase : public ::testing::Test {
     EXPECT_TRUE(rc.has_value()) << c->name() << " still running after " << bound.count() << " ms:\n"
                                 << Tail(c);
     return rc.value_or(-1);
+  }
+
+  // The one-process reference of a linreg run: ps_test_worker --standalone, same total batch.
+  ChildProcess* SpawnStandalone(const ClusterSpec& spec, int steps,
+                                const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> argv = {PS_TEST_WORKER_BIN, "--standalone",
+                                     "--workers=" + std::to_string(spec.workers),
+                                     "--steps=" + std::to_string(steps), LrFlag(spec.lr),
+                                     "--out=" + Path("standalone.out")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Spawn(argv, "standalone.log");
+  }
+  // Its result, once it has exited cleanly.
+  StatusOr<WorkerResult> StandaloneResult(ChildProcess* standalone, milliseconds bound) {
+    const int rc = ExitCode(standalone, bound);
+    if (rc != 0) return InternalError("standalone run exited with " + std::to_string(rc));
+    return ParseResult(Path("standalone.out"));
+  }
+  StatusOr<WorkerResult> Result(int rank, const std::string& prefix = "worker") {
+    return ParseResult(Path(prefix + std::to_string(rank) + ".out"));
+  }
+  // Bit-identical weights: the same floats, element by element.
+  static void ExpectSameWeights(WorkerResult& got, WorkerResult& ref, int rank) {
+    EXPECT_EQ(got.tensors["W"], ref.tensors["W"]) << "worker " << rank << ": W differs";
+    EXPECT_EQ(got.tensors["b"], ref.tensors["b"]) << "worker " << rank << ": b differs";
   }
 
   std::string dir_;
@@ -302,23 +334,17 @@ TEST_P(ProcessClusterTest, BspMatchesStandaloneWithTheSameTotalBatch) {
   spec.workers = 4;
   spec.servers = 2;
   const int kSteps = 20;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     auto args = WorkerArgs(spec, r);
     workers.push_back(SpawnWorker(args, "worker" + std::to_string(r) + ".log",
                                   {"--steps=" + std::to_string(kSteps)}));
   }
-  ChildProcess* standalone = Spawn(
-      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
-      "standalone.log");
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
-
-  auto ref = ParseResult(Path("standalone.out"));
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
   const std::vector<float>& w_ref = ref->tensors["W"];
   const std::vector<float>& b_ref = ref->tensors["b"];
   ASSERT_EQ(w_ref.size(), 64u * 8u);
@@ -352,7 +378,7 @@ TEST_P(ProcessClusterTest, BspMatchesStandaloneWithTheSameTotalBatch) {
   double max_diff = 0;
   std::vector<float> first_w;
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("rank"), r);
     EXPECT_EQ(res->Int("steps"), kSteps);
@@ -384,8 +410,7 @@ TEST_P(ProcessClusterTest, SteadyStateStepsSendNoControlMessages) {
   spec.workers = 2;
   spec.servers = 2;
   const int kSteps = 30;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     // 10 ms per step: the run spans several heartbeat intervals (100 ms).
@@ -401,7 +426,7 @@ TEST_P(ProcessClusterTest, SteadyStateStepsSendNoControlMessages) {
   const int64_t chunks = static_cast<int64_t>(plan->chunks.size());
   ASSERT_GE(chunks, 3) << "W should span both servers";
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("control_messages_steady"), 0) << "worker " << r;
     EXPECT_EQ(res->Int("pushes"), kSteps * chunks) << "worker " << r;
@@ -422,8 +447,7 @@ TEST_P(ProcessClusterTest, SspBoundHoldsUnderRandomDelays) {
   spec.lr = 1.0;
   spec.aggregation = "sum";
   const int kSteps = 25;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     // Rank 0 is slow (0-30 ms per step), the others fast (0-8 ms): they drift apart.
@@ -435,7 +459,7 @@ TEST_P(ProcessClusterTest, SspBoundHoldsUnderRandomDelays) {
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   int64_t max_lead = 0;
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Get("consistency"), "ssp(s=2)");
     EXPECT_EQ(res->Int("steps"), kSteps);
@@ -458,8 +482,7 @@ TEST_P(ProcessClusterTest, KilledWorkerDoesNotStallTheOthers) {
   spec.servers = 2;
   spec.heartbeat_timeout_ms = 1000;
   const int kSteps = 30, kStepDelayMs = 20, kKillAfter = 5;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     workers.push_back(SpawnWorker(
@@ -497,7 +520,7 @@ TEST_P(ProcessClusterTest, KilledWorkerDoesNotStallTheOthers) {
   const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
   std::vector<float> w0;
   for (int r = 0; r < 2; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("steps"), kSteps);
     EXPECT_EQ(res->Int("workers_before_last_step"), 2) << "the dead worker is still a member";
@@ -562,8 +585,7 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
   const int kSteps = 30;
   const int kill_after = 4 + static_cast<int>(rng() % 16);
   const int step_delay_ms = Emulated() ? 40 : 15;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     workers.push_back(SpawnWorker(
@@ -571,10 +593,7 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
         {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms),
          "--progress_file=" + Path("progress" + std::to_string(r))}));
   }
-  ChildProcess* standalone = Spawn(
-      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
-      "standalone.log");
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
   const int done = WaitProgress(Path("progress0"), kill_after, ProcessBound(), workers[0]);
   ASSERT_GE(done, kill_after) << Tail(workers[0]);
@@ -588,20 +607,16 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
   const auto recovery = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
   ASSERT_GE(after, at_kill + 1) << "no progress after the kill:\n" << Tail(workers[0]);
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
-
-  auto ref = ParseResult(Path("standalone.out"));
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
   int64_t failovers = 0;
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("steps"), kSteps);
     EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
     failovers += res->Int("failovers");
-    // Bit-identical: the same floats, element by element.
-    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r << " W differs";
-    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r << " b differs";
+    ExpectSameWeights(*res, *ref, r);
   }
   if (victim_rank < spec.servers) {
     EXPECT_EQ(failovers, spec.workers) << "every worker moves to the promoted backup once";
@@ -636,8 +651,7 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
   spec.lr = 1.0;
   spec.aggregation = "sum";
   const int kSteps = 40;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
@@ -650,7 +664,7 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
   servers_[0]->Kill();  // the only group's primary
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     const std::vector<float>& w = res->tensors["W"];
     ASSERT_EQ(w.size(), static_cast<size_t>(spec.workers));
@@ -669,8 +683,7 @@ TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
   if (Emulated()) spec.heartbeat_timeout_ms = 6000;  // TCG can starve heartbeats
   spec.servers = 2;
   spec.workers = 2;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
@@ -705,8 +718,7 @@ TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
   spec.heartbeat_timeout_ms = 1000;
   const int kSteps = 40;
   const std::string delay = Emulated() ? "40" : "15";
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
@@ -753,8 +765,7 @@ TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
   spec.checkpoint_dir = Path("ckpt");
   spec.checkpoint_every = 5;
   const int kFirst = 20, kTotal = 30;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
@@ -783,28 +794,21 @@ TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
     std::ofstream(f, std::ios::binary | std::ios::trunc) << b;
   }
   spec.restore_from = spec.checkpoint_dir;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> again;
   for (int r = 0; r < spec.workers; ++r) {
     again.push_back(SpawnWorker(WorkerArgs(spec, r), "again" + std::to_string(r) + ".log",
                                 {"--steps=" + std::to_string(kTotal), "--resume"}));
   }
-  ChildProcess* standalone = Spawn(
-      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kTotal), LrFlag(spec.lr), "--optimizer=momentum",
-       "--out=" + Path("standalone.out")},
-      "standalone.log");
+  ChildProcess* standalone = SpawnStandalone(spec, kTotal, {"--optimizer=momentum"});
   for (ChildProcess* w : again) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
-  auto ref = ParseResult(Path("standalone.out"));
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("start_clock"), 15) << "resumed from the checkpoint before the corrupt one";
-    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r;
-    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
   }
   // The refusal was reported with its reason.
   const std::string log = servers_[0]->LogTail(20000);
@@ -823,8 +827,7 @@ TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
   spec.servers = 2;
   spec.workers = 2;
   const int kSteps = 20;
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     std::vector<std::string> args = WorkerArgs(spec, r);
@@ -832,19 +835,14 @@ TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
     workers.push_back(SpawnWorker(args, "worker" + std::to_string(r) + ".log",
                                   {"--steps=" + std::to_string(kSteps)}));
   }
-  ChildProcess* standalone = Spawn(
-      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
-      "standalone.log");
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
-  auto ref = ParseResult(Path("standalone.out"));
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
-    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r;
-    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
     if (r == 1) {
       EXPECT_GE(res->Int("injected_errors"), 5);  // 3 chunks x 20 steps / 7
       EXPECT_EQ(res->Int("reconnects"), res->Int("injected_errors"));
@@ -870,8 +868,7 @@ TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
   spec.aggregation = "sum";
   const int kSteps = 40;
   const std::string delay = Emulated() ? "40" : "15";
-  ASSERT_NE(StartCoordinator(spec), "");
-  StartServers(spec);
+  ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < 2; ++r) {
     workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
@@ -930,10 +927,7 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
         {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms),
          "--progress_file=" + Path("progress" + std::to_string(r))}));
   }
-  ChildProcess* standalone = Spawn(
-      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
-      "standalone.log");
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   const int before = WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]);
   ASSERT_GE(before, 10);
   first->Kill();
@@ -960,15 +954,13 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   ASSERT_LT(now + 3, kSteps) << "training ended before the second fault";
   servers_[1]->Kill();
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
-  auto ref = ParseResult(Path("standalone.out"));
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
-    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r;
-    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
   }
   std::cerr << "[ info ] coordinator killed after step " << down_from << "; " << during - down_from
             << "+ steps done while it was down; 6 members rejoined; a primary killed at step "
@@ -1022,22 +1014,17 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
                                   {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
                                    "--progress_file=" + Path("progress" + std::to_string(r))}));
   }
-  ChildProcess* standalone = Spawn(
-      {PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(spec.workers),
-       "--steps=" + std::to_string(kSteps), LrFlag(spec.lr), "--out=" + Path("standalone.out")},
-      "standalone.log");
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
   servers_[0]->Kill();
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-  ASSERT_EQ(ExitCode(standalone, ProcessBound()), 0) << Tail(standalone);
-  auto ref = ParseResult(Path("standalone.out"));
-  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
   for (int r = 0; r < spec.workers; ++r) {
-    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
-    ASSERT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r;
-    ASSERT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
   }
   // The faults really happened, and no member was declared dead for lost heartbeats.
   auto last_count = [&](const std::string& log, const std::string& key) -> int64_t {
