@@ -15,8 +15,7 @@ namespace shardps::control {
 
 using Clock = std::chrono::steady_clock;
 
-StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(
-    const ControlClientOptions& options) {
+StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClientOptions& options) {
   std::unique_ptr<ControlClient> c(new ControlClient());
   // Launchers (mpirun MPMD, ssh, schedulers) start members and the coordinator together, so a
   // refused or unreachable coordinator is retried until connect_timeout, then reported.
@@ -91,8 +90,8 @@ void ControlClient::Fail(const Status& s) {
 }
 
 void ControlClient::Loop() {
-  const auto interval = std::chrono::milliseconds(
-      std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
+  const auto interval =
+      std::chrono::milliseconds(std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
   // Frames that arrived together with the join reply are already in the decoder.
   Status first = DrainDecoder();
   if (!first.ok()) {
@@ -150,8 +149,8 @@ bool ControlClient::Rejoin(const Status& why) {
   const auto deadline = Clock::now() + options_.rejoin_window;
   Status last = why;
   while (!stop_.load() && Clock::now() < deadline) {
-    StatusOr<UniqueFd> fd = net::ConnectTcp(options_.coordinator_address, "",
-                                            std::chrono::milliseconds(1000));
+    StatusOr<UniqueFd> fd =
+        net::ConnectTcp(options_.coordinator_address, "", std::chrono::milliseconds(1000));
     if (!fd.ok()) {
       last = fd.status();
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -172,8 +171,10 @@ bool ControlClient::Rejoin(const Status& why) {
     }
     auto r = ReceiveEnvelope(fd->get(), &decoder, std::chrono::milliseconds(5000));
     if (!r.ok() || r->body_case() != Envelope::kJoinReply) {
-      last = r.ok() ? InternalError("coordinator answered the rejoin with " + std::string(BodyName(*r)))
-                    : r.status();
+      last =
+          r.ok()
+              ? InternalError("coordinator answered the rejoin with " + std::string(BodyName(*r)))
+              : r.status();
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
@@ -203,8 +204,8 @@ bool ControlClient::Rejoin(const Status& why) {
     return true;
   }
   Fail(UnavailableError("coordinator unreachable for " +
-                        std::to_string(options_.rejoin_window.count()) + " ms: " +
-                        last.ToString()));
+                        std::to_string(options_.rejoin_window.count()) +
+                        " ms: " + last.ToString()));
   return false;
 }
 
@@ -244,8 +245,8 @@ ControlCounters ControlClient::counters() const {
   return counters_;
 }
 
-StatusOr<Membership> ControlClient::WaitFor(
-    const std::function<bool(const Membership&)>& pred, std::chrono::milliseconds timeout) {
+StatusOr<Membership> ControlClient::WaitFor(const std::function<bool(const Membership&)>& pred,
+                                            std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> l(mu_);
   const bool ok = cv_.wait_for(l, timeout, [&] { return !status_.ok() || pred(membership_); });
   if (!status_.ok()) return status_;

@@ -773,15 +773,22 @@ void CheckpointWriter::Submit(ShardSnapshot&& snapshot) {
   {
     std::lock_guard<std::mutex> l(mu_);
     ++stats_.submitted;
-    if (queued_) ++stats_.superseded;
-    queued_ = std::move(snapshot);
+    if (queued_.size() >= kMaxQueued) {
+      ++stats_.superseded;
+      LOG_EVERY_N(ERROR, 16) << "checkpoint: " << kMaxQueued << " snapshots already wait for "
+                             << "the disk; the one of group " << snapshot.group << " at clock "
+                             << snapshot.clock << " is dropped (checkpoints are taken faster "
+                             << "than they can be written: raise --checkpoint_every)";
+      return;
+    }
+    queued_.push_back(std::move(snapshot));
   }
   cv_.notify_one();
 }
 
 Status CheckpointWriter::Flush(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> l(mu_);
-  if (!idle_cv_.wait_for(l, timeout, [this] { return !queued_ && !writing_; })) {
+  if (!idle_cv_.wait_for(l, timeout, [this] { return queued_.empty() && !writing_; })) {
     return DeadlineExceededError("checkpoint writer still busy after " +
                                  std::to_string(timeout.count()) + " ms");
   }
@@ -796,10 +803,10 @@ CheckpointWriter::Stats CheckpointWriter::stats() const {
 void CheckpointWriter::Run() {
   std::unique_lock<std::mutex> l(mu_);
   for (;;) {
-    cv_.wait(l, [this] { return stop_ || queued_.has_value(); });
-    if (!queued_) return;  // stopping, nothing left to write
-    ShardSnapshot s = std::move(*queued_);
-    queued_.reset();
+    cv_.wait(l, [this] { return stop_ || !queued_.empty(); });
+    if (queued_.empty()) return;  // stopping, nothing left to write
+    ShardSnapshot s = std::move(queued_.front());
+    queued_.pop_front();
     writing_ = true;
     l.unlock();
     const auto t0 = std::chrono::steady_clock::now();

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -130,10 +131,12 @@ Status PruneCheckpoints(const std::string& dir, uint32_t group, uint32_t num_gro
 
 // Writes snapshots in the background so that the apply thread never waits for the disk.
 //
-// One write at a time. Submit() queues a snapshot and returns at once; if one is already
-// queued (a write is in progress), the newer replaces it and the older is counted as
-// superseded. A failed write is counted and logged (once per distinct error, again after a
-// success), and the writer carries on with the next snapshot. After each successful write,
+// One write at a time, in submission order. Submit() queues a snapshot and returns at once. Every
+// snapshot is written — a cluster checkpoint is complete only when every group wrote its file
+// for that clock, and groups cannot agree on which ones to skip — unless kMaxQueued are already
+// waiting: the new one is then dropped (counted as superseded, logged; that checkpoint will
+// not be complete). A failed write is counted and logged (once per distinct error, again after
+// a success), and the writer carries on with the next snapshot. After each successful write,
 // if Options::keep > 0, PruneCheckpoints runs for the snapshot's group.
 //
 // Thread safety: every method may be called from any thread. The destructor writes what is
@@ -174,7 +177,8 @@ class CheckpointWriter {
   mutable std::mutex mu_;
   std::condition_variable cv_;       // signalled on Submit and on stop
   std::condition_variable idle_cv_;  // signalled when a write ends
-  std::optional<ShardSnapshot> queued_;
+  static constexpr size_t kMaxQueued = 8;
+  std::deque<ShardSnapshot> queued_;
   bool writing_ = false;
   bool stop_ = false;
   Status last_attempt_;

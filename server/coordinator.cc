@@ -2,9 +2,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <unistd.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -303,8 +303,8 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     c->joined = true;
     c->member = p->second.member;
     c->peer = j.hostname() + "/" + std::to_string(j.pid());
-    c->has_model = std::find(has_model_ids_.begin(), has_model_ids_.end(),
-                             c->member.member_id()) != has_model_ids_.end();
+    c->has_model = std::find(has_model_ids_.begin(), has_model_ids_.end(), c->member.member_id()) !=
+                   has_model_ids_.end();
     pending_.erase(p);
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -316,8 +316,8 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     r->set_epoch(epoch() + 1);
     *r->mutable_config() = options_.config;
     Queue(c, reply);
-    LOG(INFO) << "coordinator: member " << c->member.member_id() << " rejoined ("
-              << pending_.size() << " still expected)";
+    LOG(INFO) << "coordinator: member " << c->member.member_id() << " rejoined (" << pending_.size()
+              << " still expected)";
     if (c->member.role() == ROLE_SERVER && shards_assigned_ && !primary_of_.empty()) {
       // A Promote or ReplicaTarget{none} queued before a coordinator crash may never have
       // reached it: both are idempotent, so send them again.
@@ -432,8 +432,8 @@ uint32_t Coordinator::NumServerRanks() const {
 
 void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
   const uint32_t num_servers = NumGroups();
-  auto plan = PlanFromModel(m, num_servers, options_.config.partition_bytes(),
-                            Capacity(options_.config));
+  auto plan =
+      PlanFromModel(m, num_servers, options_.config.partition_bytes(), Capacity(options_.config));
   if (!plan.ok()) {
     Envelope err;
     err.mutable_error()->set_message("model refused: " + plan.status().ToString());
@@ -573,8 +573,8 @@ void Coordinator::MaybeSendReplicaTarget(uint32_t g) {
   target_sent_[g] = true;
   Queue(p, e);
   LOG(INFO) << "coordinator: group " << g << ": primary server rank " << primary_of_[g]
-            << " replicates to server rank " << backup_of_[g] << " ("
-            << b->member.data_address() << ")";
+            << " replicates to server rank " << backup_of_[g] << " (" << b->member.data_address()
+            << ")";
 }
 
 void Coordinator::FillServerEntry(uint32_t g, uint32_t server_rank, ServerEntry* e) {

@@ -53,10 +53,10 @@ struct CoordinatorCounters {
   uint64_t protocol_errors = 0;
   uint64_t heartbeat_timeouts = 0;
   uint64_t departures = 0;
-  uint64_t promotions = 0;      // a backup took over a group whose primary died
-  uint64_t groups_lost = 0;     // a primary died with no backup left
+  uint64_t promotions = 0;   // a backup took over a group whose primary died
+  uint64_t groups_lost = 0;  // a primary died with no backup left
   uint64_t backups_lost = 0;
-  uint64_t rejoins = 0;         // members taken back after a coordinator restart
+  uint64_t rejoins = 0;  // members taken back after a coordinator restart
 };
 
 class Coordinator {

@@ -99,8 +99,8 @@ enum class ReplKind : uint32_t {
   kApply = 2,  // payload: the gradient (BSP: the sum in worker-rank order), scale, lr_scale
 };
 struct alignas(kAlign) ReplHeader {
-  uint64_t seq;              // 1, 2, ...: strictly sequential per primary->backup stream
-  uint32_t kind;             // ReplKind
+  uint64_t seq;   // 1, 2, ...: strictly sequential per primary->backup stream
+  uint32_t kind;  // ReplKind
   uint32_t slot;
   uint64_t version;          // the version this record produces
   uint64_t min_clock_plus1;  // published with it
@@ -108,9 +108,9 @@ struct alignas(kAlign) ReplHeader {
   float lr_scale;
   uint32_t contributors;
   uint32_t reserved0;
-  uint64_t bytes;            // payload bytes
-  uint64_t epoch;            // the primary's membership epoch (fencing)
-  uint64_t magic;            // kReplMagic
+  uint64_t bytes;  // payload bytes
+  uint64_t epoch;  // the primary's membership epoch (fencing)
+  uint64_t magic;  // kReplMagic
   uint64_t reserved[7];
 };
 static_assert(sizeof(ReplHeader) == 2 * kAlign, "ReplHeader is two cache lines");
@@ -170,12 +170,12 @@ class ServerLayout {
 
   uint64_t inbox_bytes() const { return inbox_stride_ * max_workers_; }
   uint64_t push_header_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
-    return worker * inbox_stride_ + inbox_off_[slot] + parity * (kAlign + AlignUp(chunk_bytes_[slot]));
+    return worker * inbox_stride_ + inbox_off_[slot] +
+           parity * (kAlign + AlignUp(chunk_bytes_[slot]));
   }
   uint64_t push_data_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
     return push_header_offset(worker, slot, parity) + kAlign;
   }
-
 
   uint64_t acks_bytes() const { return AlignUp(sizeof(uint64_t) * slots()) * max_workers_; }
   uint64_t ack_offset(uint32_t worker, uint32_t slot) const {

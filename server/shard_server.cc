@@ -63,9 +63,9 @@ struct ShardServer::Chunk {
 };
 
 struct ShardServer::WorkerState {
-  uint64_t incarnation = 0;             // the worker process (its member id)
-  std::vector<uint64_t> last_seq;       // per slot
-  std::vector<int64_t> applied_clock;   // per slot, -1 = none
+  uint64_t incarnation = 0;            // the worker process (its member id)
+  std::vector<uint64_t> last_seq;      // per slot
+  std::vector<int64_t> applied_clock;  // per slot, -1 = none
   // From the worker's clock immediates: it finished clocks < clock, and every push of those was
   // posted before its kClock immediate, hence already processed (same endpoint, in order).
   uint64_t clock = 0;
@@ -93,8 +93,8 @@ Status ShardServer::Setup() {
   ASSIGN_OR_RETURN(fabric_, transport::Fabric::Open(options_.fabric));
   std::string listen = options_.data_listen;
   if (listen.empty() && fabric_->name() != "shm") {
-    listen = (options_.fabric.bind_ip.empty() ? std::string("0.0.0.0") : options_.fabric.bind_ip) +
-             ":0";
+    listen =
+        (options_.fabric.bind_ip.empty() ? std::string("0.0.0.0") : options_.fabric.bind_ip) + ":0";
   }
   ASSIGN_OR_RETURN(listener_, fabric_->Listen(listen));
   std::string data_address = listener_->address();
@@ -127,8 +127,7 @@ Status ShardServer::Setup() {
             << control::ConsistencyMode_Name(config_.mode()) << " s=" << config_.staleness();
 
   ASSIGN_OR_RETURN(control::Envelope assign,
-                   control_->WaitMessage(control::Envelope::kAssignShards,
-                                         options_.setup_timeout));
+                   control_->WaitMessage(control::Envelope::kAssignShards, options_.setup_timeout));
   const control::AssignShards& a = assign.assign_shards();
   if (a.chunk_ids_size() != a.chunk_bytes_size() || a.max_workers() == 0 ||
       a.max_workers() > 4096 || a.num_groups() == 0 || a.group() >= a.num_groups()) {
@@ -149,14 +148,14 @@ Status ShardServer::Setup() {
   // A server may own no chunk (a model smaller than one partition per server): its regions
   // are then empty, but a region of 0 bytes cannot be allocated, so each has at least kAlign.
   auto at_least = [](uint64_t n) { return std::max<uint64_t>(n, layout::kAlign); };
-  ASSIGN_OR_RETURN(weights_, fabric_->AllocateMemory(at_least(layout_->weights_bytes()),
-                                                     Access::kRemoteRead));
-  ASSIGN_OR_RETURN(inbox_, fabric_->AllocateMemory(at_least(layout_->inbox_bytes()),
-                                                   Access::kRemoteWrite));
-  ASSIGN_OR_RETURN(acks_, fabric_->AllocateMemory(at_least(layout_->acks_bytes()),
-                                                  Access::kRemoteRead));
-  ASSIGN_OR_RETURN(clocks_, fabric_->AllocateMemory(at_least(layout_->clocks_bytes()),
-                                                    Access::kRemoteWrite));
+  ASSIGN_OR_RETURN(
+      weights_, fabric_->AllocateMemory(at_least(layout_->weights_bytes()), Access::kRemoteRead));
+  ASSIGN_OR_RETURN(inbox_,
+                   fabric_->AllocateMemory(at_least(layout_->inbox_bytes()), Access::kRemoteWrite));
+  ASSIGN_OR_RETURN(acks_,
+                   fabric_->AllocateMemory(at_least(layout_->acks_bytes()), Access::kRemoteRead));
+  ASSIGN_OR_RETURN(
+      clocks_, fabric_->AllocateMemory(at_least(layout_->clocks_bytes()), Access::kRemoteWrite));
   // Replication: the ring (backup) or the records' staging (primary). Both sides compute the
   // ring's geometry from the same assignment.
   const uint64_t contrib_bytes = layout::AlignUp(sizeof(layout::ReplContributor) * a.max_workers());
@@ -173,8 +172,8 @@ Status ShardServer::Setup() {
   consumed_staging_offset_ = stride * layout_->slots();
   const bool replicated = config_.replicas() >= 2;
   if (backup_) {
-    ASSIGN_OR_RETURN(ring_, fabric_->AllocateMemory(repl_layout_->ring_bytes(),
-                                                    Access::kRemoteWrite));
+    ASSIGN_OR_RETURN(ring_,
+                     fabric_->AllocateMemory(repl_layout_->ring_bytes(), Access::kRemoteWrite));
     ASSIGN_OR_RETURN(consumed_, fabric_->AllocateMemory(layout::kAlign, Access::kRemoteRead));
   }
   auto* wbase = static_cast<char*>(weights_->data());
@@ -194,27 +193,29 @@ Status ShardServer::Setup() {
     chunks_.push_back(std::move(c));
   }
   plan_fingerprint_ = a.plan_fingerprint();
-  if (!options_.restore_dir.empty()) RETURN_IF_ERROR(Restore(options_.restore_dir, plan_fingerprint_));
+  if (!options_.restore_dir.empty())
+    RETURN_IF_ERROR(Restore(options_.restore_dir, plan_fingerprint_));
   ckpt_every_ = config_.checkpoint_every();
   const std::string ckpt_dir =
       !options_.checkpoint_dir.empty() ? options_.checkpoint_dir : config_.checkpoint_dir();
   if (!ckpt_dir.empty()) RETURN_IF_ERROR(EnsureCheckpointWriter(ckpt_dir));
   uint64_t total = 0;
   for (uint64_t b : bytes) total += b;
-  LOG(INFO) << "server rank " << rank_ << ": " << (backup_ ? "BACKUP" : "primary")
-            << " of group " << group_ << "/" << num_groups_ << ": " << layout_->slots()
-            << " chunks, " << total / 1024 << " KiB of weights; registered weights "
+  LOG(INFO) << "server rank " << rank_ << ": " << (backup_ ? "BACKUP" : "primary") << " of group "
+            << group_ << "/" << num_groups_ << ": " << layout_->slots() << " chunks, "
+            << total / 1024 << " KiB of weights; registered weights "
             << layout_->weights_bytes() / 1024 << " KiB (remote-read), inbox "
             << layout_->inbox_bytes() / 1024 << " KiB for " << a.max_workers()
             << " workers (remote-write), acks " << layout_->acks_bytes() << " B"
-            << (backup_ ? ", replication ring " + std::to_string(repl_layout_->ring_bytes() / 1024) +
-                              " KiB (" + std::to_string(entries) + " entries)"
-                        : std::string());
+            << (backup_
+                    ? ", replication ring " + std::to_string(repl_layout_->ring_bytes() / 1024) +
+                          " KiB (" + std::to_string(entries) + " entries)"
+                    : std::string());
 
   const int recv_depth = static_cast<int>(std::min<uint32_t>(1024, 2 * layout_->slots() + 32));
-  ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(
-                            static_cast<int>(a.max_workers() + 3) * (recv_depth + 16) +
-                            4 * static_cast<int>(entries) + 64));
+  ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(static_cast<int>(a.max_workers() + 3) *
+                                                           (recv_depth + 16) +
+                                                       4 * static_cast<int>(entries) + 64));
 
   control::Envelope ready;
   control::ShardsReady* r = ready.mutable_shards_ready();
@@ -274,8 +275,8 @@ Status ShardServer::ConnectBackup(const control::ReplicaTarget& t) {
   eo.recv_depth = 4;
   eo.connect_timeout = std::chrono::milliseconds(10000);
   auto ep = fabric_->Connect(t.data_address(), cq_.get(), eo);
-  if (!ep.ok()) return ep.status().WithContext("connecting to the backup of group " +
-                                               std::to_string(group_));
+  if (!ep.ok())
+    return ep.status().WithContext("connecting to the backup of group " + std::to_string(group_));
   backup_ep_ = std::move(*ep);
   RETURN_IF_ERROR(backup_ep_->PostWriteImm(
       {repl_staging_.get(), consumed_staging_offset_, 8}, transport::AtOffset(backup_ring_, 0),
@@ -367,8 +368,8 @@ void ShardServer::PollControl() {
                ckpt_pending_ == nullptr) {
       uint64_t passed = 0;
       for (const auto& c : chunks_) {
-        passed = std::max(passed, c->header->min_clock_plus1[c->published].load(
-                                      std::memory_order_relaxed));
+        passed = std::max(passed,
+                          c->header->min_clock_plus1[c->published].load(std::memory_order_relaxed));
       }
       if (passed > r.clock()) {
         // Some chunk already holds updates of clocks >= the requested one: a snapshot now would
@@ -388,8 +389,9 @@ void ShardServer::PollControl() {
 Status ShardServer::EnsureCheckpointWriter(const std::string& dir) {
   if (ckpt_writer_) return Status::OK();
   if (dir.empty()) {
-    return FailedPreconditionError("no checkpoint directory (coordinator --checkpoint_dir or "
-                                   "server --checkpoint_dir)");
+    return FailedPreconditionError(
+        "no checkpoint directory (coordinator --checkpoint_dir or "
+        "server --checkpoint_dir)");
   }
   CheckpointWriter::Options o;
   o.dir = dir;
@@ -568,18 +570,19 @@ Status ShardServer::Serve() {
       if (backup_ && repl_broken_since_ != Clock::time_point()) {
         const control::Membership now = control_->membership();
         for (const auto& m : now.members()) {
-          primary_member = primary_member ||
-                           (m.role() == control::ROLE_SERVER && m.rank() == group_);
+          primary_member =
+              primary_member || (m.role() == control::ROLE_SERVER && m.rank() == group_);
         }
       }
       if (backup_ && repl_broken_since_ != Clock::time_point() && primary_member &&
           control_->connected() &&
           Clock::now() - repl_broken_since_ >
-              std::chrono::milliseconds(2 * std::max<uint32_t>(1000, config_.heartbeat_timeout_ms()))) {
+              std::chrono::milliseconds(2 *
+                                        std::max<uint32_t>(1000, config_.heartbeat_timeout_ms()))) {
         // Not promoted: the primary is alive but this backup can no longer follow it. Leave,
         // so that the coordinator tells the primary to go on alone instead of stalling.
-        LOG(ERROR) << "server rank " << rank_ << ": lost the replication stream of group "
-                   << group_ << "'s primary and was not promoted; leaving the cluster so the "
+        LOG(ERROR) << "server rank " << rank_ << ": lost the replication stream of group " << group_
+                   << "'s primary and was not promoted; leaving the cluster so the "
                    << "primary goes on without a backup";
         fenced = UnavailableError("backup of group " + std::to_string(group_) +
                                   " lost its primary's replication stream");
@@ -616,7 +619,8 @@ Status ShardServer::Serve() {
                      << " failed: " << it->second->status();
         // endpoint_worker_ keeps its entry: immediates of this endpoint still queued in the CQ
         // are pushes that arrived and are applied like any other (ids are never reused).
-        if (it->first == primary_endpoint_ && backup_ && repl_broken_since_ == Clock::time_point()) {
+        if (it->first == primary_endpoint_ && backup_ &&
+            repl_broken_since_ == Clock::time_point()) {
           repl_broken_since_ = Clock::now();
         }
         it = endpoints_.erase(it);
@@ -732,8 +736,8 @@ void ShardServer::HandleHello(uint64_t endpoint_id, uint32_t rank) {
   std::memcpy(&hello, static_cast<const char*>(clocks_->data()) + layout_->clock_offset(rank),
               sizeof(hello));
   const uint64_t incarnation = hello.magic == layout::kHelloMagic ? hello.incarnation : 0;
-  const bool known = workers_.count(rank) && workers_[rank]->incarnation == incarnation &&
-                     incarnation != 0;
+  const bool known =
+      workers_.count(rank) && workers_[rank]->incarnation == incarnation && incarnation != 0;
   WorkerState& w = Worker(rank, incarnation);
   if (incarnation == 0) {
     // An old client without an incarnation: every hello starts fresh sequence state.
@@ -752,12 +756,12 @@ void ShardServer::HandleInit(uint32_t worker, uint32_t slot) {
   if (slot >= chunks_.size() || worker != 0) return;
   Chunk& c = *chunks_[slot];
   if (c.version != 0 || c.inflight) return;  // already initialised: a duplicate
-  const char* src = static_cast<const char*>(inbox_->data()) +
-                    layout_->push_data_offset(worker, slot, 0);
+  const char* src =
+      static_cast<const char*>(inbox_->data()) + layout_->push_data_offset(worker, slot, 0);
   c.header->gen[0].fetch_add(1, std::memory_order_acq_rel);
   std::memcpy(c.buf[0], src, c.bytes);
-  Commit(slot, 0, 0, layout::ReplKind::kInit, weights_.get(), layout_->buffer_offset(slot, 0),
-         1.0f, 1.0f, {});
+  Commit(slot, 0, 0, layout::ReplKind::kInit, weights_.get(), layout_->buffer_offset(slot, 0), 1.0f,
+         1.0f, {});
 }
 
 bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue) {
@@ -799,8 +803,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   }
   // ASP/SSP apply pushes in arrival order (FIFO behind deferred ones); BSP only needs clock
   // order (a clock's gradients are summed in worker-rank order whatever their arrival order).
-  if (c.inflight ||
-      (config_.mode() != control::BSP && !from_queue && !c.deferred.empty())) {
+  if (c.inflight || (config_.mode() != control::BSP && !from_queue && !c.deferred.empty())) {
     return defer();
   }
   if (c.version == 0) return reject("chunk not initialised yet");
@@ -813,7 +816,8 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
       w.last_seq[slot] = h.seq;
       auto* ack = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(acks_->data()) +
                                                            layout_->ack_offset(worker, slot));
-      if (ack->load(std::memory_order_relaxed) < h.seq) ack->store(h.seq, std::memory_order_release);
+      if (ack->load(std::memory_order_relaxed) < h.seq)
+        ack->store(h.seq, std::memory_order_release);
       LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": BSP push of clock " << clock
                                 << " from worker " << worker << " for chunk " << c.chunk_id
                                 << " arrived after that clock was applied; dropped";
@@ -885,8 +889,8 @@ void ShardServer::ApplyBsp(uint32_t slot) {
   bool first = true;
   std::vector<Contributor> contributors;
   for (const auto& [r, k] : c.contrib) {
-    const auto* g = reinterpret_cast<const float*>(base +
-                                                   layout_->push_data_offset(r, slot, k.parity));
+    const auto* g =
+        reinterpret_cast<const float*>(base + layout_->push_data_offset(r, slot, k.parity));
     if (first) {
       std::memcpy(c.sum, g, c.bytes);
       first = false;
@@ -936,8 +940,8 @@ uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
     auto it = workers_.find(r);
     int64_t applied = -1;
     if (it != workers_.end()) {
-      applied = std::max(it->second->applied_clock[slot],
-                         static_cast<int64_t>(it->second->clock) - 1);
+      applied =
+          std::max(it->second->applied_clock[slot], static_cast<int64_t>(it->second->clock) - 1);
       // A push of this worker still queued here is not applied, whatever its clock says.
       const int64_t d = MinDeferredClock(slot, r);
       if (d != INT64_MAX) applied = std::min(applied, d - 1);
@@ -1026,9 +1030,10 @@ void ShardServer::PostRecord(uint32_t slot) {
   }
   // Payload first (unsignaled), then header + contributors with the immediate: writes on one
   // endpoint are placed in order, so the backup sees the record whole when the immediate lands.
-  Status s = backup_ep_->PostWrite({c.record_payload, c.record_payload_offset, c.bytes},
-                                   transport::AtOffset(backup_ring_, repl_layout_->payload_offset(entry)),
-                                   ReplContext(kOpPayload, slot), transport::kUnsignaled);
+  Status s =
+      backup_ep_->PostWrite({c.record_payload, c.record_payload_offset, c.bytes},
+                            transport::AtOffset(backup_ring_, repl_layout_->payload_offset(entry)),
+                            ReplContext(kOpPayload, slot), transport::kUnsignaled);
   if (s.ok()) {
     s = backup_ep_->PostWriteImm(
         {repl_staging_.get(), repl_slot_stride_ * slot,
@@ -1124,9 +1129,10 @@ void ShardServer::DrainDeferred(uint32_t slot) {
 
 int64_t ShardServer::DeferredClock(uint32_t slot, uint32_t worker, uint32_t parity) const {
   layout::PushHeader h;
-  std::memcpy(&h, static_cast<const char*>(inbox_->data()) +
-                      layout_->push_header_offset(worker, slot, parity),
-              sizeof(h));
+  std::memcpy(
+      &h,
+      static_cast<const char*>(inbox_->data()) + layout_->push_header_offset(worker, slot, parity),
+      sizeof(h));
   return static_cast<int64_t>(h.clock);
 }
 
@@ -1165,8 +1171,8 @@ void ShardServer::ApplyRecord(uint32_t entry) {
     return reject("version " + std::to_string(h.version) + " does not follow " +
                   std::to_string(c.version));
   }
-  const auto* payload = reinterpret_cast<const float*>(
-      static_cast<const char*>(ring_->data()) + repl_layout_->payload_offset(entry));
+  const auto* payload = reinterpret_cast<const float*>(static_cast<const char*>(ring_->data()) +
+                                                       repl_layout_->payload_offset(entry));
   uint32_t target;
   if (h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)) {
     if (c.version != 0) return reject("init of an initialised chunk");
@@ -1181,7 +1187,8 @@ void ShardServer::ApplyRecord(uint32_t entry) {
   } else {
     return reject("unknown kind");
   }
-  const auto* k = reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
+  const auto* k =
+      reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
   for (uint32_t i = 0; i < h.contributors; ++i) {
     if (k[i].worker >= layout_->max_workers()) continue;
     // Member ids only grow: a record folding in a push of an older incarnation of this worker

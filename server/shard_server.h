@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -51,9 +51,9 @@ struct ShardServerOptions {
   std::string cluster_token;
   int requested_rank = -1;
   OptimizerConfig optimizer;
-  bool average = true;          // average (true) or sum the workers' gradients
-  float vsgd_lambda = 1.0f;     // VSGD strength
-  int vsgd_history = 8;         // versions of weights kept per chunk for VSGD
+  bool average = true;       // average (true) or sum the workers' gradients
+  float vsgd_lambda = 1.0f;  // VSGD strength
+  int vsgd_history = 8;      // versions of weights kept per chunk for VSGD
   std::chrono::milliseconds setup_timeout{120000};
   // Batch jobs (mpirun, scripts): stop once every expected worker has joined and all of them
   // have left again. Off by default: an elastic cluster may be empty of workers for a while.
@@ -73,19 +73,19 @@ struct ShardServerCounters {
   uint64_t versions_published = 0;
   uint64_t endpoints_accepted = 0;
   uint64_t endpoint_errors = 0;
-  uint64_t deferred_pushes = 0;    // waited for the chunk's previous version to be replicated
-  uint64_t stale_pushes = 0;       // BSP: a clock already applied without it (a late joiner)
-  uint64_t records_sent = 0;       // primary: replication records written to the backup
-  uint64_t records_applied = 0;    // backup: records applied
-  uint64_t records_rejected = 0;   // backup: malformed, out of sequence or fenced
-  uint64_t replication_stalls = 0; // primary: ring full, waited for the backup to consume
-  uint64_t promotions = 0;         // backup -> primary
+  uint64_t deferred_pushes = 0;     // waited for the chunk's previous version to be replicated
+  uint64_t stale_pushes = 0;        // BSP: a clock already applied without it (a late joiner)
+  uint64_t records_sent = 0;        // primary: replication records written to the backup
+  uint64_t records_applied = 0;     // backup: records applied
+  uint64_t records_rejected = 0;    // backup: malformed, out of sequence or fenced
+  uint64_t replication_stalls = 0;  // primary: ring full, waited for the backup to consume
+  uint64_t promotions = 0;          // backup -> primary
   uint64_t checkpoints_submitted = 0;
   uint64_t checkpoints_written = 0;
   uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on
   uint64_t restored_clock = 0;       // the checkpoint clock restored at start (0: none)
-  bool backup = false;             // currently holds a backup copy (not serving workers)
-  bool replicating = false;        // currently replicating to a backup
+  bool backup = false;               // currently holds a backup copy (not serving workers)
+  bool replicating = false;          // currently replicating to a backup
   uint32_t group = 0;
 };
 
@@ -179,18 +179,18 @@ class ShardServer {
   std::unique_ptr<transport::MemoryRegion> inbox_;
   std::unique_ptr<transport::MemoryRegion> acks_;
   std::unique_ptr<transport::MemoryRegion> clocks_;
-  std::vector<std::unique_ptr<Chunk>> chunks_;  // by slot
+  std::vector<std::unique_ptr<Chunk>> chunks_;                // by slot
   std::map<uint32_t, std::unique_ptr<WorkerState>> workers_;  // by rank
-  std::set<uint32_t> member_workers_;   // worker ranks in the latest membership
-  size_t most_workers_seen_ = 0;        // for exit_when_workers_done
+  std::set<uint32_t> member_workers_;  // worker ranks in the latest membership
+  size_t most_workers_seen_ = 0;       // for exit_when_workers_done
   std::set<uint32_t> departed_workers_;
   uint64_t seen_epoch_ = 0;
 
   // Role.
   uint32_t group_ = 0;
   uint32_t num_groups_ = 1;
-  bool backup_ = false;           // holds the group's backup copy, not serving workers yet
-  uint64_t fence_epoch_ = 0;      // records and pushes of older epochs are refused
+  bool backup_ = false;       // holds the group's backup copy, not serving workers yet
+  uint64_t fence_epoch_ = 0;  // records and pushes of older epochs are refused
   std::vector<transport::Completion> early_;  // worker completions that reached a backup
   // Primary side of replication.
   BackupState backup_state_ = BackupState::kNone;
@@ -217,8 +217,8 @@ class ShardServer {
   std::string plan_fingerprint_;
   std::unique_ptr<CheckpointWriter> ckpt_writer_;
   uint64_t ckpt_every_ = 0;
-  uint64_t ckpt_next_ = 0;         // the clock of the next checkpoint (0: none planned)
-  uint64_t ckpt_last_ = 0;         // the clock of the last one submitted (or restored)
+  uint64_t ckpt_next_ = 0;  // the clock of the next checkpoint (0: none planned)
+  uint64_t ckpt_last_ = 0;  // the clock of the last one submitted (or restored)
   std::unique_ptr<ShardSnapshot> ckpt_pending_;
   std::vector<bool> ckpt_captured_;
   uint32_t ckpt_captured_count_ = 0;

@@ -104,7 +104,8 @@ Status ClientImpl::Init() {
 Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float* grads,
                                   const std::vector<int64_t>& shape) {
   if (started_) return FailedPreconditionError("RegisterTensor after Start()");
-  if (tensor_index_.count(name)) return AlreadyExistsError("tensor '" + name + "' registered twice");
+  if (tensor_index_.count(name))
+    return AlreadyExistsError("tensor '" + name + "' registered twice");
   if (weights == nullptr || grads == nullptr) return InvalidArgumentError("null tensor buffer");
   Tensor t;
   t.name = name;
@@ -141,11 +142,11 @@ Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float
 // Device memory: registered with the NIC where the fabric can (verbs: dma-buf, else
 // nvidia-peermem), else staged through pinned host mirrors. The choice is logged per tensor.
 Status ClientImpl::RegisterDeviceTensor(Tensor& t) {
-  auto w = fabric_->RegisterMemory(t.weights, t.bytes, Access::kLocalOnly,
-                                   transport::MemoryKind::kCuda);
+  auto w =
+      fabric_->RegisterMemory(t.weights, t.bytes, Access::kLocalOnly, transport::MemoryKind::kCuda);
   if (w.ok()) {
-    auto g = fabric_->RegisterMemory(t.grads, t.bytes, Access::kLocalOnly,
-                                     transport::MemoryKind::kCuda);
+    auto g =
+        fabric_->RegisterMemory(t.grads, t.bytes, Access::kLocalOnly, transport::MemoryKind::kCuda);
     if (g.ok()) {
       t.wmr = std::move(w).value();
       t.gmr = std::move(g).value();
@@ -161,19 +162,18 @@ Status ClientImpl::RegisterDeviceTensor(Tensor& t) {
   if (options_.cuda_pipeline_bytes == 0) {
     return InvalidArgumentError("cuda_pipeline_bytes must be > 0");
   }
-  ASSIGN_OR_RETURN(t.staging, CudaStaging::Create(t.weights, t.grads, t.bytes,
-                                                  options_.cuda_pipeline_bytes));
-  ASSIGN_OR_RETURN(t.wmr, fabric_->RegisterMemory(t.staging->host_weights(), t.bytes,
-                                                  Access::kLocalOnly,
-                                                  transport::MemoryKind::kHost));
-  ASSIGN_OR_RETURN(t.gmr, fabric_->RegisterMemory(t.staging->host_grads(), t.bytes,
-                                                  Access::kLocalOnly,
-                                                  transport::MemoryKind::kHost));
+  ASSIGN_OR_RETURN(t.staging,
+                   CudaStaging::Create(t.weights, t.grads, t.bytes, options_.cuda_pipeline_bytes));
+  ASSIGN_OR_RETURN(t.wmr,
+                   fabric_->RegisterMemory(t.staging->host_weights(), t.bytes, Access::kLocalOnly,
+                                           transport::MemoryKind::kHost));
+  ASSIGN_OR_RETURN(t.gmr,
+                   fabric_->RegisterMemory(t.staging->host_grads(), t.bytes, Access::kLocalOnly,
+                                           transport::MemoryKind::kHost));
   t.path = TensorPath::kCudaStaged;
   LOG(INFO) << "tensor '" << t.name << "' (" << t.bytes << " bytes, CUDA): path "
-            << TensorPathName(t.path) << " (pinned host pipeline, "
-            << options_.cuda_pipeline_bytes << "-byte pieces; direct registration: "
-            << why.message() << ")";
+            << TensorPathName(t.path) << " (pinned host pipeline, " << options_.cuda_pipeline_bytes
+            << "-byte pieces; direct registration: " << why.message() << ")";
   return Status::OK();
 }
 
@@ -333,11 +333,10 @@ Status ClientImpl::Start() {
     for (ChunkRt& c : chunks_) {
       Server& s = servers_[c.server];
       RETURN_IF_ERROR(PostWithCredit([&] {
-        return s.ep->PostWriteImm({tensors_[c.tensor].wmr.get(), c.offset, c.bytes},
-                                  transport::AtOffset(s.inbox,
-                                                      s.layout->push_data_offset(0, c.slot, 0)),
-                                  layout::MakeImm(layout::ImmKind::kInit, c.slot),
-                                  MakeContext(kOpSetup, c.id, 0));
+        return s.ep->PostWriteImm(
+            {tensors_[c.tensor].wmr.get(), c.offset, c.bytes},
+            transport::AtOffset(s.inbox, s.layout->push_data_offset(0, c.slot, 0)),
+            layout::MakeImm(layout::ImmKind::kInit, c.slot), MakeContext(kOpSetup, c.id, 0));
       }));
     }
     RETURN_IF_ERROR(WaitSetupOps(static_cast<int>(chunks_.size())));
@@ -350,7 +349,8 @@ Status ClientImpl::Start() {
   // A worker that joins a running cluster (elastic growth, or a restarted worker) starts at the
   // cluster's clock: the weights it pulled contain every push of the clocks before it.
   uint64_t cluster_clock = 0;
-  for (const ChunkRt& c : chunks_) cluster_clock = std::max(cluster_clock, c.pulled_min_clock_plus1);
+  for (const ChunkRt& c : chunks_)
+    cluster_clock = std::max(cluster_clock, c.pulled_min_clock_plus1);
   if (cluster_clock > clock_) {
     LOG(INFO) << "worker rank " << rank_ << ": joined a running cluster at clock " << cluster_clock;
     clock_ = cluster_clock;
@@ -364,8 +364,8 @@ Status ClientImpl::Start() {
 
 Status ClientImpl::ApplyServerEntry(const control::ServerEntry& se, Server& s) {
   if (se.lost()) {
-    return DataLossError("server group " + std::to_string(se.rank()) + " is lost: its primary (server rank " +
-                         std::to_string(se.server_rank()) +
+    return DataLossError("server group " + std::to_string(se.rank()) +
+                         " is lost: its primary (server rank " + std::to_string(se.server_rank()) +
                          ") died and no backup was left (replicas=1, or the backup had died "
                          "first); restart the cluster from the latest checkpoint");
   }
@@ -402,8 +402,8 @@ Status ClientImpl::ConnectServer(Server& s, std::chrono::milliseconds timeout) {
                            : std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
   auto ep = fabric_->Connect(s.address, cq_.get(), eo);
   if (!ep.ok()) {
-    return ep.status().WithContext("connecting to server group " + std::to_string(s.rank) +
-                                   " at " + s.address);
+    return ep.status().WithContext("connecting to server group " + std::to_string(s.rank) + " at " +
+                                   s.address);
   }
   s.ep = std::move(*ep);
   s.failed = false;
@@ -427,10 +427,11 @@ Status ClientImpl::SendClock(Server& s) {
   const uint64_t off = clock_staging_offset_ + s.rank * layout::kAlign;
   std::memcpy(static_cast<char*>(staging_->data()) + off, &clock_, sizeof(clock_));
   return PostWithCredit([&] {
-    return s.ep->PostWriteImm({staging_.get(), off, sizeof(uint64_t)},
-                              transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
-                              layout::MakeImm(layout::ImmKind::kClock, static_cast<uint32_t>(clock_)),
-                              MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
+    return s.ep->PostWriteImm(
+        {staging_.get(), off, sizeof(uint64_t)},
+        transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
+        layout::MakeImm(layout::ImmKind::kClock, static_cast<uint32_t>(clock_)),
+        MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
   });
 }
 
@@ -513,8 +514,9 @@ Status ClientImpl::Recover() {
           VLOG(1) << "reconnect to server group " << i << ": " << st;
         }
       } else if (!member && !replicated()) {
-        return ServerError(i, "failed, and the cluster has no backups (replicas=1): the state of "
-                              "its shards is lost; restart from the latest checkpoint");
+        return ServerError(i,
+                           "failed, and the cluster has no backups (replicas=1): the state of "
+                           "its shards is lost; restart from the latest checkpoint");
       }
     }
     if (SteadyClock::now() >= next_reconnect) {
@@ -551,18 +553,18 @@ Status ClientImpl::Recover() {
     Server& s = servers_[se.rank()];
     if (se.member_id() == s.member_id && !s.failed) continue;
     RETURN_IF_ERROR(ApplyServerEntry(se, s));
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline + timeout - SteadyClock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline + timeout -
+                                                                            SteadyClock::now());
     RETURN_IF_ERROR(ConnectServer(s, std::max(left, std::chrono::milliseconds(1000))));
     RETURN_IF_ERROR(WaitServing(se.rank()));
     RETURN_IF_ERROR(ResyncServer(se.rank()));
     ++counters_.failovers;
-    LOG(WARNING) << "worker rank " << rank_ << ": server group " << se.rank()
-                 << " failed over to server rank " << se.server_rank() << " at "
-                 << se.data_address() << " (epoch " << newest.epoch() << ") in "
-                 << std::chrono::duration_cast<std::chrono::milliseconds>(SteadyClock::now() - t0)
-                        .count()
-                 << " ms";
+    LOG(WARNING)
+        << "worker rank " << rank_ << ": server group " << se.rank()
+        << " failed over to server rank " << se.server_rank() << " at " << se.data_address()
+        << " (epoch " << newest.epoch() << ") in "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(SteadyClock::now() - t0).count()
+        << " ms";
   }
   return Status::OK();
 }
@@ -601,7 +603,8 @@ Status ClientImpl::WaitServing(uint32_t server) {
 Status ClientImpl::ResyncServer(uint32_t server) {
   Server& s = servers_[server];
   uint64_t off = acks_staging_offset_;
-  for (uint32_t i = 0; i < server; ++i) off += layout::AlignUp(servers_[i].layout->acks_of_worker_bytes());
+  for (uint32_t i = 0; i < server; ++i)
+    off += layout::AlignUp(servers_[i].layout->acks_of_worker_bytes());
   acks_pending_ = 1;
   setup_error_ = Status::OK();
   RETURN_IF_ERROR(PostWithCredit([&] {
@@ -708,8 +711,8 @@ void ClientImpl::OnCompletion(const Completion& wc) {
   const uint32_t server = static_cast<uint32_t>(wc.endpoint_id & 0xffffffffu);
   const uint32_t gen = static_cast<uint32_t>(wc.endpoint_id >> 32);
   if (server >= servers_.size() || servers_[server].gen != gen) return;  // a replaced endpoint
-  const Status err = wc.ok() ? Status::OK()
-                             : ServerError(server, std::string(transport::WcStatusName(wc.status)));
+  const Status err =
+      wc.ok() ? Status::OK() : ServerError(server, std::string(transport::WcStatusName(wc.status)));
   // A failed operation is not the caller's error yet: the server's group fails over to its
   // backup, or the endpoint is reconnected if the server is alive, and the operation is sent
   // again (Recover); Recover reports the error if neither happens in time.
@@ -738,7 +741,7 @@ void ClientImpl::OnCompletion(const Completion& wc) {
       if (chunk >= chunks_.size()) return;
       ChunkRt& c = chunks_[chunk];
       if (c.pull_handle != handle) return;  // a flushed leftover of a finished pull
-      if (hold) return;  // restarted on the new server after the failover
+      if (hold) return;                     // restarted on the new server after the failover
       if (!wc.ok()) {
         c.pull_handle = 0;
         FinishChunk(handle, err);
@@ -801,7 +804,8 @@ Status ClientImpl::EnsureAcked(ChunkRt& c, uint64_t need) {
       continue;
     }
     if (!setup_error_.ok()) return setup_error_;
-    const auto* acks = reinterpret_cast<const uint64_t*>(static_cast<char*>(staging_->data()) + off);
+    const auto* acks =
+        reinterpret_cast<const uint64_t*>(static_cast<char*>(staging_->data()) + off);
     for (uint32_t slot = 0; slot < s.chunk_of_slot.size(); ++slot) {
       ChunkRt& o = chunks_[s.chunk_of_slot[slot]];
       o.known_acked = std::max(o.known_acked, acks[slot]);
@@ -973,9 +977,10 @@ void ClientImpl::StartPull(ChunkRt& c, PullPhase phase) {
     }
     if (st.ok()) {
       st = PostWithCredit([&] {
-        return s.ep->PostRead({t.wmr.get(), c.offset, c.bytes},
-                              transport::AtOffset(s.weights, s.layout->buffer_offset(c.slot, c.guess)),
-                              ctx, transport::kUnsignaled);
+        return s.ep->PostRead(
+            {t.wmr.get(), c.offset, c.bytes},
+            transport::AtOffset(s.weights, s.layout->buffer_offset(c.slot, c.guess)), ctx,
+            transport::kUnsignaled);
       });
     }
     if (st.ok()) {
@@ -998,7 +1003,8 @@ void ClientImpl::EvaluatePull(ChunkRt& c) {
   const uint64_t state = h1->state.load(std::memory_order_relaxed);
   const uint64_t v = state >> 1;
   const uint32_t b = static_cast<uint32_t>(state & 1);
-  const bool ready = v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
+  const bool ready =
+      v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
   if (!ready) {
     if (SteadyClock::now() > c.pull_deadline) {
       const uint64_t h = c.pull_handle;

@@ -22,9 +22,9 @@
 
 #include "proto/control_client.h"
 #include "server/layout.h"
-#include "worker/cuda_staging.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
+#include "worker/cuda_staging.h"
 
 namespace shardps::worker {
 
@@ -70,11 +70,11 @@ class ClientImpl final : public Client {
     uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
   };
   struct Server {
-    uint32_t rank = 0;         // the shard group
-    uint32_t member_id = 0;    // the server process serving it now
+    uint32_t rank = 0;       // the shard group
+    uint32_t member_id = 0;  // the server process serving it now
     uint32_t server_rank = 0;
-    uint32_t gen = 0;          // endpoint generation: completions of older endpoints are stale
-    bool failed = false;       // its endpoint failed: waiting for a failover
+    uint32_t gen = 0;     // endpoint generation: completions of older endpoints are stale
+    bool failed = false;  // its endpoint failed: waiting for a failover
     std::string address;
     transport::RegionDescriptor weights, inbox, acks, clocks;
     std::unique_ptr<layout::ServerLayout> layout;
@@ -176,8 +176,8 @@ class ClientImpl final : public Client {
   uint64_t map_epoch_ = 0;
   bool recovering_ = false;
   uint64_t inject_data_error_every_ = 0;  // SHARDPS_FAULT_INJECT (tests)
-  uint64_t step_id_ = 0;   // Step() calls so far
-  bool in_step_ = false;   // inside Step(): its pushes' gradients are still in the buffers
+  uint64_t step_id_ = 0;                  // Step() calls so far
+  bool in_step_ = false;  // inside Step(): its pushes' gradients are still in the buffers
   Status WaitServing(uint32_t server);
   uint64_t pushes_posted_ = 0;
 };

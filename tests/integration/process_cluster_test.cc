@@ -194,8 +194,8 @@ class ProcessTestBase : public ::testing::Test {
                "--data_transport=" + spec.transport,
                "--partition_bytes=" + std::to_string(spec.partition_bytes),
                "--replicas=" + std::to_string(spec.replicas),
-               "--max_workers=" + std::to_string(spec.max_workers),
-               "--failover_timeout_ms=20000", "--checkpoint_dir=" + spec.checkpoint_dir,
+               "--max_workers=" + std::to_string(spec.max_workers), "--failover_timeout_ms=20000",
+               "--checkpoint_dir=" + spec.checkpoint_dir,
                "--checkpoint_every=" + std::to_string(spec.checkpoint_every)},
               "coordinator.log");
     if (coordinator_ == nullptr) return "";
@@ -272,9 +272,11 @@ class ProcessTestBase : public ::testing::Test {
   // The one-process reference of a linreg run: ps_test_worker --standalone, same total batch.
   ChildProcess* SpawnStandalone(const ClusterSpec& spec, int steps,
                                 const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {PS_TEST_WORKER_BIN, "--standalone",
+    std::vector<std::string> argv = {PS_TEST_WORKER_BIN,
+                                     "--standalone",
                                      "--workers=" + std::to_string(spec.workers),
-                                     "--steps=" + std::to_string(steps), LrFlag(spec.lr),
+                                     "--steps=" + std::to_string(steps),
+                                     LrFlag(spec.lr),
                                      "--out=" + Path("standalone.out")};
     argv.insert(argv.end(), extra.begin(), extra.end());
     return Spawn(argv, "standalone.log");
@@ -630,12 +632,13 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
             << failovers << "\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Seeds, ServerKillTest,
-    ::testing::Combine(::testing::Values("tcp", "shm", "verbs"), ::testing::Values(0, 1, 2, 3)),
-    [](const auto& info) {
-      return std::get<0>(info.param) + "_seed" + std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Seeds, ServerKillTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Values(0, 1, 2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_seed" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // Exactly once, counted: each worker pushes -1 into its own element (servers sum, lr 1), so
 // w[k] is the number of worker k's pushes that were applied. The only group's primary is killed
@@ -699,7 +702,7 @@ TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
     EXPECT_NE(log.find("replicas=1"), std::string::npos) << log;
     EXPECT_NE(log.find("latest checkpoint"), std::string::npos) << log;
   }
-  std::cerr << "[ info ] workers reported the loss " 
+  std::cerr << "[ info ] workers reported the loss "
             << std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count()
             << " ms after the kill\n";
 }
@@ -721,17 +724,18 @@ TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--model=counter", "--steps=" + std::to_string(kSteps),
-                                   "--step_delay_ms=" + delay,
-                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
+    workers.push_back(SpawnWorker(
+        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+        {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
+         "--progress_file=" + Path("progress" + std::to_string(r))}));
   }
   const int done = WaitProgress(Path("progress2"), 8, ProcessBound(), workers[2]);
   ASSERT_GE(done, 8);
   workers[2]->Kill();
   ChildProcess* again = SpawnWorker(WorkerArgs(spec, 2), "worker2-restarted.log",
                                     {"--model=counter", "--steps=10", "--step_delay_ms=" + delay});
-  for (int r = 0; r < 2; ++r) ASSERT_EQ(ExitCode(workers[r], ProcessBound()), 0) << Tail(workers[r]);
+  for (int r = 0; r < 2; ++r)
+    ASSERT_EQ(ExitCode(workers[r], ProcessBound()), 0) << Tail(workers[r]);
   ASSERT_EQ(ExitCode(again, ProcessBound()), 0) << Tail(again);
   auto res = ParseResult(Path("worker2.out"));  // the restarted worker's result
   ASSERT_TRUE(res.ok()) << res.status();
@@ -831,7 +835,8 @@ TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
     std::vector<std::string> args = WorkerArgs(spec, r);
-    if (r == 1) args.insert(args.begin(), {"/usr/bin/env", "SHARDPS_FAULT_INJECT=data_error_every=7"});
+    if (r == 1)
+      args.insert(args.begin(), {"/usr/bin/env", "SHARDPS_FAULT_INJECT=data_error_every=7"});
     workers.push_back(SpawnWorker(args, "worker" + std::to_string(r) + ".log",
                                   {"--steps=" + std::to_string(kSteps)}));
   }
@@ -871,16 +876,16 @@ TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < 2; ++r) {
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--model=counter", "--workers=3", "--steps=" + std::to_string(kSteps),
-                                   "--step_delay_ms=" + delay,
-                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
+    workers.push_back(SpawnWorker(
+        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+        {"--model=counter", "--workers=3", "--steps=" + std::to_string(kSteps),
+         "--step_delay_ms=" + delay, "--progress_file=" + Path("progress" + std::to_string(r))}));
   }
   const int done = WaitProgress(Path("progress0"), 8, ProcessBound(), workers[0]);
   ASSERT_GE(done, 8);
-  ChildProcess* late = SpawnWorker(WorkerArgs(spec, 2), "worker2.log",
-                                   {"--model=counter", "--workers=3", "--steps=10",
-                                    "--step_delay_ms=" + delay});
+  ChildProcess* late =
+      SpawnWorker(WorkerArgs(spec, 2), "worker2.log",
+                  {"--model=counter", "--workers=3", "--steps=10", "--step_delay_ms=" + delay});
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   ASSERT_EQ(ExitCode(late, ProcessBound()), 0) << Tail(late);
   auto res = ParseResult(Path("worker2.out"));
@@ -896,8 +901,8 @@ TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
   const float w2 = res->tensors["W"][2];
   EXPECT_GE(w2, 9.0f);
   EXPECT_LE(w2, 10.0f);
-  std::cerr << "[ info ] worker 2 joined at clock " << res->Int("start_clock") << " (others at step "
-            << done << "); its applied pushes: " << w2 << "\n";
+  std::cerr << "[ info ] worker 2 joined at clock " << res->Int("start_clock")
+            << " (others at step " << done << "); its applied pushes: " << w2 << "\n";
 }
 
 // The coordinator is SIGKILLed mid-training and restarted on the same address with its state
@@ -933,7 +938,8 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   first->Kill();
   // Down for a while: training must go on without it.
   const int down_from = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
-  const int during = WaitProgress(Path("progress0"), down_from + 5, milliseconds(20000), workers[0]);
+  const int during =
+      WaitProgress(Path("progress0"), down_from + 5, milliseconds(20000), workers[0]);
   EXPECT_GE(during, down_from + 5) << "training stopped while the coordinator was down";
   ASSERT_NE(StartCoordinator(spec), "");
   // Every member rejoins (4 servers + 2 workers).
@@ -942,7 +948,8 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   while (Clock::now() < until) {
     const std::string log = coordinator_->LogTail(200000);
     rejoined = 0;
-    for (size_t p = log.find("rejoined ("); p != std::string::npos; p = log.find("rejoined (", p + 1)) {
+    for (size_t p = log.find("rejoined ("); p != std::string::npos;
+         p = log.find("rejoined (", p + 1)) {
       ++rejoined;
     }
     if (rejoined == 6) break;
@@ -987,8 +994,7 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
                    std::vector<std::string> flags) -> std::string {
     const std::string port_file = Path(name + ".port");
     std::vector<std::string> argv = {CONTROL_FAULT_PROXY_BIN, "--upstream=" + upstream,
-                                     "--listen=127.0.0.1:0", "--port_file=" + port_file,
-                                     "--stats"};
+                                     "--listen=127.0.0.1:0", "--port_file=" + port_file, "--stats"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     ChildProcess* p = Spawn(argv, name + ".log");
     if (p == nullptr) return "";
@@ -1002,9 +1008,9 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
   const std::string delayer =
       proxy("delay-proxy", coordinator, {"--delay_ms=20", "--delay_percent=50", "--seed=7"});
   ASSERT_NE(delayer, "");
-  const std::string dropper = proxy("drop-proxy", delayer,
-                                    {"--drop_percent=30", "--only=heartbeat", "--direction=up",
-                                     "--seed=11"});
+  const std::string dropper =
+      proxy("drop-proxy", delayer,
+            {"--drop_percent=30", "--only=heartbeat", "--direction=up", "--seed=11"});
   ASSERT_NE(dropper, "");
   coordinator_address_ = dropper;  // every member dials the proxies
   StartServers(spec);

@@ -541,30 +541,31 @@ struct GatedWrite {
   }
 };
 
-TEST(CheckpointWriterTest, NewestQueuedSnapshotSupersedesOlderOnes) {
+// Every queued snapshot is written, in order, while a write blocks (each group must write every
+// checkpoint, or the cluster checkpoint is never complete); beyond kMaxQueued (8) waiting ones
+// the newest are dropped and counted.
+TEST(CheckpointWriterTest, QueuedSnapshotsAreAllWrittenInOrderUpToTheBound) {
   TempDir dir;
   GatedWrite gate;
   CheckpointWriter w({dir.path(), 0, gate.Fn()});
   w.Submit(MakeSnapshot(1, 0, 1));
   gate.WaitEntered(1);  // clock 1 is being written
-  w.Submit(MakeSnapshot(2, 0, 1));
-  w.Submit(MakeSnapshot(3, 0, 1));
-  w.Submit(MakeSnapshot(4, 0, 1));
+  for (uint64_t k = 2; k <= 11; ++k) w.Submit(MakeSnapshot(k, 0, 1));  // 8 fit, 10 and 11 drop
   EXPECT_EQ(w.Flush(std::chrono::milliseconds(50)).code(), StatusCode::kDeadlineExceeded);
   gate.Open();
   ASSERT_TRUE(w.Flush(std::chrono::seconds(10)).ok());
   auto st = w.stats();
-  EXPECT_EQ(st.submitted, 4u);
-  EXPECT_EQ(st.written, 2u);
+  EXPECT_EQ(st.submitted, 11u);
+  EXPECT_EQ(st.written, 9u);
   EXPECT_EQ(st.superseded, 2u);
   EXPECT_EQ(st.failed, 0u);
-  EXPECT_EQ(st.last_written_clock, 4u);
-  EXPECT_EQ(st.bytes_written, 2 * Slurp(SnapshotPath(dir.path(), 4, 0, 1)).size());
+  EXPECT_EQ(st.last_written_clock, 9u);
+  EXPECT_EQ(st.bytes_written, 9 * Slurp(SnapshotPath(dir.path(), 9, 0, 1)).size());
   EXPECT_GT(st.max_write_seconds, 0.0);
-  EXPECT_EQ(gate.clocks, (std::vector<uint64_t>{1, 4}));
-  EXPECT_FALSE(Exists(CheckpointDirName(dir.path(), 2)));
-  EXPECT_FALSE(Exists(CheckpointDirName(dir.path(), 3)));
-  EXPECT_EQ(*LatestCompleteCheckpoint(dir.path(), 1, "plan-abc"), 4u);
+  EXPECT_EQ(gate.clocks, (std::vector<uint64_t>{1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_TRUE(Exists(CheckpointDirName(dir.path(), 2)));
+  EXPECT_FALSE(Exists(CheckpointDirName(dir.path(), 10)));
+  EXPECT_EQ(*LatestCompleteCheckpoint(dir.path(), 1, "plan-abc"), 9u);
 }
 
 TEST(CheckpointWriterTest, FailedWritesAreCountedAndTheWriterCarriesOn) {
