@@ -317,6 +317,10 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // measures SSP no faster than BSP here); SSP's 1/(s+1) only holds for transient stragglers.
   const double r_cpu =
       cfg.mode == Mode::kSsp && W > 1 && ws_host > C ? 1.0 : (rts - 2.5);
+  // The wait is charged per exchange (per server), not per chunk: a pull whose chunk is not
+  // ready re-reads its header (ClientImpl::EvaluatePull), but the re-reads of the chunks of one
+  // server travel together; charged per chunk, 1 server x 7 chunks came out 47-84% high in all
+  // three validation runs of 2026-11-22 (docs/plan.md).
   const double per_pair = c_pair + extra_ops_pair * c_op + r_cpu * c_rt;
   double server_bytes_cpu = 0;  // all servers: accumulate W gradients, apply once
   for (uint32_t s = 0; s < cfg.servers; ++s) {
@@ -357,6 +361,79 @@ StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double
                                 "operations alone need; is this configuration CPU-bound?");
   }
   return v;
+}
+
+StatusOr<Calibration> CalibrateLeastSquares(const Workload& w, Costs c,
+                                            const std::vector<MeasuredRun>& runs) {
+  if (runs.empty()) return InvalidArgumentError("calibration: no runs");
+  // Predict's cpu_us = base + a * pair_cpu_us + d * wait_cpu_us for each run; the coefficients
+  // from three evaluations (the knobs must stay positive: 0 means "from the probe").
+  struct Row {
+    double base, a, d, m;
+  };
+  std::vector<Row> rows;
+  bool any_wait = false;
+  for (const MeasuredRun& r : runs) {
+    if (!(r.step_us > 0) || !std::isfinite(r.step_us)) {
+      return InvalidArgumentError("calibration: a measured step must be positive");
+    }
+    if (r.config.workers <= c.cores * r.config.machines) {
+      return InvalidArgumentError("calibration: " + r.config.Describe() +
+                                  " is not CPU-bound (no more workers than cores)");
+    }
+    Costs k = c;
+    k.pair_cpu_us = 1;
+    k.wait_cpu_us = 1;
+    ASSIGN_OR_RETURN(Prediction p11, Predict(w, k, r.config));
+    k.pair_cpu_us = 2;
+    ASSIGN_OR_RETURN(Prediction p21, Predict(w, k, r.config));
+    k.pair_cpu_us = 1;
+    k.wait_cpu_us = 2;
+    ASSIGN_OR_RETURN(Prediction p12, Predict(w, k, r.config));
+    const double a = p21.cpu_us - p11.cpu_us, d = p12.cpu_us - p11.cpu_us;
+    rows.push_back({p11.cpu_us - a - d, a, d, r.step_us});
+    if (d > 0) any_wait = true;
+  }
+  Calibration out;
+  // Minimise sum ((base + a x + d y - m) / m)^2: normal equations in (x, y), or in x alone.
+  double saa = 0, sad = 0, sdd = 0, sat = 0, sdt = 0;
+  for (const Row& r : rows) {
+    const double a = r.a / r.m, d = r.d / r.m, t = (r.m - r.base) / r.m;
+    saa += a * a;
+    sad += a * d;
+    sdd += d * d;
+    sat += a * t;
+    sdt += d * t;
+  }
+  if (!(saa > 0)) return InvalidArgumentError("calibration: the CPU term does not depend on it");
+  const double det = saa * sdd - sad * sad;
+  if (any_wait && det > 1e-9 * saa * sdd) {
+    out.pair_cpu_us = (sat * sdd - sdt * sad) / det;
+    out.wait_cpu_us = (saa * sdt - sad * sat) / det;
+    out.wait_fitted = true;
+  } else if (any_wait) {
+    return InvalidArgumentError("calibration: the runs cannot tell the exchange CPU from the "
+                                "wait CPU (give ASP and BSP runs)");
+  } else {
+    out.pair_cpu_us = sat / saa;
+    out.wait_cpu_us = c.wait_cpu_us;
+  }
+  if (!(out.pair_cpu_us > 0) || (out.wait_fitted && !(out.wait_cpu_us > 0))) {
+    char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "calibration: least squares gives pair_cpu_us %.1f, wait_cpu_us %.1f (must be "
+                  "positive); are these configurations CPU-bound?",
+                  out.pair_cpu_us, out.wait_cpu_us);
+    return InvalidArgumentError(buf);
+  }
+  double ss = 0;
+  for (const Row& r : rows) {
+    const double y = out.wait_fitted ? out.wait_cpu_us : 0;
+    const double e = (r.base + r.a * out.pair_cpu_us + r.d * y - r.m) / r.m;
+    ss += e * e;
+  }
+  out.rms_rel_residual = std::sqrt(ss / rows.size());
+  return out;
 }
 
 StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b) {

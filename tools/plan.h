@@ -108,6 +108,23 @@ struct Budget {
 // time (the term is linear in either); cfg must be CPU-bound (more workers than cores).
 StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double measured_step_us);
 
+// Calibration from several real runs (docs/plan.md, what scripts/bench-plan.sh does): the
+// values of c.pair_cpu_us and c.wait_cpu_us that minimise the sum of squared relative errors
+// of Predict's host-CPU term over `runs` (the term is linear in both: a 2 x 2 least squares).
+// Without a BSP/SSP run the wait CPU is not fitted (wait_fitted false, c's value kept). Every
+// run must be CPU-bound (more workers than cores); a non-positive solution is an error.
+struct MeasuredRun {
+  Config config;
+  double step_us = 0;
+};
+struct Calibration {
+  double pair_cpu_us = 0, wait_cpu_us = 0;
+  bool wait_fitted = false;
+  double rms_rel_residual = 0;  // of the fitted CPU term over the runs
+};
+StatusOr<Calibration> CalibrateLeastSquares(const Workload& w, Costs c,
+                                            const std::vector<MeasuredRun>& runs);
+
 // Every configuration within the budget, ranked best (highest samples/s) first.
 StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b);
 

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <tuple>
+#include <vector>
+
 namespace shardps::plan {
 namespace {
 
@@ -233,6 +236,60 @@ TEST(PlanSearch, RanksEveryConfigurationBestFirst) {
   auto r2 = Search(Digits(200), FixedCosts(), b);
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->size(), 3u * 2 * 2 * 5);  // and servers apart from workers
+}
+
+// Least-squares calibration recovers the knobs that generated the steps, and with noisy steps
+// lands on the least-squares solution, not on any single run.
+TEST(PlanCalibrate, LeastSquaresRecoversExchangeAndWaitCpu) {
+  Costs truth = FixedCosts();
+  truth.pair_cpu_us = 150;
+  truth.wait_cpu_us = 60;
+  std::vector<MeasuredRun> runs;
+  for (auto [s, part, mode] : std::vector<std::tuple<uint32_t, uint64_t, Mode>>{
+           {2, 4u << 20, Mode::kAsp}, {2, 4u << 20, Mode::kBsp}, {3, 4096, Mode::kAsp},
+           {3, 4096, Mode::kBsp}}) {
+    MeasuredRun r;
+    r.config.servers = s;
+    r.config.workers = 4;
+    r.config.partition_bytes = part;
+    r.config.mode = mode;
+    auto p = Predict(Digits(200), truth, r.config);
+    ASSERT_TRUE(p.ok());
+    ASSERT_EQ(p->bound, "host cpu");
+    r.step_us = p->cpu_us;
+    runs.push_back(r);
+  }
+  auto cal = CalibrateLeastSquares(Digits(200), FixedCosts(), runs);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_TRUE(cal->wait_fitted);
+  EXPECT_NEAR(cal->pair_cpu_us, 150, 1e-6);
+  EXPECT_NEAR(cal->wait_cpu_us, 60, 1e-6);
+  EXPECT_NEAR(cal->rms_rel_residual, 0, 1e-9);
+
+  // ASP runs only: the wait CPU is not identifiable and stays as given.
+  std::vector<MeasuredRun> asp = {runs[0], runs[2]};
+  auto cal_asp = CalibrateLeastSquares(Digits(200), FixedCosts(), asp);
+  ASSERT_TRUE(cal_asp.ok());
+  EXPECT_FALSE(cal_asp->wait_fitted);
+  EXPECT_NEAR(cal_asp->pair_cpu_us, 150, 1e-6);
+
+  // One run 20% slow: the fit moves, but less than a single-run solve would, and the residual
+  // says so.
+  std::vector<MeasuredRun> noisy = runs;
+  noisy[0].step_us *= 1.2;
+  auto cal_noisy = CalibrateLeastSquares(Digits(200), FixedCosts(), noisy);
+  ASSERT_TRUE(cal_noisy.ok());
+  auto single = Calibrate(Digits(200), FixedCosts(), noisy[0].config, noisy[0].step_us);
+  ASSERT_TRUE(single.ok());
+  EXPECT_GT(cal_noisy->pair_cpu_us, 150);
+  EXPECT_LT(cal_noisy->pair_cpu_us, *single);
+  EXPECT_GT(cal_noisy->rms_rel_residual, 0.01);
+
+  // Not CPU-bound (2 workers on 2 cores), and no runs: errors, not a guess.
+  std::vector<MeasuredRun> idle = {runs[0]};
+  idle[0].config.workers = 2;
+  EXPECT_FALSE(CalibrateLeastSquares(Digits(200), FixedCosts(), idle).ok());
+  EXPECT_FALSE(CalibrateLeastSquares(Digits(200), FixedCosts(), {}).ok());
 }
 
 TEST(PlanPredict, RejectsBadConfigurations) {
