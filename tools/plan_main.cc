@@ -156,15 +156,20 @@ int Main() {
     if (!cal.ok()) return Fail(cal.status());
     Costs estimate = *costs;
     estimate.pair_cpu_us = 0;
-    std::printf("calibrated pair_cpu_us %.1f (the probe's own estimate %.1f), wait_cpu_us %.1f%s "
-                "from %zu runs, rms relative residual %.1f%%\n",
+    estimate.op_cpu_us = 0;
+    std::printf("calibrated pair_cpu_us %.1f (the probe's own estimate %.1f), wait_cpu_us %.1f%s, "
+                "op_cpu_us %.2f%s (the probe's %.2f) from %zu runs, rms relative residual "
+                "%.1f%%\n",
                 cal->pair_cpu_us, estimate.PairCpu(), cal->wait_cpu_us,
-                cal->wait_fitted ? "" : " (not fitted: no bsp/ssp run)", runs->size(),
+                cal->wait_fitted ? "" : " (not fitted: no bsp/ssp run)", cal->op_cpu_us,
+                cal->op_fitted ? "" : " (not fitted)", estimate.OpCpu(), runs->size(),
                 cal->rms_rel_residual * 100);
     costs->pair_cpu_us = cal->pair_cpu_us;
     costs->wait_cpu_us = cal->wait_cpu_us;
+    costs->op_cpu_us = cal->op_fitted ? cal->op_cpu_us : 0;
     probe.mutable_host()->set_pair_cpu_us(cal->pair_cpu_us);
     probe.mutable_host()->set_wait_cpu_us(cal->wait_cpu_us);
+    probe.mutable_host()->set_op_cpu_us(cal->op_fitted ? cal->op_cpu_us : 0);
     if (!FLAGS_probe_out.empty()) {
       auto json = ProbeToJson(probe);
       if (!json.ok()) return Fail(json.status());
