@@ -316,13 +316,13 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   const double extra_ops_pair = std::max(0.0, (push_ops + pull_ops) / S - 6.5);
   // SSP on an oversubscribed host: fair CPU sharing drifts the workers apart until the leader
   // sits at the bound, and from then on it waits every step as under BSP (the validation
-  // measures SSP no faster than BSP here); SSP's 1/(s+1) only holds for transient stragglers.
+  // measured SSP no faster than BSP here back to back; interleaved, 20-30% faster: known
+  // error, docs/plan.md); SSP's 1/(s+1) only holds for transient stragglers.
   const double r_cpu =
       cfg.mode == Mode::kSsp && W > 1 && ws_host > C ? 1.0 : (rts - 2.5);
-  // The wait is charged per exchange (per server), not per chunk: a pull whose chunk is not
-  // ready re-reads its header (ClientImpl::EvaluatePull), but the re-reads of the chunks of one
-  // server travel together; charged per chunk, 1 server x 7 chunks came out 47-84% high in all
-  // three validation runs of 2026-11-22 (docs/plan.md).
+  // The wait is charged per exchange (per server). A pull whose chunk is not ready re-reads
+  // that chunk's header (ClientImpl::EvaluatePull), but charged per chunk, 1 server x 7 chunks
+  // came out 47-84% high in all three validation runs refitted offline (docs/plan.md).
   const double per_pair = c_pair + extra_ops_pair * c_op + r_cpu * c_rt;
   double server_bytes_cpu = 0;  // all servers: accumulate W gradients, apply once
   for (uint32_t s = 0; s < cfg.servers; ++s) {
