@@ -137,6 +137,7 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
   c.pair_step4_us.assign(h.pair_step4_us().begin(), h.pair_step4_us().end());
   c.pair_cpu_us = h.pair_cpu_us();
   c.wait_cpu_us = h.wait_cpu_us();
+  c.op_cpu_us = h.op_cpu_us();
   return c;
 }
 
@@ -158,6 +159,7 @@ double Costs::PairCpu() const {
 constexpr double kProbeOps1 = 6.5, kProbeOps4 = 23;
 
 double Costs::OpCpu() const {
+  if (op_cpu_us > 0) return op_cpu_us;
   if (pair_step4_us.size() == 2 && pair_step_us.size() > cores) {
     const double n = pair_step_us.size();
     const double d = cores * (pair_step4_us[1] - pair_step_us.back()) / n;
@@ -314,9 +316,13 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   const double extra_ops_pair = std::max(0.0, (push_ops + pull_ops) / S - 6.5);
   // SSP on an oversubscribed host: fair CPU sharing drifts the workers apart until the leader
   // sits at the bound, and from then on it waits every step as under BSP (the validation
-  // measures SSP no faster than BSP here); SSP's 1/(s+1) only holds for transient stragglers.
+  // measured SSP no faster than BSP here back to back; interleaved, 20-30% faster: known
+  // error, docs/plan.md); SSP's 1/(s+1) only holds for transient stragglers.
   const double r_cpu =
       cfg.mode == Mode::kSsp && W > 1 && ws_host > C ? 1.0 : (rts - 2.5);
+  // The wait is charged per exchange (per server). A pull whose chunk is not ready re-reads
+  // that chunk's header (ClientImpl::EvaluatePull), but charged per chunk, 1 server x 7 chunks
+  // came out 47-84% high in all three validation runs refitted offline (docs/plan.md).
   const double per_pair = c_pair + extra_ops_pair * c_op + r_cpu * c_rt;
   double server_bytes_cpu = 0;  // all servers: accumulate W gradients, apply once
   for (uint32_t s = 0; s < cfg.servers; ++s) {
@@ -357,6 +363,127 @@ StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double
                                 "operations alone need; is this configuration CPU-bound?");
   }
   return v;
+}
+
+namespace {
+// Solves the n x n system a x = b (n <= 3) by Gaussian elimination with partial pivoting; false
+// when it is (numerically) singular.
+bool Solve(int n, double a[3][3], double b[3], double x[3]) {
+  double scale = 0;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) scale = std::max(scale, std::fabs(a[i][j]));
+  }
+  if (!(scale > 0)) return false;
+  for (int c = 0; c < n; ++c) {
+    int p = c;
+    for (int r = c + 1; r < n; ++r) {
+      if (std::fabs(a[r][c]) > std::fabs(a[p][c])) p = r;
+    }
+    if (std::fabs(a[p][c]) < 1e-9 * scale) return false;
+    if (p != c) {
+      for (int k = 0; k < n; ++k) std::swap(a[p][k], a[c][k]);
+      std::swap(b[p], b[c]);
+    }
+    for (int r = c + 1; r < n; ++r) {
+      const double f = a[r][c] / a[c][c];
+      for (int k = c; k < n; ++k) a[r][k] -= f * a[c][k];
+      b[r] -= f * b[c];
+    }
+  }
+  for (int c = n - 1; c >= 0; --c) {
+    double v = b[c];
+    for (int k = c + 1; k < n; ++k) v -= a[c][k] * x[k];
+    x[c] = v / a[c][c];
+  }
+  return true;
+}
+}  // namespace
+
+StatusOr<Calibration> CalibrateLeastSquares(const Workload& w, Costs c,
+                                            const std::vector<MeasuredRun>& runs) {
+  if (runs.empty()) return InvalidArgumentError("calibration: no runs");
+  // Predict's cpu_us = base + a * pair_cpu_us + d * wait_cpu_us + o * op_cpu_us for each run;
+  // the coefficients from four evaluations (the knobs must stay positive: 0 means "from the
+  // probe"). The per-op CPU is evaluated at the probe's value for the 2-knob fallback.
+  struct Row {
+    double base, a, d, o, m;
+  };
+  const double op_probe = c.OpCpu();
+  std::vector<Row> rows;
+  bool any_wait = false;
+  for (const MeasuredRun& r : runs) {
+    if (!(r.step_us > 0) || !std::isfinite(r.step_us)) {
+      return InvalidArgumentError("calibration: a measured step must be positive");
+    }
+    if (r.config.workers <= c.cores * r.config.machines) {
+      return InvalidArgumentError("calibration: " + r.config.Describe() +
+                                  " is not CPU-bound (no more workers than cores)");
+    }
+    Costs k = c;
+    k.pair_cpu_us = 1;
+    k.wait_cpu_us = 1;
+    k.op_cpu_us = 1;
+    ASSIGN_OR_RETURN(Prediction p111, Predict(w, k, r.config));
+    k.pair_cpu_us = 2;
+    ASSIGN_OR_RETURN(Prediction p211, Predict(w, k, r.config));
+    k.pair_cpu_us = 1;
+    k.wait_cpu_us = 2;
+    ASSIGN_OR_RETURN(Prediction p121, Predict(w, k, r.config));
+    k.wait_cpu_us = 1;
+    k.op_cpu_us = 2;
+    ASSIGN_OR_RETURN(Prediction p112, Predict(w, k, r.config));
+    const double a = p211.cpu_us - p111.cpu_us, d = p121.cpu_us - p111.cpu_us,
+                 o = p112.cpu_us - p111.cpu_us;
+    rows.push_back({p111.cpu_us - a - d - o, a, d, o, r.step_us});
+    if (d > 0) any_wait = true;
+  }
+  // Minimise sum ((base + a x + d y + o z - m) / m)^2 over the knobs being fitted: the normal
+  // equations. fit_wait / fit_op say which of y, z are unknowns (else y = c's, z = the probe's).
+  auto fit = [&](bool fit_wait, bool fit_op, Calibration* out) -> bool {
+    const int n = 1 + fit_wait + fit_op;
+    double ata[3][3] = {}, atb[3] = {}, x[3] = {};
+    for (const Row& r : rows) {
+      double col[3];
+      int k = 0;
+      col[k++] = r.a / r.m;
+      if (fit_wait) col[k++] = r.d / r.m;
+      if (fit_op) col[k++] = r.o / r.m;
+      double t = r.m - r.base;
+      if (!fit_wait) t -= r.d * (c.wait_cpu_us > 0 ? c.wait_cpu_us : 0);
+      if (!fit_op) t -= r.o * op_probe;
+      t /= r.m;
+      for (int i = 0; i < n; ++i) {
+        for (int j = 0; j < n; ++j) ata[i][j] += col[i] * col[j];
+        atb[i] += col[i] * t;
+      }
+    }
+    if (!Solve(n, ata, atb, x)) return false;
+    int k = 0;
+    out->pair_cpu_us = x[k++];
+    out->wait_cpu_us = fit_wait ? x[k++] : c.wait_cpu_us;
+    out->op_cpu_us = fit_op ? x[k++] : op_probe;
+    out->wait_fitted = fit_wait;
+    out->op_fitted = fit_op;
+    return out->pair_cpu_us > 0 && (!fit_wait || out->wait_cpu_us > 0) && out->op_cpu_us > 0;
+  };
+  Calibration out;
+  if (!fit(any_wait, true, &out) && !fit(any_wait, false, &out)) {
+    char buf[240];
+    std::snprintf(buf, sizeof(buf),
+                  "calibration: least squares gives pair_cpu_us %.1f, wait_cpu_us %.1f (must be "
+                  "positive, or the runs cannot tell them apart: give ASP and BSP runs of "
+                  "CPU-bound configurations)",
+                  out.pair_cpu_us, out.wait_cpu_us);
+    return InvalidArgumentError(buf);
+  }
+  double ss = 0;
+  for (const Row& r : rows) {
+    const double y = out.wait_fitted ? out.wait_cpu_us : (c.wait_cpu_us > 0 ? c.wait_cpu_us : 0);
+    const double e = (r.base + r.a * out.pair_cpu_us + r.d * y + r.o * out.op_cpu_us - r.m) / r.m;
+    ss += e * e;
+  }
+  out.rms_rel_residual = std::sqrt(ss / rows.size());
+  return out;
 }
 
 StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b) {

@@ -51,6 +51,7 @@ struct Costs {
   std::vector<double> pair_step4_us;  // the same with 4 chunks: alone, at the last k
   double pair_cpu_us = 0;             // calibrated exchange CPU (0: from pair_step_us)
   double wait_cpu_us = 0;             // calibrated BSP wait CPU per exchange (0: c_rt)
+  double op_cpu_us = 0;               // calibrated CPU of one more operation (0: from the probe)
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
   double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
   double OpCpu() const;            // CPU of one more pipelined operation
@@ -107,6 +108,25 @@ struct Budget {
 // c.wait_cpu_us (cfg BSP/SSP) that makes Predict(cfg)'s host-CPU term equal a measured step
 // time (the term is linear in either); cfg must be CPU-bound (more workers than cores).
 StatusOr<double> Calibrate(const Workload& w, Costs c, const Config& cfg, double measured_step_us);
+
+// Calibration from several real runs (docs/plan.md, what scripts/bench-plan.sh does): the
+// values of c.pair_cpu_us, c.wait_cpu_us and c.op_cpu_us that minimise the sum of squared
+// relative errors of Predict's host-CPU term over `runs` (the term is linear in all three: a
+// 3 x 3 least squares). When that system is singular or gives a non-positive value, the per-op
+// CPU stays the probe's and the other two are fitted (op_fitted false); without a BSP/SSP run
+// the wait CPU is not fitted either (wait_fitted false, c's value kept). Every run must be
+// CPU-bound (more workers than cores); a non-positive solution is an error.
+struct MeasuredRun {
+  Config config;
+  double step_us = 0;
+};
+struct Calibration {
+  double pair_cpu_us = 0, wait_cpu_us = 0, op_cpu_us = 0;
+  bool wait_fitted = false, op_fitted = false;
+  double rms_rel_residual = 0;  // of the fitted CPU term over the runs
+};
+StatusOr<Calibration> CalibrateLeastSquares(const Workload& w, Costs c,
+                                            const std::vector<MeasuredRun>& runs);
 
 // Every configuration within the budget, ranked best (highest samples/s) first.
 StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budget& b);

@@ -5,6 +5,7 @@
 //   shardps_plan --probe_file=probe.json --model=model.txt --compute_us=200 --workers=4
 //   shardps_plan --probe_file=probe.json --digits --compute_us=200 --predict
 //       --servers=2 --workers=4 --partition_bytes=4194304 --mode=bsp
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -42,6 +43,12 @@ DEFINE_double(calibrate_step_us, 0,
               "CPU (--mode=asp) or the wait CPU (bsp/ssp) and store it in the probe file written "
               "to --probe_out (calibrate asp first)");
 
+DEFINE_string(calibrate_file, "",
+              "Measured steps of CPU-bound configurations, one a line: 'servers workers "
+              "partition_bytes mode staleness step_us' ('#' comments): fit the exchange and wait "
+              "CPU by least squares (docs/plan.md) and store them in the probe file written to "
+              "--probe_out; then predict or search with them");
+
 namespace {
 
 using namespace shardps;
@@ -50,6 +57,52 @@ using namespace shardps::plan;
 int Fail(const Status& s) {
   std::fprintf(stderr, "shardps_plan: %s\n", s.ToString().c_str());
   return 1;
+}
+
+StatusOr<Mode> ParseMode(const std::string& m) {
+  if (m == "bsp") return Mode::kBsp;
+  if (m == "ssp") return Mode::kSsp;
+  if (m == "asp") return Mode::kAsp;
+  return InvalidArgumentError("mode must be bsp, ssp or asp, not '" + m + "'");
+}
+
+// --calibrate_file: "servers workers partition_bytes mode staleness step_us" per line.
+StatusOr<std::vector<MeasuredRun>> LoadCalibrationFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return NotFoundError("cannot open calibration file " + path);
+  std::vector<MeasuredRun> out;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(f, line)) {
+    ++lineno;
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    std::istringstream ls(line);
+    long long servers = 0, workers = 0, partition = 0, staleness = 0;
+    std::string mode;
+    double step = 0;
+    if (!(ls >> servers)) continue;  // blank
+    std::string rest;
+    if (!(ls >> workers >> partition >> mode >> staleness >> step) || (ls >> rest) ||
+        servers < 1 || servers > 4096 || workers < 1 || workers > 65536 || partition < 1 ||
+        staleness < 0 || staleness > 1000000 || !(step > 0)) {
+      return InvalidArgumentError("calibration file line " + std::to_string(lineno) +
+                                  ": want 'servers workers partition_bytes mode staleness "
+                                  "step_us' with positive figures");
+    }
+    ASSIGN_OR_RETURN(Mode m, ParseMode(mode));
+    MeasuredRun r;
+    r.config.servers = static_cast<uint32_t>(servers);
+    r.config.workers = static_cast<uint32_t>(workers);
+    r.config.partition_bytes = static_cast<uint64_t>(partition);
+    r.config.mode = m;
+    r.config.staleness = static_cast<uint32_t>(staleness);
+    r.config.machines = static_cast<uint32_t>(std::max(1, FLAGS_machines));
+    r.step_us = step;
+    out.push_back(r);
+  }
+  if (out.empty()) return InvalidArgumentError("calibration file " + path + ": no runs");
+  return out;
 }
 
 int Main() {
@@ -96,6 +149,35 @@ int Main() {
   }
   w.compute_us = FLAGS_compute_us > 0 ? FLAGS_compute_us : probe.host().compute_us();
   w.batch = static_cast<uint32_t>(FLAGS_batch);
+  if (!FLAGS_calibrate_file.empty()) {
+    auto runs = LoadCalibrationFile(FLAGS_calibrate_file);
+    if (!runs.ok()) return Fail(runs.status());
+    auto cal = CalibrateLeastSquares(w, *costs, *runs);
+    if (!cal.ok()) return Fail(cal.status());
+    Costs estimate = *costs;
+    estimate.pair_cpu_us = 0;
+    estimate.op_cpu_us = 0;
+    std::printf("calibrated pair_cpu_us %.1f (the probe's own estimate %.1f), wait_cpu_us %.1f%s, "
+                "op_cpu_us %.2f%s (the probe's %.2f) from %zu runs, rms relative residual "
+                "%.1f%%\n",
+                cal->pair_cpu_us, estimate.PairCpu(), cal->wait_cpu_us,
+                cal->wait_fitted ? "" : " (not fitted: no bsp/ssp run)", cal->op_cpu_us,
+                cal->op_fitted ? "" : " (not fitted)", estimate.OpCpu(), runs->size(),
+                cal->rms_rel_residual * 100);
+    costs->pair_cpu_us = cal->pair_cpu_us;
+    costs->wait_cpu_us = cal->wait_cpu_us;
+    costs->op_cpu_us = cal->op_fitted ? cal->op_cpu_us : 0;
+    probe.mutable_host()->set_pair_cpu_us(cal->pair_cpu_us);
+    probe.mutable_host()->set_wait_cpu_us(cal->wait_cpu_us);
+    probe.mutable_host()->set_op_cpu_us(cal->op_fitted ? cal->op_cpu_us : 0);
+    if (!FLAGS_probe_out.empty()) {
+      auto json = ProbeToJson(probe);
+      if (!json.ok()) return Fail(json.status());
+      std::ofstream f(FLAGS_probe_out);
+      f << *json;
+      if (!f) return Fail(InternalError("cannot write " + FLAGS_probe_out));
+    }
+  }
   if (FLAGS_predict) {
     Config c;
     c.servers = FLAGS_servers;

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <tuple>
+#include <vector>
+
 namespace shardps::plan {
 namespace {
 
@@ -233,6 +236,96 @@ TEST(PlanSearch, RanksEveryConfigurationBestFirst) {
   auto r2 = Search(Digits(200), FixedCosts(), b);
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->size(), 3u * 2 * 2 * 5);  // and servers apart from workers
+}
+
+// Least-squares calibration recovers the knobs that generated the steps, and with noisy steps
+// lands on the least-squares solution, not on any single run.
+TEST(PlanCalibrate, LeastSquaresRecoversExchangeAndWaitCpu) {
+  Costs truth = FixedCosts();
+  truth.pair_cpu_us = 150;
+  truth.wait_cpu_us = 60;
+  std::vector<MeasuredRun> runs;
+  for (auto [s, part, mode] : std::vector<std::tuple<uint32_t, uint64_t, Mode>>{
+           {2, 4u << 20, Mode::kAsp}, {2, 4u << 20, Mode::kBsp}, {3, 4096, Mode::kAsp},
+           {3, 4096, Mode::kBsp}}) {
+    MeasuredRun r;
+    r.config.servers = s;
+    r.config.workers = 4;
+    r.config.partition_bytes = part;
+    r.config.mode = mode;
+    auto p = Predict(Digits(200), truth, r.config);
+    ASSERT_TRUE(p.ok());
+    ASSERT_EQ(p->bound, "host cpu");
+    r.step_us = p->cpu_us;
+    runs.push_back(r);
+  }
+  auto cal = CalibrateLeastSquares(Digits(200), FixedCosts(), runs);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_TRUE(cal->wait_fitted);
+  EXPECT_NEAR(cal->pair_cpu_us, 150, 1e-6);
+  EXPECT_NEAR(cal->wait_cpu_us, 60, 1e-6);
+  EXPECT_TRUE(cal->op_fitted);
+  EXPECT_NEAR(cal->op_cpu_us, 10, 1e-6);  // FixedCosts' per-op CPU, from pair_step4_us
+  EXPECT_NEAR(cal->rms_rel_residual, 0, 1e-9);
+
+  // A per-op CPU unlike the probe's is recovered too (1 server x 4 KiB: 33 further ops a worker).
+  Costs truth_op = truth;
+  truth_op.op_cpu_us = 25;
+  std::vector<MeasuredRun> runs_op = runs;
+  MeasuredRun one_server;
+  one_server.config.workers = 4;
+  one_server.config.partition_bytes = 4096;
+  one_server.config.mode = Mode::kAsp;
+  runs_op.push_back(one_server);
+  for (MeasuredRun& r : runs_op) {
+    auto p = Predict(Digits(200), truth_op, r.config);
+    ASSERT_TRUE(p.ok());
+    r.step_us = p->cpu_us;
+  }
+  auto cal_op = CalibrateLeastSquares(Digits(200), FixedCosts(), runs_op);
+  ASSERT_TRUE(cal_op.ok()) << cal_op.status();
+  EXPECT_TRUE(cal_op->op_fitted);
+  EXPECT_NEAR(cal_op->op_cpu_us, 25, 1e-6);
+  EXPECT_NEAR(cal_op->pair_cpu_us, 150, 1e-6);
+  EXPECT_NEAR(cal_op->wait_cpu_us, 60, 1e-6);
+
+  // ASP runs only: the wait CPU is not identifiable and stays as given; one run: the per-op CPU
+  // is not either, and stays the probe's.
+  std::vector<MeasuredRun> single_asp = {runs[0]};
+  auto cal_single = CalibrateLeastSquares(Digits(200), FixedCosts(), single_asp);
+  ASSERT_TRUE(cal_single.ok()) << cal_single.status();
+  EXPECT_FALSE(cal_single->op_fitted);
+  EXPECT_FALSE(cal_single->wait_fitted);
+  EXPECT_NEAR(cal_single->pair_cpu_us, 150, 1e-6);
+  std::vector<MeasuredRun> asp = {runs[0], runs[2]};
+  auto cal_asp = CalibrateLeastSquares(Digits(200), FixedCosts(), asp);
+  ASSERT_TRUE(cal_asp.ok());
+  EXPECT_FALSE(cal_asp->wait_fitted);
+  EXPECT_NEAR(cal_asp->pair_cpu_us, 150, 1e-6);
+
+  // One run of five 20% slow: the fit is a compromise: that run's prediction moves towards its
+  // measurement but not all the way (a single-run solve would match it exactly), and the
+  // residual says so.
+  std::vector<MeasuredRun> noisy = runs_op;
+  const double clean = noisy[0].step_us;
+  noisy[0].step_us *= 1.2;
+  auto cal_noisy = CalibrateLeastSquares(Digits(200), FixedCosts(), noisy);
+  ASSERT_TRUE(cal_noisy.ok()) << cal_noisy.status();
+  Costs fitted = FixedCosts();
+  fitted.pair_cpu_us = cal_noisy->pair_cpu_us;
+  fitted.wait_cpu_us = cal_noisy->wait_cpu_us;
+  fitted.op_cpu_us = cal_noisy->op_cpu_us;
+  auto p0 = Predict(Digits(200), fitted, noisy[0].config);
+  ASSERT_TRUE(p0.ok());
+  EXPECT_GT(p0->cpu_us, clean * 1.001);
+  EXPECT_LT(p0->cpu_us, noisy[0].step_us * 0.999);
+  EXPECT_GT(cal_noisy->rms_rel_residual, 0.01);
+
+  // Not CPU-bound (2 workers on 2 cores), and no runs: errors, not a guess.
+  std::vector<MeasuredRun> idle = {runs[0]};
+  idle[0].config.workers = 2;
+  EXPECT_FALSE(CalibrateLeastSquares(Digits(200), FixedCosts(), idle).ok());
+  EXPECT_FALSE(CalibrateLeastSquares(Digits(200), FixedCosts(), {}).ok());
 }
 
 TEST(PlanPredict, RejectsBadConfigurations) {
