@@ -18,6 +18,13 @@ SOFTROCE=${SHARDPS_SOFTROCE_DIR:-$ROOT/../shared/softroce}
 
 "$ROOT/scripts/deps.sh" || { echo "test.sh: installing packages failed" >&2; exit 1; }
 "$ROOT/scripts/build.sh" || { echo "test.sh: build failed" >&2; exit 1; }
+# The digits data (scikit-learn, from Debian's python) for the tests that train on it: the plan
+# validation smoke (bench.plan_smoke) skips without it.
+DATA_DIR=${SHARDPS_DATA_DIR:-$ROOT/$BUILD/data}
+if [[ ! -s $DATA_DIR/digits_train.bin ]]; then
+  timeout 120 "${SHARDPS_PYTHON:-/usr/bin/python3}" "$ROOT/scripts/export_digits.py" \
+    --out "$DATA_DIR" || { echo "test.sh: exporting the digits data failed" >&2; exit 1; }
+fi
 
 rm -rf "$RESULTS" && mkdir -p "$RESULTS/host" "$RESULTS/verbs"
 status=0
