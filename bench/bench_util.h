@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/byte_pattern.h"
 #include "common/status.h"
 
 namespace shardps::bench {
@@ -36,10 +37,9 @@ StatusOr<std::vector<size_t>> ParseSizeList(const std::string& s);
 std::vector<std::string> SplitList(const std::string& s);  // by ',' dropping empties
 std::string SizeName(size_t bytes);  // "4 KiB", "16 MiB", "8 B"
 
-// Deterministic, position- and seed-dependent bytes: a shifted or stale copy never matches.
-void FillPattern(void* p, size_t n, uint64_t seed);
-// First differing offset of a and b, or -1.
-int64_t FirstMismatch(const void* a, const void* b, size_t n);
+// FillPattern and FirstMismatch: common/byte_pattern.h (shared with the conformance suite).
+using shardps::FillPattern;
+using shardps::FirstMismatch;
 
 // Touches every page so that first-touch faults are not timed.
 void Prefault(void* p, size_t n);

@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/byte_pattern.h"
+
 #include "tests/conformance/conformance_env.h"
 #include "transport/transport.h"
 
@@ -23,31 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kTargetId = 101;
 constexpr uint64_t kInitiatorId = 202;
-
-// Deterministic, position- and seed-dependent bytes: a shifted or stale copy never matches.
-void Fill(void* p, size_t n, uint64_t seed) {
-  auto* b = static_cast<uint8_t*>(p);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    std::memcpy(b + i, &x, 8);
-  }
-  for (; i < n; ++i) b[i] = static_cast<uint8_t>(seed + i * 131);
-}
-
-// First differing offset, or -1.
-int64_t FirstMismatch(const void* a, const void* b, size_t n) {
-  const auto* x = static_cast<const uint8_t*>(a);
-  const auto* y = static_cast<const uint8_t*>(b);
-  if (std::memcmp(x, y, n) == 0) return -1;
-  for (size_t i = 0; i < n; ++i) {
-    if (x[i] != y[i]) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
 
 bool AllZero(const void* p, size_t n) {
   const auto* b = static_cast<const uint8_t*>(p);
@@ -197,7 +174,7 @@ TEST_P(TransportConformance, WriteAndReadIntegrityAtOddOffsets) {
     SCOPED_TRACE("size " + std::to_string(n));
     const size_t loff = 1 + (seed * 3) % 7;
     const size_t roff = kSlack - 1 - (seed % 5) * 2;  // odd, below kSlack
-    Fill(src_mem.data() + loff, n, ++seed);
+    FillPattern(src_mem.data() + loff, n, ++seed);
     std::memset(rbytes, 0, remote->length());
     ASSERT_TRUE(iep_->PostWrite({src->get(), loff, n}, AtOffset(rd, roff), seed).ok());
     Completion c = WaitOne();
@@ -247,7 +224,7 @@ TEST_P(TransportConformance, ImmediateArrivesOnlyAfterItsData) {
     while (posted < kOps && posted - checked < 8) {
       const int slot = posted % 8;
       const size_t len = 1 + (static_cast<size_t>(posted) * 7919) % kSlot;
-      Fill(sbytes + slot * kSlot, len, 5000 + posted);
+      FillPattern(sbytes + slot * kSlot, len, 5000 + posted);
       ASSERT_TRUE(iep_->PostWriteImm({src.get(), slot * kSlot, len},
                                      AtOffset(rd, slot * kSlot), 0xC0DE0000u + posted, posted)
                       .ok());
@@ -263,7 +240,7 @@ TEST_P(TransportConformance, ImmediateArrivesOnlyAfterItsData) {
       const size_t len = 1 + (static_cast<size_t>(checked) * 7919) % kSlot;
       ASSERT_EQ(wc[j].byte_len, len);
       // Check the data right away, before anything else can run.
-      Fill(expect.data(), len, 5000 + checked);
+      FillPattern(expect.data(), len, 5000 + checked);
       ASSERT_EQ(FirstMismatch(rbytes + slot * kSlot, expect.data(), len), -1)
           << "immediate " << checked << " arrived before its data";
       ++checked;
@@ -288,7 +265,7 @@ TEST_P(TransportConformance, ReadAfterWriteSeesTheWrite) {
   const RegionDescriptor rd = remote->descriptor();
   for (int round = 0; round < 50; ++round) {
     const size_t len = 1 + (round * 1237) % n;
-    Fill(src->data(), len, 900 + round);
+    FillPattern(src->data(), len, 900 + round);
     std::memset(dst->data(), 0, n);
     ASSERT_TRUE(iep_->PostWrite({src.get(), 0, len}, AtOffset(rd, 0), 2 * round).ok());
     ASSERT_TRUE(iep_->PostRead({dst.get(), 0, len}, AtOffset(rd, 0), 2 * round + 1).ok());
@@ -311,7 +288,7 @@ TEST_P(TransportConformance, HundredsOutstandingCompleteInOrder) {
   auto src = Alloc(initiator_.get(), kChunk * kDepth, Access::kLocalOnly);
   auto back = Alloc(initiator_.get(), kChunk * kDepth, Access::kLocalOnly);
   ASSERT_TRUE(remote && src && back);
-  Fill(src->data(), kChunk * kDepth, 77);
+  FillPattern(src->data(), kChunk * kDepth, 77);
   const RegionDescriptor rd = remote->descriptor();
   for (int i = 0; i < kDepth; ++i) {
     ASSERT_TRUE(
@@ -349,7 +326,7 @@ TEST_P(TransportConformance, SelectiveSignaling) {
   auto remote = Alloc(target_.get(), kChunk * kOps, Access::kRemoteWrite);
   auto src = Alloc(initiator_.get(), kChunk * kOps, Access::kLocalOnly);
   ASSERT_TRUE(remote && src);
-  Fill(src->data(), kChunk * kOps, 31);
+  FillPattern(src->data(), kChunk * kOps, 31);
   const RegionDescriptor rd = remote->descriptor();
   int signaled = 0, completions = 0;
   Completion wc[64];
@@ -387,7 +364,7 @@ TEST_P(TransportConformance, WrongRkeyIsRejectedAndTouchesNothing) {
   auto remote = Alloc(target_.get(), 1 << 16, Access::kRemoteReadWrite);
   auto src = Alloc(initiator_.get(), 1 << 16, Access::kLocalOnly);
   ASSERT_TRUE(remote && src);
-  Fill(src->data(), 1 << 16, 5);
+  FillPattern(src->data(), 1 << 16, 5);
   RemoteSlice bad = AtOffset(remote->descriptor(), 0);
   bad.rkey ^= 0x5a5a00;
   ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, bad, 1).ok());
@@ -405,7 +382,7 @@ TEST_P(TransportConformance, OutOfBoundsWriteIsRejectedWhole) {
   auto remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);
   auto src = Alloc(initiator_.get(), n, Access::kLocalOnly);
   ASSERT_TRUE(remote && src);
-  Fill(src->data(), n, 6);
+  FillPattern(src->data(), n, 6);
   // Straddles the end: even the in-bounds part must not land.
   ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, AtOffset(remote->descriptor(), n - 100), 1)
                   .ok());
@@ -421,7 +398,7 @@ TEST_P(TransportConformance, OutOfBoundsReadIsRejected) {
   auto remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);
   auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
   ASSERT_TRUE(remote && dst);
-  Fill(remote->data(), n, 8);
+  FillPattern(remote->data(), n, 8);
   RemoteSlice before = AtOffset(remote->descriptor(), 0);
   before.addr -= 64;  // starts before the region
   ASSERT_TRUE(iep_->PostRead({dst.get(), 0, 128}, before, 1).ok());
@@ -436,7 +413,7 @@ TEST_P(TransportConformance, WriteToReadOnlyRegionIsRejected) {
   auto remote = Alloc(target_.get(), 8192, Access::kRemoteRead);
   auto src = Alloc(initiator_.get(), 8192, Access::kLocalOnly);
   ASSERT_TRUE(remote && src);
-  Fill(src->data(), 8192, 9);
+  FillPattern(src->data(), 8192, 9);
   ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8192}, AtOffset(remote->descriptor(), 0), 1).ok());
   Completion c = WaitOne(env_.peer_death_bound);
   EXPECT_EQ(c.status, WcStatus::kRemoteAccessError) << WcStatusName(c.status);
@@ -448,7 +425,7 @@ TEST_P(TransportConformance, ReadFromWriteOnlyRegionIsRejected) {
   auto remote = Alloc(target_.get(), 8192, Access::kRemoteWrite);
   auto dst = Alloc(initiator_.get(), 8192, Access::kLocalOnly);
   ASSERT_TRUE(remote && dst);
-  Fill(remote->data(), 8192, 10);
+  FillPattern(remote->data(), 8192, 10);
   ASSERT_TRUE(iep_->PostRead({dst.get(), 0, 8192}, AtOffset(remote->descriptor(), 0), 1).ok());
   Completion c = WaitOne(env_.peer_death_bound);
   EXPECT_EQ(c.status, WcStatus::kRemoteAccessError) << WcStatusName(c.status);
@@ -466,7 +443,7 @@ TEST_P(TransportConformance, DeregisteredRegionIsRejected) {
   ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 8}, AtOffset(gd, 0), 1).ok());
   ASSERT_TRUE(WaitOne().ok());
   gone.reset();
-  Fill(src->data(), 8192, 11);
+  FillPattern(src->data(), 8192, 11);
   ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, AtOffset(gd, 0), 2).ok());
   Completion c = WaitOne(env_.peer_death_bound);
   EXPECT_EQ(c.context, 2u);
@@ -498,7 +475,7 @@ TEST_P(TransportConformance, ErrorIsConfinedToItsEndpoint) {
   t.join();
   ASSERT_TRUE(second.ok()) << second.status();
   ASSERT_TRUE(accepted.ok()) << accepted.status();
-  Fill(src->data(), 8192, 12);
+  FillPattern(src->data(), 8192, 12);
   ASSERT_TRUE((*second)->PostWrite({src.get(), 0, 8192}, AtOffset(remote->descriptor(), 0), 5)
                   .ok());
   Completion c = WaitOne();
@@ -524,7 +501,7 @@ TEST_P(TransportConformance, PeerKilledMidTransferGivesErrorCompletion) {
   ASSERT_TRUE(ep.ok()) << ep.status();
   auto src = Alloc(initiator_.get(), 1 << 20, Access::kLocalOnly);
   ASSERT_TRUE(src);
-  Fill(src->data(), 1 << 20, 13);
+  FillPattern(src->data(), 1 << 20, 13);
   const RegionDescriptor rd = peer.region();
 
   Completion wc[64];

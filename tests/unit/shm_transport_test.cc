@@ -18,6 +18,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/byte_pattern.h"
+
 #include "transport/transport.h"
 
 namespace shardps::transport {
@@ -25,17 +27,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-void Fill(void* p, size_t n, uint64_t seed) {
-  auto* b = static_cast<uint8_t*>(p);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 7;
-  for (size_t i = 0; i < n; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    b[i] = static_cast<uint8_t>(x >> 24);
-  }
-}
 
 bool AllZero(const void* p, size_t n) {
   const auto* b = static_cast<const uint8_t*>(p);
@@ -133,7 +124,7 @@ TEST_F(ShmTransportTest, WriteAndReadAreByteExactAtOddOffsets) {
     SCOPED_TRACE(n);
     const size_t loff = 7, roff = 4093;
     std::memset(rb, 0, kRegion);
-    Fill(src.data() + loff, n, n);
+    FillPattern(src.data() + loff, n, n);
     Status ps = iep_->PostWrite({s->get(), loff, n}, AtOffset(rd, roff), ++ctx);
     ASSERT_TRUE(ps.ok()) << ps;
     auto c = Collect(1);
@@ -172,13 +163,13 @@ TEST_F(ShmTransportTest, WriteImmBackpressureKeepsOrderAndVisibility) {
   const RegionDescriptor rd = remote->descriptor();
   for (int i = 0; i < kOps; ++i) {
     const size_t len = 100 + i * 37;
-    Fill(sb + i * kSlot, len, 1000 + i);
+    FillPattern(sb + i * kSlot, len, 1000 + i);
     ASSERT_TRUE(iep_->PostWriteImm({src.get(), i * kSlot, len}, AtOffset(rd, i * kSlot),
                                    0xA000 + i, i)
                     .ok());
   }
   // A plain write behind the blocked write-imms must not be executed ahead of them.
-  Fill(sb + kOps * kSlot, kSlot, 77);
+  FillPattern(sb + kOps * kSlot, kSlot, 77);
   ASSERT_TRUE(
       iep_->PostWrite({src.get(), kOps * kSlot, kSlot}, AtOffset(rd, kOps * kSlot), 999).ok());
   EXPECT_EQ(iep_->outstanding(), kOps + 1);
@@ -202,7 +193,7 @@ TEST_F(ShmTransportTest, WriteImmBackpressureKeepsOrderAndVisibility) {
       ASSERT_EQ(t[j].imm, 0xA000u + received);
       const size_t len = 100 + received * 37;
       ASSERT_EQ(t[j].byte_len, len);
-      Fill(expect.data(), len, 1000 + received);
+      FillPattern(expect.data(), len, 1000 + received);
       ASSERT_EQ(std::memcmp(rb + received * kSlot, expect.data(), len), 0);
       ++received;
     }
@@ -237,7 +228,7 @@ TEST_P(ShmAccessErrorTest, RejectedTouchesNothingAndFlushesLaterOps) {
   auto other = Alloc(target_.get(), n, Access::kRemoteReadWrite);
   auto src = Alloc(initiator_.get(), n, Access::kLocalOnly);
   ASSERT_TRUE(remote && other && src);
-  Fill(src->data(), n, 3);
+  FillPattern(src->data(), n, 3);
   RemoteSlice dst = AtOffset(remote->descriptor(), 0);
   uint64_t len = 4096;
   switch (GetParam().kind) {
@@ -310,7 +301,7 @@ TEST_F(ShmTransportTest, WriteImmVisibilityAcrossThreads) {
       const int k = tcq_->Wait(wc, 8, std::chrono::microseconds(200));
       for (int j = 0; j < k; ++j) {
         const size_t len = len_of(next);
-        Fill(expect.data(), len, next);
+        FillPattern(expect.data(), len, next);
         if (wc[j].imm != static_cast<uint32_t>(next) || wc[j].byte_len != len ||
             std::memcmp(static_cast<uint8_t*>(remote->data()) + (next % kSlots) * kSlot,
                         expect.data(), len) != 0) {
@@ -331,7 +322,7 @@ TEST_F(ShmTransportTest, WriteImmVisibilityAcrossThreads) {
     // the one memcpy'd op waiting for ring space), well inside the 64-slot distance.
     while (posted < kOps && posted - seen.load() < 32 && iep_->outstanding() < 64) {
       const size_t off = (posted % kSlots) * kSlot;
-      Fill(sb + off, len_of(posted), posted);
+      FillPattern(sb + off, len_of(posted), posted);
       ASSERT_TRUE(iep_->PostWriteImm({src.get(), off, len_of(posted)}, AtOffset(rd, off),
                                      static_cast<uint32_t>(posted), posted,
                                      posted % 4 == 3 ? kSignaled : kUnsignaled)
@@ -392,7 +383,7 @@ TEST_F(ShmTransportTest, FilesystemPathAddressWorks) {
   EXPECT_EQ(address_, path);
   auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
   auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
-  Fill(src->data(), 4096, 9);
+  FillPattern(src->data(), 4096, 9);
   ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, AtOffset(remote->descriptor(), 0), 1).ok());
   ASSERT_TRUE(Collect(1)[0].ok());
   EXPECT_EQ(std::memcmp(remote->data(), src->data(), 4096), 0);
@@ -444,7 +435,7 @@ TEST_F(ShmTransportTest, HostileDoorbellScribblesDoNotCrash) {
   fclose(maps);
   for (auto [lo, hi] : ranges) {
     // Leave the header alone; garbage everywhere in the rings.
-    Fill(reinterpret_cast<uint8_t*>(lo) + 64, hi - lo - 64, 4242 + scribbled);
+    FillPattern(reinterpret_cast<uint8_t*>(lo) + 64, hi - lo - 64, 4242 + scribbled);
     ++scribbled;
   }
   ASSERT_EQ(scribbled, 2) << "both sides map the connection's doorbell";
@@ -526,7 +517,7 @@ TEST_F(ShmTransportTest, HostileHandshakeIsAnErrorNotACrash) {
                       offsetof(sockaddr_un, sun_path) + addr.size()),
               0);
     std::vector<uint8_t> junk(variant == 0 ? 56 : variant == 1 ? 7 : 4096);
-    Fill(junk.data(), junk.size(), variant);
+    FillPattern(junk.data(), junk.size(), variant);
     if (variant == 0) {  // right size and magic, but no fds attached
       const uint64_t magic = 0x3130484c50485353ull;
       std::memcpy(junk.data(), &magic, 8);
