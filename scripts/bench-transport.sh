@@ -44,12 +44,9 @@ mkdir -p "$WORK"
 BIN="$ROOT/$BUILD/bench/transport_bench"
 
 echo "=== build ($BUILD) ==="
-if [[ ! -f "$BUILD/Makefile" ]]; then
-  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$WORK/cmake.log" 2>&1 ||
-    { cat "$WORK/cmake.log" >&2; echo "bench-transport.sh: cmake failed" >&2; exit 1; }
-fi
-make -C "$BUILD" -j2 transport_bench > "$WORK/make.log" 2>&1 ||
-  { tail -40 "$WORK/make.log" >&2; echo "bench-transport.sh: build failed" >&2; exit 1; }
+SHARDPS_BUILD_DIR="$BUILD" SHARDPS_BUILD_TARGETS="transport_bench" \
+  "$ROOT/scripts/build.sh" > "$WORK/build.log" 2>&1 ||
+  { tail -40 "$WORK/build.log" >&2; echo "bench-transport.sh: build failed" >&2; exit 1; }
 
 if [[ $QUICK == 1 ]]; then
   HOST_ARGS=(--reps=1 --seconds=0.15 --lat_seconds=0.1)

@@ -43,13 +43,9 @@ mkdir -p "$WORK"
 BIN="$BUILD/bench/shardps_bench"
 
 echo "=== build ($BUILD) ==="
-if [[ ! -f "$BUILD/Makefile" ]]; then
-  cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$WORK/cmake.log" 2>&1 ||
-    { cat "$WORK/cmake.log" >&2; echo "bench.sh: cmake failed" >&2; exit 1; }
-fi
-make -C "$BUILD" -j2 shardps_bench shardps_server shardps_coordinator_bin digits_trainer \
-  > "$WORK/make.log" 2>&1 ||
-  { tail -40 "$WORK/make.log" >&2; echo "bench.sh: build failed" >&2; exit 1; }
+SHARDPS_BUILD_DIR="$BUILD" SHARDPS_BUILD_TARGETS="shardps_bench shardps_server shardps_coordinator_bin digits_trainer" \
+  "$ROOT/scripts/build.sh" > "$WORK/build.log" 2>&1 ||
+  { tail -40 "$WORK/build.log" >&2; echo "bench.sh: build failed" >&2; exit 1; }
 
 if [[ $QUICK == 1 ]]; then
   ARGS=(--reps=1 --seconds=0.4 --lat_seconds=0.2)
