@@ -260,6 +260,20 @@ class ProcessTestBase : public ::testing::Test {
     return Spawn(args, log_name);
   }
 
+  // One ps_test_worker per rank (worker<r>.log, worker<r>.out), each with `extra` flags and a
+  // progress file progress<r> (steps completed).
+  std::vector<ChildProcess*> SpawnWorkers(const ClusterSpec& spec,
+                                          const std::vector<std::string>& extra) {
+    std::vector<ChildProcess*> workers;
+    for (int r = 0; r < spec.workers; ++r) {
+      std::vector<std::string> flags = extra;
+      flags.push_back("--progress_file=" + Path("progress" + std::to_string(r)));
+      workers.push_back(
+          SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log", flags));
+    }
+    return workers;
+  }
+
   // Waits (bounded) for a child to exit; its exit code, or -1 after a timeout (and a failure).
   int ExitCode(ChildProcess* c, milliseconds bound = kProcessBound) {
     if (c == nullptr) return -1;
@@ -320,6 +334,15 @@ class ProcessClusterTest : public ProcessTestBase,
   ClusterSpec Spec() const {
     ClusterSpec s;
     s.transport = GetParam();
+    // Under SoftRoCE's CPU emulation a busy guest can starve a heartbeat thread for > 1.5 s.
+    if (Emulated()) s.heartbeat_timeout_ms = 6000;
+    return s;
+  }
+  // The counter model's cluster: servers sum with lr 1, so w[k] counts worker k's applied pushes.
+  ClusterSpec CounterSpec() const {
+    ClusterSpec s = Spec();
+    s.lr = 1.0;
+    s.aggregation = "sum";
     return s;
   }
   // SoftRoCE in the test guest runs under TCG (software CPU emulation), several times slower
@@ -441,13 +464,11 @@ TEST_P(ProcessClusterTest, SteadyStateStepsSendNoControlMessages) {
 // Each worker pushes -1 into its own element (servers sum, lr 1), so w[k] counts worker k's
 // applied pushes; every worker checks the bound after each step and reports violations.
 TEST_P(ProcessClusterTest, SspBoundHoldsUnderRandomDelays) {
-  ClusterSpec spec = Spec();
+  ClusterSpec spec = CounterSpec();
   spec.consistency = "ssp";
   spec.staleness = 2;
   spec.workers = 3;
   spec.servers = 1;
-  spec.lr = 1.0;
-  spec.aggregation = "sum";
   const int kSteps = 25;
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
@@ -485,13 +506,9 @@ TEST_P(ProcessClusterTest, KilledWorkerDoesNotStallTheOthers) {
   spec.heartbeat_timeout_ms = 1000;
   const int kSteps = 30, kStepDelayMs = 20, kKillAfter = 5;
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(
-        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-        {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(kStepDelayMs),
-         "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec,
+      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(kStepDelayMs)});
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
   // Wait (bounded) until the victim is mid-training, then SIGKILL it.
   ChildProcess* victim = workers[2];
@@ -588,13 +605,9 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
   const int kill_after = 4 + static_cast<int>(rng() % 16);
   const int step_delay_ms = Emulated() ? 40 : 15;
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(
-        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-        {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms),
-         "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec,
+      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms)});
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
   const int done = WaitProgress(Path("progress0"), kill_after, ProcessBound(), workers[0]);
@@ -645,23 +658,16 @@ INSTANTIATE_TEST_SUITE_P(Seeds, ServerKillTest,
 // mid-run: after the last step every w[k] equals exactly the number of steps (a lost push would
 // leave it short, a push applied twice would overshoot).
 TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
-  ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;  // TCG can starve heartbeats
+  ClusterSpec spec = CounterSpec();
   spec.consistency = "bsp";
   spec.servers = 1;
   spec.replicas = 2;
   spec.workers = 3;
-  spec.lr = 1.0;
-  spec.aggregation = "sum";
   const int kSteps = 40;
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--model=counter", "--steps=" + std::to_string(kSteps),
-                                   "--step_delay_ms=" + std::string(Emulated() ? "40" : "10"),
-                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers =
+      SpawnWorkers(spec, {"--model=counter", "--steps=" + std::to_string(kSteps),
+                          "--step_delay_ms=" + std::string(Emulated() ? "40" : "10")});
   const int done = WaitProgress(Path("progress1"), 12, ProcessBound(), workers[1]);
   ASSERT_GE(done, 12);
   servers_[0]->Kill();  // the only group's primary
@@ -683,16 +689,10 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
 // Without a backup, losing a server is reported, clearly and quickly, as lost state.
 TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
   ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;  // TCG can starve heartbeats
   spec.servers = 2;
   spec.workers = 2;
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--steps=100000", "--step_delay_ms=5",
-                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=100000", "--step_delay_ms=5"});
   ASSERT_GE(WaitProgress(Path("progress0"), 5, ProcessBound(), workers[0]), 5);
   servers_[1]->Kill();
   const auto t0 = Clock::now();
@@ -711,24 +711,16 @@ TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
 // rejoins at the cluster's clock (not 0) with the current weights, and nobody's pushes are
 // lost or doubled (counter model: w[k] counts worker k's applied pushes).
 TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
-  ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;  // TCG can starve heartbeats
+  ClusterSpec spec = CounterSpec();
   spec.servers = 2;
   spec.replicas = 1;
   spec.workers = 3;
-  spec.lr = 1.0;
-  spec.aggregation = "sum";
   spec.heartbeat_timeout_ms = 1000;
   const int kSteps = 40;
   const std::string delay = Emulated() ? "40" : "15";
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(
-        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-        {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
-         "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay});
   const int done = WaitProgress(Path("progress2"), 8, ProcessBound(), workers[2]);
   ASSERT_GE(done, 8);
   workers[2]->Kill();
@@ -762,7 +754,6 @@ TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
 // state and clocks all came back exactly).
 TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
   ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;
   spec.servers = 2;
   spec.workers = 3;
   spec.optimizer = "momentum";  // optimizer state must come back too
@@ -770,11 +761,7 @@ TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
   spec.checkpoint_every = 5;
   const int kFirst = 20, kTotal = 30;
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--steps=" + std::to_string(kFirst)}));
-  }
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kFirst)});
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   // The checkpoint of the last clock is written asynchronously: wait for both groups' files.
   const std::string newest = spec.checkpoint_dir + "/ckpt-000000000020";
@@ -827,7 +814,6 @@ TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
 // and goes on: the weights stay bit-identical to the one-process run.
 TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
   ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;
   spec.servers = 2;
   spec.workers = 2;
   const int kSteps = 20;
@@ -864,13 +850,10 @@ TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
 // cluster's clock, BSP averages over the workers present at each clock, and every push of the
 // original workers is applied exactly once (counter model: w[k] counts worker k's pushes).
 TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
-  ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;
+  ClusterSpec spec = CounterSpec();
   spec.servers = 2;
   spec.workers = 2;
   spec.max_workers = 3;
-  spec.lr = 1.0;
-  spec.aggregation = "sum";
   const int kSteps = 40;
   const std::string delay = Emulated() ? "40" : "15";
   ASSERT_TRUE(StartCluster(spec));
@@ -911,7 +894,6 @@ TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
 // restart is failed over through it. The weights are bit-identical to the one-process run.
 TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   ClusterSpec spec = Spec();
-  if (Emulated()) spec.heartbeat_timeout_ms = 6000;
   spec.servers = 2;
   spec.replicas = 2;
   spec.workers = 2;
@@ -925,13 +907,9 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   ASSERT_NE(StartCoordinator(spec), "");
   ChildProcess* first = coordinator_;
   StartServers(spec);
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(
-        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-        {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms),
-         "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec,
+      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms)});
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   const int before = WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]);
   ASSERT_GE(before, 10);
@@ -981,7 +959,6 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
 // weights are bit-identical to the one-process run.
 TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
   ClusterSpec spec = Spec();
-  spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
   spec.servers = 2;
   spec.replicas = 2;
   spec.workers = 2;
@@ -1014,12 +991,8 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
   ASSERT_NE(dropper, "");
   coordinator_address_ = dropper;  // every member dials the proxies
   StartServers(spec);
-  std::vector<ChildProcess*> workers;
-  for (int r = 0; r < spec.workers; ++r) {
-    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-                                  {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
-                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
-  }
+  std::vector<ChildProcess*> workers =
+      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay});
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
   servers_[0]->Kill();
