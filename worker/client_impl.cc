@@ -462,6 +462,14 @@ Status ClientImpl::Recover() {
   auto next_reconnect = t0 + std::chrono::milliseconds(20);
   control::ShardMap newest;
   bool have = false;
+  // The newest map's entry for group i (null: no newer map yet).
+  auto entry_of = [&](uint32_t i) -> const control::ServerEntry* {
+    if (!have) return nullptr;
+    for (const auto& e : newest.servers()) {
+      if (e.rank() == i) return &e;
+    }
+    return nullptr;
+  };
   auto consider = [&](const control::Envelope& e) {
     if (e.shard_map().epoch() > map_epoch_ && (!have || e.shard_map().epoch() > newest.epoch())) {
       newest = e.shard_map();
@@ -485,12 +493,7 @@ Status ClientImpl::Recover() {
     for (uint32_t i = 0; i < servers_.size(); ++i) {
       Server& s = servers_[i];
       if (!s.failed) continue;
-      const control::ServerEntry* se = nullptr;
-      if (have) {
-        for (const auto& e : newest.servers()) {
-          if (e.rank() == i) se = &e;
-        }
-      }
+      const control::ServerEntry* se = entry_of(i);
       if (se != nullptr && se->lost()) return ApplyServerEntry(*se, s);  // the DataLoss error
       if (se != nullptr && se->member_id() != s.member_id) continue;     // failed over
       all = false;
@@ -525,12 +528,7 @@ Status ClientImpl::Recover() {
     all = true;
     for (uint32_t i = 0; i < servers_.size(); ++i) {
       if (!servers_[i].failed) continue;
-      const control::ServerEntry* se = nullptr;
-      if (have) {
-        for (const auto& e : newest.servers()) {
-          if (e.rank() == i) se = &e;
-        }
-      }
+      const control::ServerEntry* se = entry_of(i);
       if (se == nullptr || se->member_id() == servers_[i].member_id) all = false;
     }
     if (all) break;
