@@ -935,6 +935,7 @@ float ShardServer::ApplyOne(uint32_t slot, const float* grad, float scale, uint6
 
 uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
   const std::set<uint32_t> live = LiveWorkers();
+  const Chunk& c = *chunks_[slot];
   int64_t m = INT64_MAX;
   for (uint32_t r : live) {
     auto it = workers_.find(r);
@@ -945,6 +946,14 @@ uint64_t ShardServer::SspMinClockPlus1(uint32_t slot) const {
       // A push of this worker still queued here is not applied, whatever its clock says.
       const int64_t d = MinDeferredClock(slot, r);
       if (d != INT64_MAX) applied = std::min(applied, d - 1);
+      // Nor is one folded into a version that waits for its replication record: that version
+      // is not published yet, and the published one (whose min clock this is while a version
+      // is in flight) lacks it.
+      if (c.inflight) {
+        for (const Contributor& k : c.inflight_acks) {
+          if (k.worker == r) applied = std::min(applied, k.clock - 1);
+        }
+      }
     }
     m = std::min(m, applied);
   }
@@ -1089,7 +1098,13 @@ void ShardServer::FinishCommit(uint32_t slot) {
   Chunk& c = *chunks_[slot];
   if (!c.inflight) return;
   c.inflight = false;
-  Publish(slot, c.inflight_target, c.inflight_min_clock_plus1);
+  uint64_t min_clock_plus1 = c.inflight_min_clock_plus1;
+  if (config_.mode() != control::BSP && c.version > 0) {
+    // Clocks that arrived while the version waited for its record may raise its min clock: with
+    // nothing in flight any more, every processed, undeferred push is in this version.
+    min_clock_plus1 = std::max(min_clock_plus1, SspMinClockPlus1(slot));
+  }
+  Publish(slot, c.inflight_target, min_clock_plus1);
   // The pushes folded into this version are acknowledged only now: their inbox slots (and, for
   // a failover, the workers' own buffers) may be reused once the version is replicated.
   for (const Contributor& a : c.inflight_acks) {
