@@ -68,6 +68,7 @@ elif [[ -x "$SOFTROCE/run-in-guest.sh" ]]; then
         run '$BUILD/tests/transport_conformance_test' '*/verbs' conformance_verbs
         run '$BUILD/tests/integration_tests' '*/verbs' integration_verbs
         run '$BUILD/tests/process_cluster_test' '*/verbs:*/verbs_*' process_verbs
+        run '$BUILD/tests/consistency_property_test' '*/verbs_*' consistency_verbs
         run '$BUILD/tests/doctor_test' 'DoctorVerbs*' doctor_verbs
         after=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
         echo \"rxe0 sent \$((after - before)) packets on the wire during the verbs tier\"

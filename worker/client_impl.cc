@@ -1178,7 +1178,16 @@ Status ClientImpl::Step() {
     Status s = Wait(h);
     if (first.ok() && !s.ok()) first = s;
   }
-  return first;
+  RETURN_IF_ERROR(first);
+  // "Step() never loses a push" (docs/fault-tolerance.md): once Step returns, the trainer
+  // overwrites its gradient buffers, so a push that is not yet replicated then could not be
+  // resent after a failover. BSP's pull already implies it (the version it waits for holds this
+  // worker's push, and is published only once replicated); ASP and SSP pulls do not: wait for
+  // the acknowledgements (one read of this worker's acks per server, usually already there).
+  if (replicated() && config_.mode() != control::BSP) {
+    for (ChunkRt& c : chunks_) RETURN_IF_ERROR(EnsureAcked(c, c.seq));
+  }
+  return Status::OK();
 }
 
 StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {

@@ -20,6 +20,10 @@
 //            disjoint and their union is the standalone run's batch;
 //   counter  w[k] counts worker k's applied pushes (servers: --aggregation=sum --lr=1); after
 //            each step the worker checks the SSP bound w[k] >= clock - staleness for every k.
+//   signature  W and b hold one element per (worker, clock) update (servers: --aggregation=sum
+//            --lr=1); after each step the worker decodes which updates its pull holds and
+//            checks the cluster's consistency mode on it (tests/integration/signature_check.h).
+//            Written: sig_pulls, sig_at_bound, sig_max_staleness; violations counts both tensors'.
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
 //   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
@@ -51,6 +55,7 @@
 #include <glog/logging.h>
 
 #include "shardps/client.h"
+#include "tests/integration/signature_check.h"
 #include "transport/flags.h"
 
 DEFINE_string(mode, "train", "train, standalone, join or compare");
@@ -152,8 +157,10 @@ struct Result {
   ClientCounters counters;
   uint64_t violations = 0;
   int64_t max_lead = 0;
+  uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
+  int64_t sig_max_staleness = 0;
   uint64_t start_clock = 0;  // the clock after Start() (> 0: joined a running cluster)
-  float max_abs_grad = 0;  // standalone: largest |gradient element| of any worker's minibatch
+  float max_abs_grad = 0;    // standalone: largest |gradient element| of any worker's minibatch
   std::vector<std::pair<std::string, const std::vector<float>*>> tensors;
 };
 
@@ -190,6 +197,9 @@ int WriteResult(const Result& r) {
   kv("start_clock", std::to_string(r.start_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
+  kv("sig_pulls", std::to_string(r.sig_pulls));
+  kv("sig_at_bound", std::to_string(r.sig_at_bound));
+  kv("sig_max_staleness", std::to_string(r.sig_max_staleness));
   snprintf(buf, sizeof(buf), "%.17g", FLAGS_lr);
   kv("lr", buf);
   snprintf(buf, sizeof(buf), "%.9g", r.max_abs_grad);
@@ -308,8 +318,24 @@ int RunCluster() {
 
   const LinReg m{FLAGS_dim, FLAGS_outputs};
   const bool linreg = FLAGS_model == "linreg";
-  const size_t nw = linreg ? static_cast<size_t>(FLAGS_dim) * FLAGS_outputs : FLAGS_workers;
-  const size_t nb = linreg ? FLAGS_outputs : 1;
+  const bool signature = FLAGS_model == "signature";
+  const size_t nsig = static_cast<size_t>(FLAGS_workers) * FLAGS_steps;
+  const size_t nw =
+      linreg ? static_cast<size_t>(FLAGS_dim) * FLAGS_outputs : (signature ? nsig : FLAGS_workers);
+  const size_t nb = linreg ? FLAGS_outputs : (signature ? nsig : 1);
+  std::vector<shardps::testing_util::SignatureCheck> sig;
+  if (signature) {
+    // The cluster's mode, as the client reports it: "bsp", "asp", "ssp(s=2)", "vsgd(s=2)".
+    const std::string cm = c.consistency();
+    shardps::testing_util::Mode mode;
+    const size_t paren = cm.find("(s=");
+    const int s = paren == std::string::npos ? 0 : std::atoi(cm.c_str() + paren + 3);
+    if (!shardps::testing_util::ParseMode(cm.substr(0, paren), &mode)) {
+      fprintf(stderr, "ps_test_worker: unknown consistency %s\n", cm.c_str());
+      return 2;
+    }
+    for (int i = 0; i < 2; ++i) sig.emplace_back(mode, s, FLAGS_workers, FLAGS_steps);
+  }
   std::vector<float> w(nw), b(nb), gw(nw), gb(nb);
   // Only rank 0's initial weights count; the others start from garbage so that a worker that
   // trained from its own initial weights would show in the result.
@@ -339,6 +365,9 @@ int RunCluster() {
     }
     if (linreg) {
       m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, me, FLAGS_batch), FLAGS_batch, &gw, &gb);
+    } else if (signature) {
+      shardps::testing_util::SignatureCheck::Gradient(me, t, FLAGS_steps, &gw);
+      shardps::testing_util::SignatureCheck::Gradient(me, t, FLAGS_steps, &gb);
     } else {
       std::fill(gw.begin(), gw.end(), 0.0f);
       std::fill(gb.begin(), gb.end(), 0.0f);
@@ -350,7 +379,16 @@ int RunCluster() {
       fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t, st.ToString().c_str());
       return 5;
     }
-    if (!linreg) {
+    if (signature) {
+      const int64_t clock = static_cast<int64_t>(c.clock());
+      const std::vector<float>* pulled[2] = {&w, &b};
+      for (int i = 0; i < 2; ++i) {
+        if (sig[i].Check(clock, *pulled[i]) > 0 && sig[i].violations() <= 3) {
+          fprintf(stderr, "ps_test_worker rank %d: tensor %s: %s\n", me, i == 0 ? "W" : "b",
+                  sig[i].last_error().c_str());
+        }
+      }
+    } else if (!linreg) {
       // Pushes of clocks 0 .. clock-s-1 must all be in: at least clock - s of them.
       const int64_t clock = static_cast<int64_t>(c.clock());
       for (size_t k = 0; k < nw; ++k) {
@@ -375,6 +413,12 @@ int RunCluster() {
   r.counters.pulls = after.pulls - before.pulls;
   r.counters.pull_retries = after.pull_retries - before.pull_retries;
   r.counters.heartbeats_sent = after.heartbeats_sent - before.heartbeats_sent;
+  for (const auto& k : sig) {
+    r.violations += k.violations();
+    r.sig_pulls += k.pulls();
+    r.sig_at_bound += k.at_bound();
+    r.sig_max_staleness = std::max(r.sig_max_staleness, k.max_staleness());
+  }
   r.tensors = {{"W", &w}, {"b", &b}};
   const int rc = WriteResult(r);
   st = c.Close();
@@ -490,7 +534,8 @@ int main(int argc, char** argv) {
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   if (FLAGS_steps < 0 || FLAGS_workers < 1 || FLAGS_batch < 1 || FLAGS_dim < 1 ||
-      FLAGS_outputs < 1 || (FLAGS_model != "linreg" && FLAGS_model != "counter")) {
+      FLAGS_outputs < 1 ||
+      (FLAGS_model != "linreg" && FLAGS_model != "counter" && FLAGS_model != "signature")) {
     fprintf(stderr, "ps_test_worker: bad flags (see --help)\n");
     return 2;
   }

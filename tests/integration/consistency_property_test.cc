@@ -1,0 +1,123 @@
+// The consistency contract as a property (docs/consistency.md), over every mode x replica count
+// x transport: BSP, SSP at s = 0, 1, 2, ASP and VSGD (s = 2), each with one server per group
+// and with a primary and a backup per group, over tcp, shm and verbs (verbs inside the SoftRoCE
+// guest; skipped with the reason elsewhere).
+//
+// Each run: 2 server groups, 3 ps_test_worker processes on the signature model
+// (tests/integration/signature_check.h: one exactly representable signature per (worker,
+// clock) update), random per-step delays and a straggler (rank 0 sleeps up to 30 ms a step,
+// the others up to 8 ms). After every step each worker decodes from the weights it pulled
+// exactly which updates they hold and checks the mode's guarantee on that pull. With replicas 2
+// the primary of group 0 is SIGKILLed mid-run: the guarantee must hold across the failover.
+// Printed per case: pulls checked, pulls at the bound, the largest staleness seen.
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/integration/process_test_base.h"
+
+namespace shardps {
+namespace {
+
+using namespace proc_test;  // NOLINT(build/namespaces): the shared fixtures
+
+struct ModeCase {
+  const char* name;  // the instance name's part
+  const char* consistency;
+  int staleness;
+};
+constexpr ModeCase kModes[] = {{"bsp", "bsp", 0},  {"ssp0", "ssp", 0}, {"ssp1", "ssp", 1},
+                               {"ssp2", "ssp", 2}, {"asp", "asp", 0},  {"vsgd2", "vsgd", 2}};
+
+using Param = std::tuple<std::string, int, int>;  // transport, index into kModes, replicas
+
+class ConsistencyPropertyTest : public ProcessTestBase,
+                                public ::testing::WithParamInterface<Param> {
+ protected:
+  void SetUp() override {
+    const std::string reason = SkipReason(transport());
+    if (!reason.empty()) {
+      const char* require = getenv("SHARDPS_REQUIRE_VERBS");
+      if (require != nullptr && std::string(require) == "1") {
+        FAIL() << "SHARDPS_REQUIRE_VERBS=1 but verbs cannot run: " << reason;
+      }
+      GTEST_SKIP() << transport() << ": " << reason;
+    }
+    ProcessTestBase::SetUp();
+  }
+  std::string transport() const { return std::get<0>(GetParam()); }
+  const ModeCase& mode() const { return kModes[std::get<1>(GetParam())]; }
+  int replicas() const { return std::get<2>(GetParam()); }
+  bool Emulated() const { return transport() == "verbs"; }
+};
+
+TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
+  ClusterSpec spec;
+  spec.transport = transport();
+  spec.consistency = mode().consistency;
+  spec.staleness = mode().staleness;
+  spec.servers = 2;
+  spec.replicas = replicas();
+  spec.workers = 3;
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  // 3 workers x 24 clocks = 72 floats per tensor: 3 chunks of 32 floats (W) + 3 (b), spread
+  // over both groups.
+  spec.partition_bytes = 128;
+  // Under SoftRoCE's CPU emulation a busy guest can starve a heartbeat thread for > 1.5 s.
+  spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
+  const int kSteps = 24;
+  const milliseconds bound = Emulated() ? 4 * kProcessBound : kProcessBound;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+                                  {"--model=signature", "--steps=" + std::to_string(kSteps),
+                                   std::string("--max_delay_ms=") + (r == 0 ? "30" : "8"),
+                                   "--progress_file=" + Path("progress" + std::to_string(r))}));
+  }
+  if (replicas() == 2) {
+    // Mid-run, the primary of group 0 (rank 0; its backup is rank `servers`).
+    const int done = WaitProgress(Path("progress1"), kSteps / 3, bound, workers[1]);
+    ASSERT_GE(done, kSteps / 3) << Tail(workers[1]);
+    servers_[0]->Kill();
+  }
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+  int64_t pulls = 0, at_bound = 0, max_staleness = 0;
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("steps"), kSteps);
+    EXPECT_EQ(res->Int("violations"), 0) << "worker " << r << " (log: " << Tail(workers[r]) << ")";
+    EXPECT_EQ(res->Int("sig_pulls"), 2 * kSteps) << "worker " << r;
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    if (replicas() == 2) {
+      EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    }
+    if (std::string(mode().consistency) != "asp") {
+      EXPECT_LE(res->Int("sig_max_staleness"), mode().staleness) << "worker " << r;
+    }
+    pulls += res->Int("sig_pulls");
+    at_bound += res->Int("sig_at_bound");
+    max_staleness = std::max(max_staleness, res->Int("sig_max_staleness"));
+  }
+  std::cerr << "[ info ] " << transport() << " " << mode().name << " replicas " << replicas()
+            << ": " << pulls << " pulls checked, " << at_bound << " at the bound, max staleness "
+            << max_staleness << (replicas() == 2 ? ", primary of group 0 killed mid-run" : "")
+            << "\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Combinations, ConsistencyPropertyTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Range(0, 6), ::testing::Values(1, 2)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" +
+                                  kModes[std::get<1>(info.param)].name + "_r" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+}  // namespace
+}  // namespace shardps
