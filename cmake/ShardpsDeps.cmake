@@ -6,6 +6,8 @@ if(NOT TARGET gflags)
   add_library(gflags ALIAS PkgConfig::GFLAGS)
 endif()
 find_package(glog CONFIG REQUIRED)
+# libcrypto: HMAC-SHA256 membership credentials (common/crypto.h, docs/security.md).
+find_package(OpenSSL REQUIRED COMPONENTS Crypto)
 message(STATUS "shardps: glog ${glog_VERSION}, gflags ${gflags_VERSION}")
 
 # ---- verbs ----

@@ -161,6 +161,7 @@ bool ControlClient::Rejoin(const Status& why) {
     *e.mutable_join() = options_.join;
     e.mutable_join()->set_cluster_token(options_.cluster_token);
     e.mutable_join()->set_previous_member_id(reply_.member_id());
+    e.mutable_join()->set_previous_credential(reply_.credential());
     e.mutable_join()->set_requested_rank(static_cast<int32_t>(reply_.rank()));
     Status s = SendMagic(fd->get(), std::chrono::milliseconds(2000));
     if (s.ok()) s = SendEnvelope(fd->get(), e, std::chrono::milliseconds(2000));

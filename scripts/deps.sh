@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(
   cmake make g++ pkg-config git
-  libgflags-dev libgoogle-glog-dev libprotobuf-dev protobuf-compiler
+  libgflags-dev libgoogle-glog-dev libprotobuf-dev protobuf-compiler libssl-dev
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest
   iperf3 python3

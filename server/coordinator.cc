@@ -12,6 +12,7 @@
 
 #include <glog/logging.h>
 
+#include "common/crypto.h"
 #include "common/net.h"
 #include "proto/shard_plan.h"
 
@@ -52,6 +53,7 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   RETURN_IF_ERROR(net::SetNonBlocking(c->listen_fd_.get(), true));
   c->wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!c->wake_fd_.valid()) return ErrnoError("eventfd", errno);
+  ASSIGN_OR_RETURN(c->credential_secret_, crypto::RandomBytes(32));
   if (!options.state_file.empty()) RETURN_IF_ERROR(c->LoadState());
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
   LOG(INFO) << "coordinator: listening on " << c->address_ << ", heartbeat "
@@ -286,6 +288,27 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     // A member rejoining a restarted coordinator: it comes back as itself (same id and rank),
     // if this coordinator's saved state still lists it.
     auto p = pending_.find(j.previous_member_id());
+    const bool proven =
+        p != pending_.end() &&
+        crypto::ConstantTimeEquals(j.previous_credential(), CredentialOf(p->second.member));
+    if (p != pending_.end() && !proven) {
+      // The cluster token is not an identity: only the member itself holds its credential.
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        ++counters_.joins_refused;
+      }
+      LOG(WARNING) << "coordinator: a rejoin as member " << j.previous_member_id() << " from "
+                   << j.hostname() << "/" << j.pid()
+                   << " did not prove that member's credential; refused (the member may still "
+                      "rejoin)";
+      r->set_accepted(false);
+      r->set_error("rejoin as member " + std::to_string(j.previous_member_id()) +
+                   " refused: the credential does not match");
+      Queue(c, reply);
+      FlushOutput(c);
+      Close(c, "rejoin refused: credential mismatch", true);
+      return;
+    }
     if (p == pending_.end() || p->second.member.role() != j.role()) {
       {
         std::lock_guard<std::mutex> l(mu_);
@@ -312,6 +335,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     }
     r->set_accepted(true);
     r->set_member_id(c->member.member_id());
+    r->set_credential(CredentialOf(c->member));
     r->set_rank(c->member.rank());
     r->set_epoch(epoch() + 1);
     *r->mutable_config() = options_.config;
@@ -387,6 +411,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
   }
   r->set_accepted(true);
   r->set_member_id(m.member_id());
+  r->set_credential(CredentialOf(m));
   r->set_rank(rank);
   r->set_epoch(epoch() + 1);
   *r->mutable_config() = options_.config;
@@ -822,6 +847,7 @@ void Coordinator::SaveState() {
     *st.mutable_members() = membership_.members();
   }
   st.set_next_member_id(next_member_id_);
+  st.set_credential_secret(credential_secret_);
   st.set_model_registered(model_registered_);
   *st.mutable_model() = model_;
   st.set_plan_fingerprint(plan_fingerprint_);
@@ -859,6 +885,13 @@ void Coordinator::SaveState() {
   }
 }
 
+std::string Coordinator::CredentialOf(const Member& m) const {
+  const std::string what = "shardps-member-credential-v1|" + std::to_string(m.member_id()) + "|" +
+                           std::to_string(static_cast<int>(m.role())) + "|" +
+                           std::to_string(m.rank());
+  return crypto::HmacSha256(credential_secret_, what);
+}
+
 Status Coordinator::LoadState() {
   UniqueFd fd(open(options_.state_file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) {
@@ -880,6 +913,13 @@ Status Coordinator::LoadState() {
     return DataLossError(options_.state_file + ": not a coordinator state (corrupt?)");
   }
   next_member_id_ = std::max<uint32_t>(st.next_member_id(), 1);
+  if (st.credential_secret().size() == 32) {
+    credential_secret_ = st.credential_secret();
+  } else if (!st.members().empty()) {
+    LOG(WARNING) << "coordinator: " << options_.state_file
+                 << " has no credential secret (an older version wrote it): its members cannot "
+                    "prove who they are and must join anew";
+  }
   model_registered_ = st.model_registered();
   model_ = st.model();
   plan_fingerprint_ = st.plan_fingerprint();

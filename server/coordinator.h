@@ -102,6 +102,9 @@ class Coordinator {
   void SaveState();
   Status LoadState();
   bool IsPending(uint32_t member_id) const { return pending_.count(member_id) != 0; }
+  // The secret credential of a member (docs/security.md): HMAC-SHA256 under
+  // credential_secret_ of its id, role and rank.
+  std::string CredentialOf(const Member& m) const;
 
   CoordinatorOptions options_;
   UniqueFd listen_fd_;
@@ -113,6 +116,9 @@ class Coordinator {
   // Loop-thread state.
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   uint32_t next_member_id_ = 1;
+  // 32 random bytes drawn at first start (kept in the state file): the key of every member's
+  // credential. Never derived from the cluster token, so a token holder cannot forge one.
+  std::string credential_secret_;
   // Model state (loop thread).
   bool model_registered_ = false;
   RegisterModel model_;

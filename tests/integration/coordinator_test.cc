@@ -1,7 +1,10 @@
 // The coordinator against real sockets: auth, membership epochs, heartbeats, hostile input.
 #include <sys/socket.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -67,8 +70,8 @@ TEST(CoordinatorTest, MembersGetRanksConfigAndEpochs) {
   EXPECT_EQ((*w1)->reply().rank(), 1u);
   EXPECT_EQ((*w1)->reply().config().mode(), SSP);
   EXPECT_EQ((*w1)->reply().config().staleness(), 2u);
-  auto m = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 3; },
-                          milliseconds(3000));
+  auto m =
+      (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 3; }, milliseconds(3000));
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->epoch(), 3u);  // one epoch per join
   EXPECT_EQ(c->epoch(), 3u);
@@ -87,12 +90,13 @@ TEST(CoordinatorTest, DeadMemberLeavesWithinTheHeartbeatBound) {
   e.mutable_join()->set_cluster_token(kToken);
   e.mutable_join()->set_role(ROLE_WORKER);
   ASSERT_TRUE(SendEnvelope(fd->get(), e, milliseconds(1000)).ok());
-  ASSERT_TRUE((*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
-                             milliseconds(3000))
-                  .ok());
+  ASSERT_TRUE(
+      (*s0)
+          ->WaitFor([](const Membership& m) { return m.members_size() == 2; }, milliseconds(3000))
+          .ok());
   const auto t0 = std::chrono::steady_clock::now();
-  auto after = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; },
-                              milliseconds(5000));
+  auto after =
+      (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; }, milliseconds(5000));
   ASSERT_TRUE(after.ok()) << after.status();
   const auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_LE(took, milliseconds(400 + 500)) << "bound: timeout + one poll tick + slack";
@@ -110,12 +114,13 @@ TEST(CoordinatorTest, ClosedConnectionLeavesImmediately) {
   {
     auto w = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
     ASSERT_TRUE(w.ok());
-    ASSERT_TRUE((*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
-                               milliseconds(3000))
-                    .ok());
+    ASSERT_TRUE(
+        (*s0)
+            ->WaitFor([](const Membership& m) { return m.members_size() == 2; }, milliseconds(3000))
+            .ok());
   }  // destroyed: socket closed, as when a process dies
-  auto after = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; },
-                              milliseconds(2000));
+  auto after =
+      (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; }, milliseconds(2000));
   ASSERT_TRUE(after.ok()) << "heartbeat timeout is 10 s: EOF must be enough";
 }
 
@@ -125,7 +130,7 @@ TEST(CoordinatorTest, HostileBytesCloseOnlyThatConnection) {
   auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
   ASSERT_TRUE(s0.ok());
   const std::string attacks[] = {
-      "GET / HTTP/1.1\r\n\r\n",                       // bad magic
+      "GET / HTTP/1.1\r\n\r\n",                                      // bad magic
       std::string("SHPSCTL1") + std::string("\xff\xff\xff\x7f", 4),  // 2 GiB frame
       std::string("SHPSCTL1") + std::string("\x05\x00\x00\x00\xff\xff\xff\xff\xff", 9),
   };
@@ -163,8 +168,8 @@ TEST(CoordinatorTest, HostileBytesCloseOnlyThatConnection) {
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_TRUE((*s0)->status().ok());
   // The reply can reach the worker before the coordinator's snapshot is updated: wait for it.
-  auto m = (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; },
-                          milliseconds(3000));
+  auto m =
+      (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 2; }, milliseconds(3000));
   EXPECT_TRUE(m.ok()) << m.status();
 }
 
@@ -218,6 +223,58 @@ TEST(CoordinatorTest, RejoinOfAnUnknownMemberIsRefused) {
   EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status();
   EXPECT_NE(r.status().message().find("not a member of this cluster any more"), std::string::npos)
       << r.status();
+}
+
+// After a coordinator restart, a process that holds the cluster token but not the member's
+// credential cannot rejoin as that member (it would take over its rank and the real member,
+// refused, would fence itself). The real member then rejoins as itself.
+TEST(CoordinatorTest, RejoinUnderAnotherMembersIdNeedsItsCredential) {
+  const std::string state = ::testing::TempDir() + "coord-cred-" + std::to_string(getpid());
+  std::remove(state.c_str());
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.cluster_token = kToken;
+  o.state_file = state;
+  o.rejoin_grace = milliseconds(10000);
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  o.listen_address = (*c)->address();
+  ControlClientOptions vo = ClientOptions(**c, ROLE_SERVER, kToken);
+  vo.rejoin_window = milliseconds(10000);
+  auto victim = ControlClient::Join(vo);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  auto worker = ControlClient::Join(ClientOptions(**c, ROLE_WORKER, kToken));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  const uint32_t id = (*victim)->member_id();
+  const std::string credential = (*victim)->reply().credential();
+  ASSERT_EQ(credential.size(), 32u);
+  EXPECT_NE(credential, (*worker)->reply().credential());
+  c->reset();
+  auto again = Coordinator::Start(o);  // same address and state file
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto attempt = [&](const std::string& proof) {
+    ControlClientOptions a = ClientOptions(**again, ROLE_SERVER, kToken);
+    a.join.set_previous_member_id(id);
+    a.join.set_previous_credential(proof);
+    a.connect_timeout = milliseconds(2000);
+    return ControlClient::Join(a);
+  };
+  auto none = attempt("");
+  ASSERT_FALSE(none.ok()) << "a token holder rejoined as member " << id << " with no credential";
+  EXPECT_EQ(none.status().code(), StatusCode::kPermissionDenied) << none.status();
+  auto other = attempt((*worker)->reply().credential());  // another member's credential
+  ASSERT_FALSE(other.ok()) << "another member's credential was accepted for member " << id;
+  auto forged = attempt(std::string(32, 'x'));
+  ASSERT_FALSE(forged.ok());
+  // The real member is still expected, and comes back as itself.
+  const auto until = std::chrono::steady_clock::now() + milliseconds(8000);
+  while ((*again)->counters().rejoins < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_EQ((*again)->counters().rejoins, 2u);
+  EXPECT_TRUE((*victim)->status().ok()) << (*victim)->status();
+  EXPECT_EQ((*victim)->member_id(), id);
+  std::remove(state.c_str());
 }
 
 // Launchers start members and the coordinator together: a join retries a refused coordinator
