@@ -14,6 +14,7 @@
 
 #include "common/crypto.h"
 #include "common/net.h"
+#include "proto/credentials.h"
 #include "proto/shard_plan.h"
 
 namespace shardps::control {
@@ -488,10 +489,7 @@ void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
   has_model_ids_.push_back(c->member.member_id());
   dirty_ = true;
   if (shard_map_ready_) {
-    Envelope e;
-    *e.mutable_shard_map() = shard_map_;
-    e.mutable_shard_map()->set_epoch(epoch());
-    Queue(c, e);
+    Queue(c, ShardMapFor(c->member));
   } else {
     awaiting_map_.push_back(c->member.member_id());
     MaybeAssignShards();
@@ -592,6 +590,9 @@ void Coordinator::MaybeSendReplicaTarget(uint32_t g) {
   t->set_epoch(epoch());
   t->set_member_id(b->member.member_id());
   t->set_data_address(b->member.data_address());
+  t->set_peer_key(
+      PeerKey(CredentialOf(b->member),
+              {p->member.member_id(), static_cast<int>(p->member.role()), p->member.rank()}));
   for (const Region& r : ready->second.regions()) {
     if (r.name().rfind("repl_", 0) == 0) *t->add_regions() = r;
   }
@@ -619,8 +620,6 @@ void Coordinator::FillServerEntry(uint32_t g, uint32_t server_rank, ServerEntry*
 void Coordinator::BroadcastShardMap() {
   dirty_ = true;
   shard_map_.set_epoch(epoch());
-  Envelope e;
-  *e.mutable_shard_map() = shard_map_;
   for (auto& [fd, c] : conns_) {
     if (!c->joined || c->closing || c->member.role() != ROLE_WORKER) continue;
     if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
@@ -628,7 +627,7 @@ void Coordinator::BroadcastShardMap() {
       continue;  // gets the map when it is ready
     }
     if (!c->has_model) continue;  // asks for it with RegisterModel
-    Queue(c.get(), e);
+    Queue(c.get(), ShardMapFor(c->member));
   }
 }
 
@@ -707,13 +706,11 @@ void Coordinator::MaybePublishShardMap() {
   shard_map_.set_epoch(epoch());
   LOG(INFO) << "coordinator: shard map ready (" << shard_map_.chunks_size() << " chunks, "
             << num_servers << " servers); sending to " << awaiting_map_.size() << " workers";
-  Envelope e;
-  *e.mutable_shard_map() = shard_map_;
   for (auto& [fd, c] : conns_) {
     if (!c->joined || c->closing) continue;
     if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
         awaiting_map_.end()) {
-      Queue(c.get(), e);
+      Queue(c.get(), ShardMapFor(c->member));
     }
   }
   awaiting_map_.clear();
@@ -886,10 +883,23 @@ void Coordinator::SaveState() {
 }
 
 std::string Coordinator::CredentialOf(const Member& m) const {
-  const std::string what = "shardps-member-credential-v1|" + std::to_string(m.member_id()) + "|" +
-                           std::to_string(static_cast<int>(m.role())) + "|" +
-                           std::to_string(m.rank());
-  return crypto::HmacSha256(credential_secret_, what);
+  return MemberCredential(credential_secret_,
+                          {m.member_id(), static_cast<int>(m.role()), m.rank()});
+}
+
+Envelope Coordinator::ShardMapFor(const Member& worker) const {
+  Envelope e;
+  ShardMap* map = e.mutable_shard_map();
+  *map = shard_map_;
+  map->set_epoch(epoch());
+  const Identity client{worker.member_id(), static_cast<int>(worker.role()), worker.rank()};
+  for (ServerEntry& se : *map->mutable_servers()) {
+    if (se.lost()) continue;
+    const std::string server_credential =
+        MemberCredential(credential_secret_, {se.member_id(), ROLE_SERVER, se.server_rank()});
+    se.set_peer_key(PeerKey(server_credential, client));
+  }
+  return e;
 }
 
 Status Coordinator::LoadState() {

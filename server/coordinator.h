@@ -105,6 +105,8 @@ class Coordinator {
   // The secret credential of a member (docs/security.md): HMAC-SHA256 under
   // credential_secret_ of its id, role and rank.
   std::string CredentialOf(const Member& m) const;
+  // The shard map as `worker` receives it: with its own peer key for every server.
+  Envelope ShardMapFor(const Member& worker) const;
 
   CoordinatorOptions options_;
   UniqueFd listen_fd_;

@@ -11,6 +11,7 @@
 
 #include "common/net.h"
 #include "proto/control_client.h"
+#include "proto/credentials.h"
 #include "server/coordinator.h"
 
 namespace shardps::control {
@@ -275,6 +276,60 @@ TEST(CoordinatorTest, RejoinUnderAnotherMembersIdNeedsItsCredential) {
   EXPECT_TRUE((*victim)->status().ok()) << (*victim)->status();
   EXPECT_EQ((*victim)->member_id(), id);
   std::remove(state.c_str());
+}
+
+// Each worker's shard map carries, per server, its own data-path peer key, which the server
+// derives from its credential and the worker's identity alone (proto/credentials.h); no two
+// workers get the same key, and the key is not derivable from the cluster token.
+TEST(CoordinatorTest, ShardMapCarriesPerWorkerPeerKeysTheServerCanDerive) {
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.cluster_token = kToken;
+  o.config.set_mode(BSP);
+  o.config.set_num_servers(1);
+  o.config.set_num_workers(2);
+  o.config.set_partition_bytes(1024);
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto server = ControlClient::Join(ClientOptions(**c, ROLE_SERVER, kToken));
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<std::unique_ptr<ControlClient>> workers;
+  for (int i = 0; i < 2; ++i) {
+    auto w = ControlClient::Join(ClientOptions(**c, ROLE_WORKER, kToken));
+    ASSERT_TRUE(w.ok()) << w.status();
+    Envelope reg;
+    TensorSpecProto* t = reg.mutable_register_model()->add_tensors();
+    t->set_name("w");
+    t->add_shape(64);
+    ASSERT_TRUE((*w)->Send(reg).ok());
+    workers.push_back(std::move(*w));
+  }
+  auto assign = (*server)->WaitMessage(Envelope::kAssignShards, milliseconds(5000));
+  ASSERT_TRUE(assign.ok()) << assign.status();
+  Envelope ready;
+  ready.mutable_shards_ready()->set_plan_fingerprint(assign->assign_shards().plan_fingerprint());
+  for (const char* name : {"weights", "inbox", "acks", "clocks"}) {
+    Region* r = ready.mutable_shards_ready()->add_regions();
+    r->set_name(name);
+  }
+  ASSERT_TRUE((*server)->Send(ready).ok());
+  const std::string server_credential = (*server)->reply().credential();
+  std::vector<std::string> keys;
+  for (auto& w : workers) {
+    auto map = w->WaitMessage(Envelope::kShardMap, milliseconds(5000));
+    ASSERT_TRUE(map.ok()) << map.status();
+    ASSERT_EQ(map->shard_map().servers_size(), 1);
+    const ServerEntry& se = map->shard_map().servers(0);
+    ASSERT_EQ(se.peer_key().size(), 32u);
+    EXPECT_EQ(se.peer_key(),
+              PeerKey(server_credential, {w->member_id(), ROLE_WORKER, w->reply().rank()}));
+    // A key proves one identity: the other worker's identity gives another key.
+    EXPECT_NE(se.peer_key(),
+              PeerKey(server_credential, {w->member_id() + 1, ROLE_WORKER, w->reply().rank()}));
+    keys.push_back(se.peer_key());
+  }
+  EXPECT_NE(keys[0], keys[1]);
+  EXPECT_NE(server_credential, workers[0]->reply().credential());
 }
 
 // Launchers start members and the coordinator together: a join retries a refused coordinator
