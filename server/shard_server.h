@@ -1,5 +1,5 @@
 // ShardServer: the shardps_server daemon's engine. It joins the coordinator, receives the
-// chunks it owns, registers its three regions once (weights, inbox, acks; server/layout.h), and
+// chunks it owns, registers its three regions once (weights, inbox, acks; wire/region_layout.h), and
 // then applies gradients as their write-with-immediate completions arrive. Workers never send
 // it a message on the data path: pushes are one-sided writes into the inbox, pulls are
 // one-sided reads of the weights.
@@ -38,7 +38,7 @@
 #include "common/status.h"
 #include "proto/control_client.h"
 #include "server/checkpoint.h"
-#include "server/layout.h"
+#include "wire/region_layout.h"
 #include "server/optimizer.h"
 #include "transport/transport.h"
 

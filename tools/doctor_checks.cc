@@ -13,7 +13,7 @@
 
 #include "common/net.h"
 #include "proto/framing.h"
-#include "server/layout.h"
+#include "wire/region_layout.h"
 #include "tools/doctor.h"
 #include "tools/model_spec.h"
 #ifdef SHARDPS_HAVE_VERBS

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "proto/control_client.h"
-#include "server/layout.h"
+#include "wire/region_layout.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
 #include "worker/cuda_staging.h"
