@@ -197,10 +197,9 @@ void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
 void ShardServer::Reevaluate() {
   if (backup_) return;  // a backup follows its primary's records only
   for (uint32_t s = 0; s < chunks_->slots(); ++s) {
-    if (gate_->bsp()) {
-      MaybeApplyBsp(s);
-      continue;
-    }
+    // The gate answers for its mode: a BSP clock may be complete now (never in the other
+    // modes), or the published version's min clock may rise (never in BSP).
+    MaybeApplyBsp(s);
     const std::optional<uint64_t> mc = gate_->RaisedMinClockPlus1(
         s, chunks_->published_min_clock_plus1(s), chunks_->initialised(s), *workers_);
     if (mc) chunks_->RaisePublishedMinClock(s, *mc);
@@ -274,7 +273,7 @@ void ShardServer::DrainWork() {
     while (std::optional<DeferredPush> d = gate_->NextDeferred(slot)) {
       if (!HandlePush(d->worker, slot, d->parity, true)) break;  // it waits again, at the front
     }
-    if (gate_->bsp()) MaybeApplyBsp(slot);
+    MaybeApplyBsp(slot);  // BSP: the slot's next clock may be complete
   }
 }
 
