@@ -134,6 +134,11 @@ class ShardServer {
   // A new version of `slot` sits in `r`'s buffer: replicate it, then publish it.
   void Commit(uint32_t buffer, ReplRecord r);
   void FinishCommit(uint32_t slot);  // publish, acknowledge, capture; queue the slot's work
+  // Empties work_: for each slot, retries its deferred pushes (until one waits again) and
+  // completes its next BSP clock. Called after every completion handled (and after control and
+  // membership changes), so work_ is empty whenever a handler starts: a push never overtakes a
+  // deferred one of a slot whose version was just published (BSP would otherwise take a later
+  // clock as pending and drop the deferred earlier one as stale).
   void DrainWork();
   void MaybeCapture(uint32_t slot);
 
