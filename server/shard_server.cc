@@ -55,8 +55,9 @@ Status ShardServer::Setup() {
     listen =
         (options_.fabric.bind_ip.empty() ? std::string("0.0.0.0") : options_.fabric.bind_ip) + ":0";
   }
-  ASSIGN_OR_RETURN(listener_, fabric_->Listen(listen));
-  std::string data_address = listener_->address();
+  ASSIGN_OR_RETURN(auto listener, fabric_->Listen(listen));
+  endpoints_ = std::make_unique<EndpointTable>(std::move(listener));
+  std::string data_address = endpoints_->address();
   // A wildcard listen address is useless to peers: advertise a reachable one.
   if (data_address.rfind("0.0.0.0:", 0) == 0) {
     char host[256] = {0};
@@ -388,9 +389,7 @@ Status ShardServer::Serve() {
   if (control_) control_->Leave("server stopping").IgnoreError();
   // Tear the data path down now, as a process exit would: peers see their endpoints fail.
   stream_->Close();
-  endpoints_.clear();
-  endpoint_worker_.clear();
-  listener_.reset();
+  endpoints_->CloseAll();
   cq_.reset();
   return fenced;
 }
@@ -440,40 +439,23 @@ bool ShardServer::Housekeeping(Status* fenced) {
 void ShardServer::DropFailedEndpoints() {
   // Drop endpoints that failed (a dead worker); membership decides what it means.
   const uint64_t primary = applier_ ? applier_->primary_endpoint() : 0;
-  for (auto it = endpoints_.begin(); it != endpoints_.end();) {
-    if (it->second->status().ok()) {
-      ++it;
-      continue;
-    }
-    LOG(WARNING) << "server rank " << rank_ << ": endpoint " << it->first
-                 << (it->first == primary && primary != 0 ? " (the primary's replication stream)"
-                                                          : "")
-                 << " failed: " << it->second->status();
-    // endpoint_worker_ keeps its entry: immediates of this endpoint still queued in the CQ are
-    // pushes that arrived and are applied like any other (ids are never reused).
-    if (backup_ && it->first == primary) applier_->MarkBroken();
-    it = endpoints_.erase(it);
+  for (const auto& [id, why] : endpoints_->DropFailed()) {
+    LOG(WARNING) << "server rank " << rank_ << ": endpoint " << id
+                 << (id == primary && primary != 0 ? " (the primary's replication stream)" : "")
+                 << " failed: " << why;
+    if (backup_ && id == primary) applier_->MarkBroken();
     stats_.Bump(&ShardServerCounters::endpoint_errors);
   }
 }
 
 void ShardServer::AcceptPending() {
-  while (true) {
-    transport::EndpointOptions eo;
-    eo.endpoint_id = next_endpoint_id_;
-    eo.send_depth = 16;
-    // A backup's stream from its primary carries up to one record per ring entry.
-    eo.recv_depth = std::max<int>(RecvDepth(), static_cast<int>(repl_layout_->entries()) + 16);
-    auto ep = listener_->Accept(cq_.get(), eo, std::chrono::milliseconds(0));
-    if (!ep.ok()) {
-      if (ep.status().code() != StatusCode::kDeadlineExceeded) {
-        LOG(WARNING) << "server rank " << rank_ << ": accept: " << ep.status();
-      }
-      return;
-    }
-    endpoints_[next_endpoint_id_++] = std::move(*ep);
-    stats_.Bump(&ShardServerCounters::endpoints_accepted);
-  }
+  Status error;
+  // A backup's stream from its primary carries up to one record per ring entry.
+  const int accepted = endpoints_->AcceptPending(
+      cq_.get(), 16, std::max<int>(RecvDepth(), static_cast<int>(repl_layout_->entries()) + 16),
+      &error);
+  if (!error.ok()) LOG(WARNING) << "server rank " << rank_ << ": accept: " << error;
+  for (int i = 0; i < accepted; ++i) stats_.Bump(&ShardServerCounters::endpoints_accepted);
 }
 
 void ShardServer::Promote(const control::Promote& p) {
@@ -494,13 +476,12 @@ void ShardServer::Promote(const control::Promote& p) {
     for (int i = 0; i < n; ++i) {
       if (wc[i].op == OpType::kRecvImm && wc[i].ok()) HandleRecvImm(wc[i]);
     }
-    auto it = endpoints_.find(applier_->primary_endpoint());
-    const bool primary_gone = it == endpoints_.end() || !it->second->status().ok();
+    const bool primary_gone = !endpoints_->Healthy(applier_->primary_endpoint());
     if (n == 0 && (primary_gone || Clock::now() > deadline)) break;
   }
   // Cut the old primary off first (a partitioned one's later writes fail, so it never sees
   // them complete and never publishes them), then apply what it completed before the cut.
-  endpoints_.erase(applier_->primary_endpoint());
+  endpoints_->Close(applier_->primary_endpoint());
   for (int empty = 0; empty < 3;) {
     const int n = cq_->Wait(wc, 64, std::chrono::microseconds(1000));
     empty = n == 0 ? empty + 1 : 0;

@@ -22,7 +22,8 @@
 // The server wires components that own their state and return decisions (docs/architecture.md):
 // WorkerTable (incarnations, sequence numbers, clocks, departures), ConsistencyGate (the only
 // code that knows BSP/SSP/ASP/VSGD), ChunkStore (double buffers, publication, VSGD history),
-// ReplicationStream (primary side), ReplicaApplier (backup side), CheckpointCapture, AckBoard.
+// ReplicationStream (primary side), ReplicaApplier (backup side), CheckpointCapture, AckBoard,
+// EndpointTable (accepted endpoints and the worker on each).
 //
 // Thread safety: Run() is the apply/polling thread and owns all data-path state and every
 // component; Stop(), counters() and rank() may be called from any thread (e.g. a signal
@@ -48,6 +49,7 @@
 #include "server/checkpoint_capture.h"
 #include "server/chunk_store.h"
 #include "server/consistency_gate.h"
+#include "server/endpoint_table.h"
 #include "server/optimizer.h"
 #include "server/replica_applier.h"
 #include "server/replication_stream.h"
@@ -151,11 +153,8 @@ class ShardServer {
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;
-  std::unique_ptr<transport::Listener> listener_;
   std::unique_ptr<transport::CompletionQueue> cq_;
-  std::map<uint64_t, std::unique_ptr<transport::Endpoint>> endpoints_;  // by endpoint id
-  std::map<uint64_t, uint32_t> endpoint_worker_;                        // endpoint id -> rank
-  uint64_t next_endpoint_id_ = 1;
+  std::unique_ptr<EndpointTable> endpoints_;
   uint64_t seen_epoch_ = 0;
 
   // Registered regions (wire/region_layout.h).

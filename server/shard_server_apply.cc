@@ -30,13 +30,13 @@ void ShardServer::HandleRecvImm(const Completion& c) {
     HandleHello(c.endpoint_id, arg);
     return;
   }
-  auto it = endpoint_worker_.find(c.endpoint_id);
-  if (it == endpoint_worker_.end()) {
+  const std::optional<uint32_t> sender = endpoints_->WorkerOf(c.endpoint_id);
+  if (!sender) {
     LOG(WARNING) << "server rank " << rank_ << ": immediate from an endpoint that never said hello";
     stats_.Bump(&ShardServerCounters::rejected_pushes);
     return;
   }
-  const uint32_t worker = it->second;
+  const uint32_t worker = *sender;
   if (kind == layout::ImmKind::kInit) {
     HandleInit(worker, arg);
   } else if (kind == layout::ImmKind::kPush) {
@@ -54,7 +54,7 @@ void ShardServer::HandleReplication(const Completion& c, layout::ImmKind kind, u
     LOG_EVERY_N(WARNING, 100) << "server rank " << rank_
                               << ": replication traffic to a server that is not a backup "
                                  "(fenced); closing that endpoint";
-    endpoints_.erase(c.endpoint_id);
+    endpoints_->Close(c.endpoint_id);
     stats_.Bump(&ShardServerCounters::records_rejected);
     return;
   }
@@ -62,7 +62,7 @@ void ShardServer::HandleReplication(const Completion& c, layout::ImmKind kind, u
     if (arg != group_) {
       LOG(WARNING) << "server rank " << rank_ << ": replication hello for group " << arg
                    << ", but this server backs up group " << group_;
-      endpoints_.erase(c.endpoint_id);
+      endpoints_->Close(c.endpoint_id);
       return;
     }
     applier_->set_primary_endpoint(c.endpoint_id);
@@ -100,7 +100,7 @@ void ShardServer::HandleHello(uint64_t endpoint_id, uint32_t rank) {
   bool fresh = false;
   const bool known = workers_->Hello(rank, incarnation, endpoint_id, &fresh);
   if (fresh) ack_board_->ResetWorker(rank);
-  endpoint_worker_[endpoint_id] = rank;
+  endpoints_->BindWorker(endpoint_id, rank);
   LOG(INFO) << "server rank " << rank_ << ": worker " << rank << " connected (endpoint "
             << endpoint_id << ", incarnation " << incarnation
             << (known ? ", known: keeps its sequence numbers" : "") << ")";
