@@ -1,6 +1,6 @@
 // ShardServer: the shardps_server daemon's engine. It joins the coordinator, receives the
-// chunks it owns, registers its three regions once (weights, inbox, acks; server/layout.h), and
-// then applies gradients as their write-with-immediate completions arrive. Workers never send
+// chunks it owns, registers its three regions once (weights, inbox, acks; wire/region_layout.h),
+// and then applies gradients as their write-with-immediate completions arrive. Workers never send
 // it a message on the data path: pushes are one-sided writes into the inbox, pulls are
 // one-sided reads of the weights.
 //
@@ -19,8 +19,15 @@
 // state and exactly-once state (last sequence number per worker and chunk) match the primary's
 // bit for bit. When the coordinator promotes it, it drains the ring and serves the group.
 //
-// Thread safety: Run() is the apply/polling thread and owns all data-path state; Stop() may be
-// called from any thread (e.g. a signal handler's flag watcher).
+// The server wires components that own their state and return decisions (docs/architecture.md):
+// WorkerTable (incarnations, sequence numbers, clocks, departures), ConsistencyGate (the only
+// code that knows BSP/SSP/ASP/VSGD), ChunkStore (double buffers, publication, VSGD history),
+// ReplicationStream (primary side), ReplicaApplier (backup side), CheckpointCapture, AckBoard,
+// EndpointTable (accepted endpoints and the worker on each).
+//
+// Thread safety: Run() is the apply/polling thread and owns all data-path state and every
+// component; Stop(), counters() and rank() may be called from any thread (e.g. a signal
+// handler's flag watcher). ServerStats holds the only lock.
 #ifndef SHARDPS_SERVER_SHARD_SERVER_H_
 #define SHARDPS_SERVER_SHARD_SERVER_H_
 
@@ -37,10 +44,19 @@
 
 #include "common/status.h"
 #include "proto/control_client.h"
+#include "server/ack_board.h"
 #include "server/checkpoint.h"
-#include "server/layout.h"
+#include "server/checkpoint_capture.h"
+#include "server/chunk_store.h"
+#include "server/consistency_gate.h"
+#include "server/endpoint_table.h"
 #include "server/optimizer.h"
+#include "server/replica_applier.h"
+#include "server/replication_stream.h"
+#include "server/server_stats.h"
+#include "server/worker_table.h"
 #include "transport/transport.h"
+#include "wire/region_layout.h"
 
 namespace shardps::server {
 
@@ -66,29 +82,6 @@ struct ShardServerOptions {
   std::string restore_dir;
 };
 
-struct ShardServerCounters {
-  uint64_t pushes_applied = 0;
-  uint64_t duplicate_pushes = 0;  // same (worker, chunk, seq) seen again: dropped
-  uint64_t rejected_pushes = 0;   // malformed header, wrong chunk, unknown worker
-  uint64_t versions_published = 0;
-  uint64_t endpoints_accepted = 0;
-  uint64_t endpoint_errors = 0;
-  uint64_t deferred_pushes = 0;     // waited for the chunk's previous version to be replicated
-  uint64_t stale_pushes = 0;        // BSP: a clock already applied without it (a late joiner)
-  uint64_t records_sent = 0;        // primary: replication records written to the backup
-  uint64_t records_applied = 0;     // backup: records applied
-  uint64_t records_rejected = 0;    // backup: malformed, out of sequence or fenced
-  uint64_t replication_stalls = 0;  // primary: ring full, waited for the backup to consume
-  uint64_t promotions = 0;          // backup -> primary
-  uint64_t checkpoints_submitted = 0;
-  uint64_t checkpoints_written = 0;
-  uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on
-  uint64_t restored_clock = 0;       // the checkpoint clock restored at start (0: none)
-  bool backup = false;               // currently holds a backup copy (not serving workers)
-  bool replicating = false;          // currently replicating to a backup
-  uint32_t group = 0;
-};
-
 class ShardServer {
  public:
   explicit ShardServer(const ShardServerOptions& options);
@@ -101,90 +94,86 @@ class ShardServer {
   void Stop() { stop_ = true; }
 
   // Snapshots, for tests and logs (safe from any thread).
-  ShardServerCounters counters() const;
+  ShardServerCounters counters() const { return stats_.Snapshot(); }
   uint32_t rank() const { return rank_.load(); }
 
  private:
-  struct Chunk;
-  struct WorkerState;
-  struct Contributor {
-    uint32_t worker;
-    uint32_t parity;
-    uint64_t seq;
-    uint64_t incarnation;
-    int64_t clock;
+  // A version computed into a chunk's unpublished buffer, waiting for its replication record.
+  struct PendingVersion {
+    uint32_t buffer = 0;
+    uint64_t min_clock_plus1 = 0;
   };
-  enum class BackupState { kNone, kConnected, kFailed, kGone };
 
+  // Setup and control plane (shard_server.cc).
   Status Setup();
+  Status SetupRegions(const control::AssignShards& a);
+  Status SetupComponents(const control::AssignShards& a, const std::vector<uint64_t>& bytes);
+  Status SendShardsReady(const control::AssignShards& a);
+  Status ConnectReplication();
   Status Serve();
+  bool Housekeeping(Status* fenced);  // periodic: accept, membership, liveness; false: stop
+  void DropFailedEndpoints();
   void AcceptPending();
+  void PollControl();
+  void RefreshMembership();
+  void Promote(const control::Promote& p);
+  Status EnsureCheckpointWriter(const std::string& dir);
+  Status Restore(const std::string& dir, const std::string& fingerprint);
+  void OnCheckpointRequest(const control::CheckpointRequest& r);
+  int RecvDepth() const;
+
+  // Data path (shard_server_apply.cc). Handlers never re-enter each other: a published version
+  // puts its slot on work_, which DrainWork() empties once per completion handled.
   void HandleRecvImm(const transport::Completion& c);
+  void HandleReplication(const transport::Completion& c, layout::ImmKind kind, uint32_t arg);
   void HandleHello(uint64_t endpoint_id, uint32_t rank);
   void HandleInit(uint32_t worker, uint32_t slot);
-  // from_queue: a deferred push being retried (it keeps its place ahead of newer ones).
-  // Returns false if the push had to wait (it was queued).
+  // from_queue: a deferred push being retried. Returns false if the push had to wait.
   bool HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue);
   void HandleClock(uint32_t worker, uint32_t clock_low);
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
-  void ApplyBsp(uint32_t slot);
-  // Computes the next version into the unpublished buffer; returns the lr scale used.
-  float ApplyOne(uint32_t slot, const float* grad, float scale, uint64_t base_version);
-  // A new version sits in buffer `target`: replicate it (if there is a backup), then publish
-  // it and acknowledge its pushes. `payload` is registered memory (region, offset).
-  void Commit(uint32_t slot, uint32_t target, uint64_t min_clock_plus1, layout::ReplKind kind,
-              const transport::MemoryRegion* payload, uint64_t payload_offset, float scale,
-              float lr_scale, std::vector<Contributor> contributors);
-  void FinishCommit(uint32_t slot);
-  void DrainDeferred(uint32_t slot);
-  // The clock in the header of a deferred push; the lowest clock of a worker's deferred pushes
-  // of a slot (INT64_MAX: none).
-  int64_t DeferredClock(uint32_t slot, uint32_t worker, uint32_t parity) const;
-  int64_t MinDeferredClock(uint32_t slot, uint32_t worker) const;
-  void Publish(uint32_t slot, uint32_t target, uint64_t min_clock_plus1);
-  void RefreshMembership();
-  WorkerState& Worker(uint32_t rank, uint64_t incarnation);
-  // Replication.
-  Status ConnectBackup(const control::ReplicaTarget& t);
-  void PostRecord(uint32_t slot);
-  void PostWaitingRecords();
-  void HandleBackupCompletion(const transport::Completion& c);
-  void BackupFailed(const Status& why);
-  void ApplyRecord(uint32_t entry);
-  void Promote(const control::Promote& p);
-  void PollControl();
-  // Checkpoints: capture each chunk's state at the first version whose min clock reaches the
-  // checkpoint clock; submit the group's snapshot once every chunk is captured.
+  void MaybeApplyBsp(uint32_t slot);
+  // A new version of `slot` sits in `r`'s buffer: replicate it, then publish it.
+  void Commit(uint32_t buffer, ReplRecord r);
+  void FinishCommit(uint32_t slot);  // publish, acknowledge, capture; queue the slot's work
+  // Empties work_: for each slot, retries its deferred pushes (until one waits again) and
+  // completes its next BSP clock. Called after every completion handled (and after control and
+  // membership changes), so work_ is empty whenever a handler starts: a push never overtakes a
+  // deferred one of a slot whose version was just published (BSP would otherwise take a later
+  // clock as pending and drop the deferred earlier one as stale).
+  void DrainWork();
   void MaybeCapture(uint32_t slot);
-  Status EnsureCheckpointWriter(const std::string& dir);
-  Status Restore(const std::string& dir, const std::string& fingerprint);
-  uint64_t SspMinClockPlus1(uint32_t slot) const;
-  std::set<uint32_t> LiveWorkers() const;
 
   ShardServerOptions options_;
   std::atomic<bool> stop_{false};
   std::atomic<uint32_t> rank_{0};
+  ServerStats stats_;
 
+  // Transport and control plane.
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;
-  std::unique_ptr<transport::Listener> listener_;
   std::unique_ptr<transport::CompletionQueue> cq_;
-  std::map<uint64_t, std::unique_ptr<transport::Endpoint>> endpoints_;  // by endpoint id
-  std::map<uint64_t, uint32_t> endpoint_worker_;                        // endpoint id -> rank
-  uint64_t next_endpoint_id_ = 1;
-
-  std::unique_ptr<layout::ServerLayout> layout_;
-  std::unique_ptr<transport::MemoryRegion> weights_;
-  std::unique_ptr<transport::MemoryRegion> inbox_;
-  std::unique_ptr<transport::MemoryRegion> acks_;
-  std::unique_ptr<transport::MemoryRegion> clocks_;
-  std::vector<std::unique_ptr<Chunk>> chunks_;                // by slot
-  std::map<uint32_t, std::unique_ptr<WorkerState>> workers_;  // by rank
-  std::set<uint32_t> member_workers_;  // worker ranks in the latest membership
-  size_t most_workers_seen_ = 0;       // for exit_when_workers_done
-  std::set<uint32_t> departed_workers_;
+  std::unique_ptr<EndpointTable> endpoints_;
   uint64_t seen_epoch_ = 0;
+
+  // Registered regions (wire/region_layout.h).
+  std::unique_ptr<layout::ServerLayout> layout_;
+  std::unique_ptr<layout::ReplLayout> repl_layout_;
+  std::unique_ptr<transport::MemoryRegion> weights_, inbox_, acks_, clocks_;
+  std::unique_ptr<transport::MemoryRegion> ring_, consumed_;  // backup only
+
+  // Components (each owns its state; the server wires them together).
+  std::unique_ptr<ChunkStore> chunks_;
+  std::unique_ptr<WorkerTable> workers_;
+  std::unique_ptr<ConsistencyGate> gate_;
+  std::unique_ptr<AckBoard> ack_board_;
+  std::unique_ptr<ReplicationStream> stream_;  // primary side
+  std::unique_ptr<ReplicaApplier> applier_;    // backup side
+  std::unique_ptr<CheckpointCapture> capture_;
+  std::unique_ptr<CheckpointWriter> ckpt_writer_;  // the writer thread does the disk I/O
+  std::vector<PendingVersion> pending_;            // by slot: the version in flight
+  std::deque<uint32_t> work_;                      // slots with a newly published version
 
   // Role.
   uint32_t group_ = 0;
@@ -192,40 +181,7 @@ class ShardServer {
   bool backup_ = false;       // holds the group's backup copy, not serving workers yet
   uint64_t fence_epoch_ = 0;  // records and pushes of older epochs are refused
   std::vector<transport::Completion> early_;  // worker completions that reached a backup
-  // Primary side of replication.
-  BackupState backup_state_ = BackupState::kNone;
-  uint32_t backup_member_ = 0;
-  std::unique_ptr<transport::Endpoint> backup_ep_;
-  transport::RegionDescriptor backup_ring_, backup_consumed_;
-  std::unique_ptr<layout::ReplLayout> repl_layout_;
-  std::unique_ptr<transport::MemoryRegion> repl_staging_;  // per slot: header|contributors|sum
-  uint64_t repl_slot_stride_ = 0;
-  uint64_t consumed_staging_offset_ = 0;
-  uint64_t next_record_seq_ = 1;
-  uint64_t known_consumed_ = 0;
-  bool consumed_read_outstanding_ = false;
-  std::deque<uint32_t> ring_wait_;  // slots whose records wait for ring space
-  // Backup side of replication.
-  std::unique_ptr<transport::MemoryRegion> ring_;      // remote-write
-  std::unique_ptr<transport::MemoryRegion> consumed_;  // remote-read: u64 last applied seq
-  uint64_t primary_endpoint_ = 0;
-  uint64_t expected_record_ = 1;
-  // When this backup lost its primary's stream or refused a record (it cannot follow any more).
-  std::chrono::steady_clock::time_point repl_broken_since_{};
-
-  // Checkpoints (apply thread; the writer thread does the disk I/O).
   std::string plan_fingerprint_;
-  std::unique_ptr<CheckpointWriter> ckpt_writer_;
-  uint64_t ckpt_every_ = 0;
-  uint64_t ckpt_next_ = 0;  // the clock of the next checkpoint (0: none planned)
-  uint64_t ckpt_last_ = 0;  // the clock of the last one submitted (or restored)
-  std::unique_ptr<ShardSnapshot> ckpt_pending_;
-  std::vector<bool> ckpt_captured_;
-  uint32_t ckpt_captured_count_ = 0;
-  uint64_t restored_clock_ = 0;
-
-  mutable std::mutex counters_mu_;
-  ShardServerCounters counters_;
 };
 
 }  // namespace shardps::server

@@ -13,9 +13,9 @@
 
 #include "common/net.h"
 #include "proto/framing.h"
-#include "server/layout.h"
 #include "tools/doctor.h"
 #include "tools/model_spec.h"
+#include "wire/region_layout.h"
 #ifdef SHARDPS_HAVE_VERBS
 #include <infiniband/verbs.h>
 

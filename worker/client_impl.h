@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "proto/control_client.h"
-#include "server/layout.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
+#include "wire/region_layout.h"
 #include "worker/cuda_staging.h"
 
 namespace shardps::worker {

@@ -1,5 +1,6 @@
 // The memory a server registers once at start, and how workers address it. This is the
-// contract between server/ and worker/; docs/region-layout.md draws it.
+// contract between server/ and worker/ (and tools/, which size regions from it), so it lives
+// in wire/, included by both sides; docs/region-layout.md draws it.
 //
 // A server owning chunks c_0..c_{k-1} (its "slots") registers four regions:
 //
@@ -12,8 +13,8 @@
 // Everything is 64-byte aligned. Offsets are pure functions of (chunk sizes, max_workers), so
 // both sides compute them from the shard plan; the control plane ships only the three region
 // descriptors per server.
-#ifndef SHARDPS_SERVER_LAYOUT_H_
-#define SHARDPS_SERVER_LAYOUT_H_
+#ifndef SHARDPS_WIRE_REGION_LAYOUT_H_
+#define SHARDPS_WIRE_REGION_LAYOUT_H_
 
 #include <atomic>
 #include <cstddef>
@@ -210,4 +211,4 @@ inline ServerLayout::ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t ma
 
 }  // namespace shardps::layout
 
-#endif  // SHARDPS_SERVER_LAYOUT_H_
+#endif  // SHARDPS_WIRE_REGION_LAYOUT_H_

@@ -1,0 +1,128 @@
+#include "server/chunk_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <string>
+
+namespace shardps::server {
+
+void BeginOverwrite(layout::ChunkHeader* header, uint32_t buffer) {
+  header->gen[buffer].fetch_add(1, std::memory_order_acq_rel);
+}
+
+void PublishHeader(layout::ChunkHeader* header, uint32_t buffer, uint64_t version,
+                   uint64_t min_clock_plus1) {
+  header->version[buffer].store(version, std::memory_order_relaxed);
+  header->min_clock_plus1[buffer].store(min_clock_plus1, std::memory_order_relaxed);
+  header->state.store((version << 1) | buffer, std::memory_order_release);
+}
+
+ChunkStore::ChunkStore(const Options& options, const layout::ServerLayout& layout, void* weights,
+                       const std::vector<uint32_t>& chunk_ids,
+                       const std::vector<uint64_t>& chunk_bytes)
+    : options_(options), chunks_(layout.slots()) {
+  auto* base = static_cast<char*>(weights);
+  for (uint32_t s = 0; s < layout.slots(); ++s) {
+    DenseChunk& c = chunks_[s];
+    c.chunk_id = chunk_ids[s];
+    c.bytes = chunk_bytes[s];
+    c.elems = chunk_bytes[s] / sizeof(float);
+    c.header = new (base + layout.header_offset(s)) layout::ChunkHeader();
+    for (int b = 0; b < 2; ++b) {
+      c.buf[b] = reinterpret_cast<float*>(base + layout.buffer_offset(s, b));
+    }
+    c.optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, c.elems);
+  }
+}
+
+const float* ChunkStore::published(uint32_t slot) const {
+  return chunks_[slot].buf[chunks_[slot].published];
+}
+
+uint64_t ChunkStore::published_min_clock_plus1(uint32_t slot) const {
+  const DenseChunk& c = chunks_[slot];
+  return c.header->min_clock_plus1[c.published].load(std::memory_order_relaxed);
+}
+
+uint64_t ChunkStore::max_published_min_clock_plus1() const {
+  uint64_t m = 0;
+  for (uint32_t s = 0; s < slots(); ++s) m = std::max(m, published_min_clock_plus1(s));
+  return m;
+}
+
+uint32_t ChunkStore::Init(uint32_t slot, const float* src) {
+  DenseChunk& c = chunks_[slot];
+  BeginOverwrite(c.header, 0);
+  std::memcpy(c.buf[0], src, c.bytes);
+  return 0;
+}
+
+uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale) {
+  DenseChunk& c = chunks_[slot];
+  const uint32_t target = 1 - c.published;
+  BeginOverwrite(c.header, target);
+  c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target]);
+  return target;
+}
+
+float ChunkStore::ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const {
+  const DenseChunk& c = chunks_[slot];
+  if (base_version >= c.version) return 1.0f;
+  for (const auto& [v, w] : c.history) {
+    if (v == base_version) return VsgdScale(c.buf[c.published], w.data(), c.elems, lambda);
+  }
+  // Older than the history: treat as maximally stale (relative drift 1).
+  return 1.0f / (1.0f + lambda);
+}
+
+void ChunkStore::Publish(uint32_t slot, uint32_t buffer, uint64_t min_clock_plus1) {
+  DenseChunk& c = chunks_[slot];
+  const uint64_t v = c.version + 1;
+  PublishHeader(c.header, buffer, v, min_clock_plus1);
+  c.version = v;
+  c.published = buffer;
+  if (options_.history > 0) {
+    c.history.emplace_back(v, std::vector<float>(c.buf[buffer], c.buf[buffer] + c.elems));
+    while (c.history.size() > static_cast<size_t>(options_.history)) c.history.pop_front();
+  }
+}
+
+void ChunkStore::RaisePublishedMinClock(uint32_t slot, uint64_t min_clock_plus1) {
+  DenseChunk& c = chunks_[slot];
+  auto& mc = c.header->min_clock_plus1[c.published];
+  if (min_clock_plus1 > mc.load(std::memory_order_relaxed)) {
+    mc.store(min_clock_plus1, std::memory_order_release);
+  }
+}
+
+void ChunkStore::SetServingEpoch(uint64_t epoch) {
+  for (DenseChunk& c : chunks_) c.header->serving_epoch.store(epoch, std::memory_order_release);
+}
+
+ChunkState ChunkStore::Capture(uint32_t slot) const {
+  const DenseChunk& c = chunks_[slot];
+  ChunkState cs;
+  cs.chunk_id = c.chunk_id;
+  cs.version = c.version;
+  cs.weights.assign(c.buf[c.published], c.buf[c.published] + c.elems);
+  cs.optimizer_steps = c.optimizer->steps();
+  cs.state1 = c.optimizer->state1();
+  cs.state2 = c.optimizer->state2();
+  return cs;
+}
+
+Status ChunkStore::Restore(uint32_t slot, const ChunkState& cs, uint64_t clock) {
+  DenseChunk& c = chunks_[slot];
+  if (cs.chunk_id != c.chunk_id || cs.weights.size() != c.elems || cs.version == 0) {
+    return FailedPreconditionError("chunk " + std::to_string(slot) + " does not match the plan");
+  }
+  std::memcpy(c.buf[0], cs.weights.data(), c.bytes);
+  c.optimizer->RestoreState(cs.optimizer_steps, cs.state1, cs.state2);
+  c.version = cs.version;
+  c.published = 0;
+  PublishHeader(c.header, 0, cs.version, clock);
+  return Status::OK();
+}
+
+}  // namespace shardps::server

@@ -1,0 +1,101 @@
+// ChunkStore: the dense chunks a server owns, in its registered weights region
+// (wire/region_layout.h): per slot a ChunkHeader and two buffers, the optimizer state, the
+// published version and, for VSGD, a short history of published weights.
+//
+// The publication protocol (docs/region-layout.md), which pulls rely on without running any
+// server code, lives in two functions any kind of table shares:
+//   BeginOverwrite(header, b)  gen[b] += 1 (acq_rel) BEFORE buffer b is written;
+//   PublishHeader(header, b, version, min_clock_plus1)
+//                              version[b], min_clock_plus1[b], then state = version<<1|b
+//                              (release): one word, so a reader never pairs a version with the
+//                              wrong buffer.
+// A second kind of table (row-sparse embeddings) sits beside this one as another store over
+// its own slots, publishing through the same two functions.
+//
+// Computing a version and publishing it are separate steps: Compute()/Init() write the
+// unpublished buffer and return it; Publish() makes it visible. In between (a version waiting
+// for its replication record) pulls keep reading the published buffer.
+//
+// Thread safety: not thread-safe. Owned by the server's apply thread; workers read the headers
+// and buffers with one-sided reads, which the protocol above makes safe.
+#ifndef SHARDPS_SERVER_CHUNK_STORE_H_
+#define SHARDPS_SERVER_CHUNK_STORE_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "server/checkpoint.h"
+#include "server/optimizer.h"
+#include "wire/region_layout.h"
+
+namespace shardps::server {
+
+void BeginOverwrite(layout::ChunkHeader* header, uint32_t buffer);
+void PublishHeader(layout::ChunkHeader* header, uint32_t buffer, uint64_t version,
+                   uint64_t min_clock_plus1);
+
+class ChunkStore {
+ public:
+  struct Options {
+    OptimizerConfig optimizer;
+    int history = 0;  // published versions of weights kept per chunk (VSGD), 0: none
+  };
+  // `weights` is the registered weights region of `layout` (at least weights_bytes()); the
+  // headers are constructed in it. `chunk_ids` per slot.
+  ChunkStore(const Options& options, const layout::ServerLayout& layout, void* weights,
+             const std::vector<uint32_t>& chunk_ids, const std::vector<uint64_t>& chunk_bytes);
+  ChunkStore(const ChunkStore&) = delete;
+  ChunkStore& operator=(const ChunkStore&) = delete;
+
+  uint32_t slots() const { return static_cast<uint32_t>(chunks_.size()); }
+  uint32_t chunk_id(uint32_t slot) const { return chunks_[slot].chunk_id; }
+  uint64_t bytes(uint32_t slot) const { return chunks_[slot].bytes; }
+  size_t elems(uint32_t slot) const { return chunks_[slot].elems; }
+  uint64_t version(uint32_t slot) const { return chunks_[slot].version; }
+  bool initialised(uint32_t slot) const { return chunks_[slot].version > 0; }
+  uint32_t published_buffer(uint32_t slot) const { return chunks_[slot].published; }
+  const float* published(uint32_t slot) const;
+  uint64_t published_min_clock_plus1(uint32_t slot) const;
+  // The highest min clock (+1) any chunk has published.
+  uint64_t max_published_min_clock_plus1() const;
+
+  // Copies the initial weights into buffer 0; returns the buffer (0).
+  uint32_t Init(uint32_t slot, const float* src);
+  // Computes the next version from the published one into the other buffer; returns it.
+  uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale);
+  // VSGD: the learning-rate scale for a gradient computed on `base_version` (1 when current).
+  float ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const;
+  // Makes the version in `buffer` (the next version number) visible to pulls.
+  void Publish(uint32_t slot, uint32_t buffer, uint64_t min_clock_plus1);
+  // Raises the published version's min clock (clocks moved, nothing new computed).
+  void RaisePublishedMinClock(uint32_t slot, uint64_t min_clock_plus1);
+  // serving_epoch in every header (0 keeps workers away from a backup's copy).
+  void SetServingEpoch(uint64_t epoch);
+
+  // Checkpoints: the published state of a slot, and a restore of one (published in buffer 0).
+  ChunkState Capture(uint32_t slot) const;
+  Status Restore(uint32_t slot, const ChunkState& state, uint64_t clock);
+
+ private:
+  struct DenseChunk {
+    uint32_t chunk_id = 0;
+    uint64_t bytes = 0;
+    size_t elems = 0;
+    layout::ChunkHeader* header = nullptr;
+    float* buf[2] = {nullptr, nullptr};
+    std::unique_ptr<ChunkOptimizer> optimizer;
+    uint64_t version = 0;  // published
+    uint32_t published = 0;
+    std::deque<std::pair<uint64_t, std::vector<float>>> history;  // version -> weights
+  };
+  Options options_;
+  std::vector<DenseChunk> chunks_;  // by slot
+};
+
+}  // namespace shardps::server
+
+#endif  // SHARDPS_SERVER_CHUNK_STORE_H_

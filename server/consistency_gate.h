@@ -1,0 +1,135 @@
+// ConsistencyGate: the one place that knows the consistency modes (docs/consistency.md).
+//
+//  * BSP: a chunk's gradients of clock t are summed over the live workers and applied once; the
+//    new version carries min_clock = t. Pushes of later clocks wait; pushes of a clock already
+//    applied without them (a late joiner) are dropped.
+//  * SSP, ASP (SSP without a bound: the worker does not wait), VSGD (ASP/SSP with learning rates
+//    scaled by value staleness): each push is applied when it lands, in arrival order; a
+//    version's min_clock is the smallest clock whose pushes every live worker has had applied
+//    in that version.
+//
+// Per slot it holds the pushes that wait (deferred), the contributors of the version in flight
+// (computed, waiting for its replication record), and BSP's aggregation of one clock. It
+// answers, for a push, "apply, defer or drop"; for BSP, "is this clock complete"; and for a
+// version, "which min_clock may it publish". It reads the WorkerTable; it writes nothing but its
+// own state.
+//
+// The min clock of a published version counts only pushes in published versions: a push still
+// deferred, or folded into the version in flight, is not in the published weights, whatever
+// clock its worker has announced since. A version's min clock is recomputed when it is
+// published (clocks that arrived while it waited may raise it).
+//
+// Thread safety: not thread-safe. Owned by the server's apply thread.
+#ifndef SHARDPS_SERVER_CONSISTENCY_GATE_H_
+#define SHARDPS_SERVER_CONSISTENCY_GATE_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "server/worker_table.h"
+
+namespace shardps::server {
+
+enum class ConsistencyMode { kBsp, kSsp, kAsp, kVsgd };
+
+// One push, as a version (or a replication record) folds it in.
+struct Contributor {
+  uint32_t worker;
+  uint32_t parity;
+  uint64_t seq;
+  uint64_t incarnation;
+  int64_t clock;
+};
+
+// A push that waits in the gate: its inbox slot (worker, parity) and the clock of its header
+// (stable: a worker reuses an inbox slot only once its push there is acknowledged).
+struct DeferredPush {
+  uint32_t worker;
+  uint32_t parity;
+  int64_t clock;
+};
+
+// A complete BSP clock: its contributors in worker-rank order (the order of the sum, so that the
+// sum does not depend on arrival order).
+struct BspAggregate {
+  int64_t clock;
+  std::vector<Contributor> contributors;
+};
+
+class ConsistencyGate {
+ public:
+  enum class Decision {
+    kApply,          // SSP/ASP/VSGD: apply it now, alone
+    kAggregate,      // BSP: recorded as a contributor of the pending clock (see TakeBspClock)
+    kDefer,          // queued here; NextDeferred hands it back later
+    kDropStale,      // BSP: its clock was completed without it; acknowledge and drop
+    kUninitialised,  // the chunk has no version yet: reject
+  };
+
+  ConsistencyGate(ConsistencyMode mode, uint32_t slots);
+
+  ConsistencyMode mode() const { return mode_; }
+  bool bsp() const { return mode_ == ConsistencyMode::kBsp; }
+  // VSGD scales learning rates by value staleness, which needs a history of versions.
+  bool value_staleness() const { return mode_ == ConsistencyMode::kVsgd; }
+
+  // A validated, non-duplicate push of `c` (c.clock from its header). `from_queue`: handed back
+  // by NextDeferred (it keeps its place ahead of newer pushes if it must wait again).
+  // `initialised`: the chunk has a published version.
+  Decision OnPush(uint32_t slot, const Contributor& c, bool from_queue, bool initialised);
+
+  // BSP: the pending clock, when every live worker has contributed to it or moved past it
+  // without a push of it still queued here. Removes the aggregation (the clock is applied).
+  std::optional<BspAggregate> TakeBspClock(uint32_t slot, const WorkerTable& workers);
+
+  // A version of `slot` was computed and waits for publication; its pushes are `contributors`.
+  void BeginVersion(uint32_t slot, std::vector<Contributor> contributors);
+  bool in_flight(uint32_t slot) const { return slots_[slot].inflight; }
+  // The version in flight is published: returns its contributors (to acknowledge).
+  std::vector<Contributor> EndVersion(uint32_t slot);
+
+  // The next waiting push to retry (BSP: the lowest clock; otherwise arrival order); none while
+  // a version is in flight.
+  std::optional<DeferredPush> NextDeferred(uint32_t slot);
+  size_t deferred(uint32_t slot) const { return slots_[slot].deferred.size(); }
+
+  // Min clock (+1, 0 = none) for a version of `slot` about to be published that was computed
+  // with `computed_plus1`. BSP: the clock it applied; others: recomputed now (at least
+  // `computed_plus1`) once the chunk has been initialised.
+  uint64_t PublishMinClockPlus1(uint32_t slot, uint64_t computed_plus1, bool initialised,
+                                const WorkerTable& workers) const;
+  // SSP/ASP/VSGD: the min clock (+1) of the published version of `slot`, from the live
+  // workers' applied and announced clocks, less pushes deferred or in flight.
+  uint64_t SspMinClockPlus1(uint32_t slot, const WorkerTable& workers) const;
+  // After a clock or membership change: the min clock (+1) the published version may now carry,
+  // if higher than `published_plus1` (never for BSP, whose versions complete in TakeBspClock).
+  std::optional<uint64_t> RaisedMinClockPlus1(uint32_t slot, uint64_t published_plus1,
+                                              bool initialised, const WorkerTable& workers) const;
+
+  // BSP: the last clock applied (restore, and records replicated to a backup).
+  void NoteAppliedThrough(uint32_t slot, int64_t clock);
+  int64_t applied_through(uint32_t slot) const { return slots_[slot].applied_through; }
+
+ private:
+  struct Slot {
+    std::deque<DeferredPush> deferred;
+    bool inflight = false;
+    std::vector<Contributor> inflight_contributors;
+    // BSP aggregation of one clock at a time.
+    std::map<uint32_t, Contributor> contrib;  // by worker rank
+    int64_t pending_clock = -1;
+    int64_t applied_through = -1;
+  };
+  void Defer(Slot& s, const Contributor& c, bool from_queue);
+  int64_t MinDeferredClock(const Slot& s, uint32_t worker) const;
+
+  ConsistencyMode mode_;
+  std::vector<Slot> slots_;
+};
+
+}  // namespace shardps::server
+
+#endif  // SHARDPS_SERVER_CONSISTENCY_GATE_H_

@@ -1,0 +1,56 @@
+#include "server/endpoint_table.h"
+
+#include <chrono>
+
+namespace shardps::server {
+
+int EndpointTable::AcceptPending(transport::CompletionQueue* cq, int send_depth, int recv_depth,
+                                 Status* error) {
+  int accepted = 0;
+  while (listener_) {
+    transport::EndpointOptions eo;
+    eo.endpoint_id = next_id_;
+    eo.send_depth = send_depth;
+    eo.recv_depth = recv_depth;
+    auto ep = listener_->Accept(cq, eo, std::chrono::milliseconds(0));
+    if (!ep.ok()) {
+      if (ep.status().code() != StatusCode::kDeadlineExceeded) *error = ep.status();
+      break;
+    }
+    endpoints_[next_id_++] = std::move(*ep);
+    ++accepted;
+  }
+  return accepted;
+}
+
+bool EndpointTable::Healthy(uint64_t id) const {
+  auto it = endpoints_.find(id);
+  return it != endpoints_.end() && it->second->status().ok();
+}
+
+std::vector<std::pair<uint64_t, Status>> EndpointTable::DropFailed() {
+  std::vector<std::pair<uint64_t, Status>> dropped;
+  for (auto it = endpoints_.begin(); it != endpoints_.end();) {
+    if (it->second->status().ok()) {
+      ++it;
+      continue;
+    }
+    dropped.emplace_back(it->first, it->second->status());
+    it = endpoints_.erase(it);
+  }
+  return dropped;
+}
+
+void EndpointTable::CloseAll() {
+  endpoints_.clear();
+  worker_of_.clear();
+  listener_.reset();
+}
+
+std::optional<uint32_t> EndpointTable::WorkerOf(uint64_t id) const {
+  auto it = worker_of_.find(id);
+  if (it == worker_of_.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace shardps::server

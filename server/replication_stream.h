@@ -1,0 +1,128 @@
+// ReplicationStream: the primary side of replication (docs/fault-tolerance.md). Each new
+// version of a chunk becomes one record, written into the backup's registered ring with
+// one-sided writes (payload first, unsignaled; then header and contributors with the immediate:
+// writes on one endpoint are placed in order, so the backup sees the record whole when the
+// immediate lands). A version is published only once its record's write has completed.
+//
+// The stream returns decisions instead of publishing: Submit() says whether the version may be
+// published now (no backup) or waits for its record; OnCompletion() names the slot whose record
+// completed; OnBackupGone() tells the caller to publish every version that waited.
+//
+// It also owns the registered staging memory of the records (per slot: header, contributors,
+// and the BSP sum, which is a record's payload) and of the read of the backup's consumed word.
+//
+// Thread safety: not thread-safe. Owned by the server's apply thread (which polls the CQ its
+// endpoint completes on).
+#ifndef SHARDPS_SERVER_REPLICATION_STREAM_H_
+#define SHARDPS_SERVER_REPLICATION_STREAM_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "common/status.h"
+#include "proto/control.pb.h"
+#include "server/consistency_gate.h"
+#include "server/server_stats.h"
+#include "transport/transport.h"
+#include "wire/region_layout.h"
+
+namespace shardps::server {
+
+// One new version of a chunk, as replicated.
+struct ReplRecord {
+  uint32_t slot = 0;
+  layout::ReplKind kind = layout::ReplKind::kApply;
+  uint64_t version = 0;  // the version the record creates
+  uint64_t min_clock_plus1 = 0;
+  float scale = 1.0f;
+  float lr_scale = 1.0f;
+  uint64_t bytes = 0;
+  transport::LocalSlice payload;  // registered memory holding `bytes` of payload
+  std::vector<Contributor> contributors;
+};
+
+// Writes the record's header and contributors (as the backup reads them) into `dst`; returns
+// the bytes written. Pure.
+uint64_t EncodeRecord(const ReplRecord& r, uint64_t seq, uint64_t epoch, char* dst);
+
+// Whether a record of sequence `next_seq` fits in a ring of `entries` of which the backup has
+// consumed records up to `consumed`. Pure.
+inline bool RingHasSpace(uint64_t next_seq, uint64_t consumed, uint32_t entries) {
+  return next_seq - 1 - consumed < entries;
+}
+
+class ReplicationStream {
+ public:
+  static constexpr uint64_t kEndpointId = 1ull << 62;
+
+  // `staging` holds `slots` record stages of layout.stride bytes plus one aligned word.
+  ReplicationStream(transport::Fabric* fabric, transport::CompletionQueue* cq,
+                    const layout::ReplLayout& ring, uint32_t slots, uint32_t group,
+                    std::unique_ptr<transport::MemoryRegion> staging, ServerStats* stats,
+                    std::function<uint64_t()> epoch);
+  ~ReplicationStream();
+  // Bytes of staging memory to allocate for `slots` slots.
+  static uint64_t StagingBytes(const layout::ReplLayout& ring, uint32_t slots);
+
+  // BSP sums: registered memory, so that the sum is the record's payload.
+  float* sum(uint32_t slot) const;
+  transport::LocalSlice sum_payload(uint32_t slot, uint64_t bytes) const;
+
+  // Connects to the backup named by `t` and says hello; blocks up to 10 s on the CQ (nothing
+  // else may be on it yet).
+  Status Connect(const control::ReplicaTarget& t);
+  // The coordinator says there is no backup (at start, or after a failure).
+  void NoBackup();
+
+  enum class Disposition { kPublishNow, kWaitForRecord };
+  Disposition Submit(ReplRecord r);
+  // A completion of this stream's endpoint (endpoint_id == kEndpointId). Returns the slot whose
+  // record completed: its version may be published.
+  std::optional<uint32_t> OnCompletion(const transport::Completion& c);
+  // Checks the endpoint's health (a failure means versions wait for the coordinator).
+  void CheckEndpoint();
+  // The coordinator declared the backup gone: returns true if versions were waiting on it
+  // (every version in flight is then to be published).
+  bool OnBackupGone();
+
+  bool connected() const { return state_ == State::kConnected; }
+  bool failed() const { return state_ == State::kFailed; }
+  bool has_backup() const { return state_ != State::kNone; }
+  uint32_t backup_member() const { return backup_member_; }
+  void Close() { endpoint_.reset(); }
+
+ private:
+  enum class State { kNone, kConnected, kFailed, kGone };
+  void PostWaiting();
+  void Post(uint32_t slot);
+  void Failed(const Status& why);
+  char* stage(uint32_t slot) const;
+
+  transport::Fabric* fabric_;
+  transport::CompletionQueue* cq_;
+  const layout::ReplLayout& ring_;
+  uint32_t group_;
+  std::unique_ptr<transport::MemoryRegion> staging_;
+  ServerStats* stats_;
+  std::function<uint64_t()> epoch_;
+  uint64_t stride_;
+  uint64_t consumed_offset_;
+
+  State state_ = State::kNone;
+  uint32_t backup_member_ = 0;
+  std::unique_ptr<transport::Endpoint> endpoint_;
+  transport::RegionDescriptor backup_ring_, backup_consumed_;
+  uint64_t next_seq_ = 1;
+  uint64_t known_consumed_ = 0;
+  bool consumed_read_outstanding_ = false;
+  std::vector<std::optional<ReplRecord>> records_;  // per slot: the record to post
+  std::deque<uint32_t> ring_wait_;                  // slots whose records wait for ring space
+};
+
+}  // namespace shardps::server
+
+#endif  // SHARDPS_SERVER_REPLICATION_STREAM_H_

@@ -1,0 +1,291 @@
+// ShardServer's data path: the handlers of the completions the apply thread polls. Decisions
+// come from the components (WorkerTable, ConsistencyGate, ReplicationStream, CheckpointCapture);
+// these handlers carry them out. None of them calls another handler: a published version puts
+// its slot on work_, and DrainWork() retries the slot's deferred pushes and (BSP) completes its
+// next clock, once per completion handled, until no work is left.
+#include <algorithm>
+#include <cstring>
+
+#include <glog/logging.h>
+
+#include "server/shard_server.h"
+
+namespace shardps::server {
+
+using transport::Completion;
+
+void ShardServer::HandleRecvImm(const Completion& c) {
+  const uint32_t arg = layout::ImmArg(c.imm);
+  const layout::ImmKind kind = layout::ImmKindOf(c.imm);
+  if (kind == layout::ImmKind::kReplHello || kind == layout::ImmKind::kRepl) {
+    HandleReplication(c, kind, arg);
+    return;
+  }
+  if (backup_) {
+    // A worker that reached the backup before its promotion: kept until then.
+    if (early_.size() < 1u << 20) early_.push_back(c);
+    return;
+  }
+  if (kind == layout::ImmKind::kHello) {
+    HandleHello(c.endpoint_id, arg);
+    return;
+  }
+  const std::optional<uint32_t> sender = endpoints_->WorkerOf(c.endpoint_id);
+  if (!sender) {
+    LOG(WARNING) << "server rank " << rank_ << ": immediate from an endpoint that never said hello";
+    stats_.Bump(&ShardServerCounters::rejected_pushes);
+    return;
+  }
+  const uint32_t worker = *sender;
+  if (kind == layout::ImmKind::kInit) {
+    HandleInit(worker, arg);
+  } else if (kind == layout::ImmKind::kPush) {
+    HandlePush(worker, arg >> 1, arg & 1, false);
+  } else if (kind == layout::ImmKind::kClock) {
+    HandleClock(worker, arg);
+  } else {
+    stats_.Bump(&ShardServerCounters::rejected_pushes);
+  }
+}
+
+void ShardServer::HandleReplication(const Completion& c, layout::ImmKind kind, uint32_t arg) {
+  if (!backup_) {
+    // A primary that lost its group (fenced) still writing: refuse it.
+    LOG_EVERY_N(WARNING, 100) << "server rank " << rank_
+                              << ": replication traffic to a server that is not a backup "
+                                 "(fenced); closing that endpoint";
+    endpoints_->Close(c.endpoint_id);
+    stats_.Bump(&ShardServerCounters::records_rejected);
+    return;
+  }
+  if (kind == layout::ImmKind::kReplHello) {
+    if (arg != group_) {
+      LOG(WARNING) << "server rank " << rank_ << ": replication hello for group " << arg
+                   << ", but this server backs up group " << group_;
+      endpoints_->Close(c.endpoint_id);
+      return;
+    }
+    applier_->set_primary_endpoint(c.endpoint_id);
+    LOG(INFO) << "server rank " << rank_ << ": primary of group " << group_
+              << " connected its replication stream (endpoint " << c.endpoint_id << ")";
+    return;
+  }
+  if (c.endpoint_id != applier_->primary_endpoint()) {
+    stats_.Bump(&ShardServerCounters::records_rejected);
+    return;
+  }
+  Status st = applier_->Apply(arg, fence_epoch_, *chunks_, *workers_, *gate_, *ack_board_);
+  if (!st.ok()) {
+    LOG(ERROR) << "server rank " << rank_ << ": replication record in entry " << arg
+               << " refused: " << st.message() << " (this backup can no longer follow its primary)";
+    stats_.Bump(&ShardServerCounters::records_rejected);
+    return;
+  }
+  stats_.Update([](ShardServerCounters& k) {
+    ++k.versions_published;
+    ++k.records_applied;
+  });
+}
+
+void ShardServer::HandleHello(uint64_t endpoint_id, uint32_t rank) {
+  if (rank >= layout_->max_workers()) {
+    LOG(WARNING) << "server rank " << rank_ << ": hello from worker rank " << rank
+                 << " beyond max_workers " << layout_->max_workers();
+    return;
+  }
+  layout::Hello hello;
+  std::memcpy(&hello, static_cast<const char*>(clocks_->data()) + layout_->clock_offset(rank),
+              sizeof(hello));
+  const uint64_t incarnation = hello.magic == layout::kHelloMagic ? hello.incarnation : 0;
+  bool fresh = false;
+  const bool known = workers_->Hello(rank, incarnation, endpoint_id, &fresh);
+  if (fresh) ack_board_->ResetWorker(rank);
+  endpoints_->BindWorker(endpoint_id, rank);
+  LOG(INFO) << "server rank " << rank_ << ": worker " << rank << " connected (endpoint "
+            << endpoint_id << ", incarnation " << incarnation
+            << (known ? ", known: keeps its sequence numbers" : "") << ")";
+}
+
+void ShardServer::HandleInit(uint32_t worker, uint32_t slot) {
+  if (slot >= chunks_->slots() || worker != 0) return;
+  if (chunks_->initialised(slot) || gate_->in_flight(slot)) return;  // a duplicate
+  const char* src =
+      static_cast<const char*>(inbox_->data()) + layout_->push_data_offset(worker, slot, 0);
+  ReplRecord r;
+  r.slot = slot;
+  r.kind = layout::ReplKind::kInit;
+  r.bytes = chunks_->bytes(slot);
+  r.payload = {weights_.get(), layout_->buffer_offset(slot, 0), r.bytes};
+  Commit(chunks_->Init(slot, reinterpret_cast<const float*>(src)), std::move(r));
+}
+
+bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue) {
+  auto reject = [&](const char* why) {
+    LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": push from worker " << worker
+                              << " slot " << slot << " rejected: " << why;
+    stats_.Bump(&ShardServerCounters::rejected_pushes);
+    return true;
+  };
+  if (slot >= chunks_->slots()) return reject("slot out of range");
+  const WorkerState* w = workers_->Find(worker);
+  if (w == nullptr) return reject("unknown worker");
+  const char* base = static_cast<const char*>(inbox_->data());
+  layout::PushHeader h;
+  std::memcpy(&h, base + layout_->push_header_offset(worker, slot, parity), sizeof(h));
+  if (h.magic != layout::kPushMagic) return reject("bad magic");
+  if (h.chunk_id != chunks_->chunk_id(slot) || h.bytes != chunks_->bytes(slot) ||
+      h.worker != worker) {
+    return reject("header does not match the slot");
+  }
+  if ((h.seq & 1) != parity) return reject("parity does not match seq");
+  if (h.epoch < fence_epoch_) return reject("push from an epoch before this server's promotion");
+  if (workers_->IsDuplicate(worker, slot, h.seq)) {
+    stats_.Bump(&ShardServerCounters::duplicate_pushes);
+    return true;  // applied already: exactly once
+  }
+  const int64_t clock = static_cast<int64_t>(h.clock);
+  const Contributor push{worker, parity, h.seq, w->incarnation, clock};
+  switch (gate_->OnPush(slot, push, from_queue, chunks_->initialised(slot))) {
+    case ConsistencyGate::Decision::kDefer:
+      stats_.Bump(&ShardServerCounters::deferred_pushes);
+      return false;
+    case ConsistencyGate::Decision::kUninitialised:
+      return reject("chunk not initialised yet");
+    case ConsistencyGate::Decision::kDropStale:
+      // Its clock was completed without it: acknowledge and drop it rather than mixing clocks.
+      workers_->Consume(worker, slot, h.seq, -1);
+      ack_board_->Raise(worker, slot, h.seq);
+      LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": BSP push of clock " << clock
+                                << " from worker " << worker << " for chunk "
+                                << chunks_->chunk_id(slot)
+                                << " arrived after that clock was applied; dropped";
+      stats_.Bump(&ShardServerCounters::stale_pushes);
+      return true;
+    case ConsistencyGate::Decision::kAggregate:
+      workers_->Consume(worker, slot, h.seq, clock);
+      stats_.Bump(&ShardServerCounters::pushes_applied);
+      MaybeApplyBsp(slot);
+      return true;
+    case ConsistencyGate::Decision::kApply:
+      break;
+  }
+  const size_t live = std::max<size_t>(1, workers_->Live().size());
+  ReplRecord r;
+  r.slot = slot;
+  r.scale = options_.average ? 1.0f / live : 1.0f;
+  if (gate_->value_staleness()) {
+    r.lr_scale = chunks_->ValueStalenessScale(slot, h.base_version, options_.vsgd_lambda);
+  }
+  r.bytes = chunks_->bytes(slot);
+  r.payload = {inbox_.get(), layout_->push_data_offset(worker, slot, parity), r.bytes};
+  const uint32_t buffer = chunks_->Compute(
+      slot, reinterpret_cast<const float*>(base + r.payload.offset), r.scale, r.lr_scale);
+  workers_->Consume(worker, slot, h.seq, clock);
+  stats_.Bump(&ShardServerCounters::pushes_applied);
+  r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
+  r.contributors = {push};
+  Commit(buffer, std::move(r));
+  return true;
+}
+
+void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
+  // The clock comes from the immediate, not from the slot: by the time this immediate is
+  // polled the slot may already hold a later clock whose pushes are still queued behind it.
+  if (workers_->AdvanceClock(worker, clock_low)) Reevaluate();
+}
+
+void ShardServer::Reevaluate() {
+  if (backup_) return;  // a backup follows its primary's records only
+  for (uint32_t s = 0; s < chunks_->slots(); ++s) {
+    // The gate answers for its mode: a BSP clock may be complete now (never in the other
+    // modes), or the published version's min clock may rise (never in BSP).
+    MaybeApplyBsp(s);
+    const std::optional<uint64_t> mc = gate_->RaisedMinClockPlus1(
+        s, chunks_->published_min_clock_plus1(s), chunks_->initialised(s), *workers_);
+    if (mc) chunks_->RaisePublishedMinClock(s, *mc);
+  }
+}
+
+void ShardServer::MaybeApplyBsp(uint32_t slot) {
+  std::optional<BspAggregate> a = gate_->TakeBspClock(slot, *workers_);
+  if (!a) return;
+  // Sum in worker-rank order, straight from the inbox slots (a worker reuses an inbox slot
+  // only after its push is acknowledged, which happens at publication), so the sum does not
+  // depend on arrival order: runs are reproducible bit for bit, failovers included.
+  const char* base = static_cast<const char*>(inbox_->data());
+  const size_t elems = chunks_->elems(slot);
+  float* sum = stream_->sum(slot);
+  bool first = true;
+  for (const Contributor& k : a->contributors) {
+    const auto* g =
+        reinterpret_cast<const float*>(base + layout_->push_data_offset(k.worker, slot, k.parity));
+    if (first) {
+      std::memcpy(sum, g, chunks_->bytes(slot));
+      first = false;
+    } else {
+      for (size_t i = 0; i < elems; ++i) sum[i] += g[i];
+    }
+  }
+  const size_t n = std::max<size_t>(1, a->contributors.size());
+  ReplRecord r;
+  r.slot = slot;
+  r.scale = options_.average ? 1.0f / n : 1.0f;
+  r.bytes = chunks_->bytes(slot);
+  r.payload = stream_->sum_payload(slot, r.bytes);
+  r.min_clock_plus1 = static_cast<uint64_t>(a->clock) + 1;
+  r.contributors = std::move(a->contributors);
+  Commit(chunks_->Compute(slot, sum, r.scale, 1.0f), std::move(r));
+}
+
+void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
+  const uint32_t slot = r.slot;
+  r.version = chunks_->version(slot) + 1;
+  pending_[slot] = PendingVersion{buffer, r.min_clock_plus1};
+  gate_->BeginVersion(slot, r.contributors);
+  if (stream_->Submit(std::move(r)) == ReplicationStream::Disposition::kPublishNow) {
+    FinishCommit(slot);
+  }
+}
+
+void ShardServer::FinishCommit(uint32_t slot) {
+  if (!gate_->in_flight(slot)) return;
+  const bool initialised = chunks_->initialised(slot);
+  const std::vector<Contributor> contributors = gate_->EndVersion(slot);
+  const PendingVersion& v = pending_[slot];
+  chunks_->Publish(slot, v.buffer,
+                   gate_->PublishMinClockPlus1(slot, v.min_clock_plus1, initialised, *workers_));
+  stats_.Bump(&ShardServerCounters::versions_published);
+  // The pushes folded into this version are acknowledged only now: their inbox slots (and, for
+  // a failover, the workers' own buffers) may be reused once the version is replicated.
+  for (const Contributor& a : contributors) {
+    const WorkerState* w = workers_->Find(a.worker);
+    if (w == nullptr || w->incarnation != a.incarnation) continue;
+    ack_board_->Raise(a.worker, slot, a.seq);
+  }
+  MaybeCapture(slot);
+  work_.push_back(slot);
+}
+
+void ShardServer::DrainWork() {
+  while (!work_.empty()) {
+    const uint32_t slot = work_.front();
+    work_.pop_front();
+    while (std::optional<DeferredPush> d = gate_->NextDeferred(slot)) {
+      if (!HandlePush(d->worker, slot, d->parity, true)) break;  // it waits again, at the front
+    }
+    MaybeApplyBsp(slot);  // BSP: the slot's next clock may be complete
+  }
+}
+
+void ShardServer::MaybeCapture(uint32_t slot) {
+  if (!ckpt_writer_ || backup_) return;
+  if (!capture_->Wants(slot, chunks_->published_min_clock_plus1(slot), control_->epoch())) return;
+  std::optional<ShardSnapshot> snap = capture_->Captured(slot, chunks_->Capture(slot), *workers_);
+  if (!snap) return;
+  VLOG(1) << "server rank " << rank_ << ": checkpoint of group " << group_ << " at clock "
+          << snap->clock << " captured";
+  ckpt_writer_->Submit(std::move(*snap));
+  stats_.Bump(&ShardServerCounters::checkpoints_submitted);
+}
+
+}  // namespace shardps::server

@@ -1,0 +1,192 @@
+#include "server/consistency_gate.h"
+
+#include <gtest/gtest.h>
+
+namespace shardps::server {
+namespace {
+
+using D = ConsistencyGate::Decision;
+
+// Two workers (ranks 0 and 1) on one slot, both members.
+class GateTest : public ::testing::TestWithParam<ConsistencyMode> {
+ protected:
+  GateTest() : workers_(1) {
+    bool fresh = false;
+    workers_.Hello(0, 10, 1, &fresh);
+    workers_.Hello(1, 11, 2, &fresh);
+    workers_.SetMembers({0, 1});
+  }
+  Contributor Push(uint32_t worker, uint64_t seq, int64_t clock) {
+    return Contributor{worker, static_cast<uint32_t>(seq & 1), seq, 10 + worker, clock};
+  }
+  // What the server does with an applied push: records its sequence number and clock.
+  void Applied(const Contributor& c) { workers_.Consume(c.worker, 0, c.seq, c.clock); }
+  WorkerTable workers_;
+};
+
+TEST_P(GateTest, UninitialisedChunksRejectPushes) {
+  ConsistencyGate g(GetParam(), 1);
+  EXPECT_EQ(g.OnPush(0, Push(0, 1, 0), false, false), D::kUninitialised);
+}
+
+TEST_P(GateTest, AVersionInFlightDefersEveryPushAndHandsThemBackInOrder) {
+  ConsistencyGate g(GetParam(), 1);
+  g.BeginVersion(0, {Push(0, 1, 0)});
+  EXPECT_TRUE(g.in_flight(0));
+  EXPECT_EQ(g.OnPush(0, Push(1, 1, 1), false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Push(0, 2, 0), false, true), D::kDefer);
+  EXPECT_FALSE(g.NextDeferred(0).has_value());  // not while in flight
+  const std::vector<Contributor> acks = g.EndVersion(0);
+  ASSERT_EQ(acks.size(), 1u);
+  EXPECT_EQ(acks[0].seq, 1u);
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  // BSP: the lowest clock first; the others: arrival order.
+  EXPECT_EQ(d->worker, GetParam() == ConsistencyMode::kBsp ? 0u : 1u);
+  EXPECT_EQ(g.deferred(0), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllModes, GateTest,
+                         ::testing::Values(ConsistencyMode::kBsp, ConsistencyMode::kSsp,
+                                           ConsistencyMode::kAsp, ConsistencyMode::kVsgd),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case ConsistencyMode::kBsp:
+                               return std::string("bsp");
+                             case ConsistencyMode::kSsp:
+                               return std::string("ssp");
+                             case ConsistencyMode::kAsp:
+                               return std::string("asp");
+                             default:
+                               return std::string("vsgd");
+                           }
+                         });
+
+class AsyncGateTest : public GateTest {};
+
+TEST_P(AsyncGateTest, PushesApplyInArrivalOrderBehindDeferredOnes) {
+  ConsistencyGate g(GetParam(), 1);
+  EXPECT_EQ(g.OnPush(0, Push(0, 1, 0), false, true), D::kApply);
+  g.BeginVersion(0, {Push(0, 1, 0)});
+  EXPECT_EQ(g.OnPush(0, Push(1, 1, 0), false, true), D::kDefer);
+  g.EndVersion(0);
+  // A new arrival may not overtake the deferred push...
+  EXPECT_EQ(g.OnPush(0, Push(0, 2, 1), false, true), D::kDefer);
+  // ...which, handed back, applies (from_queue).
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->worker, 1u);
+  EXPECT_EQ(g.OnPush(0, Push(1, 1, 0), true, true), D::kApply);
+}
+
+TEST_P(AsyncGateTest, MinClockCountsOnlyPushesInPublishedVersions) {
+  ConsistencyGate g(GetParam(), 1);
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 0u);  // nothing applied yet
+  // Both workers push clock 0; worker 0's version is published, worker 1's is in flight.
+  Applied(Push(0, 1, 0));
+  Applied(Push(1, 1, 0));
+  g.BeginVersion(0, {Push(1, 1, 0)});
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 0u) << "worker 1's clock 0 is not published";
+  // Worker 1 finishes clock 0 and 1 meanwhile: still not in the published weights.
+  workers_.AdvanceClock(1, 2);
+  workers_.AdvanceClock(0, 1);
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 0u);
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 0, true, workers_).has_value());
+  // Published: the min clock is recomputed at publication (worker 0 finished clock 0).
+  g.EndVersion(0);
+  EXPECT_EQ(g.PublishMinClockPlus1(0, 0, true, workers_), 1u);
+  // The very first version (the init) keeps the min clock it was computed with.
+  EXPECT_EQ(g.PublishMinClockPlus1(0, 0, false, workers_), 0u);
+  // A deferred push of clock 1 holds worker 1 at clock 0 whatever it announced.
+  workers_.AdvanceClock(0, 3);
+  g.BeginVersion(0, {});
+  EXPECT_EQ(g.OnPush(0, Push(1, 2, 1), false, true), D::kDefer);
+  g.EndVersion(0);
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 1u);
+  EXPECT_EQ(g.RaisedMinClockPlus1(0, 0, true, workers_), std::optional<uint64_t>(1));
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 1, true, workers_).has_value());
+  // Its departure lets the others go on (worker 0 finished clock 2).
+  workers_.SetMembers({0});
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 3u);
+}
+
+TEST_P(AsyncGateTest, DeparturesStopHoldingTheMinClockBack) {
+  ConsistencyGate g(GetParam(), 1);
+  Applied(Push(0, 1, 4));
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 0u);  // worker 1 applied nothing
+  workers_.SetMembers({0});                        // worker 1 left
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 5u);
+  EXPECT_FALSE(g.TakeBspClock(0, workers_).has_value());  // never for the async modes
+}
+
+INSTANTIATE_TEST_SUITE_P(Async, AsyncGateTest,
+                         ::testing::Values(ConsistencyMode::kSsp, ConsistencyMode::kAsp,
+                                           ConsistencyMode::kVsgd));
+
+TEST(BspGateTest, AClockCompletesWhenEveryLiveWorkerContributedSummedInRankOrder) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.SetMembers({0, 1});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  EXPECT_TRUE(g.bsp());
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true), D::kAggregate);
+  EXPECT_FALSE(g.TakeBspClock(0, workers).has_value());  // worker 0 missing
+  // A push of the next clock waits for this one.
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 0, 2, 11, 1}, false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true), D::kAggregate);
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->clock, 0);
+  ASSERT_EQ(a->contributors.size(), 2u);
+  EXPECT_EQ(a->contributors[0].worker, 0u);  // rank order, not arrival order
+  EXPECT_EQ(a->contributors[1].worker, 1u);
+  EXPECT_EQ(g.applied_through(0), 0);
+  // The version's min clock is the clock applied.
+  EXPECT_EQ(g.PublishMinClockPlus1(0, 1, true, workers), 1u);
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 0, true, workers).has_value());
+  // A late push of clock 0 is dropped.
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 10, 0}, false, true), D::kDropStale);
+}
+
+TEST(BspGateTest, AWorkerPastTheClockIsNotWaitedForUnlessItsPushIsQueued) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.SetMembers({0, 1});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true), D::kAggregate);
+  // Worker 1's push of clock 0 waits behind a version in flight; it announced clock 1.
+  g.BeginVersion(0, {});
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true), D::kDefer);
+  workers.AdvanceClock(1, 1);
+  EXPECT_FALSE(g.TakeBspClock(0, workers).has_value()) << "in flight";
+  g.EndVersion(0);
+  EXPECT_FALSE(g.TakeBspClock(0, workers).has_value()) << "worker 1's clock 0 is queued";
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, d->clock}, true, true), D::kAggregate);
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->contributors.size(), 2u);
+  // Clock 1: worker 0 pushes; worker 1 announced clock 2 without a push of clock 1 queued.
+  workers.AdvanceClock(1, 2);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 10, 1}, false, true), D::kAggregate);
+  a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->contributors.size(), 1u);
+  // A departure completes a clock too.
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 3, 10, 2}, false, true), D::kAggregate);
+  workers.AdvanceClock(1, 2);
+  EXPECT_FALSE(g.TakeBspClock(0, workers).has_value());
+  workers.SetMembers({0});
+  EXPECT_TRUE(g.TakeBspClock(0, workers).has_value());
+  // A backup follows records: applied_through only rises.
+  g.NoteAppliedThrough(0, 1);
+  EXPECT_EQ(g.applied_through(0), 2);
+}
+
+}  // namespace
+}  // namespace shardps::server
