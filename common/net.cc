@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -19,7 +20,7 @@ using Clock = std::chrono::steady_clock;
 int MsLeft(Clock::time_point deadline) {
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left < 0 ? 0 : static_cast<int>(left);
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, 1 << 30)));
 }
 
 StatusOr<sockaddr_storage> Resolve(const HostPort& hp, socklen_t* len, bool passive) {
@@ -29,8 +30,8 @@ StatusOr<sockaddr_storage> Resolve(const HostPort& hp, socklen_t* len, bool pass
   hints.ai_flags = passive ? AI_PASSIVE : 0;
   addrinfo* res = nullptr;
   const std::string port = std::to_string(hp.port);
-  const int rc = getaddrinfo(hp.host.empty() ? nullptr : hp.host.c_str(), port.c_str(), &hints,
-                             &res);
+  const int rc =
+      getaddrinfo(hp.host.empty() ? nullptr : hp.host.c_str(), port.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
     return UnavailableError("cannot resolve '" + hp.host + "': " + gai_strerror(rc));
   }
@@ -70,7 +71,8 @@ StatusOr<HostPort> ParseHostPort(const std::string& s) {
     port = s.substr(close + 2);
   } else {
     const size_t colon = s.rfind(':');
-    if (colon == std::string::npos) return InvalidArgumentError("bad address '" + s + "' (want host:port)");
+    if (colon == std::string::npos)
+      return InvalidArgumentError("bad address '" + s + "' (want host:port)");
     hp.host = s.substr(0, colon);
     port = s.substr(colon + 1);
   }
@@ -158,8 +160,7 @@ StatusOr<UniqueFd> AcceptTcp(int listen_fd, std::chrono::milliseconds timeout) {
   return fd;
 }
 
-Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+Status SendAll(int fd, const void* data, size_t n, Deadline deadline, const char* what) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -169,17 +170,16 @@ Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds tim
       continue;
     }
     if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError("send", errno);
+    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError(what, errno);
     pollfd pf{fd, POLLOUT, 0};
     const int r = poll(&pf, 1, MsLeft(deadline));
-    if (r == 0) return DeadlineExceededError("send: timed out");
-    if (r < 0 && errno != EINTR) return ErrnoError("poll", errno);
+    if (r == 0) return DeadlineExceededError(std::string(what) + ": timed out");
+    if (r < 0 && errno != EINTR) return ErrnoError(std::string(what) + ": poll", errno);
   }
   return Status::OK();
 }
 
-Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+Status RecvAll(int fd, void* data, size_t n, Deadline deadline, const char* what) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
@@ -188,15 +188,23 @@ Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) 
       n -= static_cast<size_t>(k);
       continue;
     }
-    if (k == 0) return UnavailableError("peer closed the connection");
+    if (k == 0) return UnavailableError(std::string(what) + ": peer closed the connection");
     if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError("recv", errno);
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError(what, errno);
     pollfd pf{fd, POLLIN, 0};
     const int r = poll(&pf, 1, MsLeft(deadline));
-    if (r == 0) return DeadlineExceededError("recv: timed out");
-    if (r < 0 && errno != EINTR) return ErrnoError("poll", errno);
+    if (r == 0) return DeadlineExceededError(std::string(what) + ": timed out");
+    if (r < 0 && errno != EINTR) return ErrnoError(std::string(what) + ": poll", errno);
   }
   return Status::OK();
+}
+
+Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout) {
+  return SendAll(fd, data, n, Clock::now() + timeout);
+}
+
+Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) {
+  return RecvAll(fd, data, n, Clock::now() + timeout);
 }
 
 }  // namespace shardps::net

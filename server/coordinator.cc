@@ -843,13 +843,7 @@ void Coordinator::SaveState() {
   }
   const std::string tmp = options_.state_file + ".tmp";
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  bool ok = fd.valid();
-  for (size_t off = 0; ok && off < bytes.size();) {
-    const ssize_t k = write(fd.get(), bytes.data() + off, bytes.size() - off);
-    if (k < 0 && errno == EINTR) continue;
-    ok = k > 0;
-    if (ok) off += static_cast<size_t>(k);
-  }
+  bool ok = fd.valid() && fdio::WriteAll(fd.get(), bytes.data(), bytes.size()).ok();
   ok = ok && fsync(fd.get()) == 0;
   fd.reset();
   if (!ok || rename(tmp.c_str(), options_.state_file.c_str()) != 0) {

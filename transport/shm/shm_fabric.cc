@@ -64,8 +64,8 @@ StatusOr<Mapping> MapFd(int fd, size_t len, int prot, const char* what, size_t a
     if (p == MAP_FAILED) return ErrnoError(std::string("shm: mmap ") + what, errno);
     return Mapping(p, len);
   }
-  void* r = mmap(nullptr, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
+  void* r =
+      mmap(nullptr, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (r == MAP_FAILED) return ErrnoError(std::string("shm: reserving space for ") + what, errno);
   const uintptr_t base = reinterpret_cast<uintptr_t>(r);
   const uintptr_t aligned = (base + align - 1) & ~(static_cast<uintptr_t>(align) - 1);
@@ -113,8 +113,8 @@ Status MakeAddress(const std::string& address, sockaddr_un* sa, socklen_t* len,
   std::memset(sa, 0, sizeof(*sa));
   sa->sun_family = AF_UNIX;
   const bool is_path = address.find('/') != std::string::npos;
-  const std::string name = (!is_path && !address.empty() && address[0] == '@')
-                               ? address.substr(1) : address;
+  const std::string name =
+      (!is_path && !address.empty() && address[0] == '@') ? address.substr(1) : address;
   if (name.empty()) return InvalidArgumentError("shm: empty address");
   if (name.size() + 1 > sizeof(sa->sun_path)) {
     return InvalidArgumentError("shm: address too long: " + address);
@@ -325,8 +325,8 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
       last = ErrnoError("shm: ftruncate arena", errno);
     }
     if (size <= (64ull << 20)) return last.WithContext("shm: cannot reserve an arena");
-    LOG(WARNING) << "shm: cannot reserve a " << Bytes(size) << " arena (" << last
-                 << "); trying " << Bytes(size / 4);
+    LOG(WARNING) << "shm: cannot reserve a " << Bytes(size) << " arena (" << last << "); trying "
+                 << Bytes(size / 4);
     size /= 4;
   }
   core->arena_size_ = size;
@@ -508,7 +508,7 @@ RegionDescriptor ShmRegion::descriptor() const {
 
 ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqState> cq,
                          const EndpointOptions& options, ConnectionParts parts)
-    : Endpoint(options.endpoint_id),
+    : Endpoint(options.endpoint_id, core.get(), kMaxOperationBytes),
       core_(std::move(core)),
       cq_(std::move(cq)),
       parts_(std::move(parts)),
@@ -518,8 +518,8 @@ ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqSta
       description_(parts_.description) {
   peer_arena_ = parts_.peer->arena.data();
   peer_arena_size_ = parts_.peer->arena.size();
-  peer_entries_ = reinterpret_cast<const TableEntry*>(parts_.peer->table.data() +
-                                                      sizeof(TableHeader));
+  peer_entries_ =
+      reinterpret_cast<const TableEntry*>(parts_.peer->table.data() + sizeof(TableHeader));
   uint8_t* db = parts_.doorbell.data();
   const int out_ring = parts_.is_acceptor ? 1 : 0;
   out_ = RingView::At(db, out_ring, parts_.cap0, parts_.cap1);
@@ -610,8 +610,8 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
   if (ftruncate(db_fd.get(), static_cast<off_t>(db_bytes)) != 0) {
     return ErrnoError("shm: ftruncate doorbell", errno);
   }
-  ASSIGN_OR_RETURN(parts.doorbell, MapFd(db_fd.get(), db_bytes, PROT_READ | PROT_WRITE,
-                                         "doorbell"));
+  ASSIGN_OR_RETURN(parts.doorbell,
+                   MapFd(db_fd.get(), db_bytes, PROT_READ | PROT_WRITE, "doorbell"));
   auto* dh = reinterpret_cast<DoorbellHeader*>(parts.doorbell.data());
   dh->version.store(kLayoutVersion, std::memory_order_relaxed);
   dh->capacity[0].store(parts.cap0, std::memory_order_relaxed);
@@ -646,12 +646,12 @@ class ShmFabric final : public Fabric {
            " sparse memfd}";
   }
 
-  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
-                                                         Access access,
+  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length, Access access,
                                                          MemoryKind kind) override {
     if (kind == MemoryKind::kCuda) {
-      return UnimplementedError("shm: CUDA device memory is not supported by the shm provider "
-                                "(use verbs with GPUDirect, or stage through host memory)");
+      return UnimplementedError(
+          "shm: CUDA device memory is not supported by the shm provider "
+          "(use verbs with GPUDirect, or stage through host memory)");
     }
     if (access != Access::kLocalOnly) {
       return FailedPreconditionError(
@@ -659,8 +659,8 @@ class ShmFabric final : public Fabric {
           "memory is allowed only with Access::kLocalOnly)");
     }
     if (addr == nullptr && length > 0) return InvalidArgumentError("shm: null address");
-    return std::unique_ptr<MemoryRegion>(new ShmRegion(core_, addr, length, access, 0, false,
-                                                       FabricCore::Range{}, false));
+    return std::unique_ptr<MemoryRegion>(
+        new ShmRegion(core_, addr, length, access, 0, false, FabricCore::Range{}, false));
   }
 
   StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) override {

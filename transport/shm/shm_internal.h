@@ -84,7 +84,7 @@ class ShmRegion final : public MemoryRegion {
  public:
   ShmRegion(std::shared_ptr<FabricCore> core, void* data, size_t length, Access access,
             uint32_t rkey, bool published, FabricCore::Range range, bool owned)
-      : MemoryRegion(data, length, access, MemoryKind::kHost),
+      : MemoryRegion(core.get(), data, length, access, MemoryKind::kHost),
         core_(std::move(core)),
         rkey_(rkey),
         published_(published),
@@ -144,13 +144,16 @@ class ShmCompletionQueue final : public CompletionQueue {
 struct ConnectionParts {
   UniqueFd sock;
   std::shared_ptr<PeerMemory> peer;  // the peer's arena and table
-  Mapping doorbell;      // read-write, both rings
-  uint32_t cap0 = 0;     // ring 0: connector -> acceptor, capacity = acceptor's recv_depth
-  uint32_t cap1 = 0;     // ring 1: acceptor -> connector, capacity = connector's recv_depth
+  Mapping doorbell;                  // read-write, both rings
+  uint32_t cap0 = 0;  // ring 0: connector -> acceptor, capacity = acceptor's recv_depth
+  uint32_t cap1 = 0;  // ring 1: acceptor -> connector, capacity = connector's recv_depth
   bool is_acceptor = false;
   uint32_t peer_pid = 0;
   std::string description;
 };
+
+// One operation moves at most this much (the same bound as tcp; a region is smaller anyway).
+constexpr uint64_t kMaxOperationBytes = uint64_t{1} << 40;
 
 // One connection. Owned and used by the polling thread of its CQ.
 class ShmEndpoint final : public Endpoint {
@@ -160,19 +163,13 @@ class ShmEndpoint final : public Endpoint {
               const EndpointOptions& options, ConnectionParts parts);
   ~ShmEndpoint() override;
 
-  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                   uint32_t flags) override;
-  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                      uint64_t context, uint32_t flags) override;
-  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                  uint32_t flags) override;
   Status status() const override { return status_; }
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override { return description_; }
 
   // Called by the CQ's Poll.
-  void Progress(int64_t now_ns);                 // liveness check + backlog drain
-  int PollInbound(Completion* out, int max);     // kRecvImm from the inbound ring
+  void Progress(int64_t now_ns);              // liveness check + backlog drain
+  int PollInbound(Completion* out, int max);  // kRecvImm from the inbound ring
   void ReturnCredits(int n) { credits_.Return(n); }
 
  private:
@@ -187,7 +184,8 @@ class ShmEndpoint final : public Endpoint {
   };
   enum class Outcome { kDone, kBlocked };
 
-  Status Post(const Op& op);
+  Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+                     uint64_t context, uint32_t flags) override;
   Outcome Execute(Op& op);
   // Resolves [addr, addr+len) of the peer's region named by rkey to a local pointer, or
   // explains why the access is refused.

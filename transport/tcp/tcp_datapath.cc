@@ -240,9 +240,9 @@ void TcpCompletionQueue::Purge(TcpEndpoint* ep) {
 // ---------------------------------------------------------------------------------------------
 // TcpEndpoint: setup and teardown
 
-TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, Fd fd, TcpCompletionQueue* cq,
+TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpCompletionQueue* cq,
                          const EndpointOptions& options, std::string local, std::string remote)
-    : Endpoint(options.endpoint_id),
+    : Endpoint(options.endpoint_id, engine.get(), kMaxMessageBytes),
       engine_(std::move(engine)),
       fd_(std::move(fd)),
       send_depth_(options.send_depth),
@@ -291,38 +291,9 @@ std::string TcpEndpoint::DebugString() const { return "tcp:" + local_ + "->" + r
 // ---------------------------------------------------------------------------------------------
 // Posting (polling thread)
 
-Status TcpEndpoint::PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                              uint32_t flags) {
-  return Post(OpType::kWrite, src, dst, 0, context, flags);
-}
-
-Status TcpEndpoint::PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                                 uint64_t context, uint32_t flags) {
-  return Post(OpType::kWriteImm, src, dst, imm, context, flags);
-}
-
-Status TcpEndpoint::PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                             uint32_t flags) {
-  return Post(OpType::kRead, dst, src, 0, context, flags);
-}
-
-Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice& remote,
-                         uint32_t imm, uint64_t context, uint32_t flags) {
-  const auto* region = dynamic_cast<const TcpRegion*>(local.region);
-  if (region == nullptr || region->engine() != engine_.get()) {
-    return InvalidArgumentError(
-        "tcp: the local slice's region is not registered with this "
-        "fabric");
-  }
-  if (local.offset > region->length() || local.length > region->length() - local.offset) {
-    return OutOfRangeError("tcp: local slice [" + std::to_string(local.offset) + ", +" +
-                           std::to_string(local.length) + ") exceeds its region of " +
-                           std::to_string(region->length()) + " bytes");
-  }
-  if (local.length > kMaxMessageBytes) {
-    return InvalidArgumentError("tcp: operation of " + std::to_string(local.length) +
-                                " bytes is too large");
-  }
+Status TcpEndpoint::PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote,
+                                uint32_t imm, uint64_t context, uint32_t flags) {
+  const auto* region = static_cast<const TcpRegion*>(local.region);  // checked: ours
   RETURN_IF_ERROR(credits_.Take());
   char* lptr = static_cast<char*>(region->data()) + local.offset;
   const PendingOp op{context,     local.length, lptr, remote.addr,

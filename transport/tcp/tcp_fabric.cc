@@ -22,6 +22,7 @@
 
 #include <glog/logging.h>
 
+#include "common/net.h"
 #include "transport/providers.h"
 #include "transport/tcp/tcp_internal.h"
 
@@ -67,52 +68,6 @@ void ConfigureSocket(int fd) {
   if (wmem_max >= kSocketBufferBytes) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
 }
 
-Status SendAll(int fd, const void* buf, size_t len, Clock::time_point deadline) {
-  const char* p = static_cast<const char*>(buf);
-  while (len > 0) {
-    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd pf{fd, POLLOUT, 0};
-      const int ms = RemainingMs(deadline);
-      if (ms == 0 || ::poll(&pf, 1, ms) == 0)
-        return DeadlineExceededError("handshake: send timed out");
-      continue;
-    }
-    return ErrnoError("handshake: send", errno);
-  }
-  return Status::OK();
-}
-
-Status RecvAll(int fd, void* buf, size_t len, Clock::time_point deadline) {
-  char* p = static_cast<char*>(buf);
-  while (len > 0) {
-    const ssize_t n = ::recv(fd, p, len, 0);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) return UnavailableError("handshake: peer closed the connection");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      pollfd pf{fd, POLLIN, 0};
-      const int ms = RemainingMs(deadline);
-      if (ms == 0 || ::poll(&pf, 1, ms) == 0) {
-        return DeadlineExceededError("handshake: no hello from the peer in time");
-      }
-      continue;
-    }
-    return ErrnoError("handshake: recv", errno);
-  }
-  return Status::OK();
-}
-
 // Both sides send their hello, then read and check the peer's.
 Status Handshake(int fd, const EndpointOptions& options, Clock::time_point deadline) {
   Hello mine{};
@@ -122,9 +77,10 @@ Status Handshake(int fd, const EndpointOptions& options, Clock::time_point deadl
   mine.send_depth = static_cast<uint32_t>(options.send_depth);
   mine.recv_depth = static_cast<uint32_t>(options.recv_depth);
   mine.endpoint_id = options.endpoint_id;
-  RETURN_IF_ERROR(SendAll(fd, &mine, sizeof(mine), deadline));
+  RETURN_IF_ERROR(net::SendAll(fd, &mine, sizeof(mine), deadline, "handshake: send"));
   Hello peer{};
-  RETURN_IF_ERROR(RecvAll(fd, &peer, sizeof(peer), deadline));
+  RETURN_IF_ERROR(
+      net::RecvAll(fd, &peer, sizeof(peer), deadline, "handshake: hello from the peer"));
   if (peer.magic != kHelloMagic) {
     char buf[64];
     snprintf(buf, sizeof(buf), "handshake: bad magic 0x%08x (not a shardps tcp peer)", peer.magic);
@@ -166,13 +122,6 @@ Status CheckEndpointOptions(const EndpointOptions& o) {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-void Fd::Reset() {
-  if (fd_ >= 0) {
-    if (::close(fd_) != 0) PLOG(WARNING) << "tcp: close(" << fd_ << ")";
-    fd_ = -1;
-  }
-}
 
 Status ParseAddress(const std::string& address, sockaddr_in* out) {
   const size_t colon = address.rfind(':');
@@ -233,9 +182,9 @@ StatusOr<std::shared_ptr<TcpEngine>> TcpEngine::Create(const FabricOptions& opti
     }
   }
   std::shared_ptr<TcpEngine> e(new TcpEngine(options));
-  e->epoll_fd_ = Fd(epoll_create1(EPOLL_CLOEXEC));
+  e->epoll_fd_ = UniqueFd(epoll_create1(EPOLL_CLOEXEC));
   if (!e->epoll_fd_.valid()) return ErrnoError("tcp: epoll_create1", errno);
-  e->event_fd_ = Fd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  e->event_fd_ = UniqueFd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!e->event_fd_.valid()) return ErrnoError("tcp: eventfd", errno);
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -489,7 +438,7 @@ AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool w
 
 TcpRegion::TcpRegion(std::shared_ptr<TcpEngine> engine, void* data, size_t length, Access access,
                      size_t owned_map_bytes)
-    : MemoryRegion(data, length, access, MemoryKind::kHost),
+    : MemoryRegion(engine.get(), data, length, access, MemoryKind::kHost),
       engine_(std::move(engine)),
       rkey_(engine_->RegisterRegion(static_cast<char*>(data), length, access)),
       owned_map_bytes_(owned_map_bytes) {}
@@ -518,7 +467,7 @@ namespace {
 
 class TcpListener final : public Listener {
  public:
-  TcpListener(std::shared_ptr<TcpEngine> engine, Fd fd, std::string address)
+  TcpListener(std::shared_ptr<TcpEngine> engine, UniqueFd fd, std::string address)
       : engine_(std::move(engine)), fd_(std::move(fd)), address_(std::move(address)) {}
   std::string address() const override { return address_; }
   StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
@@ -526,7 +475,7 @@ class TcpListener final : public Listener {
 
  private:
   std::shared_ptr<TcpEngine> engine_;
-  Fd fd_;
+  UniqueFd fd_;
   const std::string address_;
 };
 
@@ -548,8 +497,8 @@ void UnreserveCq(TcpEngine* engine, TcpCompletionQueue* cq, const EndpointOption
   cq->quota().Release(options.send_depth + options.recv_depth);
 }
 
-StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine, Fd fd,
-                                                 TcpCompletionQueue* cq,
+StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine,
+                                                 UniqueFd fd, TcpCompletionQueue* cq,
                                                  const EndpointOptions& options) {
   const std::string local = LocalAddress(fd.get());
   const std::string remote = PeerAddress(fd.get());
@@ -580,7 +529,7 @@ StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
       return DeadlineExceededError("tcp: no peer connected to " + address_ + " within " +
                                    std::to_string(timeout.count()) + " ms");
     }
-    Fd conn(accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    UniqueFd conn(accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (!conn.valid()) {
       if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
       UnreserveCq(engine_.get(), tcq, options);
@@ -657,7 +606,7 @@ class TcpFabric final : public Fabric {
     if (sa.sin_addr.s_addr == htonl(INADDR_ANY) && !engine_->options().bind_ip.empty()) {
       inet_pton(AF_INET, engine_->options().bind_ip.c_str(), &sa.sin_addr);
     }
-    Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return ErrnoError("tcp: socket", errno);
     int one = 1;
     setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -690,8 +639,9 @@ class TcpFabric final : public Fabric {
   }
 
  private:
-  StatusOr<Fd> Dial(const sockaddr_in& sa, const std::string& address, Clock::time_point deadline) {
-    Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  StatusOr<UniqueFd> Dial(const sockaddr_in& sa, const std::string& address,
+                          Clock::time_point deadline) {
+    UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return ErrnoError("socket", errno);
     if (!engine_->options().bind_ip.empty()) {
       sockaddr_in src{};
@@ -726,7 +676,7 @@ class TcpFabric final : public Fabric {
   static in_addr PrimaryIp() {
     in_addr out{};
     out.s_addr = htonl(INADDR_LOOPBACK);
-    Fd s(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    UniqueFd s(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
     if (!s.valid()) return out;
     sockaddr_in probe{};
     probe.sin_family = AF_INET;

@@ -35,6 +35,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/fd.h"
 #include "transport/flow_control.h"
 #include "transport/tcp/tcp_wire.h"
 #include "transport/transport.h"
@@ -43,35 +44,6 @@ namespace shardps::transport::tcp {
 
 class TcpEndpoint;
 class TcpCompletionQueue;
-
-// An owned file descriptor (closed on destruction). Not thread-safe.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { Reset(); }
-  Fd(Fd&& o) noexcept : fd_(o.Release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      fd_ = o.Release();
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int Release() {
-    const int f = fd_;
-    fd_ = -1;
-    return f;
-  }
-  void Reset();
-
- private:
-  int fd_ = -1;
-};
 
 // Result of checking a remote access against the registry, as an HCA would.
 enum class AccessCheck : uint8_t { kOk, kUnknownRkey, kOutOfBounds, kNoAccess };
@@ -152,8 +124,8 @@ class TcpEngine {
   std::unordered_map<uint32_t, RegionEntry> regions_;  // guarded by reg_mu_
   std::atomic<uint32_t> next_rkey_;
 
-  Fd epoll_fd_;
-  Fd event_fd_;
+  UniqueFd epoll_fd_;
+  UniqueFd event_fd_;
   std::thread thread_;
   std::atomic<std::thread::id> thread_id_{};
   std::atomic<bool> stop_{false};
@@ -234,7 +206,7 @@ class TcpCompletionQueue final : public CompletionQueue {
   CqQuota quota_;
   std::unordered_set<TcpEndpoint*> attached_;
 
-  Fd event_fd_;  // signalled by Push while a Wait sleeps
+  UniqueFd event_fd_;  // signalled by Push while a Wait sleeps
   std::mutex mu_;
   std::vector<Entry> ring_;  // guarded by mu_
   size_t head_ = 0;          // guarded by mu_
@@ -253,16 +225,10 @@ class TcpCompletionQueue final : public CompletionQueue {
 // CQ. OnEvents/TryResume/OnRegionGone: the progress thread. See tcp_datapath.cc.
 class TcpEndpoint final : public Endpoint {
  public:
-  TcpEndpoint(std::shared_ptr<TcpEngine> engine, Fd fd, TcpCompletionQueue* cq,
+  TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpCompletionQueue* cq,
               const EndpointOptions& options, std::string local, std::string remote);
   ~TcpEndpoint() override;
 
-  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                   uint32_t flags) override;
-  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm, uint64_t context,
-                      uint32_t flags) override;
-  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                  uint32_t flags) override;
   Status status() const override;
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override;
@@ -303,8 +269,8 @@ class TcpEndpoint final : public Endpoint {
   enum class RxAction : uint8_t { kNone, kWrite, kWriteImm, kReadResp, kNak, kReadRespGone };
   enum class IoResult : uint8_t { kAgain, kRetry, kDead };
 
-  Status Post(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
-              uint64_t context, uint32_t flags);
+  Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+                     uint64_t context, uint32_t flags) override;
   // op_mu_ held.
   void CompleteLocked(const PendingOp& op, WcStatus status);
   void CompleteUpToLocked(uint64_t seq);
@@ -325,7 +291,7 @@ class TcpEndpoint final : public Endpoint {
   void Fail(WcStatus wc, Status why);
 
   std::shared_ptr<TcpEngine> engine_;
-  Fd fd_;
+  UniqueFd fd_;
   const int send_depth_;
   const int recv_depth_;
   const std::string local_;

@@ -279,47 +279,6 @@ StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bin
   }
 }
 
-Status SendAll(int fd, const void* data, size_t len, Deadline deadline) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (len > 0) {
-    ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      RETURN_IF_ERROR(WaitFd(fd, POLLOUT, deadline, "sending the handshake"));
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    return ErrnoError("verbs bootstrap: send", errno);
-  }
-  return Status::OK();
-}
-
-Status RecvAll(int fd, void* data, size_t len, Deadline deadline) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (len > 0) {
-    ssize_t n = recv(fd, p, len, 0);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) {
-      return UnavailableError("verbs bootstrap: peer closed the connection during the handshake");
-    }
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      RETURN_IF_ERROR(WaitFd(fd, POLLIN, deadline, "waiting for the peer's handshake"));
-      continue;
-    }
-    if (errno == EINTR) continue;
-    return ErrnoError("verbs bootstrap: recv", errno);
-  }
-  return Status::OK();
-}
-
 Status ProbePeer(int fd) {
   uint8_t buf[64];
   for (;;) {
