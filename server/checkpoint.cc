@@ -750,16 +750,16 @@ CheckpointWriter::CheckpointWriter(Options options)
 
 CheckpointWriter::~CheckpointWriter() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
 void CheckpointWriter::Submit(ShardSnapshot&& snapshot) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++stats_.submitted;
     if (queued_.size() >= kMaxQueued) {
       ++stats_.superseded;
@@ -771,12 +771,13 @@ void CheckpointWriter::Submit(ShardSnapshot&& snapshot) {
     }
     queued_.push_back(std::move(snapshot));
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 Status CheckpointWriter::Flush(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> l(mu_);
-  if (!idle_cv_.wait_for(l, timeout, [this] { return queued_.empty() && !writing_; })) {
+  MutexLock l(&mu_);
+  if (!idle_cv_.WaitFor(&mu_, timeout,
+                        [this]() REQUIRES(mu_) { return queued_.empty() && !writing_; })) {
     return DeadlineExceededError("checkpoint writer still busy after " +
                                  std::to_string(timeout.count()) + " ms");
   }
@@ -784,19 +785,19 @@ Status CheckpointWriter::Flush(std::chrono::milliseconds timeout) {
 }
 
 CheckpointWriter::Stats CheckpointWriter::stats() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return stats_;
 }
 
 void CheckpointWriter::Run() {
-  std::unique_lock<std::mutex> l(mu_);
+  mu_.Lock();
   for (;;) {
-    cv_.wait(l, [this] { return stop_ || !queued_.empty(); });
-    if (queued_.empty()) return;  // stopping, nothing left to write
+    cv_.Wait(&mu_, [this]() REQUIRES(mu_) { return stop_ || !queued_.empty(); });
+    if (queued_.empty()) break;  // stopping, nothing left to write
     ShardSnapshot s = std::move(queued_.front());
     queued_.pop_front();
     writing_ = true;
-    l.unlock();
+    mu_.Unlock();
     const auto t0 = std::chrono::steady_clock::now();
     uint64_t bytes = 0;
     Status st = options_.write ? options_.write(options_.dir, s, &bytes)
@@ -808,11 +809,12 @@ void CheckpointWriter::Run() {
           PruneCheckpoints(options_.dir, s.group, s.num_groups, options_.keep, s.plan_fingerprint);
       if (!p.ok()) LOG(WARNING) << "checkpoint: retention for group " << s.group << ": " << p;
     }
-    l.lock();
+    mu_.Lock();
     Record(s, st, bytes, secs);
     writing_ = false;
-    idle_cv_.notify_all();
+    idle_cv_.SignalAll();
   }
+  mu_.Unlock();
 }
 
 void CheckpointWriter::Record(const ShardSnapshot& s, const Status& st, uint64_t bytes,

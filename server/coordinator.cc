@@ -70,17 +70,17 @@ void Coordinator::Stop() {
 }
 
 uint64_t Coordinator::epoch() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return membership_.epoch();
 }
 
 Membership Coordinator::membership() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return membership_;
 }
 
 CoordinatorCounters Coordinator::counters() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return counters_;
 }
 
@@ -272,7 +272,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
   if (!refuse.empty()) {
     {
       // Counted before the reply leaves, so a refused member never sees a stale counter.
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.joins_refused;
     }
     r->set_accepted(false);
@@ -288,7 +288,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     auto p = pending_.find(j.previous_member_id());
     if (p == pending_.end() || p->second.member.role() != j.role()) {
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.joins_refused;
       }
       r->set_accepted(false);
@@ -307,7 +307,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
                    has_model_ids_.end();
     pending_.erase(p);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.rejoins;
     }
     r->set_accepted(true);
@@ -382,7 +382,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
   m.set_transport(j.transport());
   *m.mutable_regions() = j.regions();
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++counters_.joins_accepted;
   }
   r->set_accepted(true);
@@ -614,7 +614,7 @@ void Coordinator::ServerDeparted(const Member& m) {
     if (backup_of_[g] == static_cast<int64_t>(r)) {
       backup_of_[g] = -1;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.backups_lost;
       }
       LOG(WARNING) << "coordinator: group " << g << " lost its backup (server rank " << r
@@ -640,7 +640,7 @@ void Coordinator::ServerDeparted(const Member& m) {
       e.mutable_promote()->set_epoch(epoch());
       Queue(b, e);
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.promotions;
       }
       LOG(WARNING) << "coordinator: group " << g << ": primary server rank " << r
@@ -653,7 +653,7 @@ void Coordinator::ServerDeparted(const Member& m) {
     } else {
       primary_of_[g] = -1;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.groups_lost;
       }
       LOG(ERROR) << "coordinator: group " << g << ": primary server rank " << r
@@ -699,7 +699,7 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
   c->closing = true;
   if (protocol_error) {
     LOG(WARNING) << "coordinator: closing " << c->peer << ": " << why;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++counters_.protocol_errors;
   } else {
     LOG(INFO) << "coordinator: closing " << c->peer << ": " << why;
@@ -711,7 +711,7 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
   if (c->joined) {
     c->joined = false;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.departures;
     }
     Publish("member " + std::to_string(c->member.member_id()) + " departed: " + why,
@@ -757,7 +757,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   Envelope e;
   Membership* m = e.mutable_membership();
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     m->set_epoch(membership_.epoch() + 1);
   }
   m->set_reason(reason);
@@ -769,7 +769,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   std::sort(m->mutable_members()->begin(), m->mutable_members()->end(),
             [](const Member& a, const Member& b) { return a.member_id() < b.member_id(); });
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     membership_ = *m;
   }
   LOG(INFO) << "coordinator: epoch " << m->epoch() << " (" << m->members_size()
@@ -790,7 +790,7 @@ void Coordinator::CheckTimeouts() {
     const Member m = it->second.member;
     it = pending_.erase(it);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.departures;
     }
     LOG(WARNING) << "coordinator: member " << m.member_id() << " did not rejoin within "
@@ -805,7 +805,7 @@ void Coordinator::CheckTimeouts() {
       Close(c.get(), "no join within the handshake timeout", true);
     } else if (c->joined && now - c->last_heard > hb_timeout) {
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.heartbeat_timeouts;
       }
       Close(c.get(), "no heartbeat for " + std::to_string(hb_timeout.count()) + " ms", false);
@@ -817,7 +817,7 @@ void Coordinator::SaveState() {
   dirty_ = false;
   CoordinatorState st;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     st.set_epoch(membership_.epoch());
     *st.mutable_members() = membership_.members();
   }
@@ -890,7 +890,7 @@ Status Coordinator::LoadState() {
   const auto deadline = Clock::now() + options_.rejoin_grace;
   for (const Member& m : st.members()) pending_[m.member_id()] = Pending{m, deadline};
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     membership_.set_epoch(st.epoch());
     *membership_.mutable_members() = st.members();
   }

@@ -331,7 +331,10 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   }
   core->arena_size_ = size;
   RETURN_IF_ERROR(Seal(core->arena_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW, "arena"));
-  core->free_[0] = size;
+  {
+    MutexLock l(&core->mu_);  // not shared yet; the lock is for the analysis (and costs nothing)
+    core->free_[0] = size;
+  }
 
   ASSIGN_OR_RETURN(core->table_fd_, MakeMemfd("shardps-shm-regions"));
   if (ftruncate(core->table_fd_.get(), kTableBytes) != 0) {
@@ -348,8 +351,11 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   // After our own read-write mapping exists, nobody can write-map the table any more.
   RETURN_IF_ERROR(Seal(core->table_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE,
                        "region table"));
-  core->free_slots_.reserve(kTableCapacity);
-  for (uint32_t s = kTableCapacity; s > 0; --s) core->free_slots_.push_back(s - 1);
+  {
+    MutexLock l(&core->mu_);
+    core->free_slots_.reserve(kTableCapacity);
+    for (uint32_t s = kTableCapacity; s > 0; --s) core->free_slots_.push_back(s - 1);
+  }
   return core;
 }
 
@@ -365,7 +371,7 @@ StatusOr<FabricCore::Range> FabricCore::Carve(uint64_t length) {
   const uint64_t bytes = RoundUp(length, align);
   Range r;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = free_.begin();
     for (; it != free_.end(); ++it) {
       const uint64_t start = RoundUp(it->first, align);
@@ -400,7 +406,7 @@ void FabricCore::Release(Range r) {
                 static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes)) != 0) {
     PLOG(WARNING) << "shm: punching a freed arena range failed; memory stays committed";
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t start = r.offset, end = r.offset + r.bytes;
   auto next = free_.lower_bound(start);
   if (next != free_.begin()) {
@@ -419,7 +425,7 @@ void FabricCore::Release(Range r) {
 
 StatusOr<uint32_t> FabricCore::Publish(uint64_t va, uint64_t offset, uint64_t length,
                                        Access access) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_slots_.empty()) {
     return ResourceExhaustedError("shm: region table full (" + std::to_string(kTableCapacity) +
                                   " regions)");
@@ -440,7 +446,7 @@ void FabricCore::Retract(uint32_t rkey) {
   const uint32_t slot = rkey & kRkeySlotMask;
   entries_[slot].state.store(EntryState(rkey >> kRkeySlotBits, 0, false),
                              std::memory_order_release);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   free_slots_.push_back(slot);
 }
 
@@ -452,7 +458,7 @@ StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int ar
   }
   const std::pair<uint64_t, uint64_t> key(a.st_ino, t.st_ino);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = peers_.find(key);
     if (it != peers_.end()) {
       if (auto live = it->second.lock()) {
@@ -471,7 +477,7 @@ StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int ar
       th->arena_size.load(std::memory_order_relaxed) != h.arena_size) {
     return FailedPreconditionError("shm: peer's region table header is invalid");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto it = peers_.begin(); it != peers_.end();) {  // forget peers nobody maps any more
     it = it->second.expired() ? peers_.erase(it) : std::next(it);
   }

@@ -10,10 +10,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "transport/flow_control.h"
 #include "transport/shm/shm_layout.h"
 #include "transport/transport.h"
@@ -70,12 +70,12 @@ class FabricCore {
   uint64_t arena_size_ = 0;
   TableEntry* entries_ = nullptr;
 
-  std::mutex mu_;
-  std::map<uint64_t, uint64_t> free_;  // offset -> bytes, coalesced; guarded by mu_
-  std::vector<uint32_t> free_slots_;   // guarded by mu_
-  // (arena inode, table inode) -> live mapping; guarded by mu_. A live entry keeps its files
-  // open through the mapping, so the inode numbers cannot be reused while it is live.
-  std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PeerMemory>> peers_;
+  Mutex mu_;
+  std::map<uint64_t, uint64_t> free_ GUARDED_BY(mu_);  // offset -> bytes, coalesced
+  std::vector<uint32_t> free_slots_ GUARDED_BY(mu_);
+  // (arena inode, table inode) -> live mapping. A live entry keeps its files open through the
+  // mapping, so the inode numbers cannot be reused while it is live.
+  std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PeerMemory>> peers_ GUARDED_BY(mu_);
 };
 
 // A region of an shm fabric. Accessors are const and thread-safe; the destructor (any thread)

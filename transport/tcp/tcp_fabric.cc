@@ -193,7 +193,7 @@ StatusOr<std::shared_ptr<TcpEngine>> TcpEngine::Create(const FabricOptions& opti
     return ErrnoError("tcp: epoll_ctl(eventfd)", errno);
   }
   {
-    std::lock_guard<std::mutex> l(e->cl_mu_);
+    MutexLock l(&e->cl_mu_);
     e->running_ = true;
   }
   TcpEngine* raw = e.get();
@@ -227,18 +227,18 @@ void TcpEngine::Unpark() {
   if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) >= kParkNs) return;
   last_inline_ns_.store(0, std::memory_order_relaxed);
   {
-    std::lock_guard<std::mutex> l(park_mu_);
+    MutexLock l(&park_mu_);
     park_wake_ = true;
   }
-  park_cv_.notify_one();
+  park_cv_.Signal();
 }
 
 void TcpEngine::Wake() {
   {
-    std::lock_guard<std::mutex> l(park_mu_);
+    MutexLock l(&park_mu_);
     park_wake_ = true;
   }
-  park_cv_.notify_one();
+  park_cv_.Signal();
   const uint64_t one = 1;
   ssize_t n;
   do {
@@ -252,34 +252,38 @@ void TcpEngine::RunSync(const std::function<void()>& fn) {
     fn();
     return;
   }
-  std::unique_lock<std::mutex> lk(cl_mu_);
-  if (!running_) {
-    lk.unlock();
-    std::lock_guard<std::mutex> p(progress_mu_);
+  Closure c{&fn, false};
+  bool queued = false;
+  {
+    MutexLock l(&cl_mu_);
+    if (running_) {
+      closures_.push_back(&c);
+      queued = true;
+    }
+  }
+  if (!queued) {  // the progress thread is gone: run it here, under the progress lock
+    MutexLock p(&progress_mu_);
     fn();
     return;
   }
-  Closure c{&fn, false};
-  closures_.push_back(&c);
-  lk.unlock();
   Wake();
-  lk.lock();
-  cl_cv_.wait(lk, [&] { return c.done; });
+  MutexLock l(&cl_mu_);
+  cl_cv_.Wait(&cl_mu_, [&]() REQUIRES(cl_mu_) { return c.done; });
 }
 
 void TcpEngine::RunClosures() {
   std::vector<Closure*> todo;
   {
-    std::lock_guard<std::mutex> l(cl_mu_);
+    MutexLock l(&cl_mu_);
     if (closures_.empty()) return;
     todo.swap(closures_);
   }
   for (Closure* c : todo) (*c->fn)();
   {
-    std::lock_guard<std::mutex> l(cl_mu_);
+    MutexLock l(&cl_mu_);
     for (Closure* c : todo) c->done = true;
   }
-  cl_cv_.notify_all();
+  cl_cv_.SignalAll();
 }
 
 void TcpEngine::HandleEvents(const epoll_event* evs, int n) {
@@ -301,13 +305,14 @@ void TcpEngine::Loop() {
   while (!stop_.load(std::memory_order_acquire)) {
     int timeout = -1;
     if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) < kParkNs) {
-      std::unique_lock<std::mutex> lk(park_mu_);
-      park_cv_.wait_for(lk, std::chrono::nanoseconds(kParkNs), [&] { return park_wake_; });
+      MutexLock lk(&park_mu_);
+      park_cv_.WaitFor(&park_mu_, std::chrono::nanoseconds(kParkNs),
+                       [&]() REQUIRES(park_mu_) { return park_wake_; });
       park_wake_ = false;
       timeout = 0;
     }
     {
-      std::lock_guard<std::mutex> l(progress_mu_);
+      MutexLock l(&progress_mu_);
       if (!again_.empty()) timeout = 0;
     }
     const int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout);
@@ -315,7 +320,7 @@ void TcpEngine::Loop() {
       if (errno != EINTR) PLOG(ERROR) << "tcp: epoll_wait";
       continue;
     }
-    std::lock_guard<std::mutex> l(progress_mu_);
+    MutexLock l(&progress_mu_);
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.ptr == nullptr) {
         uint64_t v;
@@ -328,34 +333,34 @@ void TcpEngine::Loop() {
     RunClosures();
     if (!paused_.empty()) ResumePaused();
   }
-  std::lock_guard<std::mutex> p(progress_mu_);
-  std::lock_guard<std::mutex> l(cl_mu_);
+  MutexLock p(&progress_mu_);
+  MutexLock l(&cl_mu_);
   running_ = false;
   for (Closure* c : closures_) {
     (*c->fn)();
     c->done = true;
   }
   closures_.clear();
-  cl_cv_.notify_all();
+  cl_cv_.SignalAll();
 }
 
 void TcpEngine::TryProgress() {
-  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.try_lock()) return;
+  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.TryLock()) return;
   epoll_event evs[16];
   last_inline_ns_.store(NowNs(), std::memory_order_relaxed);
   const int n = epoll_wait(epoll_fd_.get(), evs, 16, 0);
   // Events a concurrent epoll_wait of the progress thread took are handled there; endpoints
   // removed by closures cannot appear here because closures run under progress_mu_.
   if (n > 0 || !again_.empty() || !paused_.empty()) HandleEvents(evs, std::max(n, 0));
-  progress_mu_.unlock();
+  progress_mu_.Unlock();
 }
 
 void TcpEngine::Rescan(const std::unordered_set<TcpEndpoint*>& eps) {
-  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.try_lock()) return;
+  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.TryLock()) return;
   for (TcpEndpoint* ep : eps) {
     if (ep->outstanding() > 0) ep->OnReadable();
   }
-  progress_mu_.unlock();
+  progress_mu_.Unlock();
 }
 
 void TcpEngine::ResumePaused() {
@@ -397,7 +402,7 @@ const char* TcpEngine::Zeros(uint64_t n) {
 }
 
 uint32_t TcpEngine::RegisterRegion(char* base, uint64_t length, Access access) {
-  std::lock_guard<std::mutex> l(reg_mu_);
+  MutexLock l(&reg_mu_);
   uint32_t key;
   do {
     key = next_rkey_.fetch_add(1);
@@ -408,16 +413,16 @@ uint32_t TcpEngine::RegisterRegion(char* base, uint64_t length, Access access) {
 
 void TcpEngine::DeregisterRegion(uint32_t rkey, char* base, uint64_t length) {
   {
-    std::lock_guard<std::mutex> l(reg_mu_);
+    MutexLock l(&reg_mu_);
     regions_.erase(rkey);
   }
-  RunSync([&] {
+  RunSync([&]() REQUIRES(progress_mu_) {
     for (TcpEndpoint* ep : endpoints_) ep->OnRegionGone(base, length);
   });
 }
 
 AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write, char** out) {
-  std::lock_guard<std::mutex> l(reg_mu_);
+  MutexLock l(&reg_mu_);
   auto it = regions_.find(rkey);
   if (it == regions_.end()) return AccessCheck::kUnknownRkey;
   const RegionEntry& r = it->second;
@@ -487,13 +492,13 @@ StatusOr<TcpCompletionQueue*> ReserveCq(TcpEngine* engine, CompletionQueue* cq,
   if (tcq == nullptr || tcq->engine() != engine) {
     return InvalidArgumentError("tcp: the completion queue was not created by this fabric");
   }
-  std::lock_guard<std::mutex> l(engine->setup_mu());
+  MutexLock l(&engine->setup_mu());
   RETURN_IF_ERROR(tcq->quota().Reserve(options.send_depth + options.recv_depth));
   return tcq;
 }
 
 void UnreserveCq(TcpEngine* engine, TcpCompletionQueue* cq, const EndpointOptions& options) {
-  std::lock_guard<std::mutex> l(engine->setup_mu());
+  MutexLock l(&engine->setup_mu());
   cq->quota().Release(options.send_depth + options.recv_depth);
 }
 
@@ -504,7 +509,7 @@ StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine
   const std::string remote = PeerAddress(fd.get());
   auto ep = std::make_unique<TcpEndpoint>(engine, std::move(fd), cq, options, local, remote);
   Status added;
-  engine->RunSync([&] { added = engine->AddEndpoint(ep.get()); });
+  engine->RunSync([&]() REQUIRES(engine->progress_mu()) { added = engine->AddEndpoint(ep.get()); });
   if (!added.ok()) return added;  // ~TcpEndpoint releases the quota
   VLOG(1) << "tcp: connected " << ep->DebugString();
   return std::unique_ptr<Endpoint>(std::move(ep));

@@ -135,7 +135,7 @@ StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::RegisterMemory(void* addr, 
   if (addr == nullptr || length == 0) {
     return InvalidArgumentError("verbs: RegisterMemory needs a non-null address and length > 0");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   MrPtr mr;
   if (kind == MemoryKind::kCuda) {
 #ifdef SHARDPS_HAVE_CUDA
@@ -166,7 +166,7 @@ StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::AllocateMemory(size_t lengt
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return ErrnoError("verbs: mmap " + std::to_string(mapped), errno);
   VerbsMemoryRegion::MappingPtr mapping(p, {mapped});
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(MrPtr mr, createMr(device_->pd(), p, length, IbvAccess(access)));
   return std::unique_ptr<MemoryRegion>(new VerbsMemoryRegion(
       device_, std::move(mapping), std::move(mr), p, length, access, MemoryKind::kHost));
@@ -203,7 +203,7 @@ StatusOr<std::unique_ptr<CompletionQueue>> VerbsFabric::CreateCompletionQueue(in
                                 " exceeds half the device's max_cqe (" +
                                 std::to_string(device_->device_attr().max_cqe) + ")");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto state = std::make_shared<CqState>(device_, depth);
   RETURN_IF_ERROR(state->init());
   return std::unique_ptr<CompletionQueue>(new VerbsCompletionQueue(std::move(state)));
@@ -279,7 +279,7 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   QpPtr qp;
   int max_inline = std::max(0, options_.max_inline);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ibv_qp_init_attr ia{};
     ia.send_cq = vcq->state()->cq();
     ia.recv_cq = vcq->state()->cq();

@@ -18,10 +18,10 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "transport/flow_control.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_device.h"
@@ -261,7 +261,10 @@ class VerbsFabric final : public Fabric {
  private:
   std::shared_ptr<VerbsDevice> device_;
   const FabricOptions options_;
-  std::mutex mu_;  // serialises setup calls
+  // Serialises setup calls (registration, CQ and QP creation on device_'s protection
+  // domain). It guards no member: device_ and options_ are immutable, and the verbs objects it
+  // orders are owned by what the calls return.
+  Mutex mu_;
 };
 
 // Maps an ibv_wc_status to the provider-neutral WcStatus.
