@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every ShardPS test tier from a fresh machine: installs packages, builds, then
-#   0. clang's thread-safety analysis over the libraries (build-tsa; SHARDPS_TSA_BUILD_DIR);
+#   0. clang's thread-safety analysis over the libraries (scripts/tsa.sh, build-tsa);
 #   1. unit + conformance (tcp, shm) + benchmark smoke on the host, through ctest; then the
 #      control-plane fuzz targets for 20 s each (scripts/fuzz.sh, counted as tests);
 #   2. the verbs tier for real on SoftRoCE inside the qemu guest of ../shared/softroce
@@ -30,25 +30,10 @@ fi
 rm -rf "$RESULTS" && mkdir -p "$RESULTS/host" "$RESULTS/verbs"
 status=0
 
-# Clang's thread-safety analysis over the libraries (GUARDED_BY / REQUIRES of
-# common/thread_annotations.h as errors): a second build dir, no tests or benchmarks, -O0 and
-# no debug info so it stays short. A machine without clang fails here, loudly.
-echo "=== thread-safety analysis: clang -Wthread-safety, ${SHARDPS_TSA_BUILD_DIR:-build-tsa} ==="
-tsa_start=$SECONDS
-TSA_BUILD=${SHARDPS_TSA_BUILD_DIR:-build-tsa}
-if ! command -v clang++ >/dev/null; then
-  echo "thread-safety analysis: clang++ not found" >&2
-  status=1
-elif ! { CC=clang CXX=clang++ cmake -S . -B "$TSA_BUILD" -DSHARDPS_THREAD_SAFETY=ON \
-           -DSHARDPS_BUILD_TESTS=OFF -DSHARDPS_BUILD_BENCH=OFF -DSHARDPS_WITH_PYTHON=OFF \
-           -DSHARDPS_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 \
-           -DCMAKE_C_FLAGS_DEBUG=-O0 >/dev/null &&
-         cmake --build "$TSA_BUILD" -j "$(nproc)" --target shardps_common shardps_transport \
-           shardps_proto shardps_coordinator shardps_server_core shardps_checkpoint shardps; }; then
-  echo "thread-safety analysis FAILED (a lock annotation is violated; see the errors above)" >&2
-  status=1
-fi
-echo "thread-safety analysis: $((SECONDS - tsa_start)) s"
+# Clang's thread-safety analysis over the libraries (scripts/tsa.sh, build-tsa): a violated
+# GUARDED_BY / REQUIRES fails the run.
+echo "=== thread-safety analysis: clang -Wthread-safety (scripts/tsa.sh) ==="
+"$ROOT/scripts/tsa.sh" || status=1
 
 echo "=== host tiers: unit, conformance (tcp, shm), benchmark smoke ==="
 # ctest's own JUnit report: one file, written once (per-process gtest XML files would race
