@@ -199,6 +199,17 @@ Status RecvAll(int fd, void* data, size_t n, Deadline deadline, const char* what
   return Status::OK();
 }
 
+StatusOr<size_t> RecvSome(int fd, void* buf, size_t cap, const char* what) {
+  for (;;) {
+    const ssize_t k = recv(fd, buf, cap, MSG_DONTWAIT);
+    if (k > 0) return static_cast<size_t>(k);
+    if (k == 0) return UnavailableError(std::string(what) + ": peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return size_t{0};
+    return ErrnoError(what, errno);
+  }
+}
+
 Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout) {
   return SendAll(fd, data, n, Clock::now() + timeout);
 }

@@ -41,6 +41,11 @@ Status RecvAll(int fd, void* data, size_t n, Deadline deadline, const char* what
 Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout);
 Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout);
 
+// One non-blocking receive of at most cap bytes (EINTR retried): how many arrived, 0 when
+// nothing is there now; UNAVAILABLE("<what>: peer closed the connection") at EOF; errno errors
+// as "<what>: ...". For event loops and liveness probes that read what is there.
+StatusOr<size_t> RecvSome(int fd, void* buf, size_t cap, const char* what = "recv");
+
 Status SetNonBlocking(int fd, bool on);
 
 }  // namespace shardps::net

@@ -119,17 +119,13 @@ void ControlClient::Loop() {
     const int r = poll(&p, 1, 20);
     if (r <= 0) continue;
     char buf[64 << 10];
-    const ssize_t k = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (k == 0) {
-      if (!Rejoin(UnavailableError("coordinator closed the control connection"))) return;
+    StatusOr<size_t> k = net::RecvSome(fd, buf, sizeof(buf), "control connection");
+    if (!k.ok()) {  // "control connection: peer closed the connection" at EOF
+      if (!Rejoin(k.status())) return;
       continue;
     }
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EINTR) continue;
-      if (!Rejoin(ErrnoError("control recv", errno))) return;
-      continue;
-    }
-    decoder_.Feed(buf, static_cast<size_t>(k));
+    if (*k == 0) continue;
+    decoder_.Feed(buf, *k);
     Status st = DrainDecoder();
     if (!st.ok()) {
       Fail(st);

@@ -146,17 +146,13 @@ void Coordinator::AcceptNew() {
 void Coordinator::ReadFrom(Conn* c) {
   char buf[64 << 10];
   while (!c->closing) {
-    const ssize_t k = recv(c->fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    if (k == 0) {
-      Close(c, "connection closed by peer", false);
+    const StatusOr<size_t> recvd = net::RecvSome(c->fd.get(), buf, sizeof(buf));
+    if (!recvd.ok()) {  // "recv: peer closed the connection" at EOF
+      Close(c, std::string(recvd.status().message()), false);
       return;
     }
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-      if (errno == EINTR) continue;
-      Close(c, std::string("recv: ") + strerror(errno), false);
-      return;
-    }
+    if (*recvd == 0) break;  // drained
+    const size_t k = *recvd;
     c->last_heard = Clock::now();
     size_t off = 0;
     if (!c->magic_ok) {

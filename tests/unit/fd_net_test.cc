@@ -151,6 +151,27 @@ TEST(NetTest, DeadlinesPeerCloseAndDeadPeerAreErrorsNamedByTheCaller) {
   EXPECT_FALSE(s.ok());
 }
 
+TEST(NetTest, RecvSomeReadsWhatIsThereAndReportsEof) {
+  UniqueFd a, b;
+  ASSERT_NO_FATAL_FAILURE(SocketPair(&a, &b));
+  char buf[8];
+  auto n = net::RecvSome(b.get(), buf, sizeof(buf));
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 0u) << "nothing there: 0, not an error";
+  ASSERT_TRUE(net::SendAll(a.get(), "0123456789", 10, milliseconds(1000)).ok());
+  n = net::RecvSome(b.get(), buf, sizeof(buf));
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 8u);
+  EXPECT_EQ(std::string(buf, 8), "01234567");
+  a.reset();
+  n = net::RecvSome(b.get(), buf, sizeof(buf), "probe");
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 2u);
+  n = net::RecvSome(b.get(), buf, sizeof(buf), "probe");
+  EXPECT_EQ(n.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(n.status().message(), "probe: peer closed the connection");
+}
+
 TEST(NetTest, ListenConnectAcceptOnLoopback) {
   std::string bound;
   auto l = net::ListenTcp("127.0.0.1:0", &bound);

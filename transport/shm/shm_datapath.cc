@@ -16,6 +16,7 @@
 
 #include <glog/logging.h>
 
+#include "common/net.h"
 #include "transport/shm/shm_internal.h"
 
 namespace shardps::transport::shm {
@@ -223,9 +224,8 @@ void ShmEndpoint::CheckPeer() {
   bool gone = (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0;
   if (!gone && (p.revents & POLLIN)) {
     char buf[64];
-    const ssize_t n = recv(parts_.sock.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    gone = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
     // A live peer sends nothing after the handshake; stray bytes are ignored.
+    gone = !net::RecvSome(parts_.sock.get(), buf, sizeof(buf)).ok();
   }
   if (gone) {
     peer_gone_ = true;

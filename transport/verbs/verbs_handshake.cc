@@ -1,6 +1,8 @@
 // TCP bootstrap and the queue-pair attribute message (see verbs_handshake.h).
 #include "transport/verbs/verbs_handshake.h"
 
+#include "common/net.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <glog/logging.h>
@@ -284,11 +286,9 @@ Status ProbePeer(int fd) {
   for (;;) {
     // Nothing is sent after `ready`: stray bytes are discarded (so the socket does not stay
     // readable and keep Wait spinning); only EOF or an error is a death notice.
-    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n > 0) continue;
-    if (n == 0) return UnavailableError("peer closed its bootstrap connection (process exited?)");
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::OK();
-    return ErrnoError("bootstrap connection to the peer failed", errno);
+    ASSIGN_OR_RETURN(size_t n, net::RecvSome(fd, buf, sizeof(buf),
+                                             "bootstrap connection to the peer (process exited?)"));
+    if (n == 0) return Status::OK();
   }
 }
 
