@@ -19,10 +19,10 @@
 //    failing operation completes with its error, every later-posted and still-outstanding one
 //    completes with kFlushed, and Endpoint::status() explains why. An error never aborts the
 //    process and never touches the target region.
-//  * Checked posts. Endpoint::PostWrite/PostWriteImm/PostRead check their arguments here,
-//    once, for every provider, before any provider code runs; a refused post returns its error
-//    synchronously, takes no credit, queues nothing, produces no completion and leaves the
-//    endpoint's state as it was. Refused, with these codes:
+//  * Checked posts. Endpoint::PostWrite/PostWriteImm/PostRead (not virtual) check their
+//    arguments once, for every provider, before any provider code runs (transport/fabric.cc); a
+//    refused post returns its error synchronously, takes no credit, queues nothing, produces no
+//    completion and leaves the endpoint's state as it was. Refused, with these codes:
 //      - INVALID_ARGUMENT: no local region (LocalSlice::region null);
 //      - INVALID_ARGUMENT: a local region registered by another fabric;
 //      - INVALID_ARGUMENT: flags other than kSignaled / kUnsignaled;
@@ -254,10 +254,10 @@ class Endpoint {
   Status Post(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
               uint64_t context, uint32_t flags);
   // The provider's work for one post whose arguments passed the checks: local.region is this
-  // fabric's (a static_cast to the provider's
-  // region type is safe), flags hold only kUnsignaled, local.length <= max_operation_bytes(),
-  // the local slice lies inside its region, and a non-empty remote slice does not wrap. Flow
-  // control, the error state and the operation are the provider's. Polling thread.
+  // fabric's (a static_cast to the provider's region type is safe), flags hold only
+  // kUnsignaled, local.length <= max_operation_bytes(), the local slice lies inside its region,
+  // and a non-empty remote slice does not wrap. Flow control, the error state and the
+  // operation itself are the provider's. Polling thread.
   virtual Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote,
                              uint32_t imm, uint64_t context, uint32_t flags) = 0;
 
