@@ -42,21 +42,6 @@ StatusOr<sockaddr_storage> Resolve(const HostPort& hp, socklen_t* len, bool pass
   return ss;
 }
 
-std::string ToString(const sockaddr_storage& ss) {
-  char host[INET6_ADDRSTRLEN] = {0};
-  uint16_t port = 0;
-  if (ss.ss_family == AF_INET) {
-    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
-    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-    port = ntohs(a->sin_port);
-    return std::string(host) + ":" + std::to_string(port);
-  }
-  const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
-  inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-  port = ntohs(a->sin6_port);
-  return "[" + std::string(host) + "]:" + std::to_string(port);
-}
-
 }  // namespace
 
 StatusOr<HostPort> ParseHostPort(const std::string& s) {
@@ -86,6 +71,31 @@ StatusOr<HostPort> ParseHostPort(const std::string& s) {
   return hp;
 }
 
+std::string SockaddrToString(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = {0};
+  uint16_t port = 0;
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    port = ntohs(a->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+  inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+  port = ntohs(a->sin6_port);
+  return "[" + std::string(host) + "]:" + std::to_string(port);
+}
+
+Status WaitFd(int fd, short events, Deadline deadline, const std::string& what) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int rc = poll(&p, 1, MsLeft(deadline));
+    if (rc > 0) return Status::OK();
+    if (rc == 0) return DeadlineExceededError(what + ": timed out");
+    if (errno != EINTR) return ErrnoError(what + ": poll", errno);
+  }
+}
+
 Status SetNonBlocking(int fd, bool on) {
   const int flags = fcntl(fd, F_GETFL);
   if (flags < 0) return ErrnoError("fcntl(F_GETFL)", errno);
@@ -112,7 +122,7 @@ StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int
   if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&actual), &alen) != 0) {
     return ErrnoError("getsockname", errno);
   }
-  if (bound != nullptr) *bound = ToString(actual);
+  if (bound != nullptr) *bound = SockaddrToString(actual);
   return fd;
 }
 

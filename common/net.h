@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include <sys/socket.h>
+
 #include "common/fd.h"
 #include "common/status.h"
 
@@ -45,6 +47,13 @@ Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout);
 // nothing is there now; UNAVAILABLE("<what>: peer closed the connection") at EOF; errno errors
 // as "<what>: ...". For event loops and liveness probes that read what is there.
 StatusOr<size_t> RecvSome(int fd, void* buf, size_t cap, const char* what = "recv");
+
+// Waits until fd is ready for `events` (poll(2), EINTR retried) or the deadline passes:
+// DEADLINE_EXCEEDED("<what>: timed out").
+Status WaitFd(int fd, short events, Deadline deadline, const std::string& what);
+
+// "ip:port" or "[v6]:port" of an IPv4 / IPv6 socket address.
+std::string SockaddrToString(const struct sockaddr_storage& ss);
 
 Status SetNonBlocking(int fd, bool on);
 

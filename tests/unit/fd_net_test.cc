@@ -1,6 +1,7 @@
 // The fd and socket seam (common/fd.h, common/net.h): ownership, all-bytes loops across partial
 // transfers, deadlines, EOF and a dead peer, on real pipes and sockets.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -170,6 +171,22 @@ TEST(NetTest, RecvSomeReadsWhatIsThereAndReportsEof) {
   n = net::RecvSome(b.get(), buf, sizeof(buf), "probe");
   EXPECT_EQ(n.status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(n.status().message(), "probe: peer closed the connection");
+}
+
+TEST(NetTest, WaitFdWaitsForReadinessUntilTheDeadline) {
+  UniqueFd a, b;
+  ASSERT_NO_FATAL_FAILURE(SocketPair(&a, &b));
+  Status s = net::WaitFd(b.get(), POLLIN, std::chrono::steady_clock::now() + milliseconds(30),
+                         "waiting for the peer");
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s;
+  EXPECT_EQ(s.message(), "waiting for the peer: timed out");
+  EXPECT_TRUE(
+      net::WaitFd(a.get(), POLLOUT, std::chrono::steady_clock::now() + milliseconds(1000), "send")
+          .ok());
+  ASSERT_TRUE(net::SendAll(a.get(), "x", 1, milliseconds(1000)).ok());
+  EXPECT_TRUE(
+      net::WaitFd(b.get(), POLLIN, std::chrono::steady_clock::now() + milliseconds(1000), "recv")
+          .ok());
 }
 
 TEST(NetTest, ListenConnectAcceptOnLoopback) {
