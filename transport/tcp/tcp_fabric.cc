@@ -37,12 +37,6 @@ constexpr int kUserTimeoutMs =
     30000;  // unacknowledged data (or a shut window) this old kills the link
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 
-int RemainingMs(Clock::time_point deadline) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, 1 << 30)));
-}
-
 long ReadProcLong(const char* path) {
   std::ifstream f(path);
   long v = 0;
@@ -521,16 +515,10 @@ StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
   ASSIGN_OR_RETURN(TcpCompletionQueue * tcq, ReserveCq(engine_.get(), cq, options));
   const auto deadline = Clock::now() + timeout;
   for (;;) {
-    pollfd pf{fd_.get(), POLLIN, 0};
-    const int ms = RemainingMs(deadline);
-    const int rc = ::poll(&pf, 1, ms);
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc < 0) {
+    const Status ready = net::WaitFd(fd_.get(), POLLIN, deadline, "tcp: accept on " + address_);
+    if (!ready.ok()) {
       UnreserveCq(engine_.get(), tcq, options);
-      return ErrnoError("tcp: poll(listen)", errno);
-    }
-    if (rc == 0) {
-      UnreserveCq(engine_.get(), tcq, options);
+      if (ready.code() != StatusCode::kDeadlineExceeded) return ready;
       return DeadlineExceededError("tcp: no peer connected to " + address_ + " within " +
                                    std::to_string(timeout.count()) + " ms");
     }
@@ -659,15 +647,7 @@ class TcpFabric final : public Fabric {
     ConfigureSocket(fd.get());
     if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
       if (errno != EINPROGRESS && errno != EINTR) return ErrnoError("connect", errno);
-      for (;;) {
-        pollfd pf{fd.get(), POLLOUT, 0};
-        const int ms = RemainingMs(deadline);
-        const int rc = ms == 0 ? 0 : ::poll(&pf, 1, ms);
-        if (rc < 0 && errno == EINTR) continue;
-        if (rc < 0) return ErrnoError("poll(connect)", errno);
-        if (rc == 0) return DeadlineExceededError("connect timed out");
-        break;
-      }
+      RETURN_IF_ERROR(net::WaitFd(fd.get(), POLLOUT, deadline, "connect"));
       int err = 0;
       socklen_t len = sizeof(err);
       getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
