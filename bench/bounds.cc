@@ -1,8 +1,5 @@
 #include "bench/bounds.h"
 
-#include <cmath>
-#include <sstream>
-#include <fstream>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -10,6 +7,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#include <cmath>
+#include <fstream>
+#include <sstream>
 
 #include <algorithm>
 #include <cerrno>
@@ -20,6 +20,8 @@
 #include <glog/logging.h>
 
 #include "bench/bench_util.h"
+#include "common/fd.h"
+#include "common/net.h"
 
 namespace shardps::bench {
 namespace {
@@ -39,39 +41,6 @@ static_assert(sizeof(Header) == 24, "raw TCP header is 24 bytes");
 constexpr uint32_t kEnd = 0, kWriteKind = 1, kReadKind = 2;
 constexpr int kMaxBatch = 256;
 
-// Moves all bytes of iov[0..n) with writev / readv, across partial transfers.
-Status TransferV(int fd, iovec* iov, int n, bool send) {
-  while (n > 0) {
-    const ssize_t r = send ? writev(fd, iov, n) : readv(fd, iov, n);
-    if (r == 0 && !send) return UnavailableError("raw tcp: peer closed the connection");
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(send ? "raw tcp writev" : "raw tcp readv", errno);
-    }
-    size_t left = static_cast<size_t>(r);
-    while (n > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --n;
-    }
-    if (n > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
-  }
-  return Status::OK();
-}
-
-Status SendAll(int fd, const void* p, size_t n) {
-  iovec v{const_cast<void*>(p), n};
-  return TransferV(fd, &v, 1, true);
-}
-
-Status RecvAll(int fd, void* p, size_t n) {
-  iovec v{p, n};
-  return TransferV(fd, &v, 1, false);
-}
-
 // iovecs for `count` consecutive slots starting at message number `first`.
 int SlotIovecs(char* base, uint64_t first, uint64_t count, uint32_t slots, uint64_t size,
                iovec* out) {
@@ -80,19 +49,6 @@ int SlotIovecs(char* base, uint64_t first, uint64_t count, uint32_t slots, uint6
     out[i].iov_len = size;
   }
   return static_cast<int>(count);
-}
-
-StatusOr<sockaddr_in> ParseAddress(const std::string& addr) {
-  const size_t colon = addr.rfind(':');
-  const std::string host = colon == std::string::npos ? addr : addr.substr(0, colon);
-  const int port = colon == std::string::npos ? 0 : atoi(addr.c_str() + colon + 1);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.empty() ? "0.0.0.0" : host.c_str(), &sa.sin_addr) != 1) {
-    return InvalidArgumentError("raw tcp: bad IPv4 address '" + addr + "'");
-  }
-  return sa;
 }
 
 void SetNoDelay(int fd) {
@@ -108,20 +64,9 @@ const char* BenchOpName(BenchOp op) { return op == BenchOp::kWrite ? "write" : "
 
 StatusOr<std::unique_ptr<RawTcpServer>> RawTcpServer::Start(const std::string& bind_ip) {
   std::unique_ptr<RawTcpServer> s(new RawTcpServer());
-  ASSIGN_OR_RETURN(sockaddr_in sa, ParseAddress(bind_ip.empty() ? "127.0.0.1:0" : bind_ip + ":0"));
-  s->listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s->listen_fd_ < 0) return ErrnoError("raw tcp socket", errno);
-  int one = 1;
-  setsockopt(s->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
-    return ErrnoError("raw tcp bind " + bind_ip, errno);
-  }
-  if (listen(s->listen_fd_, 4) != 0) return ErrnoError("raw tcp listen", errno);
-  socklen_t len = sizeof sa;
-  getsockname(s->listen_fd_, reinterpret_cast<sockaddr*>(&sa), &len);
-  char ip[INET_ADDRSTRLEN];
-  inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip);
-  s->address_ = std::string(ip) + ":" + std::to_string(ntohs(sa.sin_port));
+  ASSIGN_OR_RETURN(s->listen_fd_,
+                   net::ListenTcp((bind_ip.empty() ? "127.0.0.1" : bind_ip) + ":0", &s->address_,
+                                  /*backlog=*/4));
   s->thread_ = std::thread([p = s.get()] { p->Loop(); });
   return s;
 }
@@ -131,20 +76,18 @@ RawTcpServer::~RawTcpServer() {
   const int c = conn_fd_.load();
   if (c >= 0) shutdown(c, SHUT_RDWR);
   if (thread_.joinable()) thread_.join();
-  if (listen_fd_ >= 0) close(listen_fd_);
 }
 
 void RawTcpServer::Loop() {
   while (!stop_) {
-    pollfd p{listen_fd_, POLLIN, 0};
+    pollfd p{listen_fd_.get(), POLLIN, 0};
     if (poll(&p, 1, 100) <= 0) continue;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    SetNoDelay(fd);
-    conn_fd_ = fd;
-    if (!stop_) Serve(fd);
+    UniqueFd fd(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd.valid()) continue;
+    SetNoDelay(fd.get());
+    conn_fd_ = fd.get();
+    if (!stop_) Serve(fd.get());
     conn_fd_ = -1;
-    close(fd);
   }
 }
 
@@ -153,7 +96,7 @@ void RawTcpServer::Serve(int fd) {
   iovec iov[kMaxBatch];
   for (;;) {
     Header h;
-    if (!RecvAll(fd, &h, sizeof h).ok() || h.kind == kEnd) return;
+    if (!fdio::ReadFull(fd, &h, sizeof h).ok() || h.kind == kEnd) return;
     const uint32_t slots = std::max<uint32_t>(1, h.slots);
     if (h.count < 1 || h.count > kMaxBatch || h.size == 0) {
       LOG(WARNING) << "raw tcp server: bad request (count " << h.count << ")";
@@ -165,11 +108,11 @@ void RawTcpServer::Serve(int fd) {
     const int n = SlotIovecs(buf_.data(), counter, h.count, slots, h.size, iov);
     counter += h.count;
     if (h.kind == kWriteKind) {
-      if (!TransferV(fd, iov, n, false).ok()) return;
+      if (!fdio::ReadvFull(fd, iov, n, "raw tcp readv").ok()) return;
       const uint64_t ack = counter;
-      if (!SendAll(fd, &ack, sizeof ack).ok()) return;
+      if (!fdio::WriteAll(fd, &ack, sizeof ack).ok()) return;
     } else if (h.kind == kReadKind) {
-      if (!TransferV(fd, iov, n, true).ok()) return;
+      if (!fdio::WritevAll(fd, iov, n, "raw tcp writev").ok()) return;
     } else {
       LOG(WARNING) << "raw tcp server: unknown request kind " << h.kind;
       return;
@@ -182,27 +125,14 @@ void RawTcpServer::Serve(int fd) {
 StatusOr<std::unique_ptr<RawTcpClient>> RawTcpClient::Connect(const std::string& address,
                                                               const std::string& bind_ip) {
   std::unique_ptr<RawTcpClient> c(new RawTcpClient());
-  ASSIGN_OR_RETURN(sockaddr_in dst, ParseAddress(address));
-  c->fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (c->fd_ < 0) return ErrnoError("raw tcp socket", errno);
-  if (!bind_ip.empty()) {
-    ASSIGN_OR_RETURN(sockaddr_in src, ParseAddress(bind_ip + ":0"));
-    if (bind(c->fd_, reinterpret_cast<sockaddr*>(&src), sizeof src) != 0) {
-      return ErrnoError("raw tcp bind source " + bind_ip, errno);
-    }
-  }
-  if (connect(c->fd_, reinterpret_cast<sockaddr*>(&dst), sizeof dst) != 0) {
-    return ErrnoError("raw tcp connect " + address, errno);
-  }
-  SetNoDelay(c->fd_);
+  ASSIGN_OR_RETURN(c->fd_, net::ConnectTcp(address, bind_ip, std::chrono::seconds(10)));
   return c;
 }
 
 RawTcpClient::~RawTcpClient() {
-  if (fd_ >= 0) {
+  if (fd_.valid()) {
     Header h{kEnd, 0, 0, 0};
-    SendAll(fd_, &h, sizeof h).IgnoreError();
-    close(fd_);
+    fdio::WriteAll(fd_.get(), &h, sizeof h).IgnoreError();
   }
 }
 
@@ -228,7 +158,7 @@ Status RawTcpClient::RunWindow(BenchOp op, const PointParams& p, double seconds,
       iov[0] = {&h, sizeof h};
       int n = 1;
       if (op == BenchOp::kWrite) n += SlotIovecs(buf_.data(), posted, k, slots, p.size, iov + 1);
-      RETURN_IF_ERROR(TransferV(fd_, iov, n, true));
+      RETURN_IF_ERROR(fdio::WritevAll(fd_.get(), iov, n, "raw tcp writev"));
       posted += k;
       inflight.push_back(k);
     }
@@ -237,10 +167,10 @@ Status RawTcpClient::RunWindow(BenchOp op, const PointParams& p, double seconds,
     inflight.pop_front();
     if (op == BenchOp::kWrite) {
       uint64_t ack;
-      RETURN_IF_ERROR(RecvAll(fd_, &ack, sizeof ack));
+      RETURN_IF_ERROR(fdio::ReadFull(fd_.get(), &ack, sizeof ack));
     } else {
       const int n = SlotIovecs(buf_.data(), done, k, slots, p.size, iov);
-      RETURN_IF_ERROR(TransferV(fd_, iov, n, false));
+      RETURN_IF_ERROR(fdio::ReadvFull(fd_.get(), iov, n, "raw tcp readv"));
     }
     done += k;
   }
@@ -282,11 +212,11 @@ Status RawTcpClient::Latency(BenchOp op, const PointParams& p, LatResult* out) {
     if (op == BenchOp::kWrite) {
       iovec iov[2] = {{&h, sizeof h}, {slot, p.size}};
       uint64_t ack;
-      RETURN_IF_ERROR(TransferV(fd_, iov, 2, true));
-      RETURN_IF_ERROR(RecvAll(fd_, &ack, sizeof ack));
+      RETURN_IF_ERROR(fdio::WritevAll(fd_.get(), iov, 2, "raw tcp writev"));
+      RETURN_IF_ERROR(fdio::ReadFull(fd_.get(), &ack, sizeof ack));
     } else {
-      RETURN_IF_ERROR(SendAll(fd_, &h, sizeof h));
-      RETURN_IF_ERROR(RecvAll(fd_, slot, p.size));
+      RETURN_IF_ERROR(fdio::WriteAll(fd_.get(), &h, sizeof h));
+      RETURN_IF_ERROR(fdio::ReadFull(fd_.get(), slot, p.size));
     }
     out->us.push_back((NowSeconds() - t0) * 1e6);
   }

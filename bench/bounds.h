@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/status.h"
 
 namespace shardps::bench {
@@ -42,22 +43,22 @@ const char* BenchOpName(BenchOp op);
 
 // One measured point's parameters.
 struct PointParams {
-  size_t size = 0;        // bytes per operation
-  int window = 1;         // operations in flight (bandwidth)
-  int batch = 0;          // raw TCP: messages per request/ack (0 = window / 4, the signaling
-                          // interval of the transport loop)
-  int slots = 1;          // distinct source / destination buffers rotated over
-  double seconds = 0.3;   // minimum timed duration of a bandwidth point
+  size_t size = 0;       // bytes per operation
+  int window = 1;        // operations in flight (bandwidth)
+  int batch = 0;         // raw TCP: messages per request/ack (0 = window / 4, the signaling
+                         // interval of the transport loop)
+  int slots = 1;         // distinct source / destination buffers rotated over
+  double seconds = 0.3;  // minimum timed duration of a bandwidth point
   double lat_seconds = 0.3;
   int lat_min_iters = 20;
   int lat_max_iters = 100000;
 };
 
 struct BwResult {
-  double seconds = 0;     // timed wall time, including the final drain
+  double seconds = 0;  // timed wall time, including the final drain
   uint64_t ops = 0;
-  double cpu_self = 0;    // CPU seconds of this process during the timed part
-  double gbps() const {   // Gbit/s, 1e9
+  double cpu_self = 0;   // CPU seconds of this process during the timed part
+  double gbps() const {  // Gbit/s, 1e9
     return seconds > 0 ? 8.0 * static_cast<double>(ops) * bytes_per_op / seconds / 1e9 : 0;
   }
   size_t bytes_per_op = 0;
@@ -88,7 +89,7 @@ class RawTcpServer {
   void Loop();
   void Serve(int fd);
 
-  int listen_fd_ = -1;
+  UniqueFd listen_fd_;
   std::string address_;
   std::atomic<bool> stop_{false};
   std::atomic<int> conn_fd_{-1};
@@ -113,7 +114,7 @@ class RawTcpClient {
   Status RunWindow(BenchOp op, const PointParams& p, double seconds, uint64_t* ops);
   void EnsureBuffer(size_t bytes);
 
-  int fd_ = -1;
+  UniqueFd fd_;
   std::vector<char> buf_;
 };
 
@@ -124,8 +125,8 @@ Status MemcpyLatency(const PointParams& p, LatResult* out);
 // (provider, op, kind, size): bw lines carry Gbit/s, lat lines p50 and p99 in µs.
 //   file = *( comment | line );  line = provider op ("bw" gbits | "lat" p50 p99) size
 //   actual order on a line: provider op kind size value [p99]
-using ExternalBounds = std::map<std::tuple<std::string, std::string, std::string, size_t>,
-                                std::pair<double, double>>;
+using ExternalBounds =
+    std::map<std::tuple<std::string, std::string, std::string, size_t>, std::pair<double, double>>;
 StatusOr<ExternalBounds> LoadExternalBounds(const std::string& path);
 
 }  // namespace shardps::bench

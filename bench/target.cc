@@ -72,11 +72,10 @@ int RunTarget(const TargetConfig& config) {
     raw = std::move(*r);
   }
   printf("ADDR %s\nDESC %s\nBOUND %s\nREADY\n", (*listener)->address().c_str(),
-         ToHex((*region)->descriptor().Encode()).c_str(),
-         raw ? raw->address().c_str() : "-");
+         ToHex((*region)->descriptor().Encode()).c_str(), raw ? raw->address().c_str() : "-");
   fflush(stdout);
-  LOG(INFO) << "target: " << (*fabric)->DebugString() << " listening on "
-            << (*listener)->address() << ", region " << (*region)->descriptor().DebugString();
+  LOG(INFO) << "target: " << (*fabric)->DebugString() << " listening on " << (*listener)->address()
+            << ", region " << (*region)->descriptor().DebugString();
 
   const double deadline = NowSeconds() + config.max_seconds;
   auto done = [&] { return NowSeconds() >= deadline || (config.watch_stdin && StdinClosed()); };
@@ -119,17 +118,15 @@ int RunTarget(const TargetConfig& config) {
 TargetProcess::~TargetProcess() { Stop(); }
 
 Status TargetProcess::Start(const std::vector<std::string>& args, double timeout_s) {
-  int out[2], in[2];
-  if (pipe2(out, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
-  if (pipe2(in, O_CLOEXEC) != 0) {
-    close(out[0]);
-    close(out[1]);
-    return ErrnoError("pipe2", errno);
-  }
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  UniqueFd out_r(fds[0]), out_w(fds[1]);  // the child's stdout
+  if (pipe2(fds, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  UniqueFd in_r(fds[0]), in_w(fds[1]);  // the child's stdin
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&fa, in[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, out_w.get(), STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, in_r.get(), STDIN_FILENO);
   std::vector<std::string> all;
   all.push_back("/proc/self/exe");
   all.insert(all.end(), args.begin(), args.end());
@@ -138,35 +135,31 @@ Status TargetProcess::Start(const std::vector<std::string>& args, double timeout
   argv.push_back(nullptr);
   const int rc = posix_spawn(&pid_, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
-  close(out[1]);
-  close(in[0]);
+  out_w.reset();
+  in_r.reset();
   if (rc != 0) {
-    close(out[0]);
-    close(in[1]);
     pid_ = -1;
     return ErrnoError("posix_spawn target", rc);
   }
-  stdin_fd_ = in[1];
+  stdin_fd_ = std::move(in_w);
   std::string buf;
   const double deadline = NowSeconds() + timeout_s;
   while (buf.find("READY\n") == std::string::npos) {
     const double left = deadline - NowSeconds();
     if (left <= 0) {
-      close(out[0]);
       return DeadlineExceededError("target did not report READY within " +
                                    std::to_string(timeout_s) + " s; it said: " + buf);
     }
-    pollfd p{out[0], POLLIN, 0};
+    pollfd p{out_r.get(), POLLIN, 0};
     if (poll(&p, 1, static_cast<int>(left * 1000) + 1) <= 0) continue;
     char tmp[4096];
-    const ssize_t n = read(out[0], tmp, sizeof tmp);
+    const ssize_t n = read(out_r.get(), tmp, sizeof tmp);
     if (n <= 0) {
-      close(out[0]);
       return UnavailableError("target exited before READY (see its log above); it said: " + buf);
     }
     buf.append(tmp, static_cast<size_t>(n));
   }
-  close(out[0]);
+  out_r.reset();
   std::istringstream is(buf);
   std::string line;
   while (std::getline(is, line)) {
@@ -179,10 +172,7 @@ Status TargetProcess::Start(const std::vector<std::string>& args, double timeout
 }
 
 void TargetProcess::Stop() {
-  if (stdin_fd_ >= 0) {
-    close(stdin_fd_);
-    stdin_fd_ = -1;
-  }
+  stdin_fd_.reset();
   if (pid_ <= 0) return;
   const double deadline = NowSeconds() + 10;
   int st = 0;

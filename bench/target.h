@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/status.h"
 #include "transport/transport.h"
 
@@ -26,7 +27,7 @@ namespace shardps::bench {
 
 struct TargetConfig {
   transport::FabricOptions fabric;
-  std::string listen_address;   // for Fabric::Listen
+  std::string listen_address;  // for Fabric::Listen
   size_t region_bytes = 0;
   bool raw_tcp_bound = false;   // also serve the raw TCP bound (tcp provider)
   std::string raw_tcp_bind_ip;  // "" = 127.0.0.1
@@ -57,7 +58,7 @@ class TargetProcess {
 
  private:
   pid_t pid_ = -1;
-  int stdin_fd_ = -1;
+  UniqueFd stdin_fd_;  // the child's stdin: closing it asks the target to exit
   std::string address_;
   std::string descriptor_hex_;
   std::string bound_address_;

@@ -8,6 +8,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -19,7 +20,7 @@ using Clock = std::chrono::steady_clock;
 int MsLeft(Clock::time_point deadline) {
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left < 0 ? 0 : static_cast<int>(left);
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, 1 << 30)));
 }
 
 StatusOr<sockaddr_storage> Resolve(const HostPort& hp, socklen_t* len, bool passive) {
@@ -29,8 +30,8 @@ StatusOr<sockaddr_storage> Resolve(const HostPort& hp, socklen_t* len, bool pass
   hints.ai_flags = passive ? AI_PASSIVE : 0;
   addrinfo* res = nullptr;
   const std::string port = std::to_string(hp.port);
-  const int rc = getaddrinfo(hp.host.empty() ? nullptr : hp.host.c_str(), port.c_str(), &hints,
-                             &res);
+  const int rc =
+      getaddrinfo(hp.host.empty() ? nullptr : hp.host.c_str(), port.c_str(), &hints, &res);
   if (rc != 0 || res == nullptr) {
     return UnavailableError("cannot resolve '" + hp.host + "': " + gai_strerror(rc));
   }
@@ -39,21 +40,6 @@ StatusOr<sockaddr_storage> Resolve(const HostPort& hp, socklen_t* len, bool pass
   *len = res->ai_addrlen;
   freeaddrinfo(res);
   return ss;
-}
-
-std::string ToString(const sockaddr_storage& ss) {
-  char host[INET6_ADDRSTRLEN] = {0};
-  uint16_t port = 0;
-  if (ss.ss_family == AF_INET) {
-    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
-    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-    port = ntohs(a->sin_port);
-    return std::string(host) + ":" + std::to_string(port);
-  }
-  const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
-  inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-  port = ntohs(a->sin6_port);
-  return "[" + std::string(host) + "]:" + std::to_string(port);
 }
 
 }  // namespace
@@ -70,7 +56,8 @@ StatusOr<HostPort> ParseHostPort(const std::string& s) {
     port = s.substr(close + 2);
   } else {
     const size_t colon = s.rfind(':');
-    if (colon == std::string::npos) return InvalidArgumentError("bad address '" + s + "' (want host:port)");
+    if (colon == std::string::npos)
+      return InvalidArgumentError("bad address '" + s + "' (want host:port)");
     hp.host = s.substr(0, colon);
     port = s.substr(colon + 1);
   }
@@ -82,6 +69,31 @@ StatusOr<HostPort> ParseHostPort(const std::string& s) {
   if (p > 65535) return InvalidArgumentError("port out of range in '" + s + "'");
   hp.port = static_cast<uint16_t>(p);
   return hp;
+}
+
+std::string SockaddrToString(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = {0};
+  uint16_t port = 0;
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    port = ntohs(a->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+  inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+  port = ntohs(a->sin6_port);
+  return "[" + std::string(host) + "]:" + std::to_string(port);
+}
+
+Status WaitFd(int fd, short events, Deadline deadline, const std::string& what) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int rc = poll(&p, 1, MsLeft(deadline));
+    if (rc > 0) return Status::OK();
+    if (rc == 0) return DeadlineExceededError(what + ": timed out");
+    if (errno != EINTR) return ErrnoError(what + ": poll", errno);
+  }
 }
 
 Status SetNonBlocking(int fd, bool on) {
@@ -110,7 +122,7 @@ StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int
   if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&actual), &alen) != 0) {
     return ErrnoError("getsockname", errno);
   }
-  if (bound != nullptr) *bound = ToString(actual);
+  if (bound != nullptr) *bound = SockaddrToString(actual);
   return fd;
 }
 
@@ -158,8 +170,7 @@ StatusOr<UniqueFd> AcceptTcp(int listen_fd, std::chrono::milliseconds timeout) {
   return fd;
 }
 
-Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+Status SendAll(int fd, const void* data, size_t n, Deadline deadline, const char* what) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t k = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -169,17 +180,16 @@ Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds tim
       continue;
     }
     if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError("send", errno);
+    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError(what, errno);
     pollfd pf{fd, POLLOUT, 0};
     const int r = poll(&pf, 1, MsLeft(deadline));
-    if (r == 0) return DeadlineExceededError("send: timed out");
-    if (r < 0 && errno != EINTR) return ErrnoError("poll", errno);
+    if (r == 0) return DeadlineExceededError(std::string(what) + ": timed out");
+    if (r < 0 && errno != EINTR) return ErrnoError(std::string(what) + ": poll", errno);
   }
   return Status::OK();
 }
 
-Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+Status RecvAll(int fd, void* data, size_t n, Deadline deadline, const char* what) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
@@ -188,15 +198,34 @@ Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) 
       n -= static_cast<size_t>(k);
       continue;
     }
-    if (k == 0) return UnavailableError("peer closed the connection");
+    if (k == 0) return UnavailableError(std::string(what) + ": peer closed the connection");
     if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError("recv", errno);
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoError(what, errno);
     pollfd pf{fd, POLLIN, 0};
     const int r = poll(&pf, 1, MsLeft(deadline));
-    if (r == 0) return DeadlineExceededError("recv: timed out");
-    if (r < 0 && errno != EINTR) return ErrnoError("poll", errno);
+    if (r == 0) return DeadlineExceededError(std::string(what) + ": timed out");
+    if (r < 0 && errno != EINTR) return ErrnoError(std::string(what) + ": poll", errno);
   }
   return Status::OK();
+}
+
+StatusOr<size_t> RecvSome(int fd, void* buf, size_t cap, const char* what) {
+  for (;;) {
+    const ssize_t k = recv(fd, buf, cap, MSG_DONTWAIT);
+    if (k > 0) return static_cast<size_t>(k);
+    if (k == 0) return UnavailableError(std::string(what) + ": peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return size_t{0};
+    return ErrnoError(what, errno);
+  }
+}
+
+Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout) {
+  return SendAll(fd, data, n, Clock::now() + timeout);
+}
+
+Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) {
+  return RecvAll(fd, data, n, Clock::now() + timeout);
 }
 
 }  // namespace shardps::net

@@ -1,11 +1,14 @@
-// Small blocking TCP helpers for setup paths (control plane, bootstrap). Data paths do not use
-// these. Thread safety: free functions, no shared state.
+// The socket seam: blocking TCP helpers for setup paths (control plane, the tcp and verbs
+// providers' handshakes, tools, benchmarks, tests). Data paths do not use these. Files, pipes
+// and fd ownership: common/fd.h. Thread safety: free functions, no shared state.
 #ifndef SHARDPS_COMMON_NET_H_
 #define SHARDPS_COMMON_NET_H_
 
 #include <chrono>
 #include <cstdint>
 #include <string>
+
+#include <sys/socket.h>
 
 #include "common/fd.h"
 #include "common/status.h"
@@ -28,9 +31,29 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& address, const std::string& bin
 // Accepts one connection within timeout (DEADLINE_EXCEEDED otherwise).
 StatusOr<UniqueFd> AcceptTcp(int listen_fd, std::chrono::milliseconds timeout);
 
-// Sends/receives exactly n bytes within timeout; EOF is UNAVAILABLE("peer closed").
+using Deadline = std::chrono::steady_clock::time_point;
+
+// Sends/receives exactly n bytes before the deadline, on a blocking or non-blocking socket:
+// MSG_NOSIGNAL (a dead peer is an error, not SIGPIPE), EINTR and partial transfers retried,
+// poll(2) while the socket is full/empty. Errors: DEADLINE_EXCEEDED("<what>: timed out"),
+// UNAVAILABLE("<what>: peer closed the connection") on EOF, errno errors as "<what>: ...".
+Status SendAll(int fd, const void* data, size_t n, Deadline deadline, const char* what = "send");
+Status RecvAll(int fd, void* data, size_t n, Deadline deadline, const char* what = "recv");
+// The same with a timeout from now.
 Status SendAll(int fd, const void* data, size_t n, std::chrono::milliseconds timeout);
 Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout);
+
+// One non-blocking receive of at most cap bytes (EINTR retried): how many arrived, 0 when
+// nothing is there now; UNAVAILABLE("<what>: peer closed the connection") at EOF; errno errors
+// as "<what>: ...". For event loops and liveness probes that read what is there.
+StatusOr<size_t> RecvSome(int fd, void* buf, size_t cap, const char* what = "recv");
+
+// Waits until fd is ready for `events` (poll(2), EINTR retried) or the deadline passes:
+// DEADLINE_EXCEEDED("<what>: timed out").
+Status WaitFd(int fd, short events, Deadline deadline, const std::string& what);
+
+// "ip:port" or "[v6]:port" of an IPv4 / IPv6 socket address.
+std::string SockaddrToString(const struct sockaddr_storage& ss);
 
 Status SetNonBlocking(int fd, bool on);
 

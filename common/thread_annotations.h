@@ -3,11 +3,14 @@
 // `scripts/test.sh` runs with clang, SHARDPS_THREAD_SAFETY=ON). Under other compilers they
 // expand to nothing.
 //
-// Use shardps::Mutex / shardps::MutexLock (annotated wrappers of std::mutex) for members that
-// carry GUARDED_BY: std::mutex itself is annotated only under libc++.
+// Use shardps::Mutex / shardps::MutexLock (annotated wrappers of std::mutex) and
+// shardps::CondVar for members that carry GUARDED_BY: std::mutex itself is annotated only under
+// libc++.
 #ifndef SHARDPS_COMMON_THREAD_ANNOTATIONS_H_
 #define SHARDPS_COMMON_THREAD_ANNOTATIONS_H_
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 
 #if defined(__clang__)
@@ -30,6 +33,7 @@
 #define EXCLUDES(...) SHARDPS_TSA(locks_excluded(__VA_ARGS__))
 #define LOCKS_EXCLUDED(...) SHARDPS_TSA(locks_excluded(__VA_ARGS__))
 #define RETURN_CAPABILITY(x) SHARDPS_TSA(lock_returned(x))
+#define ASSERT_CAPABILITY(x) SHARDPS_TSA(assert_capability(x))
 #define NO_THREAD_SAFETY_ANALYSIS SHARDPS_TSA(no_thread_safety_analysis)
 
 namespace shardps {
@@ -47,6 +51,10 @@ class CAPABILITY("mutex") Mutex {
   void lock() ACQUIRE() { mu_.lock(); }
   void unlock() RELEASE() { mu_.unlock(); }
   std::mutex& native() { return mu_; }
+  // Tells the analysis that the caller holds this mutex where it cannot follow the lock (a
+  // capability reached through another object, a callback run under the lock). A promise, not
+  // checked at run time: say in a comment who holds it.
+  void AssertHeld() const ASSERT_CAPABILITY(this) {}
 
  private:
   std::mutex mu_;
@@ -62,6 +70,67 @@ class SCOPED_CAPABILITY MutexLock {
 
  private:
   Mutex* const mu_;
+};
+
+// std::condition_variable for a Mutex the caller holds (REQUIRES: the analysis sees the lock
+// held across the wait, as it is on return). A predicate reading guarded members says so:
+//   cv_.Wait(&mu_, [&]() REQUIRES(mu_) { return done_; });
+// Thread-safe, as std::condition_variable.
+class CondVar {
+ public:
+  CondVar() = default;
+  CondVar(const CondVar&) = delete;
+  CondVar& operator=(const CondVar&) = delete;
+
+  void Wait(Mutex* mu) REQUIRES(mu) NO_THREAD_SAFETY_ANALYSIS {
+    std::unique_lock<std::mutex> l(mu->native(), std::adopt_lock);
+    cv_.wait(l);
+    l.release();
+  }
+  template <typename Pred>
+  void Wait(Mutex* mu, Pred pred) REQUIRES(mu) NO_THREAD_SAFETY_ANALYSIS {
+    std::unique_lock<std::mutex> l(mu->native(), std::adopt_lock);
+    cv_.wait(l, pred);
+    l.release();
+  }
+  // False on timeout with pred still false.
+  template <typename Rep, typename Period, typename Pred>
+  bool WaitFor(Mutex* mu, const std::chrono::duration<Rep, Period>& timeout, Pred pred)
+      REQUIRES(mu) NO_THREAD_SAFETY_ANALYSIS {
+    std::unique_lock<std::mutex> l(mu->native(), std::adopt_lock);
+    const bool ok = cv_.wait_for(l, timeout, pred);
+    l.release();
+    return ok;
+  }
+  template <typename Rep, typename Period>
+  std::cv_status WaitFor(Mutex* mu, const std::chrono::duration<Rep, Period>& timeout)
+      REQUIRES(mu) NO_THREAD_SAFETY_ANALYSIS {
+    std::unique_lock<std::mutex> l(mu->native(), std::adopt_lock);
+    const std::cv_status st = cv_.wait_for(l, timeout);
+    l.release();
+    return st;
+  }
+  template <typename Clock, typename Duration, typename Pred>
+  bool WaitUntil(Mutex* mu, const std::chrono::time_point<Clock, Duration>& deadline, Pred pred)
+      REQUIRES(mu) NO_THREAD_SAFETY_ANALYSIS {
+    std::unique_lock<std::mutex> l(mu->native(), std::adopt_lock);
+    const bool ok = cv_.wait_until(l, deadline, pred);
+    l.release();
+    return ok;
+  }
+  template <typename Clock, typename Duration>
+  std::cv_status WaitUntil(Mutex* mu, const std::chrono::time_point<Clock, Duration>& deadline)
+      REQUIRES(mu) NO_THREAD_SAFETY_ANALYSIS {
+    std::unique_lock<std::mutex> l(mu->native(), std::adopt_lock);
+    const std::cv_status st = cv_.wait_until(l, deadline);
+    l.release();
+    return st;
+  }
+  void Signal() { cv_.notify_one(); }
+  void SignalAll() { cv_.notify_all(); }
+
+ private:
+  std::condition_variable cv_;
 };
 
 }  // namespace shardps

@@ -27,6 +27,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
     StatusOr<UniqueFd> fd = net::ConnectTcp(options.coordinator_address, "",
                                             std::max(left, std::chrono::milliseconds(1)));
     if (fd.ok()) {
+      MutexLock l(&c->send_mu_);
       c->fd_ = std::move(*fd);
       break;
     }
@@ -42,13 +43,12 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  RETURN_IF_ERROR(SendMagic(c->fd_.get(), options.connect_timeout));
+  RETURN_IF_ERROR(SendMagic(c->LoopFd(), options.connect_timeout));
   Envelope e;
   *e.mutable_join() = options.join;
   e.mutable_join()->set_cluster_token(options.cluster_token);
   RETURN_IF_ERROR(c->Send(e));
-  ASSIGN_OR_RETURN(Envelope r,
-                   ReceiveEnvelope(c->fd_.get(), &c->decoder_, options.connect_timeout));
+  ASSIGN_OR_RETURN(Envelope r, ReceiveEnvelope(c->LoopFd(), &c->decoder_, options.connect_timeout));
   if (r.body_case() != Envelope::kJoinReply) {
     return InternalError(std::string("coordinator answered the join with ") + BodyName(r));
   }
@@ -57,7 +57,10 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
   }
   c->reply_ = r.join_reply();
   c->options_ = options;
-  c->counters_.messages_received = 1;
+  {
+    MutexLock l(&c->mu_);
+    c->counters_.messages_received = 1;
+  }
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
   return c;
 }
@@ -68,10 +71,10 @@ ControlClient::~ControlClient() {
 }
 
 Status ControlClient::Send(const Envelope& e) {
-  std::lock_guard<std::mutex> l(send_mu_);
+  MutexLock l(&send_mu_);
   if (!fd_.valid()) return UnavailableError("control connection closed");
   RETURN_IF_ERROR(SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000)));
-  std::lock_guard<std::mutex> l2(mu_);
+  MutexLock l2(&mu_);
   if (e.body_case() == Envelope::kHeartbeat) {
     ++counters_.heartbeats_sent;
   } else {
@@ -81,12 +84,12 @@ Status ControlClient::Send(const Envelope& e) {
 }
 
 void ControlClient::Fail(const Status& s) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (status_.ok()) {
     status_ = s;
     LOG(WARNING) << "control: lost the coordinator: " << s;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void ControlClient::Loop() {
@@ -111,21 +114,18 @@ void ControlClient::Loop() {
       }
       next_hb = Clock::now() + interval;
     }
-    pollfd p{fd_.get(), POLLIN, 0};
+    const int fd = LoopFd();
+    pollfd p{fd, POLLIN, 0};
     const int r = poll(&p, 1, 20);
     if (r <= 0) continue;
     char buf[64 << 10];
-    const ssize_t k = recv(fd_.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    if (k == 0) {
-      if (!Rejoin(UnavailableError("coordinator closed the control connection"))) return;
+    StatusOr<size_t> k = net::RecvSome(fd, buf, sizeof(buf), "control connection");
+    if (!k.ok()) {  // "control connection: peer closed the connection" at EOF
+      if (!Rejoin(k.status())) return;
       continue;
     }
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EINTR) continue;
-      if (!Rejoin(ErrnoError("control recv", errno))) return;
-      continue;
-    }
-    decoder_.Feed(buf, static_cast<size_t>(k));
+    if (*k == 0) continue;
+    decoder_.Feed(buf, *k);
     Status st = DrainDecoder();
     if (!st.ok()) {
       Fail(st);
@@ -143,7 +143,7 @@ bool ControlClient::Rejoin(const Status& why) {
                << reply_.member_id() << " for up to " << options_.rejoin_window.count() << " ms";
   connected_ = false;
   {
-    std::lock_guard<std::mutex> l(send_mu_);
+    MutexLock l(&send_mu_);
     fd_.reset();
   }
   const auto deadline = Clock::now() + options_.rejoin_window;
@@ -186,12 +186,12 @@ bool ControlClient::Rejoin(const Status& why) {
       return false;
     }
     {
-      std::lock_guard<std::mutex> l(send_mu_);
+      MutexLock l(&send_mu_);
       fd_ = std::move(*fd);
       decoder_ = std::move(decoder);
     }
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.rejoins;
     }
     connected_ = true;
@@ -215,41 +215,42 @@ Status ControlClient::DrainDecoder() {
   while (true) {
     ASSIGN_OR_RETURN(bool got, decoder_.Next(&env));
     if (!got) return Status::OK();
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++counters_.messages_received;
     if (env.body_case() == Envelope::kMembership) {
       if (env.membership().epoch() > membership_.epoch()) membership_ = env.membership();
     } else {
       inbox_.push_back(env);
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 
 Membership ControlClient::membership() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return membership_;
 }
 
 uint64_t ControlClient::epoch() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return membership_.epoch();
 }
 
 Status ControlClient::status() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return status_;
 }
 
 ControlCounters ControlClient::counters() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return counters_;
 }
 
 StatusOr<Membership> ControlClient::WaitFor(const std::function<bool(const Membership&)>& pred,
                                             std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> l(mu_);
-  const bool ok = cv_.wait_for(l, timeout, [&] { return !status_.ok() || pred(membership_); });
+  MutexLock l(&mu_);
+  const bool ok = cv_.WaitFor(&mu_, timeout,
+                              [&]() REQUIRES(mu_) { return !status_.ok() || pred(membership_); });
   if (!status_.ok()) return status_;
   if (!ok) return DeadlineExceededError("membership condition not met in time");
   return membership_;
@@ -257,7 +258,7 @@ StatusOr<Membership> ControlClient::WaitFor(const std::function<bool(const Membe
 
 StatusOr<Envelope> ControlClient::WaitMessage(Envelope::BodyCase body,
                                               std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   const auto deadline = Clock::now() + timeout;
   while (true) {
     for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
@@ -271,7 +272,7 @@ StatusOr<Envelope> ControlClient::WaitMessage(Envelope::BodyCase body,
       }
     }
     if (!status_.ok()) return status_;
-    if (cv_.wait_until(l, deadline) == std::cv_status::timeout) {
+    if (cv_.WaitUntil(&mu_, deadline) == std::cv_status::timeout) {
       return DeadlineExceededError("control: no message of the expected kind in time");
     }
   }
@@ -284,7 +285,7 @@ Status ControlClient::Leave(const std::string& reason) {
   Status s = Send(e);
   stop_ = true;
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> l(send_mu_);
+  MutexLock l(&send_mu_);
   fd_.reset();
   return s;
 }

@@ -9,16 +9,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "common/fd.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "proto/control.pb.h"
 #include "proto/framing.h"
 
@@ -79,23 +78,30 @@ class ControlClient {
   void Fail(const Status& s);
   // Loop thread: the connection broke for `why`; rejoin within the window or fail.
   bool Rejoin(const Status& why);
+  // The socket's fd, for the loop thread's receive side (and Create's, before the loop starts).
+  int LoopFd() EXCLUDES(send_mu_) {
+    MutexLock l(&send_mu_);
+    return fd_.get();
+  }
 
   ControlClientOptions options_;
 
-  UniqueFd fd_;
+  // The socket: replaced (Rejoin) and closed (Leave) under send_mu_; Send writes to it under
+  // send_mu_; the loop thread reads it through LoopFd().
+  UniqueFd fd_ GUARDED_BY(send_mu_);
   JoinReply reply_;
-  FrameDecoder decoder_;
+  FrameDecoder decoder_;  // loop thread (Create before it starts)
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{true};
-  std::mutex send_mu_;
+  Mutex send_mu_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  Membership membership_;
-  std::deque<Envelope> inbox_;
-  Status status_;
-  ControlCounters counters_;
+  mutable Mutex mu_;
+  CondVar cv_;  // signalled on a new message, membership or status_
+  Membership membership_ GUARDED_BY(mu_);
+  std::deque<Envelope> inbox_ GUARDED_BY(mu_);
+  Status status_ GUARDED_BY(mu_);
+  ControlCounters counters_ GUARDED_BY(mu_);
 };
 
 }  // namespace shardps::control

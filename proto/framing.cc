@@ -19,8 +19,7 @@ StatusOr<std::string> EncodeFrame(const Envelope& envelope, size_t max_frame_byt
   const size_t n = envelope.ByteSizeLong();
   if (n == 0 || n > max_frame_bytes) {
     return ResourceExhaustedError("control frame: " + std::to_string(n) +
-                                  " bytes exceeds the limit of " +
-                                  std::to_string(max_frame_bytes));
+                                  " bytes exceeds the limit of " + std::to_string(max_frame_bytes));
   }
   std::string out(4 + n, '\0');
   for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
@@ -38,8 +37,8 @@ StatusOr<bool> FrameDecoder::Next(Envelope* out) {
   const size_t n = static_cast<size_t>(p[0]) | (static_cast<size_t>(p[1]) << 8) |
                    (static_cast<size_t>(p[2]) << 16) | (static_cast<size_t>(p[3]) << 24);
   if (n == 0 || n > max_frame_bytes_) {
-    error_ = ResourceExhaustedError("control frame of " + std::to_string(n) +
-                                    " bytes (limit " + std::to_string(max_frame_bytes_) + ")");
+    error_ = ResourceExhaustedError("control frame of " + std::to_string(n) + " bytes (limit " +
+                                    std::to_string(max_frame_bytes_) + ")");
     return error_;
   }
   if (avail < 4 + n) return false;
@@ -93,32 +92,41 @@ StatusOr<Envelope> ReceiveEnvelope(int fd, FrameDecoder* decoder,
     if (r < 0 && errno != EINTR) return ErrnoError("poll", errno);
     if (r <= 0) continue;
     char buf[64 << 10];
-    const ssize_t k = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (k == 0) return UnavailableError("control: peer closed the connection");
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EINTR) continue;
-      return ErrnoError("control recv", errno);
-    }
-    decoder->Feed(buf, static_cast<size_t>(k));
+    ASSIGN_OR_RETURN(size_t k, net::RecvSome(fd, buf, sizeof(buf), "control"));
+    decoder->Feed(buf, k);
   }
 }
 
 const char* BodyName(const Envelope& e) {
   switch (e.body_case()) {
-    case Envelope::kJoin: return "join";
-    case Envelope::kJoinReply: return "join_reply";
-    case Envelope::kHeartbeat: return "heartbeat";
-    case Envelope::kLeave: return "leave";
-    case Envelope::kMembership: return "membership";
-    case Envelope::kError: return "error";
-    case Envelope::kRegisterModel: return "register_model";
-    case Envelope::kAssignShards: return "assign_shards";
-    case Envelope::kShardsReady: return "shards_ready";
-    case Envelope::kShardMap: return "shard_map";
-    case Envelope::kReplicaTarget: return "replica_target";
-    case Envelope::kPromote: return "promote";
-    case Envelope::kCheckpoint: return "checkpoint";
-    case Envelope::BODY_NOT_SET: return "none";
+    case Envelope::kJoin:
+      return "join";
+    case Envelope::kJoinReply:
+      return "join_reply";
+    case Envelope::kHeartbeat:
+      return "heartbeat";
+    case Envelope::kLeave:
+      return "leave";
+    case Envelope::kMembership:
+      return "membership";
+    case Envelope::kError:
+      return "error";
+    case Envelope::kRegisterModel:
+      return "register_model";
+    case Envelope::kAssignShards:
+      return "assign_shards";
+    case Envelope::kShardsReady:
+      return "shards_ready";
+    case Envelope::kShardMap:
+      return "shard_map";
+    case Envelope::kReplicaTarget:
+      return "replica_target";
+    case Envelope::kPromote:
+      return "promote";
+    case Envelope::kCheckpoint:
+      return "checkpoint";
+    case Envelope::BODY_NOT_SET:
+      return "none";
   }
   return "unknown";
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Runs every ShardPS test tier from a fresh machine: installs packages, builds, then
+#   0. clang's thread-safety analysis over the libraries (scripts/tsa.sh, build-tsa);
 #   1. unit + conformance (tcp, shm) + benchmark smoke on the host, through ctest; then the
 #      control-plane fuzz targets for 20 s each (scripts/fuzz.sh, counted as tests);
 #   2. the verbs tier for real on SoftRoCE inside the qemu guest of ../shared/softroce
@@ -28,6 +29,11 @@ fi
 
 rm -rf "$RESULTS" && mkdir -p "$RESULTS/host" "$RESULTS/verbs"
 status=0
+
+# Clang's thread-safety analysis over the libraries (scripts/tsa.sh, build-tsa): a violated
+# GUARDED_BY / REQUIRES fails the run.
+echo "=== thread-safety analysis: clang -Wthread-safety (scripts/tsa.sh) ==="
+"$ROOT/scripts/tsa.sh" || status=1
 
 echo "=== host tiers: unit, conformance (tcp, shm), benchmark smoke ==="
 # ctest's own JUnit report: one file, written once (per-process gtest XML files would race

@@ -135,17 +135,8 @@ class Sink {
     return s;
   }
   Status WriteFd(const void* data, size_t n) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (n > 0) {
-      ssize_t w = ::write(fd_, p, n);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        return IoError("write", path_, errno);
-      }
-      if (w == 0) return IoError("write", path_, ENOSPC);
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
+    int err = 0;
+    if (!fdio::WriteAll(fd_, data, n, &err).ok()) return IoError("write", path_, err);
     return Status::OK();
   }
 
@@ -423,8 +414,8 @@ Status ReadFile(const std::string& path, ShardSnapshot* out, SnapshotSummary* su
   }
   const uint32_t stored_hcrc = Get<uint32_t>(hb + 60), hcrc = crc32c::Value(hb, 60);
   if (stored_hcrc != hcrc) {
-    return DataLossError("header checksum mismatch (stored " + Hex32(stored_hcrc) +
-                         ", computed " + Hex32(hcrc) + ")");
+    return DataLossError("header checksum mismatch (stored " + Hex32(stored_hcrc) + ", computed " +
+                         Hex32(hcrc) + ")");
   }
   Header h;
   h.version = Get<uint32_t>(hb + 8);
@@ -440,8 +431,8 @@ Status ReadFile(const std::string& path, ShardSnapshot* out, SnapshotSummary* su
     return DataLossError("unsupported format version " + std::to_string(h.version) +
                          " (this build reads " + std::to_string(kCheckpointFormatVersion) + ")");
   }
-  if (header_bytes != kHeaderBytes || h.file_bytes < kMinFileBytes ||
-      h.num_groups == 0 || h.group >= h.num_groups) {
+  if (header_bytes != kHeaderBytes || h.file_bytes < kMinFileBytes || h.num_groups == 0 ||
+      h.group >= h.num_groups) {
     return DataLossError("inconsistent header (header_bytes " + std::to_string(header_bytes) +
                          ", file_bytes " + std::to_string(h.file_bytes) + ", group " +
                          std::to_string(h.group) + " of " + std::to_string(h.num_groups) + ")");
@@ -470,8 +461,7 @@ Status ReadFile(const std::string& path, ShardSnapshot* out, SnapshotSummary* su
   }
   if (stored != in.crc()) {
     return DataLossError("checksum mismatch (stored " + Hex32(stored) + ", computed " +
-                         Hex32(in.crc()) + " over " + std::to_string(h.file_bytes - 4) +
-                         " bytes)");
+                         Hex32(in.crc()) + " over " + std::to_string(h.file_bytes - 4) + " bytes)");
   }
   RETURN_IF_ERROR(parsed);
   sum->group = h.group;
@@ -536,8 +526,7 @@ bool ParseGroupFileName(const std::string& n, const std::string& suffix, uint32_
   size_t of = n.find("-of-", 6);
   uint64_t a = 0, b = 0;
   if (of == std::string::npos || !ParseDigits(n, 6, of, &a) ||
-      !ParseDigits(n, of + 4, n.size() - suffix.size(), &b) || a > UINT32_MAX ||
-      b > UINT32_MAX) {
+      !ParseDigits(n, of + 4, n.size() - suffix.size(), &b) || a > UINT32_MAX || b > UINT32_MAX) {
     return false;
   }
   *g = static_cast<uint32_t>(a);
@@ -696,8 +685,7 @@ StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string& dir,
 }
 
 StatusOr<uint64_t> LatestCompleteCheckpoint(const std::string& dir, uint32_t num_groups,
-                                            const std::string& fingerprint,
-                                            std::string* report) {
+                                            const std::string& fingerprint, std::string* report) {
   if (num_groups == 0) return InvalidArgumentError("num_groups must be at least 1");
   ASSIGN_OR_RETURN(auto dirs, CkptDirs(dir));
   std::string refused;
@@ -710,8 +698,8 @@ StatusOr<uint64_t> LatestCompleteCheckpoint(const std::string& dir, uint32_t num
     refused += Basename(p) + ": " + l.why_incomplete + "; ";
   }
   std::string msg = "no complete checkpoint of " + std::to_string(num_groups) + " groups in " +
-                    dir + (refused.empty() ? "" : " (" + refused.substr(0, refused.size() - 2) +
-                                                      ")");
+                    dir +
+                    (refused.empty() ? "" : " (" + refused.substr(0, refused.size() - 2) + ")");
   if (report) *report = msg;
   return NotFoundError(msg);
 }
@@ -762,16 +750,16 @@ CheckpointWriter::CheckpointWriter(Options options)
 
 CheckpointWriter::~CheckpointWriter() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
 void CheckpointWriter::Submit(ShardSnapshot&& snapshot) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++stats_.submitted;
     if (queued_.size() >= kMaxQueued) {
       ++stats_.superseded;
@@ -783,12 +771,13 @@ void CheckpointWriter::Submit(ShardSnapshot&& snapshot) {
     }
     queued_.push_back(std::move(snapshot));
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 Status CheckpointWriter::Flush(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> l(mu_);
-  if (!idle_cv_.wait_for(l, timeout, [this] { return queued_.empty() && !writing_; })) {
+  MutexLock l(&mu_);
+  if (!idle_cv_.WaitFor(&mu_, timeout,
+                        [this]() REQUIRES(mu_) { return queued_.empty() && !writing_; })) {
     return DeadlineExceededError("checkpoint writer still busy after " +
                                  std::to_string(timeout.count()) + " ms");
   }
@@ -796,19 +785,19 @@ Status CheckpointWriter::Flush(std::chrono::milliseconds timeout) {
 }
 
 CheckpointWriter::Stats CheckpointWriter::stats() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return stats_;
 }
 
 void CheckpointWriter::Run() {
-  std::unique_lock<std::mutex> l(mu_);
+  mu_.Lock();
   for (;;) {
-    cv_.wait(l, [this] { return stop_ || !queued_.empty(); });
-    if (queued_.empty()) return;  // stopping, nothing left to write
+    cv_.Wait(&mu_, [this]() REQUIRES(mu_) { return stop_ || !queued_.empty(); });
+    if (queued_.empty()) break;  // stopping, nothing left to write
     ShardSnapshot s = std::move(queued_.front());
     queued_.pop_front();
     writing_ = true;
-    l.unlock();
+    mu_.Unlock();
     const auto t0 = std::chrono::steady_clock::now();
     uint64_t bytes = 0;
     Status st = options_.write ? options_.write(options_.dir, s, &bytes)
@@ -816,15 +805,16 @@ void CheckpointWriter::Run() {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (st.ok() && options_.keep > 0) {
-      Status p = PruneCheckpoints(options_.dir, s.group, s.num_groups, options_.keep,
-                                  s.plan_fingerprint);
+      Status p =
+          PruneCheckpoints(options_.dir, s.group, s.num_groups, options_.keep, s.plan_fingerprint);
       if (!p.ok()) LOG(WARNING) << "checkpoint: retention for group " << s.group << ": " << p;
     }
-    l.lock();
+    mu_.Lock();
     Record(s, st, bytes, secs);
     writing_ = false;
-    idle_cv_.notify_all();
+    idle_cv_.SignalAll();
   }
+  mu_.Unlock();
 }
 
 void CheckpointWriter::Record(const ShardSnapshot& s, const Status& st, uint64_t bytes,
@@ -832,8 +822,8 @@ void CheckpointWriter::Record(const ShardSnapshot& s, const Status& st, uint64_t
   last_attempt_ = st;
   if (st.ok()) {
     if (!last_logged_error_.empty()) {
-      LOG(INFO) << "checkpoint: writes succeed again (clock " << s.clock << ", "
-                << stats_.failed << " failed so far)";
+      LOG(INFO) << "checkpoint: writes succeed again (clock " << s.clock << ", " << stats_.failed
+                << " failed so far)";
       last_logged_error_.clear();
     }
     ++stats_.written;

@@ -14,17 +14,16 @@
 #define SHARDPS_SERVER_CHECKPOINT_H_
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/status.h"
+#include "common/thread_annotations.h"
 
 namespace shardps::server {
 
@@ -42,8 +41,8 @@ struct ChunkState {
 struct WorkerProgress {
   uint32_t rank = 0;
   uint64_t clock = 0;
-  std::vector<uint64_t> last_seq;       // per slot: highest push seq consumed
-  std::vector<int64_t> applied_clock;   // per slot: clock of the last applied push, -1 = none
+  std::vector<uint64_t> last_seq;      // per slot: highest push seq consumed
+  std::vector<int64_t> applied_clock;  // per slot: clock of the last applied push, -1 = none
 };
 
 struct ShardSnapshot {
@@ -103,7 +102,7 @@ struct CheckpointListing {
   std::string path;
   std::vector<GroupFileStatus> files;  // group files present, by group
   bool complete = false;
-  std::string why_incomplete;          // plain words, empty when complete
+  std::string why_incomplete;  // plain words, empty when complete
 };
 // Lists every ckpt-* directory under dir, newest first, verifying every group file in it.
 // num_groups == 0: G is taken from the file names (a mix of G is reported as incomplete);
@@ -143,19 +142,19 @@ Status PruneCheckpoints(const std::string& dir, uint32_t group, uint32_t num_gro
 // queued, then joins the thread; it must not race with other calls.
 class CheckpointWriter {
  public:
-  using WriteFn = std::function<Status(const std::string& dir, const ShardSnapshot&,
-                                       uint64_t* bytes_written)>;
+  using WriteFn =
+      std::function<Status(const std::string& dir, const ShardSnapshot&, uint64_t* bytes_written)>;
   struct Options {
     std::string dir;
-    size_t keep = 0;   // 0: no retention
-    WriteFn write;     // test seam; empty = WriteSnapshot
+    size_t keep = 0;  // 0: no retention
+    WriteFn write;    // test seam; empty = WriteSnapshot
   };
   struct Stats {
     uint64_t submitted = 0, written = 0, failed = 0, superseded = 0;
-    uint64_t bytes_written = 0;                       // sum over successful writes
+    uint64_t bytes_written = 0;  // sum over successful writes
     std::optional<uint64_t> last_written_clock;
     double last_write_seconds = 0, max_write_seconds = 0, total_write_seconds = 0;
-    Status last_error;                                // OK if no write has failed
+    Status last_error;  // OK if no write has failed
   };
 
   explicit CheckpointWriter(Options options);
@@ -171,19 +170,20 @@ class CheckpointWriter {
 
  private:
   void Run();
-  void Record(const ShardSnapshot& s, const Status& st, uint64_t bytes, double seconds);
+  void Record(const ShardSnapshot& s, const Status& st, uint64_t bytes, double seconds)
+      REQUIRES(mu_);
 
   const Options options_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;       // signalled on Submit and on stop
-  std::condition_variable idle_cv_;  // signalled when a write ends
+  mutable Mutex mu_;
+  CondVar cv_;       // signalled on Submit and on stop
+  CondVar idle_cv_;  // signalled when a write ends
   static constexpr size_t kMaxQueued = 8;
-  std::deque<ShardSnapshot> queued_;
-  bool writing_ = false;
-  bool stop_ = false;
-  Status last_attempt_;
-  std::string last_logged_error_;
-  Stats stats_;
+  std::deque<ShardSnapshot> queued_ GUARDED_BY(mu_);
+  bool writing_ GUARDED_BY(mu_) = false;
+  bool stop_ GUARDED_BY(mu_) = false;
+  Status last_attempt_ GUARDED_BY(mu_);
+  std::string last_logged_error_ GUARDED_BY(mu_);
+  Stats stats_ GUARDED_BY(mu_);
   std::thread thread_;  // last: started after every member above exists
 };
 

@@ -73,17 +73,17 @@ void Coordinator::Stop() {
 }
 
 uint64_t Coordinator::epoch() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return membership_.epoch();
 }
 
 Membership Coordinator::membership() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return membership_;
 }
 
 CoordinatorCounters Coordinator::counters() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return counters_;
 }
 
@@ -149,17 +149,13 @@ void Coordinator::AcceptNew() {
 void Coordinator::ReadFrom(Conn* c) {
   char buf[64 << 10];
   while (!c->closing) {
-    const ssize_t k = recv(c->fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    if (k == 0) {
-      Close(c, "connection closed by peer", false);
+    const StatusOr<size_t> recvd = net::RecvSome(c->fd.get(), buf, sizeof(buf));
+    if (!recvd.ok()) {  // "recv: peer closed the connection" at EOF
+      Close(c, std::string(recvd.status().message()), false);
       return;
     }
-    if (k < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-      if (errno == EINTR) continue;
-      Close(c, std::string("recv: ") + strerror(errno), false);
-      return;
-    }
+    if (*recvd == 0) break;  // drained
+    const size_t k = *recvd;
     c->last_heard = Clock::now();
     size_t off = 0;
     if (!c->magic_ok) {
@@ -275,7 +271,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
   if (!refuse.empty()) {
     {
       // Counted before the reply leaves, so a refused member never sees a stale counter.
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.joins_refused;
     }
     r->set_accepted(false);
@@ -312,7 +308,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     }
     if (p == pending_.end() || p->second.member.role() != j.role()) {
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.joins_refused;
       }
       r->set_accepted(false);
@@ -331,7 +327,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
                    has_model_ids_.end();
     pending_.erase(p);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.rejoins;
     }
     r->set_accepted(true);
@@ -407,7 +403,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
   m.set_transport(j.transport());
   *m.mutable_regions() = j.regions();
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++counters_.joins_accepted;
   }
   r->set_accepted(true);
@@ -638,7 +634,7 @@ void Coordinator::ServerDeparted(const Member& m) {
     if (backup_of_[g] == static_cast<int64_t>(r)) {
       backup_of_[g] = -1;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.backups_lost;
       }
       LOG(WARNING) << "coordinator: group " << g << " lost its backup (server rank " << r
@@ -664,7 +660,7 @@ void Coordinator::ServerDeparted(const Member& m) {
       e.mutable_promote()->set_epoch(epoch());
       Queue(b, e);
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.promotions;
       }
       LOG(WARNING) << "coordinator: group " << g << ": primary server rank " << r
@@ -677,7 +673,7 @@ void Coordinator::ServerDeparted(const Member& m) {
     } else {
       primary_of_[g] = -1;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.groups_lost;
       }
       LOG(ERROR) << "coordinator: group " << g << ": primary server rank " << r
@@ -721,7 +717,7 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
   c->closing = true;
   if (protocol_error) {
     LOG(WARNING) << "coordinator: closing " << c->peer << ": " << why;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     ++counters_.protocol_errors;
   } else {
     LOG(INFO) << "coordinator: closing " << c->peer << ": " << why;
@@ -733,7 +729,7 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
   if (c->joined) {
     c->joined = false;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.departures;
     }
     Publish("member " + std::to_string(c->member.member_id()) + " departed: " + why,
@@ -779,7 +775,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   Envelope e;
   Membership* m = e.mutable_membership();
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     m->set_epoch(membership_.epoch() + 1);
   }
   m->set_reason(reason);
@@ -791,7 +787,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   std::sort(m->mutable_members()->begin(), m->mutable_members()->end(),
             [](const Member& a, const Member& b) { return a.member_id() < b.member_id(); });
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     membership_ = *m;
   }
   LOG(INFO) << "coordinator: epoch " << m->epoch() << " (" << m->members_size()
@@ -812,7 +808,7 @@ void Coordinator::CheckTimeouts() {
     const Member m = it->second.member;
     it = pending_.erase(it);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       ++counters_.departures;
     }
     LOG(WARNING) << "coordinator: member " << m.member_id() << " did not rejoin within "
@@ -827,7 +823,7 @@ void Coordinator::CheckTimeouts() {
       Close(c.get(), "no join within the handshake timeout", true);
     } else if (c->joined && now - c->last_heard > hb_timeout) {
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.heartbeat_timeouts;
       }
       Close(c.get(), "no heartbeat for " + std::to_string(hb_timeout.count()) + " ms", false);
@@ -839,7 +835,7 @@ void Coordinator::SaveState() {
   dirty_ = false;
   CoordinatorState st;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     st.set_epoch(membership_.epoch());
     *st.mutable_members() = membership_.members();
   }
@@ -866,13 +862,7 @@ void Coordinator::SaveState() {
   }
   const std::string tmp = options_.state_file + ".tmp";
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  bool ok = fd.valid();
-  for (size_t off = 0; ok && off < bytes.size();) {
-    const ssize_t k = write(fd.get(), bytes.data() + off, bytes.size() - off);
-    if (k < 0 && errno == EINTR) continue;
-    ok = k > 0;
-    if (ok) off += static_cast<size_t>(k);
-  }
+  bool ok = fd.valid() && fdio::WriteAll(fd.get(), bytes.data(), bytes.size()).ok();
   ok = ok && fsync(fd.get()) == 0;
   fd.reset();
   if (!ok || rename(tmp.c_str(), options_.state_file.c_str()) != 0) {
@@ -946,7 +936,7 @@ Status Coordinator::LoadState() {
   const auto deadline = Clock::now() + options_.rejoin_grace;
   for (const Member& m : st.members()) pending_[m.member_id()] = Pending{m, deadline};
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     membership_.set_epoch(st.epoch());
     *membership_.mutable_members() = st.members();
   }

@@ -21,13 +21,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/fd.h"
 #include "common/status.h"
+#include "common/thread_annotations.h"
 #include "proto/control.pb.h"
 #include "proto/framing.h"
 
@@ -144,9 +144,9 @@ class Coordinator {
   std::map<uint32_t, Pending> pending_;
   bool dirty_ = false;
 
-  mutable std::mutex mu_;  // guards the snapshot below
-  Membership membership_;  // epoch + members
-  CoordinatorCounters counters_;
+  mutable Mutex mu_;  // guards the snapshot below (written by the loop thread, read by anyone)
+  Membership membership_ GUARDED_BY(mu_);  // epoch + members
+  CoordinatorCounters counters_ GUARDED_BY(mu_);
 };
 
 }  // namespace shardps::control

@@ -11,12 +11,12 @@
 //   prober -> responder:  "BYE" (or closes): the responder drops the endpoint and the region.
 // Anything else closes that connection; the responder keeps serving others.
 #include <arpa/inet.h>
+#include <glog/logging.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-#include <glog/logging.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -90,9 +90,12 @@ StatusOr<std::string> Unhex(const std::string& h) {
     for (int k = 0; k < 2; ++k) {
       const char c = h[i + k];
       v <<= 4;
-      if (c >= '0' && c <= '9') v |= c - '0';
-      else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
-      else return InvalidArgumentError("bad hex digit");
+      if (c >= '0' && c <= '9')
+        v |= c - '0';
+      else if (c >= 'a' && c <= 'f')
+        v |= c - 'a' + 10;
+      else
+        return InvalidArgumentError("bad hex digit");
     }
     out.push_back(static_cast<char>(v));
   }
@@ -112,20 +115,15 @@ StatusOr<std::string> RecvLine(int fd, std::string* buf, std::chrono::millisecon
     if (buf->size() > kMaxLine) return InvalidArgumentError("line too long");
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return DeadlineExceededError("no answer within " +
-                                                std::to_string(timeout.count()) + " ms");
+    if (left <= 0)
+      return DeadlineExceededError("no answer within " + std::to_string(timeout.count()) + " ms");
     pollfd p{fd, POLLIN, 0};
     const int r = poll(&p, 1, static_cast<int>(left));
     if (r < 0 && errno != EINTR) return ErrnoError("poll", errno);
     if (r <= 0) continue;
     char tmp[4096];
-    const ssize_t n = recv(fd, tmp, sizeof(tmp), 0);
-    if (n == 0) return UnavailableError("peer closed the connection");
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return ErrnoError("recv", errno);
-    }
-    buf->append(tmp, static_cast<size_t>(n));
+    ASSIGN_OR_RETURN(size_t n, net::RecvSome(fd, tmp, sizeof(tmp)));
+    buf->append(tmp, n);
   }
 }
 
@@ -142,20 +140,19 @@ std::vector<std::string> Split(const std::string& s) {
   return out;
 }
 
-std::string ShortError(const Status& s) {
-  return s.message().empty() ? s.ToString() : s.message();
-}
+std::string ShortError(const Status& s) { return s.message().empty() ? s.ToString() : s.message(); }
 
 // Waits for the next completion until deadline; a failed completion is an error.
 StatusOr<Completion> WaitOne(transport::CompletionQueue* cq, Clock::time_point deadline) {
   Completion wc;
   while (true) {
-    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
     if (left.count() <= 0) return DeadlineExceededError("the peer stopped answering");
     if (cq->Wait(&wc, 1, std::min(left, std::chrono::microseconds(100000))) == 1) {
       if (!wc.ok()) {
-        return UnavailableError(std::string(transport::OpTypeName(wc.op)) + " failed: " +
-                                transport::WcStatusName(wc.status));
+        return UnavailableError(std::string(transport::OpTypeName(wc.op)) +
+                                " failed: " + transport::WcStatusName(wc.status));
       }
       return wc;
     }
@@ -254,9 +251,9 @@ void ProbeResponder::Run() {
       if (!pfds[2 + i].revents) continue;
       Conn& c = *conns[i];
       char tmp[4096];
-      const ssize_t k = recv(c.fd.get(), tmp, sizeof(tmp), MSG_DONTWAIT);
-      bool close_it = k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR);
-      if (k > 0) c.buf.append(tmp, static_cast<size_t>(k));
+      const StatusOr<size_t> k = net::RecvSome(c.fd.get(), tmp, sizeof(tmp));
+      bool close_it = !k.ok();
+      if (k.ok()) c.buf.append(tmp, *k);
       size_t nl;
       while (!close_it && (nl = c.buf.find('\n')) != std::string::npos) {
         const std::vector<std::string> w = Split(c.buf.substr(0, nl));
@@ -374,8 +371,8 @@ PairResult ProbePeer(const DoctorOptions& o, const std::string& address, FabricC
     fo.provider = remote_transport;
     auto f = transport::Fabric::Open(fo);
     if (!f.ok()) {
-      return fail("the peer serves " + remote_transport + " and this side cannot open it: " +
-                  f.status().message());
+      return fail("the peer serves " + remote_transport +
+                  " and this side cannot open it: " + f.status().message());
     }
     if (remote_transport == "verbs") r.why += ": " + (*f)->DebugString();
     fabric = f->get();
@@ -408,7 +405,8 @@ PairResult ProbePeer(const DoctorOptions& o, const std::string& address, FabricC
   };
 
   // 1. The responder's pattern, read back: a read moves the bytes it claims to.
-  if (Status s = one(false, sink); !s.ok()) return fail("read of the peer's region: " + ShortError(s));
+  if (Status s = one(false, sink); !s.ok())
+    return fail("read of the peer's region: " + ShortError(s));
   const uint64_t bad = FirstMismatch(base + len, len, seed);
   if (bad != len) {
     return fail("read returned wrong bytes at offset " + std::to_string(bad) +
@@ -481,8 +479,10 @@ PairResult ProbePeer(const DoctorOptions& o, const std::string& address, FabricC
   snprintf(h, sizeof(h), "%016llx", static_cast<unsigned long long>(Fnv1a(base, len)));
   Status s = SendLine(fd->get(), "VERIFY " + std::to_string(len) + " " + h, o.timeout);
   auto answer = s.ok() ? RecvLine(fd->get(), &buf, o.timeout) : StatusOr<std::string>(s);
-  if (!answer.ok()) return fail("peer did not confirm the written bytes: " + ShortError(answer.status()));
-  if (*answer != "OK") return fail("the peer's memory holds other bytes than were written (" + *answer + ")");
+  if (!answer.ok())
+    return fail("peer did not confirm the written bytes: " + ShortError(answer.status()));
+  if (*answer != "OK")
+    return fail("the peer's memory holds other bytes than were written (" + *answer + ")");
   r.verified_bytes += 2 * len;
   (void)SendLine(fd->get(), "BYE", o.timeout);
   r.ok = true;
@@ -496,9 +496,10 @@ CheckResult PairCheck(const PairResult& p, std::chrono::milliseconds timeout) {
     c.detail = p.error;
     if (p.error.find("cannot reach") != std::string::npos ||
         p.error.find("no answer") != std::string::npos) {
-      c.fix = "start `shardps doctor --serve` on that host (or check the address it printed); "
-              "check routing and firewalls between the hosts (a dropped SYN times out after " +
-              std::to_string(timeout.count()) + " ms)";
+      c.fix =
+          "start `shardps doctor --serve` on that host (or check the address it printed); "
+          "check routing and firewalls between the hosts (a dropped SYN times out after " +
+          std::to_string(timeout.count()) + " ms)";
     } else if (p.error.find("both ends") != std::string::npos) {
       c.fix = "run both doctors with the same --transport (the cluster's)";
     } else {

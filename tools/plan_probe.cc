@@ -14,19 +14,20 @@
 //    over a 256 KiB chunk, bytes of weights per second.
 //
 // Thread safety: RunProbe owns every thread it starts (target server, spinners) and joins them.
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
 #include <vector>
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cerrno>
 
+#include "common/fd.h"
 #include "server/optimizer.h"
 #include "tools/plan.h"
 #include "transport/transport.h"
@@ -65,7 +66,8 @@ class LoopbackPair {
     fo.provider = provider;
     fo.bind_ip = provider == "shm" ? "" : "127.0.0.1";
     ASSIGN_OR_RETURN(tfab_, transport::Fabric::Open(fo));
-    ASSIGN_OR_RETURN(tregion_, tfab_->AllocateMemory(kRegionBytes, transport::Access::kRemoteReadWrite));
+    ASSIGN_OR_RETURN(tregion_,
+                     tfab_->AllocateMemory(kRegionBytes, transport::Access::kRemoteReadWrite));
     std::memset(tregion_->data(), 1, kRegionBytes);
     ASSIGN_OR_RETURN(tcq_, tfab_->CreateCompletionQueue(256));
     ASSIGN_OR_RETURN(listener_, tfab_->Listen(provider == "shm" ? "" : "127.0.0.1:0"));
@@ -128,7 +130,8 @@ class LoopbackPair {
       const int n = cq_->Poll(wc, 64);  // spin, as a worker does
       if (n < 0) return InternalError("completion queue poll failed");
       for (int i = 0; i < n; ++i) {
-        if (!wc[i].ok()) return InternalError("probe operation failed: " + ep_->status().ToString());
+        if (!wc[i].ok())
+          return InternalError("probe operation failed: " + ep_->status().ToString());
         ++done;
       }
       if (Now() - t0 > 30) return DeadlineExceededError("probe: no progress for 30 s");
@@ -159,7 +162,8 @@ class LoopbackPair {
     };
     for (int c = 0; c < chunks; ++c) {
       const uint64_t off = 32768u * (c + 1);
-      RETURN_IF_ERROR(ep_->PostWrite(l, transport::AtOffset(remote_, off), 1, transport::kUnsignaled));
+      RETURN_IF_ERROR(
+          ep_->PostWrite(l, transport::AtOffset(remote_, off), 1, transport::kUnsignaled));
       RETURN_IF_ERROR(ep_->PostWriteImm(l, transport::AtOffset(remote_, off + 4096), 7, 2));
     }
     RETURN_IF_ERROR(wait(chunks));
@@ -234,10 +238,15 @@ StatusOr<std::vector<double>> PairStepProcesses(const std::string& provider,
         if (!t.OpenTarget(provider).ok()) _exit(2);
         const std::string msg = t.address() + "\n" + t.remote().Encode();
         const uint32_t len = static_cast<uint32_t>(msg.size());
-        if (write(info[1], &len, 4) != 4 || write(info[1], msg.data(), len) != len) _exit(2);
+        if (!fdio::WriteAll(info[1], &len, 4).ok() ||
+            !fdio::WriteAll(info[1], msg.data(), len).ok()) {
+          _exit(2);
+        }
         close(info[1]);
         t.ServeTarget([&] {
-          struct pollfd pf{ctl[0], POLLIN, 0};
+          struct pollfd pf {
+            ctl[0], POLLIN, 0
+          };
           return ::poll(&pf, 1, 0) > 0;  // readable = EOF: the parent closed it
         });
         _exit(0);
@@ -248,15 +257,9 @@ StatusOr<std::vector<double>> PairStepProcesses(const std::string& provider,
       server_ctl.push_back(ctl[1]);
       uint32_t len = 0;
       std::string msg;
-      if (read(info[0], &len, 4) == 4 && len < 4096) {
+      if (fdio::ReadFull(info[0], &len, 4).ok() && len < 4096) {
         msg.resize(len);
-        size_t got = 0;
-        while (got < len) {
-          const ssize_t r = read(info[0], msg.data() + got, len - got);
-          if (r <= 0) break;
-          got += r;
-        }
-        if (got != len) msg.clear();
+        if (!fdio::ReadFull(info[0], msg.data(), len).ok()) msg.clear();
       }
       close(info[0]);
       const size_t nl = msg.find('\n');
@@ -287,7 +290,7 @@ StatusOr<std::vector<double>> PairStepProcesses(const std::string& provider,
           r[0] = static_cast<double>(steps);
           r[1] = Now() - t0;
         }
-        if (write(res[1], r, sizeof(r)) != sizeof(r)) _exit(2);
+        if (!fdio::WriteAll(res[1], r, sizeof(r)).ok()) _exit(2);
         _exit(0);
       }
       close(res[1]);
@@ -300,7 +303,7 @@ StatusOr<std::vector<double>> PairStepProcesses(const std::string& provider,
     int reported = 0;
     for (int fd : results) {
       double r[2] = {0, 0};
-      if (read(fd, r, sizeof(r)) == sizeof(r) && r[0] > 0) {
+      if (fdio::ReadFull(fd, r, sizeof(r)).ok() && r[0] > 0) {
         total_steps += r[0];
         total_s += r[1];
         ++reported;

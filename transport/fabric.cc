@@ -1,6 +1,7 @@
 // Provider selection, descriptor encoding and the small shared helpers of transport.h.
 #include <glog/logging.h>
 
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -8,36 +9,60 @@
 #include "transport/transport.h"
 
 namespace shardps::transport {
+namespace {
+
+std::string ToHex(uint64_t v) {
+  char buf[24];
+  snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
 
 const char* AccessName(Access a) {
   switch (a) {
-    case Access::kLocalOnly: return "local-only";
-    case Access::kRemoteRead: return "remote-read";
-    case Access::kRemoteWrite: return "remote-write";
-    case Access::kRemoteReadWrite: return "remote-read-write";
+    case Access::kLocalOnly:
+      return "local-only";
+    case Access::kRemoteRead:
+      return "remote-read";
+    case Access::kRemoteWrite:
+      return "remote-write";
+    case Access::kRemoteReadWrite:
+      return "remote-read-write";
   }
   return "?";
 }
 
 const char* OpTypeName(OpType t) {
   switch (t) {
-    case OpType::kWrite: return "write";
-    case OpType::kWriteImm: return "write-imm";
-    case OpType::kRead: return "read";
-    case OpType::kRecvImm: return "recv-imm";
+    case OpType::kWrite:
+      return "write";
+    case OpType::kWriteImm:
+      return "write-imm";
+    case OpType::kRead:
+      return "read";
+    case OpType::kRecvImm:
+      return "recv-imm";
   }
   return "?";
 }
 
 const char* WcStatusName(WcStatus s) {
   switch (s) {
-    case WcStatus::kSuccess: return "success";
-    case WcStatus::kRemoteAccessError: return "remote-access-error";
-    case WcStatus::kFlushed: return "flushed";
-    case WcStatus::kRetryExceeded: return "retry-exceeded";
-    case WcStatus::kRemoteDisconnected: return "remote-disconnected";
-    case WcStatus::kLocalError: return "local-error";
-    case WcStatus::kRemoteOperationError: return "remote-operation-error";
+    case WcStatus::kSuccess:
+      return "success";
+    case WcStatus::kRemoteAccessError:
+      return "remote-access-error";
+    case WcStatus::kFlushed:
+      return "flushed";
+    case WcStatus::kRetryExceeded:
+      return "retry-exceeded";
+    case WcStatus::kRemoteDisconnected:
+      return "remote-disconnected";
+    case WcStatus::kLocalError:
+      return "local-error";
+    case WcStatus::kRemoteOperationError:
+      return "remote-operation-error";
   }
   return "?";
 }
@@ -109,11 +134,47 @@ StatusOr<RegionDescriptor> RegionDescriptor::Decode(std::string_view bytes) {
 
 std::string RegionDescriptor::DebugString() const {
   std::ostringstream os;
-  os << provider << "{addr=0x" << std::hex << addr << std::dec << " len=" << length
-     << " rkey=0x" << std::hex << rkey << std::dec << " " << AccessName(access);
+  os << provider << "{addr=0x" << std::hex << addr << std::dec << " len=" << length << " rkey=0x"
+     << std::hex << rkey << std::dec << " " << AccessName(access);
   if (!provider_data.empty()) os << " +" << provider_data.size() << "B";
   os << "}";
   return os.str();
+}
+
+Status Endpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+                      uint64_t context, uint32_t flags) {
+  // The contract's "Checked posts", in its order; every provider relies on them.
+  const MemoryRegion* region = local.region;
+  if (region == nullptr) {
+    return InvalidArgumentError(std::string("post ") + OpTypeName(type) +
+                                ": the local slice names no region");
+  }
+  if (region->fabric() != fabric_) {
+    return InvalidArgumentError(std::string("post ") + OpTypeName(type) +
+                                ": the local region was not registered by this endpoint's fabric");
+  }
+  if ((flags & ~static_cast<uint32_t>(kUnsignaled)) != 0) {
+    return InvalidArgumentError(std::string("post ") + OpTypeName(type) + ": unknown flags 0x" +
+                                ToHex(flags));
+  }
+  if (local.length > max_operation_bytes_) {
+    return InvalidArgumentError(std::string("post ") + OpTypeName(type) + ": " +
+                                std::to_string(local.length) + " bytes is more than one " +
+                                "operation moves on this provider (" +
+                                std::to_string(max_operation_bytes_) + ")");
+  }
+  if (local.offset > region->length() || local.length > region->length() - local.offset) {
+    return OutOfRangeError(std::string("post ") + OpTypeName(type) + ": local slice [" +
+                           std::to_string(local.offset) + ", +" + std::to_string(local.length) +
+                           ") exceeds its region of " + std::to_string(region->length()) +
+                           " bytes");
+  }
+  if (local.length > 0 && remote.addr + local.length - 1 < remote.addr) {
+    return OutOfRangeError(std::string("post ") + OpTypeName(type) + ": remote slice [0x" +
+                           ToHex(remote.addr) + ", +" + std::to_string(local.length) +
+                           ") wraps around the address space");
+  }
+  return PostChecked(type, local, remote, imm, context, flags);
 }
 
 std::string CompiledProviders() {

@@ -19,6 +19,21 @@
 //    failing operation completes with its error, every later-posted and still-outstanding one
 //    completes with kFlushed, and Endpoint::status() explains why. An error never aborts the
 //    process and never touches the target region.
+//  * Checked posts. Endpoint::PostWrite/PostWriteImm/PostRead (not virtual) check their
+//    arguments once, for every provider, before any provider code runs (transport/fabric.cc); a
+//    refused post returns its error synchronously, takes no credit, queues nothing, produces no
+//    completion and leaves the endpoint's state as it was. Refused, with these codes:
+//      - INVALID_ARGUMENT: no local region (LocalSlice::region null);
+//      - INVALID_ARGUMENT: a local region registered by another fabric;
+//      - INVALID_ARGUMENT: flags other than kSignaled / kUnsignaled;
+//      - INVALID_ARGUMENT: a length above Endpoint::max_operation_bytes() (verbs 2 GiB, tcp and
+//        shm 1 TiB);
+//      - OUT_OF_RANGE: a local slice not inside its region ([offset, offset+length) must lie
+//        in [0, region.length()), arithmetic overflow included);
+//      - OUT_OF_RANGE: a remote slice [addr, addr+length) that wraps past 2^64 (no region can
+//        hold it); a zero-length operation names no remote memory and is not checked.
+//    What only the target can know (rkey, bounds, access rights of the remote region) is an
+//    error completion, as under "Errors". Providers implement only Endpoint::PostChecked.
 //  * Flow control. Every post takes one credit of the endpoint's send queue and of its
 //    completion queue's quota before it is handed to the provider; when none is left the post
 //    fails with kResourceExhausted and nothing is queued. Polling returns credits. A completion
@@ -62,12 +77,12 @@ enum class MemoryKind : uint32_t {
 // What the control plane needs to name a region to a peer. Serializable with Encode/Decode
 // (a versioned, fixed-layout little-endian byte string; see docs/transport.md).
 struct RegionDescriptor {
-  std::string provider;        // name of the fabric that registered it
-  uint64_t addr = 0;           // the address an initiator names in a RemoteSlice
-  uint64_t length = 0;         // bytes
-  uint32_t rkey = 0;           // remote key
+  std::string provider;  // name of the fabric that registered it
+  uint64_t addr = 0;     // the address an initiator names in a RemoteSlice
+  uint64_t length = 0;   // bytes
+  uint32_t rkey = 0;     // remote key
   Access access = Access::kLocalOnly;
-  std::string provider_data;   // opaque provider fields (may be empty)
+  std::string provider_data;  // opaque provider fields (may be empty)
 
   std::string Encode() const;
   static StatusOr<RegionDescriptor> Decode(std::string_view bytes);
@@ -88,12 +103,16 @@ class MemoryRegion {
   MemoryKind kind() const { return kind_; }
   // Full descriptor, for the control plane.
   virtual RegionDescriptor descriptor() const = 0;
+  // Names the fabric that registered the region (an identity, never dereferenced): posts take
+  // only regions whose fabric() is their endpoint's.
+  const void* fabric() const { return fabric_; }
 
  protected:
-  MemoryRegion(void* data, size_t length, Access access, MemoryKind kind)
-      : data_(data), length_(length), access_(access), kind_(kind) {}
+  MemoryRegion(const void* fabric, void* data, size_t length, Access access, MemoryKind kind)
+      : fabric_(fabric), data_(data), length_(length), access_(access), kind_(kind) {}
 
  private:
+  const void* const fabric_;
   void* const data_;
   const size_t length_;
   const Access access_;
@@ -141,8 +160,8 @@ struct Completion {
   uint64_t endpoint_id = 0;  // the id given when the endpoint was created
   OpType op = OpType::kWrite;
   WcStatus status = WcStatus::kSuccess;
-  uint32_t imm = 0;          // kRecvImm (and kWriteImm at the initiator: the value sent)
-  uint32_t byte_len = 0;     // kRecvImm: payload length (saturated at 2^32-1); kRead: length
+  uint32_t imm = 0;       // kRecvImm (and kWriteImm at the initiator: the value sent)
+  uint32_t byte_len = 0;  // kRecvImm: payload length (saturated at 2^32-1); kRead: length
   bool ok() const { return status == WcStatus::kSuccess; }
 };
 
@@ -179,9 +198,9 @@ class CompletionQueue {
 };
 
 struct EndpointOptions {
-  uint64_t endpoint_id = 0;   // echoed in every Completion of this endpoint
-  int send_depth = 256;       // max operations outstanding (posted, not yet completed)
-  int recv_depth = 256;       // max unreaped kRecvImm completions at this side as target
+  uint64_t endpoint_id = 0;  // echoed in every Completion of this endpoint
+  int send_depth = 256;      // max operations outstanding (posted, not yet completed)
+  int recv_depth = 256;      // max unreaped kRecvImm completions at this side as target
   std::chrono::milliseconds connect_timeout{10000};
 };
 
@@ -192,19 +211,30 @@ class Endpoint {
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
 
+  // The three posts check their arguments first ("Checked posts" above), then hand the
+  // operation to the provider. Not virtual: the checks are the same for every provider.
+  //
   // One-sided write of src into the peer's memory at dst. src.region must be local to this
   // fabric; dst must lie inside one peer region that allows remote write.
-  virtual Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                           uint32_t flags = kSignaled) = 0;
+  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
+                   uint32_t flags = kSignaled) {
+    return Post(OpType::kWrite, src, dst, 0, context, flags);
+  }
   // Like PostWrite, then the peer's CQ receives kRecvImm with imm, after the data is visible.
   // If the target has recv_depth kRecvImm completions of this endpoint not yet polled, the
   // operation waits (verbs: RNR retry; tcp: the target stops reading; shm: the doorbell ring
   // entry is pushed from a later Poll) rather than failing.
-  virtual Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                              uint64_t context, uint32_t flags = kSignaled) = 0;
+  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm, uint64_t context,
+                      uint32_t flags = kSignaled) {
+    return Post(OpType::kWriteImm, src, dst, imm, context, flags);
+  }
   // One-sided read of the peer's memory at src into dst.
-  virtual Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                          uint32_t flags = kSignaled) = 0;
+  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
+                  uint32_t flags = kSignaled) {
+    return Post(OpType::kRead, dst, src, 0, context, flags);
+  }
+  // The most bytes one operation may move on this endpoint's provider.
+  uint64_t max_operation_bytes() const { return max_operation_bytes_; }
 
   // OK while healthy; the first error that moved the endpoint into the error state otherwise.
   virtual Status status() const = 0;
@@ -215,10 +245,25 @@ class Endpoint {
   virtual std::string DebugString() const = 0;
 
  protected:
-  explicit Endpoint(uint64_t endpoint_id) : endpoint_id_(endpoint_id) {}
+  // fabric: the identity its regions carry (MemoryRegion::fabric()).
+  Endpoint(uint64_t endpoint_id, const void* fabric, uint64_t max_operation_bytes)
+      : endpoint_id_(endpoint_id), fabric_(fabric), max_operation_bytes_(max_operation_bytes) {}
 
  private:
+  // The checks above (fabric.cc), then PostChecked.
+  Status Post(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+              uint64_t context, uint32_t flags);
+  // The provider's work for one post whose arguments passed the checks: local.region is this
+  // fabric's (a static_cast to the provider's region type is safe), flags hold only
+  // kUnsignaled, local.length <= max_operation_bytes(), the local slice lies inside its region,
+  // and a non-empty remote slice does not wrap. Flow control, the error state and the
+  // operation itself are the provider's. Polling thread.
+  virtual Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote,
+                             uint32_t imm, uint64_t context, uint32_t flags) = 0;
+
   const uint64_t endpoint_id_;
+  const void* const fabric_;
+  const uint64_t max_operation_bytes_;
 };
 
 // Accepts connections on an address. Owned by one thread.
@@ -245,7 +290,7 @@ struct FabricOptions {
   // verbs: device name ("" = the device that owns bind_ip, else the first active one).
   std::string rdma_device;
   int rdma_port = 1;
-  int rdma_gid_index = -1;   // -1 = automatic RoCEv2 IPv4 GID selection
+  int rdma_gid_index = -1;  // -1 = automatic RoCEv2 IPv4 GID selection
   // Address this fabric binds for listening and as connection source ("" = any / default).
   std::string bind_ip;
   // verbs: payloads up to this many bytes are posted inline (clamped to the QP's max).
@@ -280,8 +325,7 @@ class Fabric {
                                                                  MemoryKind kind) = 0;
   // Allocates and registers length bytes, zero-filled, page aligned, owned by the region.
   // Works for remote access on every provider.
-  virtual StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length,
-                                                                 Access access) = 0;
+  virtual StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) = 0;
 
   virtual StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(int depth) = 0;
 

@@ -14,6 +14,7 @@
 
 #include <glog/logging.h>
 
+#include "common/fd.h"
 #include "tests/conformance/conformance_env.h"
 
 extern char** environ;
@@ -89,8 +90,9 @@ std::string SkipReason(const std::string& provider) {
     return required ? "" : "built without verbs support";
   }
   if (!HasRdmaDevice()) {
-    return required ? "" : "no RDMA device (/sys/class/infiniband is empty); run the verbs tier "
-                           "inside the SoftRoCE guest (scripts/test.sh does)";
+    return required ? ""
+                    : "no RDMA device (/sys/class/infiniband is empty); run the verbs tier "
+                      "inside the SoftRoCE guest (scripts/test.sh does)";
   }
   return "";
 }
@@ -108,18 +110,18 @@ void PeerProcess::Kill() {
 Status PeerProcess::Start(const std::string& provider, size_t region_bytes) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  UniqueFd out_r(fds[0]), out_w(fds[1]);  // the peer's stdout
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, out_w.get(), STDOUT_FILENO);
   const std::string a1 = "--conformance_peer=" + provider;
   const std::string a2 = "--conformance_peer_bytes=" + std::to_string(region_bytes);
   char exe[] = "/proc/self/exe";
   char* argv[] = {exe, const_cast<char*>(a1.c_str()), const_cast<char*>(a2.c_str()), nullptr};
   const int rc = posix_spawn(&pid_, "/proc/self/exe", &fa, nullptr, argv, environ);
   posix_spawn_file_actions_destroy(&fa);
-  close(fds[1]);
+  out_w.reset();
   if (rc != 0) {
-    close(fds[0]);
     pid_ = -1;
     return ErrnoError("posix_spawn peer", rc);
   }
@@ -130,20 +132,18 @@ Status PeerProcess::Start(const std::string& provider, size_t region_bytes) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
-      close(fds[0]);
       return DeadlineExceededError("peer process did not report its address within 60 s");
     }
-    pollfd p{fds[0], POLLIN, 0};
+    pollfd p{out_r.get(), POLLIN, 0};
     if (poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
     char tmp[4096];
-    const ssize_t n = read(fds[0], tmp, sizeof(tmp));
+    const ssize_t n = read(out_r.get(), tmp, sizeof(tmp));
     if (n <= 0) {
-      close(fds[0]);
       return UnavailableError("peer process exited before reporting its address: " + buf);
     }
     buf.append(tmp, n);
   }
-  close(fds[0]);
+  out_r.reset();
   const size_t nl = buf.find('\n');
   const std::string l1 = buf.substr(0, nl);
   const std::string l2 = buf.substr(nl + 1, buf.find('\n', nl + 1) - nl - 1);

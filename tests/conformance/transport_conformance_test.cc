@@ -64,7 +64,8 @@ class TransportConformance : public ::testing::TestWithParam<std::string> {
     EndpointOptions io = to;
     io.endpoint_id = kInitiatorId;
     StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not connected");
-    std::thread connector([&] { iep = initiator_->Connect((*listener)->address(), icq_.get(), io); });
+    std::thread connector(
+        [&] { iep = initiator_->Connect((*listener)->address(), icq_.get(), io); });
     auto tep = (*listener)->Accept(tcq_.get(), to, milliseconds(30000));
     connector.join();
     ASSERT_TRUE(tep.ok()) << tep.status();
@@ -165,10 +166,25 @@ TEST_P(TransportConformance, WriteAndReadIntegrityAtOddOffsets) {
   const RegionDescriptor rd = remote->descriptor();
   auto* rbytes = static_cast<uint8_t*>(remote->data());
 
-  const size_t sizes[] = {1,       2,         3,         7,         63,         64,
-                          65,      255,       4095,      4096,      4097,       65535,
-                          65537,   1u << 20,  (1u << 20) + 13,    (4u << 20) - 5,
-                          16u << 20, (16u << 20) + 3, kMax};
+  const size_t sizes[] = {1,
+                          2,
+                          3,
+                          7,
+                          63,
+                          64,
+                          65,
+                          255,
+                          4095,
+                          4096,
+                          4097,
+                          65535,
+                          65537,
+                          1u << 20,
+                          (1u << 20) + 13,
+                          (4u << 20) - 5,
+                          16u << 20,
+                          (16u << 20) + 3,
+                          kMax};
   uint64_t seed = 1;
   for (const size_t n : sizes) {
     SCOPED_TRACE("size " + std::to_string(n));
@@ -225,8 +241,8 @@ TEST_P(TransportConformance, ImmediateArrivesOnlyAfterItsData) {
       const int slot = posted % 8;
       const size_t len = 1 + (static_cast<size_t>(posted) * 7919) % kSlot;
       FillPattern(sbytes + slot * kSlot, len, 5000 + posted);
-      ASSERT_TRUE(iep_->PostWriteImm({src.get(), slot * kSlot, len},
-                                     AtOffset(rd, slot * kSlot), 0xC0DE0000u + posted, posted)
+      ASSERT_TRUE(iep_->PostWriteImm({src.get(), slot * kSlot, len}, AtOffset(rd, slot * kSlot),
+                                     0xC0DE0000u + posted, posted)
                       .ok());
       ++posted;
     }
@@ -291,8 +307,7 @@ TEST_P(TransportConformance, HundredsOutstandingCompleteInOrder) {
   FillPattern(src->data(), kChunk * kDepth, 77);
   const RegionDescriptor rd = remote->descriptor();
   for (int i = 0; i < kDepth; ++i) {
-    ASSERT_TRUE(
-        iep_->PostWrite({src.get(), i * kChunk, kChunk}, AtOffset(rd, i * kChunk), i).ok())
+    ASSERT_TRUE(iep_->PostWrite({src.get(), i * kChunk, kChunk}, AtOffset(rd, i * kChunk), i).ok())
         << i;
   }
   EXPECT_EQ(iep_->outstanding(), kDepth);
@@ -309,8 +324,7 @@ TEST_P(TransportConformance, HundredsOutstandingCompleteInOrder) {
   Completion extra;
   EXPECT_EQ(icq_->Poll(&extra, 1), 0);
   for (int i = 0; i < kDepth; ++i) {
-    ASSERT_TRUE(
-        iep_->PostRead({back.get(), i * kChunk, kChunk}, AtOffset(rd, i * kChunk), i).ok());
+    ASSERT_TRUE(iep_->PostRead({back.get(), i * kChunk, kChunk}, AtOffset(rd, i * kChunk), i).ok());
   }
   cs = WaitInitiator(kDepth);
   ASSERT_EQ(cs.size(), static_cast<size_t>(kDepth));
@@ -384,8 +398,8 @@ TEST_P(TransportConformance, OutOfBoundsWriteIsRejectedWhole) {
   ASSERT_TRUE(remote && src);
   FillPattern(src->data(), n, 6);
   // Straddles the end: even the in-bounds part must not land.
-  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, AtOffset(remote->descriptor(), n - 100), 1)
-                  .ok());
+  ASSERT_TRUE(
+      iep_->PostWrite({src.get(), 0, 4096}, AtOffset(remote->descriptor(), n - 100), 1).ok());
   Completion c = WaitOne(env_.peer_death_bound);
   EXPECT_EQ(c.status, WcStatus::kRemoteAccessError) << WcStatusName(c.status);
   EXPECT_TRUE(AllZero(remote->data(), n));
@@ -476,8 +490,8 @@ TEST_P(TransportConformance, ErrorIsConfinedToItsEndpoint) {
   ASSERT_TRUE(second.ok()) << second.status();
   ASSERT_TRUE(accepted.ok()) << accepted.status();
   FillPattern(src->data(), 8192, 12);
-  ASSERT_TRUE((*second)->PostWrite({src.get(), 0, 8192}, AtOffset(remote->descriptor(), 0), 5)
-                  .ok());
+  ASSERT_TRUE(
+      (*second)->PostWrite({src.get(), 0, 8192}, AtOffset(remote->descriptor(), 0), 5).ok());
   Completion c = WaitOne();
   EXPECT_TRUE(c.ok()) << WcStatusName(c.status);
   EXPECT_EQ(c.endpoint_id, 303u);
@@ -537,8 +551,7 @@ TEST_P(TransportConformance, PeerKilledMidTransferGivesErrorCompletion) {
   ASSERT_TRUE(errored) << "no error completion within the bound";
   const auto detect = Clock::now() - killed_at;
   EXPECT_LE(detect, env_.peer_death_bound)
-      << "detection took "
-      << std::chrono::duration_cast<milliseconds>(detect).count() << " ms";
+      << "detection took " << std::chrono::duration_cast<milliseconds>(detect).count() << " ms";
   EXPECT_FALSE((*ep)->status().ok());
   std::cerr << "[ info ] " << GetParam() << ": peer death detected after "
             << std::chrono::duration_cast<milliseconds>(detect).count() << " ms (bound "
@@ -581,6 +594,90 @@ TEST_P(TransportConformance, CompletionQueueQuotaIsEnforced) {
   EXPECT_EQ(ep.status().code(), StatusCode::kResourceExhausted) << ep.status();
 }
 
+// Endpoint::PostWrite/PostWriteImm/PostRead refuse bad arguments synchronously, with the
+// code transport.h names, before the provider sees them: no credit taken, nothing queued, no
+// completion, the endpoint still healthy (the next valid post moves the right bytes).
+TEST_P(TransportConformance, RefusedPostsReturnTheirErrorAndChangeNothing) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 8192;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);
+  auto local = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  auto foreign = Alloc(target_.get(), n, Access::kLocalOnly);  // another fabric's region
+  ASSERT_TRUE(remote && local && foreign);
+  const RemoteSlice at = AtOffset(remote->descriptor(), 0);
+  const uint64_t too_long = iep_->max_operation_bytes() + 1;
+  ASSERT_GT(too_long, iep_->max_operation_bytes()) << "max_operation_bytes() must be < 2^64";
+  struct Case {
+    const char* what;
+    LocalSlice local;
+    RemoteSlice remote;
+    uint32_t flags;
+    StatusCode code;
+  };
+  const Case cases[] = {
+      {"no local region", {nullptr, 0, 8}, at, kSignaled, StatusCode::kInvalidArgument},
+      {"another fabric's region",
+       {foreign.get(), 0, 8},
+       at,
+       kSignaled,
+       StatusCode::kInvalidArgument},
+      {"unknown flags", {local.get(), 0, 8}, at, 1u << 7, StatusCode::kInvalidArgument},
+      {"over max_operation_bytes",
+       {local.get(), 0, too_long},
+       at,
+       kSignaled,
+       StatusCode::kInvalidArgument},
+      {"local slice past the end",
+       {local.get(), n - 8, 16},
+       at,
+       kSignaled,
+       StatusCode::kOutOfRange},
+      {"local offset past the end",
+       {local.get(), n + 1, 0},
+       at,
+       kSignaled,
+       StatusCode::kOutOfRange},
+      {"local offset + length overflows",
+       {local.get(), UINT64_MAX - 4, 16},
+       at,
+       kSignaled,
+       StatusCode::kOutOfRange},
+      {"remote slice wraps",
+       {local.get(), 0, 4096},
+       {UINT64_MAX - 100, at.rkey},
+       kSignaled,
+       StatusCode::kOutOfRange},
+  };
+  for (const Case& c : cases) {
+    for (OpType op : {OpType::kWrite, OpType::kWriteImm, OpType::kRead}) {
+      SCOPED_TRACE(std::string(c.what) + ", " + OpTypeName(op));
+      Status s = op == OpType::kWrite      ? iep_->PostWrite(c.local, c.remote, 7, c.flags)
+                 : op == OpType::kWriteImm ? iep_->PostWriteImm(c.local, c.remote, 5, 7, c.flags)
+                                           : iep_->PostRead(c.local, c.remote, 7, c.flags);
+      EXPECT_EQ(s.code(), c.code) << s;
+      EXPECT_EQ(iep_->outstanding(), 0);
+      EXPECT_TRUE(iep_->status().ok()) << iep_->status();
+    }
+  }
+  Completion wc[4];
+  EXPECT_EQ(icq_->Poll(wc, 4), 0) << "a refused post produced a completion";
+  DrainTarget();
+  EXPECT_TRUE(target_events_.empty()) << "a refused write-imm reached the target";
+  EXPECT_TRUE(AllZero(remote->data(), n)) << "a refused post touched the target";
+  // A zero-length post at the very end of the local region is valid (and names no remote).
+  ASSERT_TRUE(iep_->PostWrite({local.get(), n, 0}, at, 8).ok());
+  Completion z = WaitOne();
+  EXPECT_EQ(z.context, 8u);
+  EXPECT_TRUE(z.ok()) << WcStatusName(z.status);
+  // The endpoint still moves bytes.
+  FillPattern(local->data(), n, 12);
+  ASSERT_TRUE(iep_->PostWrite({local.get(), 0, n}, at, 9).ok());
+  Completion c = WaitOne();
+  EXPECT_EQ(c.context, 9u);
+  EXPECT_TRUE(c.ok()) << WcStatusName(c.status);
+  EXPECT_EQ(std::memcmp(remote->data(), local->data(), n), 0);
+}
+
 TEST_P(TransportConformance, WaitTimesOutAndWakesUp) {
   ASSERT_NO_FATAL_FAILURE(Connect());
   Completion c;
@@ -603,8 +700,7 @@ TEST_P(TransportConformance, WaitTimesOutAndWakesUp) {
   EXPECT_EQ(c.context, 42u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Providers, TransportConformance,
-                         ::testing::Values("tcp", "shm", "verbs"),
+INSTANTIATE_TEST_SUITE_P(Providers, TransportConformance, ::testing::Values("tcp", "shm", "verbs"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

@@ -126,12 +126,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   out.append(reinterpret_cast<const char*>(data + 1), size - 1);
 
   UniqueFd fd = Connect();
-  size_t off = 0;
-  while (off < out.size()) {
-    const ssize_t k = send(fd.get(), out.data() + off, out.size() - off, MSG_NOSIGNAL);
-    if (k <= 0) break;  // the coordinator closed on a protocol error: fine
-    off += static_cast<size_t>(k);
-  }
+  // An error means the coordinator closed on a protocol error: fine.
+  net::SendAll(fd.get(), out.data(), out.size(), std::chrono::milliseconds(5000)).IgnoreError();
   shutdown(fd.get(), SHUT_WR);
   // The coordinator must close the connection now (our EOF closes it), and promptly.
   const auto deadline = std::chrono::steady_clock::now() + kCloseDeadline;

@@ -16,6 +16,7 @@
 
 #include <glog/logging.h>
 
+#include "common/net.h"
 #include "transport/shm/shm_internal.h"
 
 namespace shardps::transport::shm {
@@ -71,42 +72,15 @@ void CqState::Purge(const ShmEndpoint* ep) {
 
 // ---- Posts ------------------------------------------------------------------------------------
 
-Status ShmEndpoint::PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                              uint32_t flags) {
+Status ShmEndpoint::PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote,
+                                uint32_t imm, uint64_t context, uint32_t flags) {
   Op op;
-  op.op = OpType::kWrite;
-  op.local = src;
-  op.remote = dst;
-  op.context = context;
-  op.flags = flags;
-  return Post(op);
-}
-
-Status ShmEndpoint::PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                                 uint64_t context, uint32_t flags) {
-  Op op;
-  op.op = OpType::kWriteImm;
-  op.local = src;
-  op.remote = dst;
+  op.op = type;
+  op.local = local;
+  op.remote = remote;
   op.imm = imm;
   op.context = context;
   op.flags = flags;
-  return Post(op);
-}
-
-Status ShmEndpoint::PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                             uint32_t flags) {
-  Op op;
-  op.op = OpType::kRead;
-  op.local = dst;
-  op.remote = src;
-  op.context = context;
-  op.flags = flags;
-  return Post(op);
-}
-
-Status ShmEndpoint::Post(const Op& op) {
-  if (op.local.region == nullptr) return InvalidArgumentError("shm: post without a local region");
   RETURN_IF_ERROR(credits_.Take());
   if (error_) {
     Complete(op, WcStatus::kFlushed);
@@ -164,23 +138,8 @@ bool ShmEndpoint::Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_
 
 ShmEndpoint::Outcome ShmEndpoint::Execute(Op& op) {
   if (!op.copied) {
+    // Checked by Endpoint::Post: the region is this fabric's and holds the local slice.
     const MemoryRegion* lr = op.local.region;
-    if (typeid(*lr) != typeid(ShmRegion) ||
-        static_cast<const ShmRegion*>(lr)->core() != core_.get()) {
-      Complete(op, WcStatus::kLocalError);
-      Fail(InvalidArgumentError("shm: local region of a post was not registered with this "
-                                "fabric"),
-           WcStatus::kFlushed);
-      return Outcome::kDone;
-    }
-    if (op.local.offset > lr->length() || op.local.length > lr->length() - op.local.offset) {
-      Complete(op, WcStatus::kLocalError);
-      Fail(OutOfRangeError("shm: local slice [" + std::to_string(op.local.offset) + ", +" +
-                           std::to_string(op.local.length) + ") exceeds its region of " +
-                           std::to_string(lr->length()) + " bytes"),
-           WcStatus::kFlushed);
-      return Outcome::kDone;
-    }
     const uint64_t len = op.local.length;
     if (len > 0) {  // like verbs, a zero-length operation names no remote memory
       uint8_t* remote = nullptr;
@@ -265,9 +224,8 @@ void ShmEndpoint::CheckPeer() {
   bool gone = (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0;
   if (!gone && (p.revents & POLLIN)) {
     char buf[64];
-    const ssize_t n = recv(parts_.sock.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    gone = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
     // A live peer sends nothing after the handshake; stray bytes are ignored.
+    gone = !net::RecvSome(parts_.sock.get(), buf, sizeof(buf)).ok();
   }
   if (gone) {
     peer_gone_ = true;
@@ -356,8 +314,8 @@ int ShmCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds
   int n = Poll(out, max);
   if (n != 0) return n;
   // Spin briefly: a completion is usually a memcpy away.
-  const auto spin_end = start + std::min<std::chrono::microseconds>(
-                                    timeout, std::chrono::microseconds(20));
+  const auto spin_end =
+      start + std::min<std::chrono::microseconds>(timeout, std::chrono::microseconds(20));
   while (Clock::now() < spin_end) {
     for (int i = 0; i < 32; ++i) CpuRelax();
     if ((n = Poll(out, max)) != 0) return n;

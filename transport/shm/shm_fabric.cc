@@ -64,8 +64,8 @@ StatusOr<Mapping> MapFd(int fd, size_t len, int prot, const char* what, size_t a
     if (p == MAP_FAILED) return ErrnoError(std::string("shm: mmap ") + what, errno);
     return Mapping(p, len);
   }
-  void* r = mmap(nullptr, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
+  void* r =
+      mmap(nullptr, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (r == MAP_FAILED) return ErrnoError(std::string("shm: reserving space for ") + what, errno);
   const uintptr_t base = reinterpret_cast<uintptr_t>(r);
   const uintptr_t aligned = (base + align - 1) & ~(static_cast<uintptr_t>(align) - 1);
@@ -113,8 +113,8 @@ Status MakeAddress(const std::string& address, sockaddr_un* sa, socklen_t* len,
   std::memset(sa, 0, sizeof(*sa));
   sa->sun_family = AF_UNIX;
   const bool is_path = address.find('/') != std::string::npos;
-  const std::string name = (!is_path && !address.empty() && address[0] == '@')
-                               ? address.substr(1) : address;
+  const std::string name =
+      (!is_path && !address.empty() && address[0] == '@') ? address.substr(1) : address;
   if (name.empty()) return InvalidArgumentError("shm: empty address");
   if (name.size() + 1 > sizeof(sa->sun_path)) {
     return InvalidArgumentError("shm: address too long: " + address);
@@ -325,13 +325,16 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
       last = ErrnoError("shm: ftruncate arena", errno);
     }
     if (size <= (64ull << 20)) return last.WithContext("shm: cannot reserve an arena");
-    LOG(WARNING) << "shm: cannot reserve a " << Bytes(size) << " arena (" << last
-                 << "); trying " << Bytes(size / 4);
+    LOG(WARNING) << "shm: cannot reserve a " << Bytes(size) << " arena (" << last << "); trying "
+                 << Bytes(size / 4);
     size /= 4;
   }
   core->arena_size_ = size;
   RETURN_IF_ERROR(Seal(core->arena_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW, "arena"));
-  core->free_[0] = size;
+  {
+    MutexLock l(&core->mu_);  // not shared yet; the lock is for the analysis (and costs nothing)
+    core->free_[0] = size;
+  }
 
   ASSIGN_OR_RETURN(core->table_fd_, MakeMemfd("shardps-shm-regions"));
   if (ftruncate(core->table_fd_.get(), kTableBytes) != 0) {
@@ -348,8 +351,11 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   // After our own read-write mapping exists, nobody can write-map the table any more.
   RETURN_IF_ERROR(Seal(core->table_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE,
                        "region table"));
-  core->free_slots_.reserve(kTableCapacity);
-  for (uint32_t s = kTableCapacity; s > 0; --s) core->free_slots_.push_back(s - 1);
+  {
+    MutexLock l(&core->mu_);
+    core->free_slots_.reserve(kTableCapacity);
+    for (uint32_t s = kTableCapacity; s > 0; --s) core->free_slots_.push_back(s - 1);
+  }
   return core;
 }
 
@@ -365,7 +371,7 @@ StatusOr<FabricCore::Range> FabricCore::Carve(uint64_t length) {
   const uint64_t bytes = RoundUp(length, align);
   Range r;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = free_.begin();
     for (; it != free_.end(); ++it) {
       const uint64_t start = RoundUp(it->first, align);
@@ -400,7 +406,7 @@ void FabricCore::Release(Range r) {
                 static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes)) != 0) {
     PLOG(WARNING) << "shm: punching a freed arena range failed; memory stays committed";
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t start = r.offset, end = r.offset + r.bytes;
   auto next = free_.lower_bound(start);
   if (next != free_.begin()) {
@@ -419,7 +425,7 @@ void FabricCore::Release(Range r) {
 
 StatusOr<uint32_t> FabricCore::Publish(uint64_t va, uint64_t offset, uint64_t length,
                                        Access access) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_slots_.empty()) {
     return ResourceExhaustedError("shm: region table full (" + std::to_string(kTableCapacity) +
                                   " regions)");
@@ -440,7 +446,7 @@ void FabricCore::Retract(uint32_t rkey) {
   const uint32_t slot = rkey & kRkeySlotMask;
   entries_[slot].state.store(EntryState(rkey >> kRkeySlotBits, 0, false),
                              std::memory_order_release);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   free_slots_.push_back(slot);
 }
 
@@ -452,7 +458,7 @@ StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int ar
   }
   const std::pair<uint64_t, uint64_t> key(a.st_ino, t.st_ino);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = peers_.find(key);
     if (it != peers_.end()) {
       if (auto live = it->second.lock()) {
@@ -471,7 +477,7 @@ StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int ar
       th->arena_size.load(std::memory_order_relaxed) != h.arena_size) {
     return FailedPreconditionError("shm: peer's region table header is invalid");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto it = peers_.begin(); it != peers_.end();) {  // forget peers nobody maps any more
     it = it->second.expired() ? peers_.erase(it) : std::next(it);
   }
@@ -508,7 +514,7 @@ RegionDescriptor ShmRegion::descriptor() const {
 
 ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqState> cq,
                          const EndpointOptions& options, ConnectionParts parts)
-    : Endpoint(options.endpoint_id),
+    : Endpoint(options.endpoint_id, core.get(), kMaxOperationBytes),
       core_(std::move(core)),
       cq_(std::move(cq)),
       parts_(std::move(parts)),
@@ -518,8 +524,8 @@ ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqSta
       description_(parts_.description) {
   peer_arena_ = parts_.peer->arena.data();
   peer_arena_size_ = parts_.peer->arena.size();
-  peer_entries_ = reinterpret_cast<const TableEntry*>(parts_.peer->table.data() +
-                                                      sizeof(TableHeader));
+  peer_entries_ =
+      reinterpret_cast<const TableEntry*>(parts_.peer->table.data() + sizeof(TableHeader));
   uint8_t* db = parts_.doorbell.data();
   const int out_ring = parts_.is_acceptor ? 1 : 0;
   out_ = RingView::At(db, out_ring, parts_.cap0, parts_.cap1);
@@ -610,8 +616,8 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
   if (ftruncate(db_fd.get(), static_cast<off_t>(db_bytes)) != 0) {
     return ErrnoError("shm: ftruncate doorbell", errno);
   }
-  ASSIGN_OR_RETURN(parts.doorbell, MapFd(db_fd.get(), db_bytes, PROT_READ | PROT_WRITE,
-                                         "doorbell"));
+  ASSIGN_OR_RETURN(parts.doorbell,
+                   MapFd(db_fd.get(), db_bytes, PROT_READ | PROT_WRITE, "doorbell"));
   auto* dh = reinterpret_cast<DoorbellHeader*>(parts.doorbell.data());
   dh->version.store(kLayoutVersion, std::memory_order_relaxed);
   dh->capacity[0].store(parts.cap0, std::memory_order_relaxed);
@@ -646,12 +652,12 @@ class ShmFabric final : public Fabric {
            " sparse memfd}";
   }
 
-  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
-                                                         Access access,
+  StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length, Access access,
                                                          MemoryKind kind) override {
     if (kind == MemoryKind::kCuda) {
-      return UnimplementedError("shm: CUDA device memory is not supported by the shm provider "
-                                "(use verbs with GPUDirect, or stage through host memory)");
+      return UnimplementedError(
+          "shm: CUDA device memory is not supported by the shm provider "
+          "(use verbs with GPUDirect, or stage through host memory)");
     }
     if (access != Access::kLocalOnly) {
       return FailedPreconditionError(
@@ -659,8 +665,8 @@ class ShmFabric final : public Fabric {
           "memory is allowed only with Access::kLocalOnly)");
     }
     if (addr == nullptr && length > 0) return InvalidArgumentError("shm: null address");
-    return std::unique_ptr<MemoryRegion>(new ShmRegion(core_, addr, length, access, 0, false,
-                                                       FabricCore::Range{}, false));
+    return std::unique_ptr<MemoryRegion>(
+        new ShmRegion(core_, addr, length, access, 0, false, FabricCore::Range{}, false));
   }
 
   StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) override {

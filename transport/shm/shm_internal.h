@@ -10,10 +10,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "transport/flow_control.h"
 #include "transport/shm/shm_layout.h"
 #include "transport/transport.h"
@@ -70,12 +70,12 @@ class FabricCore {
   uint64_t arena_size_ = 0;
   TableEntry* entries_ = nullptr;
 
-  std::mutex mu_;
-  std::map<uint64_t, uint64_t> free_;  // offset -> bytes, coalesced; guarded by mu_
-  std::vector<uint32_t> free_slots_;   // guarded by mu_
-  // (arena inode, table inode) -> live mapping; guarded by mu_. A live entry keeps its files
-  // open through the mapping, so the inode numbers cannot be reused while it is live.
-  std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PeerMemory>> peers_;
+  Mutex mu_;
+  std::map<uint64_t, uint64_t> free_ GUARDED_BY(mu_);  // offset -> bytes, coalesced
+  std::vector<uint32_t> free_slots_ GUARDED_BY(mu_);
+  // (arena inode, table inode) -> live mapping. A live entry keeps its files open through the
+  // mapping, so the inode numbers cannot be reused while it is live.
+  std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PeerMemory>> peers_ GUARDED_BY(mu_);
 };
 
 // A region of an shm fabric. Accessors are const and thread-safe; the destructor (any thread)
@@ -84,7 +84,7 @@ class ShmRegion final : public MemoryRegion {
  public:
   ShmRegion(std::shared_ptr<FabricCore> core, void* data, size_t length, Access access,
             uint32_t rkey, bool published, FabricCore::Range range, bool owned)
-      : MemoryRegion(data, length, access, MemoryKind::kHost),
+      : MemoryRegion(core.get(), data, length, access, MemoryKind::kHost),
         core_(std::move(core)),
         rkey_(rkey),
         published_(published),
@@ -144,13 +144,16 @@ class ShmCompletionQueue final : public CompletionQueue {
 struct ConnectionParts {
   UniqueFd sock;
   std::shared_ptr<PeerMemory> peer;  // the peer's arena and table
-  Mapping doorbell;      // read-write, both rings
-  uint32_t cap0 = 0;     // ring 0: connector -> acceptor, capacity = acceptor's recv_depth
-  uint32_t cap1 = 0;     // ring 1: acceptor -> connector, capacity = connector's recv_depth
+  Mapping doorbell;                  // read-write, both rings
+  uint32_t cap0 = 0;  // ring 0: connector -> acceptor, capacity = acceptor's recv_depth
+  uint32_t cap1 = 0;  // ring 1: acceptor -> connector, capacity = connector's recv_depth
   bool is_acceptor = false;
   uint32_t peer_pid = 0;
   std::string description;
 };
+
+// One operation moves at most this much (the same bound as tcp; a region is smaller anyway).
+constexpr uint64_t kMaxOperationBytes = uint64_t{1} << 40;
 
 // One connection. Owned and used by the polling thread of its CQ.
 class ShmEndpoint final : public Endpoint {
@@ -160,19 +163,13 @@ class ShmEndpoint final : public Endpoint {
               const EndpointOptions& options, ConnectionParts parts);
   ~ShmEndpoint() override;
 
-  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                   uint32_t flags) override;
-  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                      uint64_t context, uint32_t flags) override;
-  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                  uint32_t flags) override;
   Status status() const override { return status_; }
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override { return description_; }
 
   // Called by the CQ's Poll.
-  void Progress(int64_t now_ns);                 // liveness check + backlog drain
-  int PollInbound(Completion* out, int max);     // kRecvImm from the inbound ring
+  void Progress(int64_t now_ns);              // liveness check + backlog drain
+  int PollInbound(Completion* out, int max);  // kRecvImm from the inbound ring
   void ReturnCredits(int n) { credits_.Return(n); }
 
  private:
@@ -187,7 +184,8 @@ class ShmEndpoint final : public Endpoint {
   };
   enum class Outcome { kDone, kBlocked };
 
-  Status Post(const Op& op);
+  Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+                     uint64_t context, uint32_t flags) override;
   Outcome Execute(Op& op);
   // Resolves [addr, addr+len) of the peer's region named by rkey to a local pointer, or
   // explains why the access is refused.

@@ -1,7 +1,7 @@
 // tcp provider, datapath: posting and sending (application thread, continued by the progress
 // thread on EPOLLOUT), the receive state machine of the progress thread (target role: access
 // checks, payload straight into the region, READ_RESP straight from it, coalesced ACKs;
-// initiator role: completions), and the completion queue.
+// initiator role: completions). The completion queue is in tcp_cq.cc.
 //
 // Zero intermediate copies: a write's payload is sent with sendmsg(header, source region) and
 // received with readv(target region, next header); a read response likewise. Only rejected
@@ -28,15 +28,12 @@
 namespace shardps::transport::tcp {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 constexpr int kMaxIov = 64;
 constexpr uint64_t kMaxIovBytes = 1ull << 30;
 constexpr uint64_t kAckEveryOps = 64;
 constexpr uint64_t kAckEveryBytes = 4ull << 20;
 // Bytes one endpoint may read per round before the others get their turn (fairness).
 constexpr uint64_t kReadBudgetBytes = 16ull << 20;
-constexpr auto kWaitSpin = std::chrono::microseconds(30);
 
 uint32_t SaturateLen(uint64_t n) {
   return n > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(n);
@@ -65,184 +62,11 @@ uint8_t NakFor(AccessCheck c) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// TcpCompletionQueue
-
-TcpCompletionQueue::TcpCompletionQueue(std::shared_ptr<TcpEngine> engine, int depth)
-    : engine_(std::move(engine)),
-      depth_(depth),
-      quota_(depth),
-      event_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
-      ring_(depth) {
-  // Without the eventfd, Wait degrades to sleeping in short ppoll slices (see Wait).
-  if (!event_fd_.valid()) PLOG(ERROR) << "tcp: eventfd for a completion queue";
-}
-
-TcpCompletionQueue::~TcpCompletionQueue() {
-  // Endpoints should be gone first; if not, they stop delivering here.
-  std::lock_guard<std::mutex> l(engine_->setup_mu());
-  for (TcpEndpoint* ep : attached_) ep->DetachCq();
-  attached_.clear();
-}
-
-void TcpCompletionQueue::Push(const Completion& c, TcpEndpoint* ep, uint32_t credits) {
-  std::lock_guard<std::mutex> l(mu_);
-  if (size_ == ring_.size()) {
-    // The quota invariant makes this unreachable; grow rather than drop if it is ever broken.
-    LOG_FIRST_N(ERROR, 1) << "tcp: completion queue over its depth " << depth_;
-    std::vector<Entry> bigger(ring_.size() * 2);
-    for (size_t i = 0; i < size_; ++i) bigger[i] = ring_[(head_ + i) % ring_.size()];
-    ring_.swap(bigger);
-    head_ = 0;
-  }
-  ring_[(head_ + size_) % ring_.size()] = Entry{c, ep, credits};
-  ++size_;
-  count_.store(size_, std::memory_order_release);
-  if (waiters_ > 0) {
-    const uint64_t one = 1;
-    ssize_t rc;
-    do {
-      rc = ::write(event_fd_.get(), &one, sizeof(one));
-    } while (rc < 0 && errno == EINTR);
-  }
-}
-
-int TcpCompletionQueue::Poll(Completion* out, int max) {
-  FlushDeferred();
-  if (max <= 0) return 0;
-  if (count_.load(std::memory_order_acquire) == 0) {
-    engine_->TryProgress();
-    // At most every 10 ms with nothing completed: re-read endpoints that wait for responses,
-    // so a lost edge-triggered event can delay an EOF by 10 ms but never hide it.
-    const auto now = Clock::now();
-    if (count_.load(std::memory_order_acquire) == 0 &&
-        now - last_rescan_ > std::chrono::milliseconds(10)) {
-      last_rescan_ = now;
-      std::lock_guard<std::mutex> l(engine_->setup_mu());
-      engine_->Rescan(attached_);
-    }
-    if (count_.load(std::memory_order_acquire) == 0) {
-      // A spinning poller must not starve the threads it is waiting for: socket wakeups are
-      // "sync" wakeups that the scheduler places on the waker's core, behind this spinner.
-      sched_yield();
-      return 0;
-    }
-  }
-  std::lock_guard<std::mutex> l(mu_);
-  int n = 0;
-  while (n < max && size_ > 0) {
-    const Entry& e = ring_[head_];
-    out[n++] = e.c;
-    if (e.c.op == OpType::kRecvImm) {
-      e.ep->OnRecvImmReaped();
-    } else {
-      e.ep->ReturnCredits(e.credits);
-    }
-    head_ = (head_ + 1) % ring_.size();
-    --size_;
-  }
-  count_.store(size_, std::memory_order_release);
-  return n;
-}
-
-// Spins on Poll (which does progress work inline) for a short while, then sleeps in ppoll on
-// the engine's epoll fd and this queue's eventfd: data for this fabric wakes this thread
-// directly (it then does the work itself), and completions pushed by the progress thread wake
-// it through the eventfd.
-int TcpCompletionQueue::Wait(Completion* out, int max, std::chrono::microseconds timeout) {
-  int n = Poll(out, max);
-  if (n != 0) return n;
-  const auto start = Clock::now();
-  const auto deadline = start + timeout;
-  const auto spin_end = start + std::min<std::chrono::microseconds>(timeout, kWaitSpin);
-  while (Clock::now() < spin_end) {
-    n = Poll(out, max);
-    if (n != 0) return n;
-  }
-  // Wait for the fabric's sockets only while an operation of ours is outstanding (its
-  // response is what we wait for); a server waiting for immediates leaves the sockets to the
-  // progress thread and is woken only for completions.
-  bool expecting = false;
-  {
-    std::lock_guard<std::mutex> l(engine_->setup_mu());
-    for (TcpEndpoint* ep : attached_) expecting = expecting || ep->outstanding() > 0;
-  }
-  if (!expecting) engine_->Unpark();
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (size_ > 0) break;
-      ++waiters_;
-    }
-    const auto left = deadline - Clock::now();
-    int64_t left_ns =
-        std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
-    if (!event_fd_.valid()) left_ns = std::min<int64_t>(left_ns, 1000000);  // no wakeups: slices
-    timespec ts{static_cast<time_t>(left_ns / 1000000000), static_cast<long>(left_ns % 1000000000)};
-    pollfd fds[2] = {{expecting ? engine_->epoll_fd() : -1, POLLIN, 0},
-                     {event_fd_.get(), POLLIN, 0}};
-    const int rc = left_ns > 0 ? ::ppoll(fds, 2, &ts, nullptr) : 0;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      --waiters_;
-    }
-    if (fds[1].revents != 0) {
-      uint64_t v;
-      while (::read(event_fd_.get(), &v, sizeof(v)) > 0) {
-      }
-    }
-    if (rc > 0 && fds[0].revents != 0) engine_->TryProgress();
-    if (count_.load(std::memory_order_acquire) != 0 || Clock::now() >= deadline) break;
-    if (rc > 0 && fds[0].revents != 0 && fds[1].revents == 0) {
-      // Another thread is handling the ready events; let it finish before polling again.
-      sched_yield();
-    }
-  }
-  return Poll(out, max);
-}
-
-void TcpCompletionQueue::AddDeferred(TcpEndpoint* ep) {
-  if (ep->deferred_listed_.exchange(true, std::memory_order_acq_rel)) return;
-  std::lock_guard<std::mutex> l(deferred_mu_);
-  deferred_.push_back(ep);
-  has_deferred_.store(true, std::memory_order_release);
-}
-
-void TcpCompletionQueue::FlushDeferred() {
-  if (!has_deferred_.load(std::memory_order_acquire)) return;
-  std::vector<TcpEndpoint*> eps;
-  {
-    std::lock_guard<std::mutex> l(deferred_mu_);
-    eps.swap(deferred_);
-    has_deferred_.store(false, std::memory_order_release);
-  }
-  for (TcpEndpoint* ep : eps) {
-    ep->deferred_listed_.store(false, std::memory_order_release);
-    ep->FlushDeferred();
-  }
-}
-
-void TcpCompletionQueue::Purge(TcpEndpoint* ep) {
-  {
-    std::lock_guard<std::mutex> l(deferred_mu_);
-    deferred_.erase(std::remove(deferred_.begin(), deferred_.end(), ep), deferred_.end());
-    has_deferred_.store(!deferred_.empty(), std::memory_order_release);
-  }
-  std::lock_guard<std::mutex> l(mu_);
-  size_t kept = 0;
-  for (size_t i = 0; i < size_; ++i) {
-    const Entry e = ring_[(head_ + i) % ring_.size()];
-    if (e.ep != ep) ring_[(head_ + kept++) % ring_.size()] = e;
-  }
-  size_ = kept;
-  count_.store(size_, std::memory_order_release);
-}
-
-// ---------------------------------------------------------------------------------------------
 // TcpEndpoint: setup and teardown
 
-TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, Fd fd, TcpCompletionQueue* cq,
+TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpCompletionQueue* cq,
                          const EndpointOptions& options, std::string local, std::string remote)
-    : Endpoint(options.endpoint_id),
+    : Endpoint(options.endpoint_id, engine.get(), kMaxMessageBytes),
       engine_(std::move(engine)),
       fd_(std::move(fd)),
       send_depth_(options.send_depth),
@@ -253,22 +77,22 @@ TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, Fd fd, TcpCompletion
       cq_(cq),
       ring_(options.send_depth),
       txq_(static_cast<size_t>(options.send_depth) + 64) {
-  std::lock_guard<std::mutex> l(engine_->setup_mu());
+  MutexLock l(&engine_->setup_mu());
   cq_->attached().insert(this);
 }
 
 TcpEndpoint::~TcpEndpoint() {
   // After this the progress thread never looks at this endpoint again.
-  engine_->RunSync([this] { engine_->RemoveEndpoint(this); });
+  engine_->RunSync([this]() REQUIRES(engine_->progress_mu()) { engine_->RemoveEndpoint(this); });
   TcpCompletionQueue* cq;
   {
-    std::lock_guard<std::mutex> l(op_mu_);
+    MutexLock l(&op_mu_);
     cq = cq_;
     cq_ = nullptr;
   }
   if (cq != nullptr) {
     {
-      std::lock_guard<std::mutex> l(engine_->setup_mu());
+      MutexLock l(&engine_->setup_mu());
       cq->quota().Release(send_depth_ + recv_depth_);
       cq->attached().erase(this);
     }
@@ -277,12 +101,12 @@ TcpEndpoint::~TcpEndpoint() {
 }
 
 void TcpEndpoint::DetachCq() {
-  std::lock_guard<std::mutex> l(op_mu_);
+  MutexLock l(&op_mu_);
   cq_ = nullptr;
 }
 
 Status TcpEndpoint::status() const {
-  std::lock_guard<std::mutex> l(op_mu_);
+  MutexLock l(&op_mu_);
   return error_;
 }
 
@@ -291,38 +115,9 @@ std::string TcpEndpoint::DebugString() const { return "tcp:" + local_ + "->" + r
 // ---------------------------------------------------------------------------------------------
 // Posting (polling thread)
 
-Status TcpEndpoint::PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                              uint32_t flags) {
-  return Post(OpType::kWrite, src, dst, 0, context, flags);
-}
-
-Status TcpEndpoint::PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                                 uint64_t context, uint32_t flags) {
-  return Post(OpType::kWriteImm, src, dst, imm, context, flags);
-}
-
-Status TcpEndpoint::PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                             uint32_t flags) {
-  return Post(OpType::kRead, dst, src, 0, context, flags);
-}
-
-Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice& remote,
-                         uint32_t imm, uint64_t context, uint32_t flags) {
-  const auto* region = dynamic_cast<const TcpRegion*>(local.region);
-  if (region == nullptr || region->engine() != engine_.get()) {
-    return InvalidArgumentError(
-        "tcp: the local slice's region is not registered with this "
-        "fabric");
-  }
-  if (local.offset > region->length() || local.length > region->length() - local.offset) {
-    return OutOfRangeError("tcp: local slice [" + std::to_string(local.offset) + ", +" +
-                           std::to_string(local.length) + ") exceeds its region of " +
-                           std::to_string(region->length()) + " bytes");
-  }
-  if (local.length > kMaxMessageBytes) {
-    return InvalidArgumentError("tcp: operation of " + std::to_string(local.length) +
-                                " bytes is too large");
-  }
+Status TcpEndpoint::PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote,
+                                uint32_t imm, uint64_t context, uint32_t flags) {
+  const auto* region = static_cast<const TcpRegion*>(local.region);  // checked: ours
   RETURN_IF_ERROR(credits_.Take());
   char* lptr = static_cast<char*>(region->data()) + local.offset;
   const PendingOp op{context,     local.length, lptr, remote.addr,
@@ -330,7 +125,7 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
   Segment seg;
   TcpCompletionQueue* cq = nullptr;
   {
-    std::lock_guard<std::mutex> l(op_mu_);
+    MutexLock l(&op_mu_);
     cq = cq_;
     if (errored_) {  // like verbs: the post is accepted and completes flushed
       CompleteLocked(op, WcStatus::kFlushed);
@@ -359,7 +154,7 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
   // it earlier, with an ACK or on EPOLLOUT.)
   const bool defer = (flags & kUnsignaled) != 0 && cq != nullptr;
   {
-    std::lock_guard<std::mutex> l(send_mu_);
+    MutexLock l(&send_mu_);
     if (tx_closed_) return Status::OK();  // the progress thread fails (flushes) the op
     PushSegmentLocked(seg);
     if (!defer) {
@@ -378,7 +173,7 @@ Status TcpEndpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice
 }
 
 void TcpEndpoint::FlushDeferred() {
-  std::lock_guard<std::mutex> l(send_mu_);
+  MutexLock l(&send_mu_);
   if (tx_closed_ || tx_count_ == 0) return;
   Status s = FlushLocked();
   if (!s.ok()) {
@@ -485,11 +280,12 @@ Status TcpEndpoint::FlushLocked() {
 // Progress thread
 
 void TcpEndpoint::OnEvents(uint32_t events) {
+  engine_->progress_mu().AssertHeld();  // the engine calls with it held
   if (rx_dead_) return;
   if (events & EPOLLOUT) {
     Status s;
     {
-      std::lock_guard<std::mutex> l(send_mu_);
+      MutexLock l(&send_mu_);
       if (tx_count_ > 0 && !tx_closed_) {
         s = FlushLocked();
         if (!s.ok()) {
@@ -515,7 +311,7 @@ TcpEndpoint::IoResult TcpEndpoint::HandleIoError(ssize_t n) {
   if (n == 0) {
     Status why;
     {
-      std::lock_guard<std::mutex> l(send_mu_);
+      MutexLock l(&send_mu_);
       why = tx_error_;
     }
     if (why.ok()) why = UnavailableError("tcp: peer " + remote_ + " closed the connection");
@@ -533,6 +329,7 @@ TcpEndpoint::IoResult TcpEndpoint::HandleIoError(ssize_t n) {
 // Reads until the socket is drained, the endpoint pauses (recv_depth) or dies; then sends the
 // coalesced ACK and any queued responses.
 void TcpEndpoint::OnReadable() {
+  engine_->progress_mu().AssertHeld();  // the engine calls with it held
   uint64_t budget = kReadBudgetBytes;
   while (!rx_dead_ && !rx_paused_.load(std::memory_order_relaxed)) {
     if (budget == 0) {
@@ -629,7 +426,7 @@ void TcpEndpoint::HandleHeader() {
       char* dest = nullptr;
       bool ok = false;
       {
-        std::lock_guard<std::mutex> l(op_mu_);
+        MutexLock l(&op_mu_);
         if (h.seq > acked_seq_ && h.seq <= post_seq_) {
           const PendingOp& op = ring_[h.seq % send_depth_];
           if (op.type == OpType::kRead && op.length == h.length) {
@@ -645,7 +442,7 @@ void TcpEndpoint::HandleHeader() {
     case kOpAck: {
       bool ok;
       {
-        std::lock_guard<std::mutex> l(op_mu_);
+        MutexLock l(&op_mu_);
         ok = h.seq >= acked_seq_ && h.seq <= post_seq_;
         if (ok) CompleteUpToLocked(h.seq);
       }
@@ -656,7 +453,7 @@ void TcpEndpoint::HandleHeader() {
       PendingOp op{};
       bool ok;
       {
-        std::lock_guard<std::mutex> l(op_mu_);
+        MutexLock l(&op_mu_);
         ok = h.seq > acked_seq_ && h.seq <= post_seq_;
         if (ok) {
           CompleteUpToLocked(h.seq - 1);
@@ -723,7 +520,7 @@ void TcpEndpoint::FinishPayload() {
       if (!TryDeliverImm(h.seq, h.imm, h.length)) return;  // paused; OnReadable acks the rest
       break;
     case RxAction::kReadResp: {
-      std::lock_guard<std::mutex> l(op_mu_);
+      MutexLock l(&op_mu_);
       CompleteUpToLocked(h.seq);
       return;
     }
@@ -753,7 +550,7 @@ bool TcpEndpoint::TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len) {
   }
   recv_unreaped_.fetch_add(1);
   {
-    std::lock_guard<std::mutex> l(op_mu_);
+    MutexLock l(&op_mu_);
     if (cq_ != nullptr) {
       Completion c;
       c.endpoint_id = endpoint_id();
@@ -769,6 +566,7 @@ bool TcpEndpoint::TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len) {
 }
 
 bool TcpEndpoint::TryResume() {
+  engine_->progress_mu().AssertHeld();  // the engine calls with it held
   if (rx_dead_) return true;
   if (recv_unreaped_.load() >= recv_depth_) return false;
   rx_paused_.store(false);
@@ -802,7 +600,7 @@ void TcpEndpoint::SendNak(const FrameHeader& req, uint8_t reason) {
 }
 
 void TcpEndpoint::SendResponse(const Segment& s) {
-  std::lock_guard<std::mutex> l(send_mu_);
+  MutexLock l(&send_mu_);
   if (tx_closed_) return;
   PushSegmentLocked(s);
   resp_pending_ = true;
@@ -813,7 +611,7 @@ void TcpEndpoint::MaybeAck() {
   if (!ack && !resp_pending_) return;
   Status s;
   {
-    std::lock_guard<std::mutex> l(send_mu_);
+    MutexLock l(&send_mu_);
     if (tx_closed_) return;
     if (ack) {
       Segment a;
@@ -852,7 +650,7 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
   rx_paused_.store(false);
   uint64_t failed = 0;
   {
-    std::lock_guard<std::mutex> l(op_mu_);
+    MutexLock l(&op_mu_);
     if (!errored_) {
       errored_ = true;
       error_ = why;
@@ -863,7 +661,7 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
     }
   }
   {
-    std::lock_guard<std::mutex> l(send_mu_);
+    MutexLock l(&send_mu_);
     tx_closed_ = true;
     tx_head_ = tx_count_ = 0;
     tx_off_ = 0;
@@ -881,6 +679,7 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
 }
 
 void TcpEndpoint::OnRegionGone(const char* base, uint64_t length) {
+  engine_->progress_mu().AssertHeld();  // the engine calls with it held
   const char* end = base + length;
   if (rx_state_ == RxState::kPayload && rx_left_ > 0 && rx_dest_ < end &&
       rx_dest_ + rx_left_ > base) {
@@ -892,7 +691,7 @@ void TcpEndpoint::OnRegionGone(const char* base, uint64_t length) {
       rx_action_ = RxAction::kReadRespGone;
     }
   }
-  std::lock_guard<std::mutex> l(send_mu_);
+  MutexLock l(&send_mu_);
   for (size_t i = 0; i < tx_count_; ++i) {
     Segment& s = txq_[(tx_head_ + i) % txq_.size()];
     if (s.payload_len == 0 || s.payload >= end || s.payload + s.payload_len <= base) continue;

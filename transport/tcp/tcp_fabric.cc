@@ -22,6 +22,7 @@
 
 #include <glog/logging.h>
 
+#include "common/net.h"
 #include "transport/providers.h"
 #include "transport/tcp/tcp_internal.h"
 
@@ -35,12 +36,6 @@ constexpr int kSocketBufferBytes = 4 << 20;
 constexpr int kUserTimeoutMs =
     30000;  // unacknowledged data (or a shut window) this old kills the link
 constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
-
-int RemainingMs(Clock::time_point deadline) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(left, 1 << 30)));
-}
 
 long ReadProcLong(const char* path) {
   std::ifstream f(path);
@@ -67,52 +62,6 @@ void ConfigureSocket(int fd) {
   if (wmem_max >= kSocketBufferBytes) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
 }
 
-Status SendAll(int fd, const void* buf, size_t len, Clock::time_point deadline) {
-  const char* p = static_cast<const char*>(buf);
-  while (len > 0) {
-    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd pf{fd, POLLOUT, 0};
-      const int ms = RemainingMs(deadline);
-      if (ms == 0 || ::poll(&pf, 1, ms) == 0)
-        return DeadlineExceededError("handshake: send timed out");
-      continue;
-    }
-    return ErrnoError("handshake: send", errno);
-  }
-  return Status::OK();
-}
-
-Status RecvAll(int fd, void* buf, size_t len, Clock::time_point deadline) {
-  char* p = static_cast<char*>(buf);
-  while (len > 0) {
-    const ssize_t n = ::recv(fd, p, len, 0);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) return UnavailableError("handshake: peer closed the connection");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      pollfd pf{fd, POLLIN, 0};
-      const int ms = RemainingMs(deadline);
-      if (ms == 0 || ::poll(&pf, 1, ms) == 0) {
-        return DeadlineExceededError("handshake: no hello from the peer in time");
-      }
-      continue;
-    }
-    return ErrnoError("handshake: recv", errno);
-  }
-  return Status::OK();
-}
-
 // Both sides send their hello, then read and check the peer's.
 Status Handshake(int fd, const EndpointOptions& options, Clock::time_point deadline) {
   Hello mine{};
@@ -122,9 +71,10 @@ Status Handshake(int fd, const EndpointOptions& options, Clock::time_point deadl
   mine.send_depth = static_cast<uint32_t>(options.send_depth);
   mine.recv_depth = static_cast<uint32_t>(options.recv_depth);
   mine.endpoint_id = options.endpoint_id;
-  RETURN_IF_ERROR(SendAll(fd, &mine, sizeof(mine), deadline));
+  RETURN_IF_ERROR(net::SendAll(fd, &mine, sizeof(mine), deadline, "handshake: send"));
   Hello peer{};
-  RETURN_IF_ERROR(RecvAll(fd, &peer, sizeof(peer), deadline));
+  RETURN_IF_ERROR(
+      net::RecvAll(fd, &peer, sizeof(peer), deadline, "handshake: hello from the peer"));
   if (peer.magic != kHelloMagic) {
     char buf[64];
     snprintf(buf, sizeof(buf), "handshake: bad magic 0x%08x (not a shardps tcp peer)", peer.magic);
@@ -166,13 +116,6 @@ Status CheckEndpointOptions(const EndpointOptions& o) {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-void Fd::Reset() {
-  if (fd_ >= 0) {
-    if (::close(fd_) != 0) PLOG(WARNING) << "tcp: close(" << fd_ << ")";
-    fd_ = -1;
-  }
-}
 
 Status ParseAddress(const std::string& address, sockaddr_in* out) {
   const size_t colon = address.rfind(':');
@@ -233,9 +176,9 @@ StatusOr<std::shared_ptr<TcpEngine>> TcpEngine::Create(const FabricOptions& opti
     }
   }
   std::shared_ptr<TcpEngine> e(new TcpEngine(options));
-  e->epoll_fd_ = Fd(epoll_create1(EPOLL_CLOEXEC));
+  e->epoll_fd_ = UniqueFd(epoll_create1(EPOLL_CLOEXEC));
   if (!e->epoll_fd_.valid()) return ErrnoError("tcp: epoll_create1", errno);
-  e->event_fd_ = Fd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  e->event_fd_ = UniqueFd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!e->event_fd_.valid()) return ErrnoError("tcp: eventfd", errno);
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -244,7 +187,7 @@ StatusOr<std::shared_ptr<TcpEngine>> TcpEngine::Create(const FabricOptions& opti
     return ErrnoError("tcp: epoll_ctl(eventfd)", errno);
   }
   {
-    std::lock_guard<std::mutex> l(e->cl_mu_);
+    MutexLock l(&e->cl_mu_);
     e->running_ = true;
   }
   TcpEngine* raw = e.get();
@@ -278,18 +221,18 @@ void TcpEngine::Unpark() {
   if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) >= kParkNs) return;
   last_inline_ns_.store(0, std::memory_order_relaxed);
   {
-    std::lock_guard<std::mutex> l(park_mu_);
+    MutexLock l(&park_mu_);
     park_wake_ = true;
   }
-  park_cv_.notify_one();
+  park_cv_.Signal();
 }
 
 void TcpEngine::Wake() {
   {
-    std::lock_guard<std::mutex> l(park_mu_);
+    MutexLock l(&park_mu_);
     park_wake_ = true;
   }
-  park_cv_.notify_one();
+  park_cv_.Signal();
   const uint64_t one = 1;
   ssize_t n;
   do {
@@ -303,34 +246,38 @@ void TcpEngine::RunSync(const std::function<void()>& fn) {
     fn();
     return;
   }
-  std::unique_lock<std::mutex> lk(cl_mu_);
-  if (!running_) {
-    lk.unlock();
-    std::lock_guard<std::mutex> p(progress_mu_);
+  Closure c{&fn, false};
+  bool queued = false;
+  {
+    MutexLock l(&cl_mu_);
+    if (running_) {
+      closures_.push_back(&c);
+      queued = true;
+    }
+  }
+  if (!queued) {  // the progress thread is gone: run it here, under the progress lock
+    MutexLock p(&progress_mu_);
     fn();
     return;
   }
-  Closure c{&fn, false};
-  closures_.push_back(&c);
-  lk.unlock();
   Wake();
-  lk.lock();
-  cl_cv_.wait(lk, [&] { return c.done; });
+  MutexLock l(&cl_mu_);
+  cl_cv_.Wait(&cl_mu_, [&]() REQUIRES(cl_mu_) { return c.done; });
 }
 
 void TcpEngine::RunClosures() {
   std::vector<Closure*> todo;
   {
-    std::lock_guard<std::mutex> l(cl_mu_);
+    MutexLock l(&cl_mu_);
     if (closures_.empty()) return;
     todo.swap(closures_);
   }
   for (Closure* c : todo) (*c->fn)();
   {
-    std::lock_guard<std::mutex> l(cl_mu_);
+    MutexLock l(&cl_mu_);
     for (Closure* c : todo) c->done = true;
   }
-  cl_cv_.notify_all();
+  cl_cv_.SignalAll();
 }
 
 void TcpEngine::HandleEvents(const epoll_event* evs, int n) {
@@ -352,13 +299,14 @@ void TcpEngine::Loop() {
   while (!stop_.load(std::memory_order_acquire)) {
     int timeout = -1;
     if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) < kParkNs) {
-      std::unique_lock<std::mutex> lk(park_mu_);
-      park_cv_.wait_for(lk, std::chrono::nanoseconds(kParkNs), [&] { return park_wake_; });
+      MutexLock lk(&park_mu_);
+      park_cv_.WaitFor(&park_mu_, std::chrono::nanoseconds(kParkNs),
+                       [&]() REQUIRES(park_mu_) { return park_wake_; });
       park_wake_ = false;
       timeout = 0;
     }
     {
-      std::lock_guard<std::mutex> l(progress_mu_);
+      MutexLock l(&progress_mu_);
       if (!again_.empty()) timeout = 0;
     }
     const int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout);
@@ -366,7 +314,7 @@ void TcpEngine::Loop() {
       if (errno != EINTR) PLOG(ERROR) << "tcp: epoll_wait";
       continue;
     }
-    std::lock_guard<std::mutex> l(progress_mu_);
+    MutexLock l(&progress_mu_);
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.ptr == nullptr) {
         uint64_t v;
@@ -379,34 +327,34 @@ void TcpEngine::Loop() {
     RunClosures();
     if (!paused_.empty()) ResumePaused();
   }
-  std::lock_guard<std::mutex> p(progress_mu_);
-  std::lock_guard<std::mutex> l(cl_mu_);
+  MutexLock p(&progress_mu_);
+  MutexLock l(&cl_mu_);
   running_ = false;
   for (Closure* c : closures_) {
     (*c->fn)();
     c->done = true;
   }
   closures_.clear();
-  cl_cv_.notify_all();
+  cl_cv_.SignalAll();
 }
 
 void TcpEngine::TryProgress() {
-  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.try_lock()) return;
+  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.TryLock()) return;
   epoll_event evs[16];
   last_inline_ns_.store(NowNs(), std::memory_order_relaxed);
   const int n = epoll_wait(epoll_fd_.get(), evs, 16, 0);
   // Events a concurrent epoll_wait of the progress thread took are handled there; endpoints
   // removed by closures cannot appear here because closures run under progress_mu_.
   if (n > 0 || !again_.empty() || !paused_.empty()) HandleEvents(evs, std::max(n, 0));
-  progress_mu_.unlock();
+  progress_mu_.Unlock();
 }
 
 void TcpEngine::Rescan(const std::unordered_set<TcpEndpoint*>& eps) {
-  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.try_lock()) return;
+  if (stop_.load(std::memory_order_relaxed) || !progress_mu_.TryLock()) return;
   for (TcpEndpoint* ep : eps) {
     if (ep->outstanding() > 0) ep->OnReadable();
   }
-  progress_mu_.unlock();
+  progress_mu_.Unlock();
 }
 
 void TcpEngine::ResumePaused() {
@@ -448,7 +396,7 @@ const char* TcpEngine::Zeros(uint64_t n) {
 }
 
 uint32_t TcpEngine::RegisterRegion(char* base, uint64_t length, Access access) {
-  std::lock_guard<std::mutex> l(reg_mu_);
+  MutexLock l(&reg_mu_);
   uint32_t key;
   do {
     key = next_rkey_.fetch_add(1);
@@ -459,16 +407,16 @@ uint32_t TcpEngine::RegisterRegion(char* base, uint64_t length, Access access) {
 
 void TcpEngine::DeregisterRegion(uint32_t rkey, char* base, uint64_t length) {
   {
-    std::lock_guard<std::mutex> l(reg_mu_);
+    MutexLock l(&reg_mu_);
     regions_.erase(rkey);
   }
-  RunSync([&] {
+  RunSync([&]() REQUIRES(progress_mu_) {
     for (TcpEndpoint* ep : endpoints_) ep->OnRegionGone(base, length);
   });
 }
 
 AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write, char** out) {
-  std::lock_guard<std::mutex> l(reg_mu_);
+  MutexLock l(&reg_mu_);
   auto it = regions_.find(rkey);
   if (it == regions_.end()) return AccessCheck::kUnknownRkey;
   const RegionEntry& r = it->second;
@@ -489,7 +437,7 @@ AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool w
 
 TcpRegion::TcpRegion(std::shared_ptr<TcpEngine> engine, void* data, size_t length, Access access,
                      size_t owned_map_bytes)
-    : MemoryRegion(data, length, access, MemoryKind::kHost),
+    : MemoryRegion(engine.get(), data, length, access, MemoryKind::kHost),
       engine_(std::move(engine)),
       rkey_(engine_->RegisterRegion(static_cast<char*>(data), length, access)),
       owned_map_bytes_(owned_map_bytes) {}
@@ -518,7 +466,7 @@ namespace {
 
 class TcpListener final : public Listener {
  public:
-  TcpListener(std::shared_ptr<TcpEngine> engine, Fd fd, std::string address)
+  TcpListener(std::shared_ptr<TcpEngine> engine, UniqueFd fd, std::string address)
       : engine_(std::move(engine)), fd_(std::move(fd)), address_(std::move(address)) {}
   std::string address() const override { return address_; }
   StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
@@ -526,7 +474,7 @@ class TcpListener final : public Listener {
 
  private:
   std::shared_ptr<TcpEngine> engine_;
-  Fd fd_;
+  UniqueFd fd_;
   const std::string address_;
 };
 
@@ -538,24 +486,24 @@ StatusOr<TcpCompletionQueue*> ReserveCq(TcpEngine* engine, CompletionQueue* cq,
   if (tcq == nullptr || tcq->engine() != engine) {
     return InvalidArgumentError("tcp: the completion queue was not created by this fabric");
   }
-  std::lock_guard<std::mutex> l(engine->setup_mu());
+  MutexLock l(&engine->setup_mu());
   RETURN_IF_ERROR(tcq->quota().Reserve(options.send_depth + options.recv_depth));
   return tcq;
 }
 
 void UnreserveCq(TcpEngine* engine, TcpCompletionQueue* cq, const EndpointOptions& options) {
-  std::lock_guard<std::mutex> l(engine->setup_mu());
+  MutexLock l(&engine->setup_mu());
   cq->quota().Release(options.send_depth + options.recv_depth);
 }
 
-StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine, Fd fd,
-                                                 TcpCompletionQueue* cq,
+StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine,
+                                                 UniqueFd fd, TcpCompletionQueue* cq,
                                                  const EndpointOptions& options) {
   const std::string local = LocalAddress(fd.get());
   const std::string remote = PeerAddress(fd.get());
   auto ep = std::make_unique<TcpEndpoint>(engine, std::move(fd), cq, options, local, remote);
   Status added;
-  engine->RunSync([&] { added = engine->AddEndpoint(ep.get()); });
+  engine->RunSync([&]() REQUIRES(engine->progress_mu()) { added = engine->AddEndpoint(ep.get()); });
   if (!added.ok()) return added;  // ~TcpEndpoint releases the quota
   VLOG(1) << "tcp: connected " << ep->DebugString();
   return std::unique_ptr<Endpoint>(std::move(ep));
@@ -567,20 +515,14 @@ StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
   ASSIGN_OR_RETURN(TcpCompletionQueue * tcq, ReserveCq(engine_.get(), cq, options));
   const auto deadline = Clock::now() + timeout;
   for (;;) {
-    pollfd pf{fd_.get(), POLLIN, 0};
-    const int ms = RemainingMs(deadline);
-    const int rc = ::poll(&pf, 1, ms);
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc < 0) {
+    const Status ready = net::WaitFd(fd_.get(), POLLIN, deadline, "tcp: accept on " + address_);
+    if (!ready.ok()) {
       UnreserveCq(engine_.get(), tcq, options);
-      return ErrnoError("tcp: poll(listen)", errno);
-    }
-    if (rc == 0) {
-      UnreserveCq(engine_.get(), tcq, options);
+      if (ready.code() != StatusCode::kDeadlineExceeded) return ready;
       return DeadlineExceededError("tcp: no peer connected to " + address_ + " within " +
                                    std::to_string(timeout.count()) + " ms");
     }
-    Fd conn(accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    UniqueFd conn(accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (!conn.valid()) {
       if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
       UnreserveCq(engine_.get(), tcq, options);
@@ -657,7 +599,7 @@ class TcpFabric final : public Fabric {
     if (sa.sin_addr.s_addr == htonl(INADDR_ANY) && !engine_->options().bind_ip.empty()) {
       inet_pton(AF_INET, engine_->options().bind_ip.c_str(), &sa.sin_addr);
     }
-    Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return ErrnoError("tcp: socket", errno);
     int one = 1;
     setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -690,8 +632,9 @@ class TcpFabric final : public Fabric {
   }
 
  private:
-  StatusOr<Fd> Dial(const sockaddr_in& sa, const std::string& address, Clock::time_point deadline) {
-    Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  StatusOr<UniqueFd> Dial(const sockaddr_in& sa, const std::string& address,
+                          Clock::time_point deadline) {
+    UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return ErrnoError("socket", errno);
     if (!engine_->options().bind_ip.empty()) {
       sockaddr_in src{};
@@ -704,15 +647,7 @@ class TcpFabric final : public Fabric {
     ConfigureSocket(fd.get());
     if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
       if (errno != EINPROGRESS && errno != EINTR) return ErrnoError("connect", errno);
-      for (;;) {
-        pollfd pf{fd.get(), POLLOUT, 0};
-        const int ms = RemainingMs(deadline);
-        const int rc = ms == 0 ? 0 : ::poll(&pf, 1, ms);
-        if (rc < 0 && errno == EINTR) continue;
-        if (rc < 0) return ErrnoError("poll(connect)", errno);
-        if (rc == 0) return DeadlineExceededError("connect timed out");
-        break;
-      }
+      RETURN_IF_ERROR(net::WaitFd(fd.get(), POLLOUT, deadline, "connect"));
       int err = 0;
       socklen_t len = sizeof(err);
       getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
@@ -726,7 +661,7 @@ class TcpFabric final : public Fabric {
   static in_addr PrimaryIp() {
     in_addr out{};
     out.s_addr = htonl(INADDR_LOOPBACK);
-    Fd s(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    UniqueFd s(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
     if (!s.valid()) return out;
     sockaddr_in probe{};
     probe.sin_family = AF_INET;

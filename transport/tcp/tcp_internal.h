@@ -25,16 +25,16 @@
 #include <sys/types.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "common/fd.h"
+#include "common/thread_annotations.h"
 #include "transport/flow_control.h"
 #include "transport/tcp/tcp_wire.h"
 #include "transport/transport.h"
@@ -43,35 +43,6 @@ namespace shardps::transport::tcp {
 
 class TcpEndpoint;
 class TcpCompletionQueue;
-
-// An owned file descriptor (closed on destruction). Not thread-safe.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { Reset(); }
-  Fd(Fd&& o) noexcept : fd_(o.Release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      fd_ = o.Release();
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int Release() {
-    const int f = fd_;
-    fd_ = -1;
-    return f;
-  }
-  void Reset();
-
- private:
-  int fd_ = -1;
-};
 
 // Result of checking a remote access against the registry, as an HCA would.
 enum class AccessCheck : uint8_t { kOk, kUnknownRkey, kOutOfBounds, kNoAccess };
@@ -87,7 +58,7 @@ class TcpEngine {
   TcpEngine& operator=(const TcpEngine&) = delete;
 
   const FabricOptions& options() const { return options_; }
-  std::mutex& setup_mu() { return setup_mu_; }
+  Mutex& setup_mu() RETURN_CAPABILITY(setup_mu_) { return setup_mu_; }
 
   // Stops and joins the progress thread (fabric destruction). Later RunSync calls run inline.
   void Shutdown();
@@ -120,68 +91,71 @@ class TcpEngine {
   int epoll_fd() const { return epoll_fd_.get(); }
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
   // Progress thread: endpoint membership and the set of read-paused endpoints.
-  Status AddEndpoint(TcpEndpoint* ep);
-  void RemoveEndpoint(TcpEndpoint* ep);
-  void AddPaused(TcpEndpoint* ep) { paused_.push_back(ep); }
+  Status AddEndpoint(TcpEndpoint* ep) REQUIRES(progress_mu_);
+  void RemoveEndpoint(TcpEndpoint* ep) REQUIRES(progress_mu_);
+  void AddPaused(TcpEndpoint* ep) REQUIRES(progress_mu_) { paused_.push_back(ep); }
   // An endpoint that used up its read budget with data still pending: read it again on the
   // next round, after the others had their turn.
-  void AddAgain(TcpEndpoint* ep) { again_.push_back(ep); }
+  void AddAgain(TcpEndpoint* ep) REQUIRES(progress_mu_) { again_.push_back(ep); }
   // Progress thread: stop watching a failed endpoint's socket.
   void Unwatch(int fd);
-  char* scratch() { return scratch_.data(); }
-  size_t scratch_size() const { return scratch_.size(); }
+  char* scratch() REQUIRES(progress_mu_) { return scratch_.data(); }
+  size_t scratch_size() const REQUIRES(progress_mu_) { return scratch_.size(); }
   // Progress thread: read-only zero bytes of at least n (replaces a vanished send source).
-  const char* Zeros(uint64_t n);
+  const char* Zeros(uint64_t n) REQUIRES(progress_mu_);
+  // Held by whoever does progress work; "progress thread" methods require it. Closures given
+  // to RunSync run with it held.
+  Mutex& progress_mu() RETURN_CAPABILITY(progress_mu_) { return progress_mu_; }
 
  private:
   explicit TcpEngine(const FabricOptions& options);
   void Loop();
-  void HandleEvents(const struct epoll_event* evs, int n);  // progress_mu_ held
-  void RunClosures();
-  void ResumePaused();
+  void HandleEvents(const struct epoll_event* evs, int n) REQUIRES(progress_mu_);
+  void RunClosures() REQUIRES(progress_mu_);
+  void ResumePaused() REQUIRES(progress_mu_);
 
   const FabricOptions options_;
-  std::mutex setup_mu_;
+  // Serialises setup; guards each CQ's quota() and attached() (TcpCompletionQueue).
+  Mutex setup_mu_;
 
-  std::mutex reg_mu_;
+  Mutex reg_mu_;
   struct RegionEntry {
     char* base;
     uint64_t length;
     Access access;
   };
-  std::unordered_map<uint32_t, RegionEntry> regions_;  // guarded by reg_mu_
+  std::unordered_map<uint32_t, RegionEntry> regions_ GUARDED_BY(reg_mu_);
   std::atomic<uint32_t> next_rkey_;
 
-  Fd epoll_fd_;
-  Fd event_fd_;
+  UniqueFd epoll_fd_;
+  UniqueFd event_fd_;
   std::thread thread_;
   std::atomic<std::thread::id> thread_id_{};
   std::atomic<bool> stop_{false};
   // Parking: while an application thread keeps calling TryProgress, the progress thread
   // sleeps on park_cv_ instead of competing for the same events (two cores are common).
   std::atomic<int64_t> last_inline_ns_{0};
-  std::mutex park_mu_;
-  std::condition_variable park_cv_;
-  bool park_wake_ = false;  // guarded by park_mu_
+  Mutex park_mu_;
+  CondVar park_cv_;
+  bool park_wake_ GUARDED_BY(park_mu_) = false;
 
   struct Closure {
     const std::function<void()>* fn;
     bool done;
   };
-  std::mutex cl_mu_;
-  std::condition_variable cl_cv_;
-  std::vector<Closure*> closures_;  // guarded by cl_mu_
-  bool running_ = false;            // guarded by cl_mu_
+  Mutex cl_mu_;
+  CondVar cl_cv_;
+  std::vector<Closure*> closures_ GUARDED_BY(cl_mu_);
+  bool running_ GUARDED_BY(cl_mu_) = false;
 
   // Held by whichever thread does progress work (the progress thread, or an application
   // thread in TryProgress); "progress thread" methods below run under it.
-  std::mutex progress_mu_;
-  // Guarded by progress_mu_.
-  std::vector<TcpEndpoint*> endpoints_;
-  std::vector<TcpEndpoint*> paused_;
-  std::vector<TcpEndpoint*> again_;
-  std::vector<char> scratch_;
-  std::vector<std::pair<void*, size_t>> zero_maps_;
+  Mutex progress_mu_;
+  std::vector<TcpEndpoint*> endpoints_ GUARDED_BY(progress_mu_);
+  std::vector<TcpEndpoint*> paused_ GUARDED_BY(progress_mu_);
+  std::vector<TcpEndpoint*> again_ GUARDED_BY(progress_mu_);
+  std::vector<char> scratch_ GUARDED_BY(progress_mu_);
+  std::vector<std::pair<void*, size_t>> zero_maps_ GUARDED_BY(progress_mu_);
 };
 
 // A registered region: an rkey registry entry; AllocateMemory regions own their mapping.
@@ -234,16 +208,16 @@ class TcpCompletionQueue final : public CompletionQueue {
   CqQuota quota_;
   std::unordered_set<TcpEndpoint*> attached_;
 
-  Fd event_fd_;  // signalled by Push while a Wait sleeps
-  std::mutex mu_;
-  std::vector<Entry> ring_;  // guarded by mu_
-  size_t head_ = 0;          // guarded by mu_
-  size_t size_ = 0;          // guarded by mu_
-  int waiters_ = 0;          // guarded by mu_
+  UniqueFd event_fd_;  // signalled by Push while a Wait sleeps
+  Mutex mu_;
+  std::vector<Entry> ring_ GUARDED_BY(mu_);
+  size_t head_ GUARDED_BY(mu_) = 0;
+  size_t size_ GUARDED_BY(mu_) = 0;
+  int waiters_ GUARDED_BY(mu_) = 0;
   std::atomic<size_t> count_{0};
   // Endpoints with deferred sends (see TcpEndpoint::Post).
-  std::mutex deferred_mu_;
-  std::vector<TcpEndpoint*> deferred_;  // guarded by deferred_mu_
+  Mutex deferred_mu_;
+  std::vector<TcpEndpoint*> deferred_ GUARDED_BY(deferred_mu_);
   std::atomic<bool> has_deferred_{false};
   // Polling thread: last time Poll re-scanned the attached endpoints (see TcpEngine::Rescan).
   std::chrono::steady_clock::time_point last_rescan_{};
@@ -253,16 +227,10 @@ class TcpCompletionQueue final : public CompletionQueue {
 // CQ. OnEvents/TryResume/OnRegionGone: the progress thread. See tcp_datapath.cc.
 class TcpEndpoint final : public Endpoint {
  public:
-  TcpEndpoint(std::shared_ptr<TcpEngine> engine, Fd fd, TcpCompletionQueue* cq,
+  TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpCompletionQueue* cq,
               const EndpointOptions& options, std::string local, std::string remote);
   ~TcpEndpoint() override;
 
-  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                   uint32_t flags) override;
-  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm, uint64_t context,
-                      uint32_t flags) override;
-  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                  uint32_t flags) override;
   Status status() const override;
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override;
@@ -277,7 +245,9 @@ class TcpEndpoint final : public Endpoint {
   void FlushDeferred();
   std::atomic<bool> deferred_listed_{false};  // on its CQ's deferred list
 
-  // Progress thread.
+  // Progress thread: called by this endpoint's engine with its progress_mu() held (the
+  // analysis cannot tie ep->engine_ to the caller's `this`; each asserts it, and the helpers
+  // below require it).
   void OnEvents(uint32_t events);
   void OnReadable();
   bool TryResume();  // true when no longer waiting for the app to reap immediates
@@ -303,29 +273,27 @@ class TcpEndpoint final : public Endpoint {
   enum class RxAction : uint8_t { kNone, kWrite, kWriteImm, kReadResp, kNak, kReadRespGone };
   enum class IoResult : uint8_t { kAgain, kRetry, kDead };
 
-  Status Post(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
-              uint64_t context, uint32_t flags);
-  // op_mu_ held.
-  void CompleteLocked(const PendingOp& op, WcStatus status);
-  void CompleteUpToLocked(uint64_t seq);
-  // send_mu_ held.
-  void PushSegmentLocked(const Segment& s);
-  Status FlushLocked();
+  Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+                     uint64_t context, uint32_t flags) override;
+  void CompleteLocked(const PendingOp& op, WcStatus status) REQUIRES(op_mu_);
+  void CompleteUpToLocked(uint64_t seq) REQUIRES(op_mu_);
+  void PushSegmentLocked(const Segment& s) REQUIRES(send_mu_);
+  Status FlushLocked() REQUIRES(send_mu_);
   // Progress thread.
-  IoResult HandleIoError(ssize_t n);
-  void HandleHeader();
-  void StartPayload(char* dest, uint64_t len, RxAction action);
-  void StartDrain(uint64_t len, RxAction action);
-  void FinishPayload();
-  bool TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len);
-  void MaybeAck();
-  void SendResponse(const Segment& s);
-  void SendNak(const FrameHeader& req, uint8_t reason);
-  void ProtocolError(const std::string& what);
-  void Fail(WcStatus wc, Status why);
+  IoResult HandleIoError(ssize_t n) REQUIRES(engine_->progress_mu());
+  void HandleHeader() REQUIRES(engine_->progress_mu());
+  void StartPayload(char* dest, uint64_t len, RxAction action) REQUIRES(engine_->progress_mu());
+  void StartDrain(uint64_t len, RxAction action) REQUIRES(engine_->progress_mu());
+  void FinishPayload() REQUIRES(engine_->progress_mu());
+  bool TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len) REQUIRES(engine_->progress_mu());
+  void MaybeAck() REQUIRES(engine_->progress_mu());
+  void SendResponse(const Segment& s) REQUIRES(engine_->progress_mu());
+  void SendNak(const FrameHeader& req, uint8_t reason) REQUIRES(engine_->progress_mu());
+  void ProtocolError(const std::string& what) REQUIRES(engine_->progress_mu());
+  void Fail(WcStatus wc, Status why) REQUIRES(engine_->progress_mu());
 
   std::shared_ptr<TcpEngine> engine_;
-  Fd fd_;
+  UniqueFd fd_;
   const int send_depth_;
   const int recv_depth_;
   const std::string local_;
@@ -333,23 +301,23 @@ class TcpEndpoint final : public Endpoint {
   SendCredits credits_;  // polling thread
 
   // Initiator side: pending operations, error state, CQ pointer.
-  mutable std::mutex op_mu_;
-  TcpCompletionQueue* cq_;           // guarded by op_mu_ (written by the polling thread)
-  std::vector<PendingOp> ring_;      // guarded by op_mu_; index seq % send_depth_
-  uint64_t post_seq_ = 0;            // guarded by op_mu_: last posted
-  uint64_t acked_seq_ = 0;           // guarded by op_mu_: last completed
-  uint32_t unsignaled_credits_ = 0;  // guarded by op_mu_
-  Status error_;                     // guarded by op_mu_
-  bool errored_ = false;             // guarded by op_mu_
+  mutable Mutex op_mu_;
+  TcpCompletionQueue* cq_ GUARDED_BY(op_mu_);       // written by the polling thread
+  std::vector<PendingOp> ring_ GUARDED_BY(op_mu_);  // index seq % send_depth_
+  uint64_t post_seq_ GUARDED_BY(op_mu_) = 0;        // last posted
+  uint64_t acked_seq_ GUARDED_BY(op_mu_) = 0;       // last completed
+  uint32_t unsignaled_credits_ GUARDED_BY(op_mu_) = 0;
+  Status error_ GUARDED_BY(op_mu_);
+  bool errored_ GUARDED_BY(op_mu_) = false;
 
   // Send side (both roles).
-  std::mutex send_mu_;
-  std::vector<Segment> txq_;  // guarded by send_mu_ (ring)
-  size_t tx_head_ = 0;        // guarded by send_mu_
-  size_t tx_count_ = 0;       // guarded by send_mu_
-  uint64_t tx_off_ = 0;       // guarded by send_mu_: bytes of the head segment sent
-  bool tx_closed_ = false;    // guarded by send_mu_
-  Status tx_error_;           // guarded by send_mu_
+  Mutex send_mu_;
+  std::vector<Segment> txq_ GUARDED_BY(send_mu_);  // ring
+  size_t tx_head_ GUARDED_BY(send_mu_) = 0;
+  size_t tx_count_ GUARDED_BY(send_mu_) = 0;
+  uint64_t tx_off_ GUARDED_BY(send_mu_) = 0;  // bytes of the head segment sent
+  bool tx_closed_ GUARDED_BY(send_mu_) = false;
+  Status tx_error_ GUARDED_BY(send_mu_);
 
   // Receive side: progress thread only, except the atomics.
   RxState rx_state_ = RxState::kHeader;

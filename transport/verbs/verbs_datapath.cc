@@ -66,17 +66,23 @@ Status StatusForWc(const ibv_wc& wc, const std::string& where) {
 
 WcStatus MapWcStatus(ibv_wc_status s) {
   switch (s) {
-    case IBV_WC_SUCCESS: return WcStatus::kSuccess;
-    case IBV_WC_REM_ACCESS_ERR: return WcStatus::kRemoteAccessError;
+    case IBV_WC_SUCCESS:
+      return WcStatus::kSuccess;
+    case IBV_WC_REM_ACCESS_ERR:
+      return WcStatus::kRemoteAccessError;
     case IBV_WC_RETRY_EXC_ERR:
-    case IBV_WC_RNR_RETRY_EXC_ERR: return WcStatus::kRetryExceeded;
-    case IBV_WC_WR_FLUSH_ERR: return WcStatus::kFlushed;
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return WcStatus::kRetryExceeded;
+    case IBV_WC_WR_FLUSH_ERR:
+      return WcStatus::kFlushed;
     case IBV_WC_REM_OP_ERR:
     case IBV_WC_REM_INV_REQ_ERR:
     case IBV_WC_REM_INV_RD_REQ_ERR:
     case IBV_WC_REM_ABORT_ERR:
-    case IBV_WC_BAD_RESP_ERR: return WcStatus::kRemoteOperationError;
-    default: return WcStatus::kLocalError;  // LOC_*, MW_BIND, FATAL, GENERAL, ...
+    case IBV_WC_BAD_RESP_ERR:
+      return WcStatus::kRemoteOperationError;
+    default:
+      return WcStatus::kLocalError;  // LOC_*, MW_BIND, FATAL, GENERAL, ...
   }
 }
 
@@ -85,7 +91,7 @@ WcStatus MapWcStatus(ibv_wc_status s) {
 
 VerbsEndpoint::VerbsEndpoint(std::shared_ptr<VerbsDevice> device, std::shared_ptr<CqState> cq,
                              QpPtr qp, EndpointConfig config)
-    : Endpoint(config.options.endpoint_id),
+    : Endpoint(config.options.endpoint_id, device.get(), kMaxOperationBytes),
       device_(std::move(device)),
       cq_(std::move(cq)),
       qp_(std::move(qp)),
@@ -108,8 +114,8 @@ void VerbsEndpoint::adoptBootstrap(UniqueFd fd) {
 }
 
 Status VerbsEndpoint::start() {
-  RETURN_IF_ERROR(cq_->attach(this, config_.options.send_depth + config_.options.recv_depth,
-                              &cq_slot_, &gen_));
+  RETURN_IF_ERROR(
+      cq_->attach(this, config_.options.send_depth + config_.options.recv_depth, &cq_slot_, &gen_));
   attached_ = true;
   return postRecv(config_.options.recv_depth);
 }
@@ -128,33 +134,9 @@ Status VerbsEndpoint::postRecv(int count) {
   return Status::OK();
 }
 
-Status VerbsEndpoint::PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                                uint32_t flags) {
-  return post(OpType::kWrite, src, dst, 0, context, flags);
-}
-Status VerbsEndpoint::PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                                   uint64_t context, uint32_t flags) {
-  return post(OpType::kWriteImm, src, dst, imm, context, flags);
-}
-Status VerbsEndpoint::PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                               uint32_t flags) {
-  return post(OpType::kRead, dst, src, 0, context, flags);
-}
-
-Status VerbsEndpoint::post(OpType op, const LocalSlice& local, const RemoteSlice& remote,
-                           uint32_t imm, uint64_t context, uint32_t flags) {
-  const auto* region = dynamic_cast<const VerbsMemoryRegion*>(local.region);
-  if (region == nullptr || region->device() != device_.get()) {
-    return InvalidArgumentError("verbs: the local region was not registered by this fabric");
-  }
-  if (local.offset > region->length() || local.length > region->length() - local.offset) {
-    return OutOfRangeError("verbs: local slice [" + std::to_string(local.offset) + ", +" +
-                           std::to_string(local.length) + ") exceeds its region of " +
-                           std::to_string(region->length()) + " bytes");
-  }
-  if (local.length > (uint64_t{1} << 31)) {
-    return InvalidArgumentError("verbs: one operation moves at most 2 GiB");
-  }
+Status VerbsEndpoint::PostChecked(OpType op, const LocalSlice& local, const RemoteSlice& remote,
+                                  uint32_t imm, uint64_t context, uint32_t flags) {
+  const auto* region = static_cast<const VerbsMemoryRegion*>(local.region);  // checked: ours
   RETURN_IF_ERROR(credits_.Take());
   const uint32_t seq = head_seq_++;
   OpSlot& slot = ring_[seq % ring_.size()];
@@ -180,12 +162,16 @@ Status VerbsEndpoint::post(OpType op, const LocalSlice& local, const RemoteSlice
   wr.sg_list = local.length > 0 ? &sge : nullptr;
   wr.num_sge = local.length > 0 ? 1 : 0;
   switch (op) {
-    case OpType::kWrite: wr.opcode = IBV_WR_RDMA_WRITE; break;
+    case OpType::kWrite:
+      wr.opcode = IBV_WR_RDMA_WRITE;
+      break;
     case OpType::kWriteImm:
       wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
       wr.imm_data = htonl(imm);
       break;
-    default: wr.opcode = IBV_WR_RDMA_READ; break;
+    default:
+      wr.opcode = IBV_WR_RDMA_READ;
+      break;
   }
   wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
   if (op != OpType::kRead && local.length > 0 &&
@@ -244,8 +230,8 @@ void VerbsEndpoint::onSendWcOnPollingThread(const ibv_wc& wc) {
     if (was_healthy) {
       ++covered;
     } else {
-      emit(tail_seq_, TakeFailure(&first_failure_reported_, pending_first_status_,
-                                  WcStatus::kFlushed), 1);
+      emit(tail_seq_,
+           TakeFailure(&first_failure_reported_, pending_first_status_, WcStatus::kFlushed), 1);
     }
   }
   const OpSlot& slot = ring_[seq % ring_.size()];
@@ -273,8 +259,8 @@ void VerbsEndpoint::onSendWcOnPollingThread(const ibv_wc& wc) {
 void VerbsEndpoint::onDrainWcOnPollingThread() {
   // Every WR the QP accepted is complete: the rest of the posted ones were flushed.
   for (; tail_seq_ != head_seq_ && ring_[tail_seq_ % ring_.size()].posted; ++tail_seq_) {
-    emit(tail_seq_, TakeFailure(&first_failure_reported_, pending_first_status_,
-                                WcStatus::kFlushed), 1);
+    emit(tail_seq_,
+         TakeFailure(&first_failure_reported_, pending_first_status_, WcStatus::kFlushed), 1);
   }
   drained_ = true;
   if (tail_seq_ != head_seq_) cq_->markSoftwareProgress(this);
@@ -418,9 +404,15 @@ void CqState::processWc(const ibv_wc& wc) {
     return;
   }
   switch (WrIdKind(wc.wr_id)) {
-    case WrKind::kSend: ep->onSendWcOnPollingThread(wc); break;
-    case WrKind::kRecv: ep->onRecvWcOnPollingThread(wc); break;
-    case WrKind::kDrain: ep->onDrainWcOnPollingThread(); break;
+    case WrKind::kSend:
+      ep->onSendWcOnPollingThread(wc);
+      break;
+    case WrKind::kRecv:
+      ep->onRecvWcOnPollingThread(wc);
+      break;
+    case WrKind::kDrain:
+      ep->onDrainWcOnPollingThread();
+      break;
   }
 }
 

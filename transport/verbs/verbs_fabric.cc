@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "common/net.h"
 #include "transport/providers.h"
 #include "transport/verbs/verbs_internal.h"
 #include "transport/verbs/verbs_testing.h"
@@ -59,8 +60,8 @@ int IbvAccess(Access access) {
 
 Status ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask, const char* what) {
   if (int rc = ibv_modify_qp(qp, attr, mask); rc != 0) {
-    return UnavailableError(std::string("verbs: ibv_modify_qp to ") + what + " failed: " +
-                            strerror(rc));
+    return UnavailableError(std::string("verbs: ibv_modify_qp to ") + what +
+                            " failed: " + strerror(rc));
   }
   return Status::OK();
 }
@@ -74,8 +75,8 @@ uint32_t RandomPsn() {
 // Registers device memory through dma-buf (the upstream path, no nvidia-peermem needed). The
 // driver entry point is looked up through the runtime so nothing links libcuda directly.
 StatusOr<MrPtr> RegisterCudaDmabuf(ibv_pd& pd, void* addr, size_t length, int access) {
-  using GetHandleFn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType,
-                                   unsigned long long);
+  using GetHandleFn =
+      CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult q{};
   if (cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 12000,
@@ -87,8 +88,7 @@ StatusOr<MrPtr> RegisterCudaDmabuf(ibv_pd& pd, void* addr, size_t length, int ac
   const uintptr_t begin = reinterpret_cast<uintptr_t>(addr) & ~(page - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + length + page - 1) & ~(page - 1);
   int fd = -1;
-  CUresult cr = reinterpret_cast<GetHandleFn>(fn)(&fd, static_cast<CUdeviceptr>(begin),
-                                                  end - begin,
+  CUresult cr = reinterpret_cast<GetHandleFn>(fn)(&fd, static_cast<CUdeviceptr>(begin), end - begin,
                                                   CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
   if (cr != CUDA_SUCCESS || fd < 0) {
     return UnavailableError("cuMemGetHandleForAddressRange(DMA_BUF_FD) failed: CUresult " +
@@ -114,7 +114,7 @@ void VerbsMemoryRegion::MmapDeleter::operator()(void* p) const {
 VerbsMemoryRegion::VerbsMemoryRegion(std::shared_ptr<VerbsDevice> device, MappingPtr mapping,
                                      MrPtr mr, void* data, size_t length, Access access,
                                      MemoryKind kind)
-    : MemoryRegion(data, length, access, kind),
+    : MemoryRegion(device.get(), data, length, access, kind),
       device_(std::move(device)),
       mapping_(std::move(mapping)),
       mr_(std::move(mr)) {}
@@ -135,7 +135,7 @@ StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::RegisterMemory(void* addr, 
   if (addr == nullptr || length == 0) {
     return InvalidArgumentError("verbs: RegisterMemory needs a non-null address and length > 0");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   MrPtr mr;
   if (kind == MemoryKind::kCuda) {
 #ifdef SHARDPS_HAVE_CUDA
@@ -154,20 +154,19 @@ StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::RegisterMemory(void* addr, 
   } else {
     ASSIGN_OR_RETURN(mr, createMr(device_->pd(), addr, length, IbvAccess(access)));
   }
-  return std::unique_ptr<MemoryRegion>(new VerbsMemoryRegion(
-      device_, VerbsMemoryRegion::MappingPtr(nullptr, {0}), std::move(mr), addr, length, access,
-      kind));
+  return std::unique_ptr<MemoryRegion>(
+      new VerbsMemoryRegion(device_, VerbsMemoryRegion::MappingPtr(nullptr, {0}), std::move(mr),
+                            addr, length, access, kind));
 }
 
-StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::AllocateMemory(size_t length,
-                                                                    Access access) {
+StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::AllocateMemory(size_t length, Access access) {
   if (length == 0) return InvalidArgumentError("verbs: AllocateMemory of 0 bytes");
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t mapped = (length + page - 1) / page * page;
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return ErrnoError("verbs: mmap " + std::to_string(mapped), errno);
   VerbsMemoryRegion::MappingPtr mapping(p, {mapped});
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(MrPtr mr, createMr(device_->pd(), p, length, IbvAccess(access)));
   return std::unique_ptr<MemoryRegion>(new VerbsMemoryRegion(
       device_, std::move(mapping), std::move(mr), p, length, access, MemoryKind::kHost));
@@ -204,7 +203,7 @@ StatusOr<std::unique_ptr<CompletionQueue>> VerbsFabric::CreateCompletionQueue(in
                                 " exceeds half the device's max_cqe (" +
                                 std::to_string(device_->device_attr().max_cqe) + ")");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto state = std::make_shared<CqState>(device_, depth);
   RETURN_IF_ERROR(state->init());
   return std::unique_ptr<CompletionQueue>(new VerbsCompletionQueue(std::move(state)));
@@ -222,8 +221,8 @@ StatusOr<std::unique_ptr<Listener>> VerbsFabric::Listen(const std::string& addre
     const uint8_t* g = device_->gid().raw;
     static const uint8_t kPrefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
     if (std::memcmp(g, kPrefix, 12) == 0) {
-      ip = std::to_string(g[12]) + "." + std::to_string(g[13]) + "." + std::to_string(g[14]) +
-           "." + std::to_string(g[15]);
+      ip = std::to_string(g[12]) + "." + std::to_string(g[13]) + "." + std::to_string(g[14]) + "." +
+           std::to_string(g[15]);
     }
   }
   const std::string resolved =
@@ -272,15 +271,15 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
       options.send_depth + kDrainWrs > da.max_qp_wr || options.recv_depth > da.max_qp_wr) {
     return InvalidArgumentError("verbs: send_depth " + std::to_string(options.send_depth) +
                                 " / recv_depth " + std::to_string(options.recv_depth) +
-                                " out of range (device max_qp_wr " +
-                                std::to_string(da.max_qp_wr) + ")");
+                                " out of range (device max_qp_wr " + std::to_string(da.max_qp_wr) +
+                                ")");
   }
 
   // 1. Create the RC queue pair and move it to INIT.
   QpPtr qp;
   int max_inline = std::max(0, options_.max_inline);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ibv_qp_init_attr ia{};
     ia.send_cq = vcq->state()->cq();
     ia.recv_cq = vcq->state()->cq();
@@ -330,14 +329,15 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   mine.qpn = raw_qp->qp_num;
   mine.psn = RandomPsn();
   mine.lid = device_->lid();
-  mine.responder_resources =
-      static_cast<uint8_t>(std::clamp(da.max_qp_rd_atom, 1, kMaxRdAtomic));
+  mine.responder_resources = static_cast<uint8_t>(std::clamp(da.max_qp_rd_atom, 1, kMaxRdAtomic));
   mine.recv_depth = static_cast<uint32_t>(options.recv_depth);
   std::memcpy(mine.gid, device_->gid().raw, 16);
   uint8_t wire[kQpInfoWireSize];
   EncodeQpInfo(mine, wire);
-  RETURN_IF_ERROR(SendAll(fd.get(), wire, sizeof(wire), deadline));
-  RETURN_IF_ERROR(RecvAll(fd.get(), wire, sizeof(wire), deadline));
+  RETURN_IF_ERROR(
+      net::SendAll(fd.get(), wire, sizeof(wire), deadline, "verbs bootstrap: send queue pair"));
+  RETURN_IF_ERROR(
+      net::RecvAll(fd.get(), wire, sizeof(wire), deadline, "verbs bootstrap: peer's queue pair"));
   ASSIGN_OR_RETURN(QpInfo peer, DecodeQpInfo(wire, sizeof(wire)));
   if (peer.link_layer != mine.link_layer) {
     return InvalidArgumentError("verbs handshake: link layer mismatch (peer " +
@@ -346,7 +346,7 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   }
 
   ep->setDescription("verbs:" + local + "(qpn " + std::to_string(mine.qpn) + ")->" + remote +
-                    "(qpn " + std::to_string(peer.qpn) + ")");
+                     "(qpn " + std::to_string(peer.qpn) + ")");
 
   // 4. RTR, then RTS.
   attr = {};
@@ -376,9 +376,9 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   LogRetryPolicy(*device_, options_.rdma_retry_count);
   attr.rnr_retry = kRnrRetryInfinite;
   attr.sq_psn = mine.psn;
-  attr.max_rd_atomic = static_cast<uint8_t>(
-      std::min({std::max(da.max_qp_init_rd_atom, 1), static_cast<int>(peer.responder_resources),
-                kMaxRdAtomic}));
+  attr.max_rd_atomic =
+      static_cast<uint8_t>(std::min({std::max(da.max_qp_init_rd_atom, 1),
+                                     static_cast<int>(peer.responder_resources), kMaxRdAtomic}));
   RETURN_IF_ERROR(ModifyQp(raw_qp, &attr,
                            IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
@@ -388,9 +388,11 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::establish(UniqueFd fd, Completi
   uint8_t ready[4] = {static_cast<uint8_t>(kReadyMagic), static_cast<uint8_t>(kReadyMagic >> 8),
                       static_cast<uint8_t>(kReadyMagic >> 16),
                       static_cast<uint8_t>(kReadyMagic >> 24)};
-  RETURN_IF_ERROR(SendAll(fd.get(), ready, sizeof(ready), deadline));
+  RETURN_IF_ERROR(
+      net::SendAll(fd.get(), ready, sizeof(ready), deadline, "verbs bootstrap: send ready"));
   uint8_t got[4] = {};
-  RETURN_IF_ERROR(RecvAll(fd.get(), got, sizeof(got), deadline));
+  RETURN_IF_ERROR(
+      net::RecvAll(fd.get(), got, sizeof(got), deadline, "verbs bootstrap: peer's ready"));
   if (std::memcmp(got, ready, sizeof(ready)) != 0) {
     return InvalidArgumentError("verbs handshake: malformed peer message: bad ready marker");
   }

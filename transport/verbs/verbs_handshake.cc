@@ -1,6 +1,8 @@
 // TCP bootstrap and the queue-pair attribute message (see verbs_handshake.h).
 #include "transport/verbs/verbs_handshake.h"
 
+#include "common/net.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <glog/logging.h>
@@ -25,38 +27,6 @@ uint64_t GetLe(const uint8_t* p, int bytes) {
   uint64_t v = 0;
   for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
   return v;
-}
-
-int MillisLeft(Deadline deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - std::chrono::steady_clock::now());
-  return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 1 << 30));
-}
-
-// Waits for `events` on fd until the deadline.
-Status WaitFd(int fd, short events, Deadline deadline, const char* what) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    int rc = poll(&p, 1, MillisLeft(deadline));
-    if (rc > 0) return Status::OK();
-    if (rc == 0) return DeadlineExceededError(std::string("verbs bootstrap: timed out ") + what);
-    if (errno != EINTR) return ErrnoError(std::string("verbs bootstrap: poll ") + what, errno);
-  }
-}
-
-std::string SockaddrToString(const sockaddr_storage& ss) {
-  char host[INET6_ADDRSTRLEN] = {};
-  int port = 0;
-  if (ss.ss_family == AF_INET) {
-    auto* s = reinterpret_cast<const sockaddr_in*>(&ss);
-    inet_ntop(AF_INET, &s->sin_addr, host, sizeof(host));
-    port = ntohs(s->sin_port);
-    return std::string(host) + ":" + std::to_string(port);
-  }
-  auto* s = reinterpret_cast<const sockaddr_in6*>(&ss);
-  inet_ntop(AF_INET6, &s->sin6_addr, host, sizeof(host));
-  port = ntohs(s->sin6_port);
-  return "[" + std::string(host) + "]:" + std::to_string(port);
 }
 
 Status SplitHostPort(const std::string& address, std::string* host, std::string* port) {
@@ -104,14 +74,6 @@ StatusOr<sockaddr_storage> Resolve(const std::string& host, const std::string& p
   *len = pick->ai_addrlen;
   freeaddrinfo(res);
   return ss;
-}
-
-Status SetNonBlocking(int fd) {
-  int flags = fcntl(fd, F_GETFL, 0);
-  if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-    return ErrnoError("verbs bootstrap: fcntl(O_NONBLOCK)", errno);
-  }
-  return Status::OK();
 }
 
 // The bootstrap socket is idle after the handshake; keepalive probes make a peer host that
@@ -214,13 +176,14 @@ StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string& defa
     *resolved_port = ntohs(s->sin6_port);
   }
   *resolved_ip = ip;
-  RETURN_IF_ERROR(SetNonBlocking(fd.get()));
+  RETURN_IF_ERROR(net::SetNonBlocking(fd.get(), true));
   return fd;
 }
 
 StatusOr<UniqueFd> TcpAccept(int listen_fd, Deadline deadline, std::string* peer) {
   for (;;) {
-    RETURN_IF_ERROR(WaitFd(listen_fd, POLLIN, deadline, "waiting for a peer to connect"));
+    RETURN_IF_ERROR(
+        net::WaitFd(listen_fd, POLLIN, deadline, "verbs bootstrap: waiting for a peer to connect"));
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
@@ -231,9 +194,9 @@ StatusOr<UniqueFd> TcpAccept(int listen_fd, Deadline deadline, std::string* peer
       return ErrnoError("verbs bootstrap: accept", errno);
     }
     UniqueFd owned(fd);
-    RETURN_IF_ERROR(SetNonBlocking(fd));
+    RETURN_IF_ERROR(net::SetNonBlocking(fd, true));
     TuneSocket(fd);
-    *peer = SockaddrToString(ss);
+    *peer = net::SockaddrToString(ss);
     return owned;
   }
 }
@@ -259,7 +222,8 @@ StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bin
       return ErrnoError("verbs bootstrap: connect " + address, errno);
     }
     if (rc != 0) {
-      RETURN_IF_ERROR(WaitFd(fd.get(), POLLOUT, deadline, ("connecting to " + address).c_str()));
+      RETURN_IF_ERROR(
+          net::WaitFd(fd.get(), POLLOUT, deadline, "verbs bootstrap: connecting to " + address));
       int err = 0;
       socklen_t elen = sizeof(err);
       getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &elen);
@@ -274,50 +238,9 @@ StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bin
     sockaddr_storage me{};
     socklen_t mlen = sizeof(me);
     getsockname(fd.get(), reinterpret_cast<sockaddr*>(&me), &mlen);
-    *local = SockaddrToString(me);
+    *local = net::SockaddrToString(me);
     return fd;
   }
-}
-
-Status SendAll(int fd, const void* data, size_t len, Deadline deadline) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (len > 0) {
-    ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      RETURN_IF_ERROR(WaitFd(fd, POLLOUT, deadline, "sending the handshake"));
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    return ErrnoError("verbs bootstrap: send", errno);
-  }
-  return Status::OK();
-}
-
-Status RecvAll(int fd, void* data, size_t len, Deadline deadline) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (len > 0) {
-    ssize_t n = recv(fd, p, len, 0);
-    if (n > 0) {
-      p += n;
-      len -= static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) {
-      return UnavailableError("verbs bootstrap: peer closed the connection during the handshake");
-    }
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      RETURN_IF_ERROR(WaitFd(fd, POLLIN, deadline, "waiting for the peer's handshake"));
-      continue;
-    }
-    if (errno == EINTR) continue;
-    return ErrnoError("verbs bootstrap: recv", errno);
-  }
-  return Status::OK();
 }
 
 Status ProbePeer(int fd) {
@@ -325,11 +248,9 @@ Status ProbePeer(int fd) {
   for (;;) {
     // Nothing is sent after `ready`: stray bytes are discarded (so the socket does not stay
     // readable and keep Wait spinning); only EOF or an error is a death notice.
-    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n > 0) continue;
-    if (n == 0) return UnavailableError("peer closed its bootstrap connection (process exited?)");
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::OK();
-    return ErrnoError("bootstrap connection to the peer failed", errno);
+    ASSIGN_OR_RETURN(size_t n, net::RecvSome(fd, buf, sizeof(buf),
+                                             "bootstrap connection to the peer (process exited?)"));
+    if (n == 0) return Status::OK();
   }
 }
 

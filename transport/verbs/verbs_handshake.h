@@ -60,8 +60,6 @@ StatusOr<UniqueFd> TcpAccept(int listen_fd, Deadline deadline, std::string* peer
 // Connects to "host:port", source bound to bind_ip when not empty.
 StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bind_ip,
                               Deadline deadline, std::string* local);
-Status SendAll(int fd, const void* data, size_t len, Deadline deadline);
-Status RecvAll(int fd, void* data, size_t len, Deadline deadline);
 // Non-blocking liveness probe of a bootstrap socket: OK while the peer keeps it open (stray
 // bytes are read and dropped).
 Status ProbePeer(int fd);

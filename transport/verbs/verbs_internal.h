@@ -18,10 +18,10 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/thread_annotations.h"
 #include "transport/flow_control.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_device.h"
@@ -57,8 +57,8 @@ class VerbsMemoryRegion final : public MemoryRegion {
   };
   using MappingPtr = std::unique_ptr<void, MmapDeleter>;
 
-  VerbsMemoryRegion(std::shared_ptr<VerbsDevice> device, MappingPtr mapping, MrPtr mr,
-                    void* data, size_t length, Access access, MemoryKind kind);
+  VerbsMemoryRegion(std::shared_ptr<VerbsDevice> device, MappingPtr mapping, MrPtr mr, void* data,
+                    size_t length, Access access, MemoryKind kind);
   RegionDescriptor descriptor() const override;
   uint32_t lkey() const { return mr_->lkey; }
   const VerbsDevice* device() const { return device_.get(); }
@@ -92,7 +92,7 @@ class CqState {
   // Attach/detach (polling thread, or under the fabric lock before the endpoint is handed out).
   Status attach(VerbsEndpoint* ep, int slots, uint32_t* cq_slot, uint32_t* gen);
   void detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots);
-  void push(const Pending& p);             // from an endpoint, while processing completions
+  void push(const Pending& p);  // from an endpoint, while processing completions
   void markSoftwareProgress(VerbsEndpoint* ep);
   // The CQ's epoll set holds the bootstrap sockets of its healthy endpoints, so liveness costs
   // one epoll_wait per check (and one extra fd in Wait) however many endpoints are attached.
@@ -154,6 +154,9 @@ struct EndpointConfig {
   std::string description;  // "verbs:local->remote"
 };
 
+// One operation moves at most 2 GiB (ibv_sge::length is 32 bits; 2^31 is the portable cap).
+constexpr uint64_t kMaxOperationBytes = uint64_t{1} << 31;
+
 class VerbsEndpoint final : public Endpoint {
  public:
   // One send-queue slot per outstanding operation.
@@ -175,12 +178,6 @@ class VerbsEndpoint final : public Endpoint {
   void adoptBootstrap(UniqueFd fd);
   void setDescription(std::string d) { config_.description = std::move(d); }
 
-  Status PostWrite(const LocalSlice& src, const RemoteSlice& dst, uint64_t context,
-                   uint32_t flags) override;
-  Status PostWriteImm(const LocalSlice& src, const RemoteSlice& dst, uint32_t imm,
-                      uint64_t context, uint32_t flags) override;
-  Status PostRead(const LocalSlice& dst, const RemoteSlice& src, uint64_t context,
-                  uint32_t flags) override;
   Status status() const override { return error_; }
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override { return config_.description; }
@@ -195,8 +192,8 @@ class VerbsEndpoint final : public Endpoint {
   void probeLivenessOnPollingThread();
 
  private:
-  Status post(OpType op, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
-              uint64_t context, uint32_t flags);
+  Status PostChecked(OpType op, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
+                     uint64_t context, uint32_t flags) override;
   Status postRecv(int count);
   // Moves the endpoint into the error state (first error wins), flushes the QP and posts the
   // drain marker. `first_status` is reported by the oldest outstanding op if no error
@@ -211,10 +208,10 @@ class VerbsEndpoint final : public Endpoint {
   UniqueFd bootstrap_;
   EndpointConfig config_;  // fixed once the handshake is over
   SendCredits credits_;
-  std::vector<OpSlot> ring_;     // send_depth slots
-  uint32_t head_seq_ = 0;        // next post
-  uint32_t tail_seq_ = 0;        // oldest op whose completion is not yet generated
-  int unsignaled_run_ = 0;       // posts since the last signaled WR
+  std::vector<OpSlot> ring_;  // send_depth slots
+  uint32_t head_seq_ = 0;     // next post
+  uint32_t tail_seq_ = 0;     // oldest op whose completion is not yet generated
+  int unsignaled_run_ = 0;    // posts since the last signaled WR
   uint32_t cq_slot_ = 0;
   uint32_t gen_ = 0;
   bool attached_ = false;
@@ -222,7 +219,7 @@ class VerbsEndpoint final : public Endpoint {
   WcStatus pending_first_status_ = WcStatus::kFlushed;  // cause not carried by a completion
   bool first_failure_reported_ = false;
   bool drain_posted_ = false;
-  bool drained_ = false;         // every WR given to the QP has completed
+  bool drained_ = false;  // every WR given to the QP has completed
   bool in_software_list_ = false;
   friend class CqState;
 };
@@ -258,13 +255,16 @@ class VerbsFabric final : public Fabric {
   // Runs the QP handshake over an established bootstrap socket (both sides).
   StatusOr<std::unique_ptr<Endpoint>> establish(UniqueFd fd, CompletionQueue* cq,
                                                 const EndpointOptions& options,
-                                                const std::string& local,
-                                                const std::string& remote, Deadline deadline);
+                                                const std::string& local, const std::string& remote,
+                                                Deadline deadline);
 
  private:
   std::shared_ptr<VerbsDevice> device_;
   const FabricOptions options_;
-  std::mutex mu_;  // serialises setup calls
+  // Serialises setup calls (registration, CQ and QP creation on device_'s protection
+  // domain). It guards no member: device_ and options_ are immutable, and the verbs objects it
+  // orders are owned by what the calls return.
+  Mutex mu_;
 };
 
 // Maps an ibv_wc_status to the provider-neutral WcStatus.
