@@ -291,7 +291,7 @@ void Coordinator::HandleJoin(Conn* c, const JoinRequest& j) {
     if (p != pending_.end() && !proven) {
       // The cluster token is not an identity: only the member itself holds its credential.
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(&mu_);
         ++counters_.joins_refused;
       }
       LOG(WARNING) << "coordinator: a rejoin as member " << j.previous_member_id() << " from "
