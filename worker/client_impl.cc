@@ -103,7 +103,7 @@ Status ClientImpl::Init() {
 
 Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float* grads,
                                   const std::vector<int64_t>& shape) {
-  if (started_) return FailedPreconditionError("RegisterTensor after Start()");
+  RETURN_IF_ERROR(lifecycle_.Require("RegisterTensor()", {ClientState::kJoined}));
   if (tensor_index_.count(name))
     return AlreadyExistsError("tensor '" + name + "' registered twice");
   if (weights == nullptr || grads == nullptr) return InvalidArgumentError("null tensor buffer");
@@ -225,8 +225,13 @@ Status ClientImpl::ServerError(uint32_t server, const std::string& what) const {
 }
 
 Status ClientImpl::Start() {
-  if (started_) return FailedPreconditionError("Start() called twice");
+  RETURN_IF_ERROR(lifecycle_.Require("Start()", {ClientState::kJoined}));
   if (tensors_.empty()) return FailedPreconditionError("Start() without registered tensors");
+  lifecycle_.BeginStart();
+  return lifecycle_.FinishStart(StartCluster());
+}
+
+Status ClientImpl::StartCluster() {
   // Every expected worker must be there before step 0, or BSP's first steps would average
   // over fewer workers than the job has.
   const uint32_t want = std::max<uint32_t>(1, config_.num_workers());
@@ -341,7 +346,6 @@ Status ClientImpl::Start() {
     }
     RETURN_IF_ERROR(WaitSetupOps(static_cast<int>(chunks_.size())));
   }
-  started_ = true;
   for (uint32_t t = 0; t < tensors_.size(); ++t) {
     ASSIGN_OR_RETURN(Handle h, Pull(tensors_[t].name));
     RETURN_IF_ERROR(Wait(h));
@@ -436,15 +440,20 @@ Status ClientImpl::SendClock(Server& s) {
 }
 
 Status ClientImpl::MaybeRecover() {
-  if (!started_ || recovering_) return Status::OK();
+  const ClientState st = lifecycle_.state();
+  if ((st != ClientState::kStarting && st != ClientState::kRunning) || recovering_) {
+    return Status::OK();
+  }
   bool any = false;
   for (Server& s : servers_) {
     if (s.ep && !s.ep->status().ok()) s.failed = true;
     any = any || s.failed;
   }
   if (!any) return Status::OK();
-  return Recover();
+  return RecoverOrBreak();
 }
+
+Status ClientImpl::RecoverOrBreak() { return lifecycle_.Break(Recover()); }
 
 Status ClientImpl::Recover() {
   recovering_ = true;
@@ -798,7 +807,7 @@ Status ClientImpl::EnsureAcked(ChunkRt& c, uint64_t need) {
     }
     if (s.failed && !recovering_) {
       acks_pending_ = 0;
-      RETURN_IF_ERROR(Recover());  // resynchronises known_acked with the new server
+      RETURN_IF_ERROR(RecoverOrBreak());  // resynchronises known_acked with the new server
       continue;
     }
     if (!setup_error_.ok()) return setup_error_;
@@ -814,7 +823,7 @@ Status ClientImpl::EnsureAcked(ChunkRt& c, uint64_t need) {
 }
 
 StatusOr<Handle> ClientImpl::Push(const std::string& name) {
-  if (!started_) return FailedPreconditionError("Push before Start()");
+  RETURN_IF_ERROR(lifecycle_.Require("Push()", {ClientState::kRunning}));
   auto it = tensor_index_.find(name);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
   RETURN_IF_ERROR(MaybeRecover());
@@ -1047,7 +1056,8 @@ void ClientImpl::EvaluatePull(ChunkRt& c) {
 }
 
 StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
-  if (!started_) return FailedPreconditionError("Pull before Start()");
+  // kStarting: Start() pulls the initial weights.
+  RETURN_IF_ERROR(lifecycle_.Require("Pull()", {ClientState::kStarting, ClientState::kRunning}));
   auto it = tensor_index_.find(name);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + name + "'");
   RETURN_IF_ERROR(MaybeRecover());
@@ -1074,6 +1084,7 @@ StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
 }
 
 Status ClientImpl::Wait(Handle handle) {
+  RETURN_IF_ERROR(lifecycle_.Require("Wait()", {ClientState::kStarting, ClientState::kRunning}));
   auto it = handles_.find(handle.id);
   if (it == handles_.end()) return NotFoundError("unknown handle");
   // Bounded: every pending chunk has its own deadline, and endpoints fail within the
@@ -1108,7 +1119,8 @@ Status ClientImpl::Wait(Handle handle) {
         }
         auto [e, fresh] = errored_since_.emplace(i, now);
         if (!fresh && now - e->second > kErrorGrace && sv.ep->outstanding() > 0) {
-          return ServerError(i, "endpoint failed with operations still outstanding");
+          return lifecycle_.Break(
+              ServerError(i, "endpoint failed with operations still outstanding"));
         }
       }
     }
@@ -1135,8 +1147,8 @@ Status ClientImpl::Wait(Handle handle) {
 }
 
 Status ClientImpl::Clock() {
+  RETURN_IF_ERROR(lifecycle_.Require("Clock()", {ClientState::kRunning}));
   ++clock_;
-  if (!started_) return Status::OK();
   RETURN_IF_ERROR(MaybeRecover());
   // Tell every server, one-sidedly: write the clock into this worker's clock slot with an
   // immediate. It follows this clock's pushes on the same endpoint, so the server knows every
@@ -1151,6 +1163,7 @@ Status ClientImpl::Clock() {
 }
 
 Status ClientImpl::Step() {
+  RETURN_IF_ERROR(lifecycle_.Require("Step()", {ClientState::kRunning}));
   struct InStep {
     bool* f;
     ~InStep() { *f = false; }
@@ -1182,7 +1195,7 @@ Status ClientImpl::Step() {
 }
 
 StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {
-  if (!started_) return FailedPreconditionError("RequestCheckpoint before Start()");
+  RETURN_IF_ERROR(lifecycle_.Require("RequestCheckpoint()", {ClientState::kRunning}));
   control::Envelope e;
   e.mutable_checkpoint()->set_clock(clock_ + 1);
   e.mutable_checkpoint()->set_dir(dir);
@@ -1191,8 +1204,7 @@ StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {
 }
 
 Status ClientImpl::Close() {
-  if (closed_) return Status::OK();
-  closed_ = true;
+  if (!lifecycle_.Close()) return Status::OK();
   for (Server& s : servers_) s.ep.reset();
   if (control_) return control_->Leave("worker closing");
   return Status::OK();

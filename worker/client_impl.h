@@ -24,6 +24,7 @@
 #include "server/layout.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
+#include "worker/client_lifecycle.h"
 #include "worker/cuda_staging.h"
 
 namespace shardps::worker {
@@ -138,6 +139,10 @@ class ClientImpl final : public Client {
   // restart the pulls in flight. Bounded by the failover timeout.
   Status MaybeRecover();
   Status Recover();
+  // Recover(), turning its failure into the broken state.
+  Status RecoverOrBreak();
+  // Start() past its argument checks: its error leaves the client in kStartFailed.
+  Status StartCluster();
   // Connects (a new endpoint generation) and says hello, within `timeout` (0: the setup bounds).
   Status ConnectServer(Server& s, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   Status ApplyServerEntry(const control::ServerEntry& se, Server& s);
@@ -159,8 +164,7 @@ class ClientImpl final : public Client {
   uint64_t clock_staging_offset_ = 0;  // one u64 per server: the clock value written
   uint32_t rank_ = 0;
   uint64_t clock_ = 0;
-  bool started_ = false;
-  bool closed_ = false;
+  ClientLifecycle lifecycle_;
   std::vector<Tensor> tensors_;
   std::map<std::string, uint32_t> tensor_index_;
   std::vector<Server> servers_;
