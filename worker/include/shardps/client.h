@@ -91,11 +91,10 @@ struct ClientCounters {
   uint64_t bytes_pushed = 0;
   uint64_t bytes_pulled = 0;
   // Fault tolerance (docs/fault-tolerance.md).
-  uint64_t failovers = 0;        // server groups this worker moved to a promoted backup
-  uint64_t pushes_resent = 0;    // pushes sent again after a failover (duplicates are dropped)
-  uint64_t pushes_lost = 0;      // pushes neither replicated nor resendable (ASP/SSP only)
-  uint64_t reconnects = 0;       // data-path failures survived by reconnecting to the same server
-  uint64_t injected_errors = 0;  // SHARDPS_FAULT_INJECT=data_error_every=N (tests only)
+  uint64_t failovers = 0;      // server groups this worker moved to a promoted backup
+  uint64_t pushes_resent = 0;  // pushes sent again after a failover (duplicates are dropped)
+  uint64_t pushes_lost = 0;    // pushes neither replicated nor resendable (ASP/SSP only)
+  uint64_t reconnects = 0;     // data-path failures survived by reconnecting to the same server
 };
 
 // Handle of an asynchronous Push or Pull.
