@@ -12,7 +12,9 @@
 #include <gtest/gtest.h>
 
 #include "shardps/client.h"
+#include "tests/integration/fault_injecting_fabric.h"
 #include "tests/integration/in_process_cluster.h"
+#include "worker/client_testing.h"
 
 namespace shardps {
 namespace {
@@ -286,6 +288,34 @@ TEST_P(ClientLifecycleTest, AfterAnUnrecoverableDataPathError) {
   ExpectGetters(**c, GetParam(), (*c)->clock(), true);
   EXPECT_TRUE((*c)->Close().ok());
   ExpectDataPathRefused(**c, "after Close()");
+}
+
+// Data-path errors the client survives (a reconnect to the same, live server) leave it running,
+// and the weights exact: the client over the fault-injecting fabric (every 3rd message-carrying
+// write names a wrong rkey), through the testing seam worker/client_testing.h.
+TEST_P(ClientLifecycleTest, SurvivedDataPathErrorsKeepItRunning) {
+  Cluster cluster(OneWorker(GetParam()));
+  const ClientOptions o = cluster.WorkerOptions(0);
+  auto fabric = transport::Fabric::Open(worker::ClientFabricOptions(o));
+  ASSERT_TRUE(fabric.ok()) << fabric.status();
+  test::FaultOptions fault;
+  fault.error_every = 3;
+  // Start does not recover (a failed setup write fails Start): an endpoint's first posts, the
+  // hello and rank 0's initial weights (at most 3 chunks per server here), are left alone.
+  fault.skip_first_posts = 4;
+  auto wrapped = std::make_unique<test::FaultInjectingFabric>(std::move(*fabric), fault);
+  const std::shared_ptr<const test::FaultCounters> injected = wrapped->counters();
+  auto c = worker::ConnectOverFabric(o, std::move(wrapped));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Model m;
+  ASSERT_TRUE(m.Register(**c).ok());
+  ASSERT_TRUE((*c)->Start().ok());
+  for (int t = 0; t < 8; ++t) ExpectStepMovesWeights(**c, m, t);
+  EXPECT_GE(injected->injected.load(), 3u);
+  EXPECT_EQ((*c)->counters().reconnects, injected->injected.load());
+  EXPECT_EQ((*c)->clock(), 8u);
+  EXPECT_TRUE((*c)->Clock().ok());  // still running
+  EXPECT_TRUE((*c)->Close().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ClientLifecycleTest, ::testing::Values("tcp", "shm", "verbs"),
