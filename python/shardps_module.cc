@@ -86,9 +86,9 @@ Buffer Describe(const py::object& obj, const std::string& what) {
 class PyClient {
  public:
   PyClient(const std::string& coordinator, const std::string& cluster_token, int rank,
-           const std::string& transport, const std::string& bind_ip,
-           const std::string& rdma_device, int rdma_gid_index, int64_t setup_timeout_ms,
-           int64_t wait_timeout_ms, uint64_t cuda_pipeline_bytes) {
+           const std::string& transport, const std::string& bind_ip, const std::string& rdma_device,
+           int rdma_gid_index, int64_t setup_timeout_ms, int64_t wait_timeout_ms,
+           uint64_t cuda_pipeline_bytes) {
     shardps::ClientOptions o;
     o.coordinator = coordinator;
     o.cluster_token = cluster_token;
@@ -113,7 +113,8 @@ class PyClient {
     shardps::Client& c = Live();
     const Buffer w = Describe(weights, "weights of '" + name + "'");
     const Buffer g = Describe(grads, "grads of '" + name + "'");
-    if (w.shape != g.shape) throw py::value_error("'" + name + "': weights and grads differ in shape");
+    if (w.shape != g.shape)
+      throw py::value_error("'" + name + "': weights and grads differ in shape");
     if (w.cuda != g.cuda) {
       throw py::value_error("'" + name + "': weights and grads must be on the same device");
     }
@@ -123,9 +124,23 @@ class PyClient {
     tensors_[name] = Held{weights, grads, w.data, g.data};
   }
 
-  void Start() { Blocking([](shardps::Client& c) { return c.Start(); }); }
-  void Step() { Blocking([](shardps::Client& c) { return c.Step(); }); }
+  void Start() {
+    Blocking([](shardps::Client& c) { return c.Start(); });
+  }
+  void Step() {
+    Blocking([](shardps::Client& c) { return c.Step(); });
+  }
   void Clock() { Check(Live().Clock()); }
+  uint64_t RequestCheckpoint(const std::string& dir) {
+    shardps::Client& c = Live();
+    shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
+    {
+      py::gil_scoped_release nogil;
+      clock = c.RequestCheckpoint(dir);
+    }
+    if (!clock.ok()) Raise(clock.status());
+    return *clock;
+  }
   uint64_t Push(const std::string& name) { return Async(name, true); }
   uint64_t Pull(const std::string& name) { return Async(name, false); }
   void Wait(uint64_t h) {
@@ -227,8 +242,7 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("wait_timeout_ms") = static_cast<int64_t>(d.wait_timeout.count()),
            py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes,
            "Joins the cluster at coordinator (host:port).")
-      .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"),
-           py::arg("grads"),
+      .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
       .def("start", &PyClient::Start)
       .def("step", &PyClient::Step, "Push every tensor, clock, pull every tensor.")
@@ -236,6 +250,8 @@ PYBIND11_MODULE(_shardps, m) {
       .def("pull", &PyClient::Pull, py::arg("name"))
       .def("wait", &PyClient::Wait, py::arg("handle"))
       .def("clock", &PyClient::Clock)
+      .def("request_checkpoint", &PyClient::RequestCheckpoint, py::arg("dir") = "",
+           "Asks every server for a checkpoint at the next clock; returns that clock.")
       .def("close", &PyClient::Close)
       .def_property_readonly("rank", &PyClient::rank)
       .def_property_readonly("num_workers", &PyClient::num_workers)

@@ -241,6 +241,9 @@ class Endpoint {
   // Operations posted and not yet completed (unsignaled ones included).
   virtual int outstanding() const = 0;
   uint64_t endpoint_id() const { return endpoint_id_; }
+  // The identity of the fabric whose regions this endpoint posts (MemoryRegion::fabric()): a
+  // decorator (tests' fault injection) forwards it so that the inner fabric's regions pass.
+  const void* fabric_identity() const { return fabric_; }
   // "provider:local->remote" for logs.
   virtual std::string DebugString() const = 0;
 

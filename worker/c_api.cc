@@ -157,8 +157,7 @@ int shardps_client_start(shardps_client* c, shardps_error* err) {
   });
 }
 
-int shardps_client_push(shardps_client* c, const char* name, uint64_t* handle,
-                        shardps_error* err) {
+int shardps_client_push(shardps_client* c, const char* name, uint64_t* handle, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
     if (name == nullptr) return Null("name");
@@ -170,8 +169,7 @@ int shardps_client_push(shardps_client* c, const char* name, uint64_t* handle,
   });
 }
 
-int shardps_client_pull(shardps_client* c, const char* name, uint64_t* handle,
-                        shardps_error* err) {
+int shardps_client_pull(shardps_client* c, const char* name, uint64_t* handle, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
     if (name == nullptr) return Null("name");
@@ -201,6 +199,17 @@ int shardps_client_step(shardps_client* c, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
     return c->impl->Step();
+  });
+}
+
+int shardps_client_request_checkpoint(shardps_client* c, const char* dir, uint64_t* clock,
+                                      shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    auto k = c->impl->RequestCheckpoint(dir == nullptr ? "" : dir);
+    if (!k.ok()) return k.status();
+    if (clock != nullptr) *clock = *k;
+    return Status::OK();
   });
 }
 

@@ -3,7 +3,10 @@
  * posix_spawn under `timeout -s KILL` (so nothing outlives the test), and two clients in two
  * threads (distinct handles on distinct threads, as the header allows).
  *
- * Checks, on data: error codes and messages of misuse; rank 0's initial weights reaching
+ * Checks, on data: error codes and messages of misuse; the client's lifecycle (every entry point
+ * with a null client, and before Start, after a failed Start and after Close: refused with
+ * FAILED_PRECONDITION naming the call and the state, getters still working); rank 0's initial
+ * weights reaching
  * rank 1 at Start; after each BSP step, every worker's weights equal w - lr * mean(grads)
  * computed here; counters, consistency and transport strings; tensor paths.
  *
@@ -104,6 +107,120 @@ typedef struct {
   int ok;
 } worker_arg;
 
+/* Every data-path call on c is refused with FAILED_PRECONDITION naming the call and `state`. */
+static void expect_refused(shardps_client* c, const char* state) {
+  shardps_error err;
+  uint64_t h = 0;
+  char want[160];
+  int rc;
+#define REFUSED(call, name)                                                                        \
+  rc = (call);                                                                                     \
+  snprintf(want, sizeof want, "%s %s", name, state);                                               \
+  EXPECT(rc == SHARDPS_FAILED_PRECONDITION && strstr(err.message, want) != NULL, "%s %s: %s '%s'", \
+         name, state, shardps_code_name(rc), err.message)
+  REFUSED(shardps_client_push(c, "w", &h, &err), "Push()");
+  REFUSED(shardps_client_pull(c, "w", &h, &err), "Pull()");
+  REFUSED(shardps_client_wait(c, 1, &err), "Wait()");
+  REFUSED(shardps_client_clock(c, &err), "Clock()");
+  REFUSED(shardps_client_step(c, &err), "Step()");
+  REFUSED(shardps_client_request_checkpoint(c, NULL, NULL, &err), "RequestCheckpoint()");
+#undef REFUSED
+}
+
+/* The getters answer in every state. */
+static void expect_getters(shardps_client* c, uint64_t want_clock) {
+  shardps_error err;
+  uint32_t u = 0;
+  uint64_t clock = 99;
+  char buf[64];
+  shardps_counters k;
+  int path = -1;
+  EXPECT(shardps_client_rank(c, &u, &err) == SHARDPS_OK, "rank: %s", err.message);
+  EXPECT(shardps_client_num_workers(c, &u, &err) == SHARDPS_OK, "num_workers: %s", err.message);
+  EXPECT(shardps_client_clock_value(c, &clock, &err) == SHARDPS_OK && clock == want_clock,
+         "clock %llu, want %llu", (unsigned long long)clock, (unsigned long long)want_clock);
+  EXPECT(
+      shardps_client_consistency(c, buf, sizeof buf, &err) == SHARDPS_OK && strcmp(buf, "bsp") == 0,
+      "consistency '%s'", buf);
+  EXPECT(
+      shardps_client_transport(c, buf, sizeof buf, &err) == SHARDPS_OK && strcmp(buf, "tcp") == 0,
+      "transport '%s'", buf);
+  EXPECT(shardps_client_counters(c, &k, &err) == SHARDPS_OK, "counters: %s", err.message);
+  EXPECT(shardps_client_tensor_path(c, "w", &path, &err) == SHARDPS_OK && path == SHARDPS_PATH_HOST,
+         "tensor path %d", path);
+}
+
+/* Every entry point refuses a null client with INVALID_ARGUMENT (and a null err is allowed). */
+static void null_client_checks(void) {
+  shardps_error err;
+  uint64_t h = 0, u64 = 0;
+  uint32_t u = 0;
+  float w[1], g[1];
+  const int64_t shape[1] = {1};
+  char buf[8];
+  shardps_counters k;
+  int path = 0;
+  const int rcs[] = {
+      shardps_client_register_tensor(NULL, "w", w, g, shape, 1, &err),
+      shardps_client_start(NULL, &err),
+      shardps_client_push(NULL, "w", &h, &err),
+      shardps_client_pull(NULL, "w", &h, &err),
+      shardps_client_wait(NULL, 1, &err),
+      shardps_client_clock(NULL, &err),
+      shardps_client_step(NULL, &err),
+      shardps_client_request_checkpoint(NULL, "", &u64, &err),
+      shardps_client_close(NULL, &err),
+      shardps_client_rank(NULL, &u, &err),
+      shardps_client_num_workers(NULL, &u, &err),
+      shardps_client_clock_value(NULL, &u64, &err),
+      shardps_client_consistency(NULL, buf, sizeof buf, &err),
+      shardps_client_transport(NULL, buf, sizeof buf, &err),
+      shardps_client_counters(NULL, &k, &err),
+      shardps_client_tensor_path(NULL, "w", &path, &err),
+      shardps_client_step(NULL, NULL),
+  };
+  for (size_t i = 0; i < sizeof rcs / sizeof rcs[0]; ++i) {
+    EXPECT(rcs[i] == SHARDPS_INVALID_ARGUMENT, "null client, call %zu: %s", i,
+           shardps_code_name(rcs[i]));
+  }
+}
+
+/* A Start that fails (the cluster wants 2 workers; none other has joined yet and the setup bound
+ * is 0.5 s) leaves a client on which only close and the getters work. */
+static void failed_start_checks(const char* coordinator) {
+  shardps_options o;
+  shardps_options_init(&o);
+  o.coordinator = coordinator;
+  o.cluster_token = kToken;
+  o.transport = "tcp";
+  o.bind_ip = "127.0.0.1";
+  o.setup_timeout_ms = 500;
+  shardps_error err;
+  shardps_client* c = NULL;
+  int rc = shardps_client_connect(&o, &c, &err);
+  EXPECT(rc == SHARDPS_OK, "connect: %s %s", shardps_code_name(rc), err.message);
+  if (rc != SHARDPS_OK) return;
+  static float w[4], g[4];
+  const int64_t shape[1] = {4};
+  rc = shardps_client_register_tensor(c, "w", w, g, shape, 1, &err);
+  EXPECT(rc == SHARDPS_OK, "register: %s", err.message);
+  rc = shardps_client_start(c, &err);
+  EXPECT(rc == SHARDPS_DEADLINE_EXCEEDED, "start without the other worker: %s '%s'",
+         shardps_code_name(rc), err.message);
+  rc = shardps_client_start(c, &err);
+  EXPECT(rc == SHARDPS_FAILED_PRECONDITION && strstr(err.message, "after a failed Start()"),
+         "start again: %s '%s'", shardps_code_name(rc), err.message);
+  rc = shardps_client_register_tensor(c, "x", w, g, shape, 1, &err);
+  EXPECT(rc == SHARDPS_FAILED_PRECONDITION, "register after a failed start: %s",
+         shardps_code_name(rc));
+  expect_refused(c, "after a failed Start()");
+  expect_getters(c, 0);
+  rc = shardps_client_close(c, &err);
+  EXPECT(rc == SHARDPS_OK, "close: %s", err.message);
+  expect_refused(c, "after Close()");
+  shardps_client_destroy(c);
+}
+
 static void* worker_main(void* p) {
   worker_arg* a = (worker_arg*)p;
   shardps_options o;
@@ -137,6 +254,10 @@ static void* worker_main(void* p) {
   uint64_t h = 0;
   rc = shardps_client_push(c, "w", &h, &err);
   EXPECT(rc == SHARDPS_FAILED_PRECONDITION, "push before start: %s", shardps_code_name(rc));
+  /* Refused before Start, and without effect: Start and the steps below go on as if never
+   * called (a clock before Start would put this worker a clock ahead of the other). */
+  expect_refused(c, "before Start()");
+  expect_getters(c, 0);
 
   rc = shardps_client_start(c, &err);
   EXPECT(rc == SHARDPS_OK, "rank %d start: %s", a->rank, err.message);
@@ -145,8 +266,8 @@ static void* worker_main(void* p) {
     return NULL;
   }
   for (int k = 0; k < kRows * kCols; ++k) {
-    EXPECT(a->w[k] == init_of(k, 0), "rank %d w[%d] = %g after start, want %g", a->rank, k,
-           a->w[k], init_of(k, 0));
+    EXPECT(a->w[k] == init_of(k, 0), "rank %d w[%d] = %g after start, want %g", a->rank, k, a->w[k],
+           init_of(k, 0));
   }
   for (int k = 0; k < kBias; ++k) {
     EXPECT(a->b[k] == init_of(k, 1), "rank %d b[%d] = %g after start", a->rank, k, a->b[k]);
@@ -171,7 +292,7 @@ static void* worker_main(void* p) {
     if (t % 2 == 1) {
       rc = shardps_client_step(c, &err);
       EXPECT(rc == SHARDPS_OK, "rank %d step %d: %s", a->rank, t, err.message);
-    } else {  /* the same step, spelled out with the asynchronous calls */
+    } else { /* the same step, spelled out with the asynchronous calls */
       uint64_t hw = 0, hb = 0;
       rc = shardps_client_push(c, "w", &hw, &err);
       if (rc == SHARDPS_OK) rc = shardps_client_push(c, "b", &hb, &err);
@@ -202,15 +323,17 @@ static void* worker_main(void* p) {
   }
   uint32_t rank = 99;
   uint64_t clock = 0;
-  EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank,
-         "rank %u", rank);
-  EXPECT(shardps_client_clock_value(c, &clock, &err) == SHARDPS_OK && clock == kSteps,
-         "clock %llu", (unsigned long long)clock);
+  EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank, "rank %u",
+         rank);
+  EXPECT(shardps_client_clock_value(c, &clock, &err) == SHARDPS_OK && clock == kSteps, "clock %llu",
+         (unsigned long long)clock);
   char buf[64];
-  EXPECT(shardps_client_consistency(c, buf, sizeof buf, &err) == SHARDPS_OK &&
-             strcmp(buf, "bsp") == 0, "consistency '%s'", buf);
-  EXPECT(shardps_client_transport(c, buf, sizeof buf, &err) == SHARDPS_OK &&
-             strcmp(buf, "tcp") == 0, "transport '%s'", buf);
+  EXPECT(
+      shardps_client_consistency(c, buf, sizeof buf, &err) == SHARDPS_OK && strcmp(buf, "bsp") == 0,
+      "consistency '%s'", buf);
+  EXPECT(
+      shardps_client_transport(c, buf, sizeof buf, &err) == SHARDPS_OK && strcmp(buf, "tcp") == 0,
+      "transport '%s'", buf);
   char tiny[3];
   rc = shardps_client_consistency(c, tiny, sizeof tiny, &err);
   EXPECT(rc == SHARDPS_OUT_OF_RANGE && strcmp(tiny, "bs") == 0, "truncation: %s '%s'",
@@ -222,6 +345,17 @@ static void* worker_main(void* p) {
   EXPECT(k.pushes >= (uint64_t)kSteps * 2, "pushes %llu", (unsigned long long)k.pushes);
   rc = shardps_client_close(c, &err);
   EXPECT(rc == SHARDPS_OK, "close: %s", err.message);
+  /* After close: every data-path call refused, nothing written into the weights. */
+  const float w0 = a->w[0];
+  expect_refused(c, "after Close()");
+  rc = shardps_client_start(c, &err);
+  EXPECT(rc == SHARDPS_FAILED_PRECONDITION, "start after close: %s", shardps_code_name(rc));
+  rc = shardps_client_register_tensor(c, "x", a->w, a->gw, bshape, 1, &err);
+  EXPECT(rc == SHARDPS_FAILED_PRECONDITION, "register after close: %s", shardps_code_name(rc));
+  expect_getters(c, kSteps);
+  EXPECT(a->w[0] == w0, "weights changed after close");
+  rc = shardps_client_close(c, &err);
+  EXPECT(rc == SHARDPS_OK, "close twice: %s", err.message);
   shardps_client_destroy(c);
   a->ok = 1;
   return NULL;
@@ -241,7 +375,8 @@ static void misuse_checks(const char* coordinator) {
   rc = shardps_client_start(NULL, NULL); /* err may be NULL */
   EXPECT(rc == SHARDPS_INVALID_ARGUMENT, "null client: %s", shardps_code_name(rc));
   EXPECT(strcmp(shardps_code_name(SHARDPS_DEADLINE_EXCEEDED), "DEADLINE_EXCEEDED") == 0 &&
-             strcmp(shardps_code_name(1234), "UNKNOWN") == 0, "code names");
+             strcmp(shardps_code_name(1234), "UNKNOWN") == 0,
+         "code names");
   /* A wrong cluster token is refused with a message, not a crash or a hang. */
   o.coordinator = coordinator;
   o.cluster_token = "wrong-token";
@@ -250,8 +385,8 @@ static void misuse_checks(const char* coordinator) {
   o.setup_timeout_ms = 5000;
   const double t0 = now_s();
   rc = shardps_client_connect(&o, &c, &err);
-  EXPECT(rc != SHARDPS_OK && c == NULL && strlen(err.message) > 0,
-         "wrong token: %s '%s'", shardps_code_name(rc), err.message);
+  EXPECT(rc != SHARDPS_OK && c == NULL && strlen(err.message) > 0, "wrong token: %s '%s'",
+         shardps_code_name(rc), err.message);
   EXPECT(now_s() - t0 < 10, "wrong token answered in %.1f s", now_s() - t0);
   shardps_client_destroy(NULL);
 }
@@ -270,9 +405,17 @@ int main(int argc, char** argv) {
   snprintf(a1, sizeof a1, "--address_file=%s", addr_file);
   snprintf(a2, sizeof a2, "--cluster_token=%s", kToken);
   snprintf(a3, sizeof a3, "--num_workers=%d", kWorkers);
-  char* coord[] = {argv[1], "--listen=127.0.0.1:0", a1, a2, "--consistency=bsp",
-                   "--num_servers=2", a3, "--data_transport=tcp", "--partition_bytes=128",
-                   "--exit_when_done", NULL};
+  char* coord[] = {argv[1],
+                   "--listen=127.0.0.1:0",
+                   a1,
+                   a2,
+                   "--consistency=bsp",
+                   "--num_servers=2",
+                   a3,
+                   "--data_transport=tcp",
+                   "--partition_bytes=128",
+                   "--exit_when_done",
+                   NULL};
   if (spawn_bounded(coord, log) < 0) return 1;
   char address[128] = {0};
   for (double t0 = now_s(); now_s() - t0 < 15;) {
@@ -297,14 +440,24 @@ int main(int argc, char** argv) {
     char rank[32], slog[512];
     snprintf(rank, sizeof rank, "--rank=%d", i);
     snprintf(slog, sizeof slog, "%s/server%d.log", dir, i);
-    char* server[] = {argv[2], ca, a2, "--transport=tcp", "--bind_ip=127.0.0.1", rank,
-                      "--optimizer=sgd", lr, "--exit_when_done", NULL};
+    char* server[] = {argv[2],
+                      ca,
+                      a2,
+                      "--transport=tcp",
+                      "--bind_ip=127.0.0.1",
+                      rank,
+                      "--optimizer=sgd",
+                      lr,
+                      "--exit_when_done",
+                      NULL};
     if (spawn_bounded(server, slog) < 0) {
       kill_children();
       return 1;
     }
   }
   misuse_checks(address);
+  null_client_checks();
+  failed_start_checks(address);
 
   pthread_t th[kWorkers];
   static worker_arg args[kWorkers];
@@ -330,7 +483,9 @@ int main(int argc, char** argv) {
     usleep(100000);
   }
   kill_children();
-  if (failures) fprintf(stderr, "c_api_test: %d failure(s); logs in %s\n", failures, dir);
-  else printf("c_api_test: PASS (%d workers, %d steps, weights checked)\n", kWorkers, kSteps);
+  if (failures)
+    fprintf(stderr, "c_api_test: %d failure(s); logs in %s\n", failures, dir);
+  else
+    printf("c_api_test: PASS (%d workers, %d steps, weights checked)\n", kWorkers, kSteps);
   return failures ? 1 : 0;
 }

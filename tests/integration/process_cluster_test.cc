@@ -482,8 +482,10 @@ TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
   EXPECT_NE(log.find("using ckpt-000000000015"), std::string::npos) << log;
 }
 
-// Error completions injected on the data path (SHARDPS_FAULT_INJECT: every 7th push of worker 1
-// names a wrong rkey, which the server's side refuses with a remote access error). The endpoint
+// Error completions injected on the data path (ps_test_worker --inject_data_error_every=7: its
+// fabric is wrapped in tests/integration/fault_injecting_fabric.h, and every 7th push header of
+// worker 1 names a wrong rkey, which the server's side refuses with a remote access error). The
+// endpoint
 // enters the error state; the worker reconnects to the same, live server, resends what it lacks
 // and goes on: the weights stay bit-identical to the one-process run.
 TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
@@ -494,11 +496,10 @@ TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
-    std::vector<std::string> args = WorkerArgs(spec, r);
-    if (r == 1)
-      args.insert(args.begin(), {"/usr/bin/env", "SHARDPS_FAULT_INJECT=data_error_every=7"});
-    workers.push_back(SpawnWorker(args, "worker" + std::to_string(r) + ".log",
-                                  {"--steps=" + std::to_string(kSteps)}));
+    std::vector<std::string> extra = {"--steps=" + std::to_string(kSteps)};
+    if (r == 1) extra.push_back("--inject_data_error_every=7");
+    workers.push_back(
+        SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log", extra));
   }
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);

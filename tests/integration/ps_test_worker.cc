@@ -55,8 +55,10 @@
 #include <glog/logging.h>
 
 #include "shardps/client.h"
+#include "tests/integration/fault_injecting_fabric.h"
 #include "tests/integration/signature_check.h"
 #include "transport/flags.h"
+#include "worker/client_testing.h"
 
 DEFINE_string(mode, "train", "train, standalone, join or compare");
 DEFINE_bool(standalone, false, "Same as --mode=standalone");
@@ -83,6 +85,9 @@ DEFINE_int32(checkpoint_after_step, -1, "train: rank 0 requests a checkpoint aft
 DEFINE_string(progress_file, "", "If set, the number of completed steps is written here");
 DEFINE_int32(setup_timeout_ms, 30000, "Client setup timeout");
 DEFINE_int32(wait_timeout_ms, 15000, "Client wait timeout (a stuck pull fails after this)");
+DEFINE_uint64(inject_data_error_every, 0,
+              "Testing: every Nth message-carrying data-path post (write with immediate) names a "
+              "wrong rkey, an error completion (tests/integration/fault_injecting_fabric.h)");
 DEFINE_string(reference, "", "compare: the standalone run's result file");
 DEFINE_string(results, "", "compare: comma-separated result files of the cluster's workers");
 
@@ -155,6 +160,8 @@ struct Result {
   std::string consistency, transport;
   uint64_t control_steady = 0;
   ClientCounters counters;
+  // --inject_data_error_every: errors the fault-injecting fabric caused.
+  uint64_t injected_errors = 0;
   uint64_t violations = 0;
   int64_t max_lead = 0;
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
@@ -193,7 +200,7 @@ int WriteResult(const Result& r) {
   kv("pushes_resent", std::to_string(r.counters.pushes_resent));
   kv("pushes_lost", std::to_string(r.counters.pushes_lost));
   kv("reconnects", std::to_string(r.counters.reconnects));
-  kv("injected_errors", std::to_string(r.counters.injected_errors));
+  kv("injected_errors", std::to_string(r.injected_errors));
   kv("start_clock", std::to_string(r.start_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
@@ -294,7 +301,18 @@ int RunCluster() {
   o.rdma_gid_index = fo.rdma_gid_index;
   o.setup_timeout = std::chrono::milliseconds(FLAGS_setup_timeout_ms);
   o.wait_timeout = std::chrono::milliseconds(FLAGS_wait_timeout_ms);
-  auto client = Client::Connect(o);
+  // --inject_data_error_every: the client's fabric wrapped in the fault-injecting decorator.
+  std::shared_ptr<const shardps::test::FaultCounters> faults;
+  auto client = [&]() -> shardps::StatusOr<std::unique_ptr<Client>> {
+    if (FLAGS_inject_data_error_every == 0) return Client::Connect(o);
+    auto fabric = shardps::transport::Fabric::Open(shardps::worker::ClientFabricOptions(o));
+    if (!fabric.ok()) return fabric.status();
+    shardps::test::FaultOptions fault;
+    fault.error_every = FLAGS_inject_data_error_every;
+    auto wrapped = std::make_unique<shardps::test::FaultInjectingFabric>(std::move(*fabric), fault);
+    faults = wrapped->counters();
+    return shardps::worker::ConnectOverFabric(o, std::move(wrapped));
+  }();
   if (!client.ok()) {
     fprintf(stderr, "ps_test_worker: cannot join the cluster at %s: %s\n",
             FLAGS_coordinator.c_str(), client.status().ToString().c_str());
@@ -419,6 +437,7 @@ int RunCluster() {
     r.sig_at_bound += k.at_bound();
     r.sig_max_staleness = std::max(r.sig_max_staleness, k.max_staleness());
   }
+  r.injected_errors = faults ? faults->injected.load() : 0;
   r.tensors = {{"W", &w}, {"b", &b}};
   const int rc = WriteResult(r);
   st = c.Close();

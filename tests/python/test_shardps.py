@@ -168,6 +168,113 @@ class TorchTest(unittest.TestCase):
             opt.close()
 
 
+class LifecycleTest(unittest.TestCase):
+    """Every method in every state of the client (shardps/client.h, "Lifecycle"): it works, or
+    raises shardps.Error with code FAILED_PRECONDITION naming the call and the state; none
+    aborts the interpreter."""
+
+    def assert_refused(self, c, state):
+        calls = [("Push()", lambda: c.push("w")), ("Pull()", lambda: c.pull("w")),
+                 ("Wait()", lambda: c.wait(1)), ("Clock()", c.clock), ("Step()", c.step),
+                 ("RequestCheckpoint()", c.request_checkpoint)]
+        for name, call in calls:
+            with self.subTest(call=name, state=state):
+                with self.assertRaises(shardps.Error) as e:
+                    call()
+                self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+                self.assertIn(f"{name} {state}", e.exception.message)
+
+    def assert_getters(self, c, clock):
+        self.assertEqual(c.rank, 0)
+        self.assertLessEqual(c.num_workers, 1)
+        self.assertEqual(c.clock_value, clock)
+        self.assertEqual(c.consistency, "bsp")
+        self.assertEqual(c.transport, "tcp")
+        self.assertIn("pushes", c.counters())
+        self.assertEqual(c.tensor_path("w"), "host")
+
+    def step_and_check(self, c, w, g, t):
+        expect = w - np.float32(LR) * np.float32(t)
+        g[...] = t
+        c.step()
+        np.testing.assert_array_equal(w, expect)
+
+    def test_before_start(self):
+        with cluster() as cl, connect(cl) as c:
+            w = np.arange(40, dtype=np.float32)
+            g = np.zeros_like(w)
+            c.register("w", w, g)
+            self.assert_refused(c, "before Start()")
+            self.assert_getters(c, 0)
+            with self.assertRaises(TypeError):
+                c.push(None)
+            # The refused calls had no effect: Start and a step work as on a fresh client.
+            c.start()
+            self.assertEqual(c.clock_value, 0)
+            self.step_and_check(c, w, g, 1)
+
+    def test_running(self):
+        with cluster() as cl, connect(cl) as c:
+            w = np.arange(40, dtype=np.float32)
+            g = np.zeros_like(w)
+            c.register("w", w, g)
+            c.start()
+            for call in (c.start, lambda: c.register("x", np.zeros(2, np.float32),
+                                                     np.zeros(2, np.float32))):
+                with self.assertRaises(shardps.Error) as e:
+                    call()
+                self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+                self.assertIn("after Start()", e.exception.message)
+            with self.assertRaises(shardps.Error) as e:
+                c.wait(12345)
+            self.assertEqual(e.exception.code, "NOT_FOUND")
+            expect = w - np.float32(LR) * 2
+            g[...] = 2
+            c.wait(c.push("w"))
+            c.clock()
+            c.wait(c.pull("w"))
+            np.testing.assert_array_equal(w, expect)
+            self.step_and_check(c, w, g, 3)
+            self.assertEqual(c.request_checkpoint(cl.run_dir), 3)
+            self.assert_getters(c, 2)
+
+    def test_after_failed_start(self):
+        with cluster(workers=2) as cl:  # the second worker never comes
+            c = shardps.Client(cl.address, cluster_token=cl.token, transport="tcp",
+                               bind_ip="127.0.0.1", setup_timeout_ms=500)
+            w = np.arange(40, dtype=np.float32)
+            c.register("w", w, np.zeros_like(w))
+            with self.assertRaises(shardps.Error) as e:
+                c.start()
+            self.assertEqual(e.exception.code, "DEADLINE_EXCEEDED")
+            with self.assertRaises(shardps.Error) as e:
+                c.start()
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+            self.assertIn("Start() after a failed Start()", e.exception.message)
+            self.assert_refused(c, "after a failed Start()")
+            self.assertEqual(c.clock_value, 0)
+            c.close()
+            self.assert_refused(c, "after Close()")
+            c.close()
+
+    def test_after_close(self):
+        with cluster() as cl, connect(cl) as c:
+            w = np.arange(40, dtype=np.float32)
+            g = np.zeros_like(w)
+            c.register("w", w, g)
+            c.start()
+            self.step_and_check(c, w, g, 1)
+            c.close()
+            before = w.copy()
+            self.assert_refused(c, "after Close()")
+            with self.assertRaises(shardps.Error) as e:
+                c.start()
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+            self.assert_getters(c, 1)
+            np.testing.assert_array_equal(w, before)
+            c.close()  # idempotent; the with block closes it a third time
+
+
 @unittest.skipIf(torch is None or not torch.cuda.is_available(),
                  "no CUDA: torch has no CUDA support or no GPU is present")
 class CudaTest(unittest.TestCase):

@@ -67,15 +67,15 @@ typedef struct shardps_error {
 /* Connection options; initialise with shardps_options_init, then set fields. Strings are
  * copied by shardps_client_connect; NULL means "" (the default). */
 typedef struct shardps_options {
-  const char* coordinator;   /* host:port of shardps_coordinator (required) */
-  const char* cluster_token; /* must match the coordinator's */
-  int requested_rank;        /* -1: the coordinator picks */
-  const char* transport;     /* "verbs", "tcp", "shm" or "auto" (NULL: "auto") */
-  const char* bind_ip;       /* local data-path address (verbs: selects the NIC) */
-  const char* rdma_device;   /* verbs: device name, NULL or "" = automatic */
-  int rdma_gid_index;        /* verbs: -1 = automatic RoCEv2 GID */
-  int64_t setup_timeout_ms;  /* bound on joining and start-up (default 60000) */
-  int64_t wait_timeout_ms;   /* bound on one pull's consistency wait (default 30000) */
+  const char* coordinator;      /* host:port of shardps_coordinator (required) */
+  const char* cluster_token;    /* must match the coordinator's */
+  int requested_rank;           /* -1: the coordinator picks */
+  const char* transport;        /* "verbs", "tcp", "shm" or "auto" (NULL: "auto") */
+  const char* bind_ip;          /* local data-path address (verbs: selects the NIC) */
+  const char* rdma_device;      /* verbs: device name, NULL or "" = automatic */
+  int rdma_gid_index;           /* verbs: -1 = automatic RoCEv2 GID */
+  int64_t setup_timeout_ms;     /* bound on joining and start-up (default 60000) */
+  int64_t wait_timeout_ms;      /* bound on one pull's consistency wait (default 30000) */
   uint64_t cuda_pipeline_bytes; /* piece size of the CUDA staging pipeline (default 1 MiB) */
 } shardps_options;
 
@@ -126,15 +126,21 @@ int shardps_client_wait(shardps_client* client, uint64_t handle, shardps_error* 
 int shardps_client_clock(shardps_client* client, shardps_error* err);
 /* Push every tensor, wait, clock, pull every tensor, wait. */
 int shardps_client_step(shardps_client* client, shardps_error* err);
-/* Leaves the cluster; the client may then only be destroyed. */
+/* Asks every server for a checkpoint at the next clock, into the cluster's checkpoint
+ * directory or dir (NULL or "": the cluster's); *clock receives that clock (may be NULL). */
+int shardps_client_request_checkpoint(shardps_client* client, const char* dir, uint64_t* clock,
+                                      shardps_error* err);
+/* Leaves the cluster. Closing again is OK; after it every other call but the accessors
+ * returns SHARDPS_FAILED_PRECONDITION ("Push() after Close()"), until shardps_client_destroy.
+ * The states and what each call does in each: shardps/client.h, "Lifecycle". A NULL client
+ * is SHARDPS_INVALID_ARGUMENT for every call; a destroyed one must not be used. */
 int shardps_client_close(shardps_client* client, shardps_error* err);
 
 /* Accessors. Strings are copied into buf (capacity bytes, NUL-terminated, truncated);
  * SHARDPS_OUT_OF_RANGE if it had to be truncated. */
 int shardps_client_rank(const shardps_client* client, uint32_t* rank, shardps_error* err);
 int shardps_client_num_workers(const shardps_client* client, uint32_t* n, shardps_error* err);
-int shardps_client_clock_value(const shardps_client* client, uint64_t* clock,
-                               shardps_error* err);
+int shardps_client_clock_value(const shardps_client* client, uint64_t* clock, shardps_error* err);
 int shardps_client_consistency(const shardps_client* client, char* buf, size_t capacity,
                                shardps_error* err);
 int shardps_client_transport(const shardps_client* client, char* buf, size_t capacity,
@@ -145,7 +151,7 @@ int shardps_client_tensor_path(const shardps_client* client, const char* name, i
                                shardps_error* err);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
 #endif /* SHARDPS_C_API_H_ */

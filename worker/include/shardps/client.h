@@ -13,6 +13,32 @@
 //
 // Thread safety: a Client belongs to one thread (the training loop's). Its control-plane
 // heartbeats run on an internal thread.
+//
+// Lifecycle. A client is in one of these states; every call either works in it or returns
+// FAILED_PRECONDITION naming the call and the state ("Clock() before Start()"), and none
+// crashes or hangs:
+//
+//   joined ──Start() ok──> running ──unrecoverable data-path error──> broken
+//      └──Start() error──> start failed                (any state) ──Close()──> closed
+//
+//   joined        after Connect. RegisterTensor works; Start() works once tensors are
+//                 registered (without any it is refused and the client stays joined). Push,
+//                 Pull, Wait, Clock, Step and RequestCheckpoint are refused.
+//   running       after a successful Start(). Push, Pull, Wait, Clock, Step and
+//                 RequestCheckpoint work (their own errors, e.g. NOT_FOUND for an unknown
+//                 tensor or handle, or DEADLINE_EXCEEDED for a pull that missed its bound, leave
+//                 the client running). RegisterTensor and Start are refused.
+//   start failed  Start() returned an error: every call but Close() and the getters is refused,
+//                 naming Start's error. Close it and Connect again.
+//   broken        the data path failed beyond recovery (a server died with no backup to fail
+//                 over to, a failover that did not complete in time, lost state): the call that
+//                 hit it returned that error; every later call but Close() and the getters is
+//                 refused, naming it.
+//   closed        after Close() (or the destructor): every call but Close() (OK again) and the
+//                 getters is refused; handles not yet waited for are abandoned.
+//
+// The getters (rank, num_workers, clock, consistency, counters, transport_name, tensor_path)
+// work in every state and report the latest values known.
 #ifndef SHARDPS_CLIENT_H_
 #define SHARDPS_CLIENT_H_
 
@@ -59,9 +85,9 @@ const char* TensorPathName(TensorPath p);
 struct ClientCounters {
   uint64_t control_messages_sent = 0;  // excluding periodic heartbeats
   uint64_t heartbeats_sent = 0;
-  uint64_t pushes = 0;                 // chunk pushes
-  uint64_t pulls = 0;                  // chunk pulls (consistent snapshots)
-  uint64_t pull_retries = 0;           // torn or not-yet-ready reads that were repeated
+  uint64_t pushes = 0;        // chunk pushes
+  uint64_t pulls = 0;         // chunk pulls (consistent snapshots)
+  uint64_t pull_retries = 0;  // torn or not-yet-ready reads that were repeated
   uint64_t bytes_pushed = 0;
   uint64_t bytes_pulled = 0;
   // Fault tolerance (docs/fault-tolerance.md).
@@ -69,7 +95,6 @@ struct ClientCounters {
   uint64_t pushes_resent = 0;  // pushes sent again after a failover (duplicates are dropped)
   uint64_t pushes_lost = 0;    // pushes neither replicated nor resendable (ASP/SSP only)
   uint64_t reconnects = 0;     // data-path failures survived by reconnecting to the same server
-  uint64_t injected_errors = 0;  // SHARDPS_FAULT_INJECT=data_error_every=N (tests only)
 };
 
 // Handle of an asynchronous Push or Pull.
@@ -121,7 +146,7 @@ class Client {
   // The path chosen for a registered tensor, or kNotFound.
   virtual StatusOr<TensorPath> tensor_path(const std::string& name) const = 0;
 
-  // Leaves the cluster cleanly (also done by the destructor).
+  // Leaves the cluster cleanly (also done by the destructor). Idempotent: OK in every state.
   virtual Status Close() = 0;
 
  protected:

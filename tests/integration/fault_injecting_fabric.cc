@@ -1,0 +1,99 @@
+#include "tests/integration/fault_injecting_fabric.h"
+
+#include <utility>
+
+#include <glog/logging.h>
+
+namespace shardps::test {
+
+using transport::Endpoint;
+using transport::LocalSlice;
+using transport::RemoteSlice;
+
+namespace {
+
+constexpr uint32_t kWrongRkeyMask = 0x5a5a5a5au;
+
+// Forwards to the real endpoint; fails the eligible posts chosen by the shared counter.
+// Owned by the polling thread of its completion queue, as every Endpoint.
+class FaultInjectingEndpoint final : public Endpoint {
+ public:
+  FaultInjectingEndpoint(std::unique_ptr<Endpoint> inner, const FaultOptions& options,
+                         std::shared_ptr<FaultCounters> counters)
+      : Endpoint(inner->endpoint_id(), inner->fabric_identity(), inner->max_operation_bytes()),
+        inner_(std::move(inner)),
+        options_(options),
+        counters_(std::move(counters)) {}
+
+  Status status() const override { return inner_->status(); }
+  int outstanding() const override { return inner_->outstanding(); }
+  std::string DebugString() const override { return "fault(" + inner_->DebugString() + ")"; }
+
+ private:
+  bool Choose(uint32_t flags) {
+    const bool first = ++posts_ <= static_cast<uint64_t>(options_.skip_first_posts);
+    if (options_.error_every == 0 || first || injected_ || (flags & transport::kUnsignaled) ||
+        !inner_->status().ok()) {
+      return false;
+    }
+    return (counters_->eligible.fetch_add(1) + 1) % options_.error_every == 0;
+  }
+
+  // The posts passed the contract's checks (the inner endpoint checks them again).
+  Status PostChecked(transport::OpType type, const LocalSlice& local, const RemoteSlice& remote,
+                     uint32_t imm, uint64_t context, uint32_t flags) override {
+    switch (type) {
+      case transport::OpType::kWrite:
+        ++posts_;
+        return inner_->PostWrite(local, remote, context, flags);
+      case transport::OpType::kRead:
+        ++posts_;
+        return inner_->PostRead(local, remote, context, flags);
+      case transport::OpType::kWriteImm: {
+        const bool inject = Choose(flags);
+        RemoteSlice target = remote;
+        if (inject) target.rkey ^= kWrongRkeyMask;
+        Status s = inner_->PostWriteImm(local, target, imm, context, flags);
+        if (inject && s.ok()) {
+          injected_ = true;
+          const uint64_t n = counters_->injected.fetch_add(1) + 1;
+          LOG(WARNING) << "fault injection: " << inner_->DebugString()
+                       << ": a write-with-immediate names a wrong rkey (injected error " << n
+                       << ")";
+        }
+        return s;
+      }
+      default:
+        return InvalidArgumentError("fault injection: unexpected post type");
+    }
+  }
+
+  const std::unique_ptr<Endpoint> inner_;
+  const FaultOptions options_;
+  const std::shared_ptr<FaultCounters> counters_;
+  uint64_t posts_ = 0;
+  bool injected_ = false;  // one injected error per endpoint
+};
+
+}  // namespace
+
+FaultInjectingFabric::FaultInjectingFabric(std::unique_ptr<transport::Fabric> inner,
+                                           const FaultOptions& options)
+    : inner_(std::move(inner)), options_(options) {
+  LOG(WARNING) << "fault injection over " << inner_->name() << ": every " << options_.error_every
+               << "th eligible write-with-immediate fails (testing only)";
+}
+
+std::string FaultInjectingFabric::DebugString() const {
+  return "fault-injecting(" + inner_->DebugString() + ")";
+}
+
+StatusOr<std::unique_ptr<Endpoint>> FaultInjectingFabric::Connect(
+    const std::string& address, transport::CompletionQueue* cq,
+    const transport::EndpointOptions& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Endpoint> ep, inner_->Connect(address, cq, options));
+  return std::unique_ptr<Endpoint>(
+      std::make_unique<FaultInjectingEndpoint>(std::move(ep), options_, counters_));
+}
+
+}  // namespace shardps::test

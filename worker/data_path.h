@@ -1,0 +1,110 @@
+// What the client's data-path components share (worker/client_impl.h has the picture): the
+// registered tensors, the placement of each chunk (fixed at Start), operation contexts, the
+// handles of asynchronous calls and the worker's step clock. Internal.
+//
+// Thread safety: none; everything here belongs to the client's (trainer's) thread.
+#ifndef SHARDPS_WORKER_DATA_PATH_H_
+#define SHARDPS_WORKER_DATA_PATH_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "wire/region_layout.h"
+#include "shardps/client.h"
+#include "transport/transport.h"
+#include "worker/cuda_staging.h"
+
+namespace shardps::worker {
+
+// Send queue depth of every endpoint to a server.
+constexpr int kSendDepth = 512;
+// Staging bytes per chunk: 2 push headers (one per inbox parity) + 2 header reads of a pull.
+constexpr uint32_t kStagingPerChunk = 4 * layout::kAlign;
+// A push of a chunk up to this size is one WRITE_WITH_IMM of [PushHeader | data] (the inbox
+// keeps them adjacent) from staging, after copying the gradient there: one operation on the
+// wire instead of two, which on tcp saves a sendmsg and a receive round per push (a 16 KiB
+// copy costs well under a microsecond).
+constexpr uint64_t kSmallPushBytes = 16 * 1024;
+
+// The context of every post: what it was (OpKind), for which chunk and which handle.
+enum OpKind : uint32_t { kOpPush = 0, kOpPull = 1, kOpAcks = 2, kOpSetup = 3, kOpClock = 4 };
+inline uint64_t MakeContext(uint32_t kind, uint32_t chunk, uint64_t handle) {
+  return (static_cast<uint64_t>(kind) << 60) | (static_cast<uint64_t>(chunk & 0x0fffffff) << 32) |
+         (handle & 0xffffffffull);
+}
+inline uint32_t ContextKind(uint64_t c) { return static_cast<uint32_t>(c >> 60); }
+inline uint32_t ContextChunk(uint64_t c) { return static_cast<uint32_t>((c >> 32) & 0x0fffffff); }
+inline uint64_t ContextHandle(uint64_t c) { return c & 0xffffffffull; }
+
+struct Tensor {
+  std::string name;
+  float* weights = nullptr;
+  float* grads = nullptr;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  // Regions the network reads and writes: the tensor itself (host, kCudaDirect) or the
+  // pinned host mirrors of `staging` (kCudaStaged).
+  std::unique_ptr<transport::MemoryRegion> wmr;
+  std::unique_ptr<transport::MemoryRegion> gmr;
+  std::vector<uint32_t> chunks;  // global chunk ids
+  TensorPath path = TensorPath::kHost;
+  std::unique_ptr<CudaStaging> staging;  // kCudaStaged only
+  uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
+};
+
+// Where a chunk lives: fixed by the shard map at Start (a failover changes the server process
+// behind a group, never the placement).
+struct ChunkPlacement {
+  uint32_t id = 0;
+  uint32_t tensor = 0;
+  uint64_t offset = 0;  // in the tensor, bytes
+  uint64_t bytes = 0;
+  uint32_t server = 0;  // the shard group
+  uint32_t slot = 0;    // on that server
+};
+
+// The handle of a Push or Pull: the chunks still pending and the first error.
+struct HandleState {
+  int pending = 0;
+  Status error;
+  int64_t staged_pull_tensor = -1;  // a pull of a kCudaStaged tensor: sync its copies
+};
+
+class HandleTable {
+ public:
+  // A new handle (ids are 32 bits: they travel in operation contexts).
+  uint64_t Create() { return next_++ & 0xffffffffull; }
+  HandleState& operator[](uint64_t h) { return handles_[h]; }
+  HandleState* Find(uint64_t h) {
+    auto it = handles_.find(h);
+    return it == handles_.end() ? nullptr : &it->second;
+  }
+  bool Contains(uint64_t h) const { return handles_.count(h) != 0; }
+  void Erase(uint64_t h) { handles_.erase(h); }
+  // One chunk of handle h is done (with its error, if any).
+  void FinishChunk(uint64_t h, const Status& s) {
+    auto it = handles_.find(h);
+    if (it == handles_.end()) return;
+    if (!s.ok() && it->second.error.ok()) it->second.error = s;
+    --it->second.pending;
+  }
+
+ private:
+  std::unordered_map<uint64_t, HandleState> handles_;
+  uint64_t next_ = 1;
+};
+
+// The worker's progress through training, read by the pipelines.
+struct StepClock {
+  uint64_t clock = 0;    // this worker's clock
+  uint64_t step_id = 0;  // Step() calls so far
+  bool in_step = false;  // inside Step(): its pushes' gradients are still in the buffers
+};
+
+}  // namespace shardps::worker
+
+#endif  // SHARDPS_WORKER_DATA_PATH_H_

@@ -1,0 +1,178 @@
+#include "worker/pull_pipeline.h"
+
+#include <algorithm>
+#include <cctype>
+
+namespace shardps::worker {
+
+using SteadyClock = std::chrono::steady_clock;
+
+std::string ConsistencyName(const control::ClusterConfig& config) {
+  std::string m = control::ConsistencyMode_Name(config.mode());
+  for (char& ch : m) ch = static_cast<char>(tolower(ch));
+  if (config.mode() == control::SSP || config.mode() == control::VSGD) {
+    m += "(s=" + std::to_string(config.staleness()) + ")";
+  }
+  return m;
+}
+
+PullPipeline::PullPipeline(const ClientOptions& options, const control::ClusterConfig& config,
+                           ServerSessions& sessions, std::vector<Tensor>& tensors,
+                           const std::vector<ChunkPlacement>& chunks, HandleTable& handles,
+                           const StepClock& step)
+    : options_(options),
+      config_(config),
+      sessions_(sessions),
+      tensors_(tensors),
+      chunks_(chunks),
+      handles_(handles),
+      step_(step),
+      pull_(chunks.size()) {}
+
+StatusOr<Handle> PullPipeline::Pull(uint32_t tensor) {
+  const uint64_t h = handles_.Create();
+  HandleState& hs = handles_[h];
+  if (tensors_[tensor].staging != nullptr) hs.staged_pull_tensor = tensor;
+  for (uint32_t id : tensors_[tensor].chunks) {
+    ChunkPull& c = pull_[id];
+    if (c.handle != 0) {
+      hs.error = FailedPreconditionError("a pull of tensor '" + tensors_[tensor].name +
+                                         "' is already in flight");
+      break;
+    }
+    c.handle = h;
+    c.required_plus1 = RequiredPlus1();
+    c.deadline = SteadyClock::now() + options_.wait_timeout;
+    // Each version goes to the other buffer; guess that as many versions (mod 2) were
+    // published since the last pull as between the last two (one per step in training, none
+    // when the chunk is pulled again unchanged). A wrong guess costs a second round trip.
+    c.guess = c.pulled_version == 0 ? 0 : c.last_buf ^ c.flip;
+    ++hs.pending;
+    StartPull(id, Phase::kAll);
+  }
+  return Handle{h};
+}
+
+void PullPipeline::StartPull(uint32_t id, Phase phase) {
+  ChunkPull& c = pull_[id];
+  const ChunkPlacement& p = chunks_[id];
+  ServerSession& s = sessions_.at(p.server);
+  const Tensor& t = tensors_[p.tensor];
+  c.phase = phase;
+  const uint64_t hdr = s.layout->header_offset(p.slot);
+  const uint64_t ctx = MakeContext(kOpPull, id, c.handle);
+  auto read_header = [&](int which, uint32_t flags) {
+    return sessions_.PostWithCredit([&] {
+      return s.ep->PostRead(
+          {sessions_.staging(), sessions_.ChunkStagingOffset(id, which), layout::kAlign},
+          transport::AtOffset(s.weights, hdr), ctx, flags);
+    });
+  };
+  Status st;
+  if (phase == Phase::kHeaderOnly) {
+    st = read_header(2, transport::kSignaled);
+  } else {
+    // kAll: header, data of the guessed buffer, header; kDataCheck: data then header.
+    if (phase == Phase::kAll) st = read_header(2, transport::kUnsignaled);
+    if (st.ok()) {
+      st = sessions_.PostWithCredit([&] {
+        return s.ep->PostRead(
+            {t.wmr.get(), p.offset, p.bytes},
+            transport::AtOffset(s.weights, s.layout->buffer_offset(p.slot, c.guess)), ctx,
+            transport::kUnsignaled);
+      });
+    }
+    if (st.ok()) st = read_header(3, transport::kSignaled);
+  }
+  if (!st.ok()) Finish(id, st);
+}
+
+void PullPipeline::EvaluatePull(uint32_t id) {
+  ChunkPull& c = pull_[id];
+  const ChunkPlacement& p = chunks_[id];
+  const auto* h1 = reinterpret_cast<const layout::ChunkHeader*>(sessions_.ChunkStaging(id, 2));
+  const auto* h2 = reinterpret_cast<const layout::ChunkHeader*>(sessions_.ChunkStaging(id, 3));
+  const uint64_t state = h1->state.load(std::memory_order_relaxed);
+  const uint64_t v = state >> 1;
+  const uint32_t b = static_cast<uint32_t>(state & 1);
+  const bool ready =
+      v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
+  if (!ready) {
+    if (SteadyClock::now() > c.deadline) {
+      Finish(id, DeadlineExceededError(
+                     "chunk " + std::to_string(id) + " on server " + std::to_string(p.server) +
+                     " did not reach the consistency bound (" + ConsistencyName(config_) +
+                     ", clock " + std::to_string(step_.clock) + ") within " +
+                     std::to_string(options_.wait_timeout.count()) + " ms"));
+      return;
+    }
+    ++pull_retries_;
+    StartPull(id, Phase::kHeaderOnly);
+    return;
+  }
+  if (c.phase == Phase::kHeaderOnly || b != c.guess) {
+    // Now we know the buffer: read it, then the header again.
+    if (c.phase != Phase::kHeaderOnly) ++pull_retries_;
+    c.guess = b;
+    StartPull(id, Phase::kDataCheck);
+    return;
+  }
+  if (h2->gen[b].load(std::memory_order_relaxed) != h1->gen[b].load(std::memory_order_relaxed)) {
+    ++pull_retries_;  // torn: the server began rewriting buffer b during our read
+    StartPull(id, Phase::kHeaderOnly);
+    return;
+  }
+  if (c.pulled_version != 0) c.flip = static_cast<uint32_t>((v - c.pulled_version) & 1);
+  c.pulled_version = v;
+  c.pulled_min_clock_plus1 = h1->min_clock_plus1[b].load(std::memory_order_relaxed);
+  c.last_buf = b;
+  ++pulls_;
+  bytes_pulled_ += p.bytes;
+  Status st;
+  if (CudaStaging* staging = tensors_[p.tensor].staging.get()) {
+    // This chunk goes to the device while the other chunks are still being read.
+    st = staging->WeightsToDevice(p.offset, p.bytes);
+  }
+  Finish(id, st);
+}
+
+void PullPipeline::Finish(uint32_t id, const Status& s) {
+  const uint64_t h = pull_[id].handle;
+  pull_[id].handle = 0;
+  handles_.FinishChunk(h, s);
+}
+
+void PullPipeline::OnCompletion(uint32_t chunk, uint64_t handle, const Status& err) {
+  if (chunk >= pull_.size()) return;
+  if (pull_[chunk].handle != handle) return;  // a flushed leftover of a finished pull
+  // A failed read is restarted on the reconnected or promoted server (Restart), or reported
+  // by the recovery if neither happens in time.
+  if (!err.ok()) return;
+  EvaluatePull(chunk);
+}
+
+void PullPipeline::Restart(uint32_t server) {
+  for (uint32_t id : sessions_.at(server).chunk_of_slot) {
+    if (pull_[id].handle != 0) StartPull(id, Phase::kAll);
+  }
+}
+
+uint64_t PullPipeline::ClusterClock() const {
+  uint64_t clock = 0;
+  for (const ChunkPull& c : pull_) clock = std::max(clock, c.pulled_min_clock_plus1);
+  return clock;
+}
+
+uint64_t PullPipeline::RequiredPlus1() const {
+  switch (config_.mode()) {
+    case control::BSP:
+      return step_.clock;  // min_clock >= clock-1
+    case control::SSP:
+    case control::VSGD:
+      return step_.clock > config_.staleness() ? step_.clock - config_.staleness() : 0;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace shardps::worker

@@ -1,0 +1,90 @@
+// The pull pipeline: per chunk the version last pulled, which buffer it was in, and the state
+// of the pull in flight. A pull reads the server's memory only (no server code runs):
+//
+//   pull = READ header, READ buffer b, READ header   (one round trip when b is guessed right)
+//          consistent iff gen[b] is the same in both header reads; retried otherwise.
+//
+// A pull is done when the version read satisfies the consistency bound at the worker's clock
+// (BSP: every worker's pushes of the clocks before; SSP/VSGD: within the staleness), else it
+// reads the header again until the wait bound.
+//
+// Thread safety: none. Owned by the client; called from the client's (trainer's) thread only.
+#ifndef SHARDPS_WORKER_PULL_PIPELINE_H_
+#define SHARDPS_WORKER_PULL_PIPELINE_H_
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "proto/control_client.h"
+#include "worker/data_path.h"
+#include "worker/server_sessions.h"
+
+namespace shardps::worker {
+
+// "bsp", "ssp(s=2)", ...
+std::string ConsistencyName(const control::ClusterConfig& config);
+
+class PullPipeline {
+ public:
+  PullPipeline(const ClientOptions& options, const control::ClusterConfig& config,
+               ServerSessions& sessions, std::vector<Tensor>& tensors,
+               const std::vector<ChunkPlacement>& chunks, HandleTable& handles,
+               const StepClock& step);
+
+  // Pulls every chunk of a tensor, satisfying the consistency mode at the current clock.
+  StatusOr<Handle> Pull(uint32_t tensor);
+  void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
+  // After a reconnect or failover of `server`: its pulls in flight start over.
+  void Restart(uint32_t server);
+
+  // The version of a chunk last pulled (0: none yet).
+  uint64_t pulled_version(uint32_t chunk) const { return pull_[chunk].pulled_version; }
+  // The cluster's clock as seen by the pulls so far: the highest min clock (+1) read.
+  uint64_t ClusterClock() const;
+
+  uint64_t pulls() const { return pulls_; }
+  uint64_t pull_retries() const { return pull_retries_; }
+  uint64_t bytes_pulled() const { return bytes_pulled_; }
+
+ private:
+  enum class Phase { kAll, kHeaderOnly, kDataCheck };
+  struct ChunkPull {
+    uint64_t pulled_version = 0;
+    uint64_t pulled_min_clock_plus1 = 0;
+    uint32_t last_buf = 1;  // version 1 is published into buffer 0
+    // Parity of the number of versions published between our last two pulls: every new version
+    // flips the buffer, so the next pull guesses last_buf ^ flip. 1 fits a training step (one
+    // version per step); 0 fits repeated pulls of an unchanged chunk (or two versions per pull).
+    uint32_t flip = 1;
+    // The pull in flight.
+    uint64_t handle = 0;
+    Phase phase = Phase::kAll;
+    uint32_t guess = 0;
+    uint64_t required_plus1 = 0;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  void StartPull(uint32_t id, Phase phase);
+  // Both header reads (and the data) are in: done, or read again.
+  void EvaluatePull(uint32_t id);
+  // Ends the pull in flight of a chunk with `s`.
+  void Finish(uint32_t id, const Status& s);
+  uint64_t RequiredPlus1() const;
+
+  const ClientOptions& options_;
+  const control::ClusterConfig& config_;
+  ServerSessions& sessions_;
+  std::vector<Tensor>& tensors_;
+  const std::vector<ChunkPlacement>& chunks_;
+  HandleTable& handles_;
+  const StepClock& step_;
+  std::vector<ChunkPull> pull_;  // by chunk id
+  uint64_t pulls_ = 0;
+  uint64_t pull_retries_ = 0;
+  uint64_t bytes_pulled_ = 0;
+};
+
+}  // namespace shardps::worker
+
+#endif  // SHARDPS_WORKER_PULL_PIPELINE_H_

@@ -1,0 +1,278 @@
+#include "worker/push_pipeline.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include <glog/logging.h>
+
+namespace shardps::worker {
+
+using SteadyClock = std::chrono::steady_clock;
+
+PushPipeline::PushPipeline(const ClientOptions& options, const control::ClusterConfig& config,
+                           control::ControlClient& control, uint32_t rank, ServerSessions& sessions,
+                           std::vector<Tensor>& tensors, const std::vector<ChunkPlacement>& chunks,
+                           HandleTable& handles, const StepClock& step, const PullPipeline& pull)
+    : options_(options),
+      config_(config),
+      control_(control),
+      rank_(rank),
+      sessions_(sessions),
+      tensors_(tensors),
+      chunks_(chunks),
+      handles_(handles),
+      step_(step),
+      pull_(pull),
+      push_(chunks.size()) {}
+
+uint64_t PushPipeline::SmallStagingBytes() const {
+  uint64_t bytes = 0;
+  for (const ChunkPlacement& c : chunks_) {
+    if (c.bytes <= kSmallPushBytes) bytes += 2 * (layout::kAlign + layout::AlignUp(c.bytes));
+  }
+  return bytes;
+}
+
+void PushPipeline::PlaceSmallStaging(uint64_t base) {
+  for (const ChunkPlacement& c : chunks_) {
+    if (c.bytes > kSmallPushBytes) continue;
+    push_[c.id].small_staging = base;
+    base += 2 * (layout::kAlign + layout::AlignUp(c.bytes));
+  }
+}
+
+StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status()>& recover) {
+  Tensor& t = tensors_[tensor];
+  if (t.staging != nullptr) {
+    // The mirror still holds the bytes of a push the caller has not waited for.
+    if (handles_.Contains(t.push_handle)) {
+      return FailedPreconditionError("Push of '" + t.name + "' before Wait() on its previous push");
+    }
+    RETURN_IF_ERROR(t.staging->StartGradsToHost());
+  }
+  const uint64_t h = handles_.Create();
+  HandleState& hs = handles_[h];
+  t.push_handle = h;
+  for (uint32_t id : t.chunks) {
+    Status st = PushChunk(id, h, recover);
+    if (!st.ok()) {
+      hs.error = st;
+      break;
+    }
+  }
+  return Handle{h};
+}
+
+Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover) {
+  ChunkPush& c = push_[id];
+  const uint64_t seq = c.seq + 1;
+  const uint32_t parity = static_cast<uint32_t>(seq & 1);
+  // The inbox slot of this parity was last used by push seq-2: it must be consumed.
+  if (seq > 2) RETURN_IF_ERROR(EnsureAcked(id, seq - 2, recover));
+  if (c.handle[parity] != 0) {
+    // Push seq-2 is acknowledged (so applied), even if its completion is not polled yet.
+    handles_.FinishChunk(c.handle[parity], Status::OK());
+    c.handle[parity] = 0;
+  }
+  c.seq = seq;
+  c.last_clock = step_.clock;
+  c.last_base = pull_.pulled_version(id);
+  c.step = step_.in_step ? step_.step_id : 0;
+  c.handle[parity] = h;
+  c.seq_of[parity] = seq;
+  HandleState& hs = handles_[h];
+  ++hs.pending;
+  Status st = PostPush(id, seq, h);
+  if (!st.ok()) {
+    if (sessions_.at(chunks_[id].server).failed) return Status::OK();  // resent after recovery
+    c.handle[parity] = 0;
+    --hs.pending;
+    return st;
+  }
+  ++pushes_;
+  bytes_pushed_ += chunks_[id].bytes;
+  return Status::OK();
+}
+
+Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
+  for (uint32_t id = 0; id < push_.size(); ++id) {
+    if (push_[id].seq > 0) RETURN_IF_ERROR(EnsureAcked(id, push_[id].seq, recover));
+  }
+  return Status::OK();
+}
+
+Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
+                                 const std::function<Status()>& recover) {
+  ChunkPush& c = push_[id];
+  const uint32_t server = chunks_[id].server;
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  while (c.known_acked < need) {
+    Status st = sessions_.ReadAcks(
+        server, id, deadline,
+        [&] {
+          return DeadlineExceededError("waiting for server " + std::to_string(server) +
+                                       " to acknowledge pushes");
+        },
+        /*stop_if_failed=*/true);
+    if (sessions_.at(server).failed) {
+      RETURN_IF_ERROR(recover());  // resynchronises known_acked with the server (Resync)
+      continue;
+    }
+    RETURN_IF_ERROR(st);
+    const uint64_t* acks = sessions_.Acks(server);
+    const std::vector<uint32_t>& chunk_of_slot = sessions_.at(server).chunk_of_slot;
+    for (uint32_t slot = 0; slot < chunk_of_slot.size(); ++slot) {
+      ChunkPush& o = push_[chunk_of_slot[slot]];
+      o.known_acked = std::max(o.known_acked, acks[slot]);
+    }
+    if (c.known_acked < need) std::this_thread::yield();
+  }
+  return Status::OK();
+}
+
+Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
+  const ChunkPlacement& p = chunks_[id];
+  const ChunkPush& c = push_[id];
+  const Tensor& t = tensors_[p.tensor];
+  ServerSession& s = sessions_.at(p.server);
+  if (!s.ep) return sessions_.ServerError(p.server, "not connected");
+  const uint32_t parity = static_cast<uint32_t>(seq & 1);
+  auto* ph =
+      reinterpret_cast<layout::PushHeader*>(sessions_.ChunkStaging(id, static_cast<int>(parity)));
+  std::memset(ph, 0, sizeof(*ph));
+  ph->seq = seq;
+  ph->clock = c.last_clock;
+  ph->base_version = c.last_base;
+  ph->chunk_id = id;
+  ph->worker = rank_;
+  ph->bytes = p.bytes;
+  ph->epoch = std::max(control_.epoch(), sessions_.map_epoch());
+  ph->magic = layout::kPushMagic;
+  const transport::RemoteSlice header_dst =
+      transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
+  const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);
+  if (c.small_staging != 0 && t.staging == nullptr) {
+    // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
+    // which the server has consumed (EnsureAcked).
+    const uint64_t off = c.small_staging + parity * (layout::kAlign + layout::AlignUp(p.bytes));
+    char* q = sessions_.StagingAt(off);
+    std::memcpy(q, ph, sizeof(*ph));
+    std::memcpy(q + layout::kAlign, reinterpret_cast<const char*>(t.grads) + p.offset, p.bytes);
+    return sessions_.PostWithCredit([&] {
+      return s.ep->PostWriteImm({sessions_.staging(), off, layout::kAlign + p.bytes}, header_dst,
+                                imm, MakeContext(kOpPush, id, h));
+    });
+  }
+  RETURN_IF_ERROR(PostPushData(id, parity, h));
+  return sessions_.PostWithCredit([&] {
+    return s.ep->PostWriteImm(
+        {sessions_.staging(), sessions_.ChunkStagingOffset(id, static_cast<int>(parity)),
+         sizeof(layout::PushHeader)},
+        header_dst, imm, MakeContext(kOpPush, id, h));
+  });
+}
+
+Status PushPipeline::PostPushData(uint32_t id, uint32_t parity, uint64_t h) {
+  const ChunkPlacement& c = chunks_[id];
+  Tensor& t = tensors_[c.tensor];
+  ServerSession& s = sessions_.at(c.server);
+  const uint64_t dst = s.layout->push_data_offset(rank_, c.slot, parity);
+  if (t.staging == nullptr) {
+    return sessions_.PostWithCredit([&] {
+      return s.ep->PostWrite({t.gmr.get(), c.offset, c.bytes}, transport::AtOffset(s.inbox, dst),
+                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
+    });
+  }
+  // Staged: each piece is written as soon as its device->host copy is done; later pieces are
+  // still being copied meanwhile. Writes on one endpoint execute in post order, so the header
+  // (posted after the last piece) still lands after all of the data.
+  const uint64_t piece = t.staging->piece_bytes();
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  for (uint64_t a = c.offset; a < c.offset + c.bytes;) {
+    const uint64_t b = std::min(c.offset + c.bytes, (a / piece + 1) * piece);
+    while (true) {
+      ASSIGN_OR_RETURN(bool ready, t.staging->GradsOnHost(b));
+      if (ready) break;
+      RETURN_IF_ERROR(sessions_.Progress());
+      if (SteadyClock::now() > deadline) {
+        return DeadlineExceededError("device->host copy of '" + t.name + "' timed out");
+      }
+    }
+    RETURN_IF_ERROR(sessions_.PostWithCredit([&] {
+      return s.ep->PostWrite({t.gmr.get(), a, b - a},
+                             transport::AtOffset(s.inbox, dst + (a - c.offset)),
+                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
+    }));
+    a = b;
+  }
+  return Status::OK();
+}
+
+void PushPipeline::OnCompletion(uint32_t chunk, uint64_t handle, const Status& err) {
+  if (chunk >= push_.size() || handle == 0) return;
+  ChunkPush& c = push_[chunk];
+  const int p = c.handle[0] == handle ? 0 : c.handle[1] == handle ? 1 : -1;
+  if (p < 0) return;  // already finished (an unsignaled write's error after the header's)
+  // A failed push is not the caller's error yet: it is resent after the reconnect or failover
+  // (Resync), or the recovery reports why not.
+  if (!err.ok()) return;
+  c.handle[p] = 0;
+  handles_.FinishChunk(handle, err);
+}
+
+Status PushPipeline::Resync(uint32_t server, const uint64_t* acks) {
+  const std::vector<uint32_t>& chunk_of_slot = sessions_.at(server).chunk_of_slot;
+  for (uint32_t slot = 0; slot < chunk_of_slot.size(); ++slot) {
+    RETURN_IF_ERROR(ResyncChunk(chunk_of_slot[slot], acks[slot]));
+  }
+  return Status::OK();
+}
+
+Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
+  ChunkPush& c = push_[id];
+  c.known_acked = a;
+  for (int p = 0; p < 2; ++p) {
+    const uint64_t h = c.handle[p];
+    if (h == 0 || c.seq_of[p] == c.seq) continue;
+    c.handle[p] = 0;
+    handles_.FinishChunk(h, c.seq_of[p] <= a
+                                ? Status::OK()
+                                : DataLossError("push " + std::to_string(c.seq_of[p]) +
+                                                " of chunk " + std::to_string(id) +
+                                                " was lost in a failover (not replicated, and its "
+                                                "gradient buffer was reused by a later push)"));
+  }
+  const uint32_t p = static_cast<uint32_t>(c.seq & 1);
+  if (c.seq <= a) {
+    if (c.handle[p] != 0) {
+      const uint64_t h = c.handle[p];
+      c.handle[p] = 0;
+      handles_.FinishChunk(h, Status::OK());  // it was replicated before the primary died
+    }
+    return Status::OK();
+  }
+  // The latest push is resent from the caller's gradient buffer only when its bytes are
+  // certainly still there: its handle has not completed (the caller may not touch the
+  // buffer yet), or it was pushed by the Step() we are inside, or the mode is BSP (where a
+  // gradient buffer is rewritten only after the pull that needs this push). Otherwise the
+  // caller may have reused the buffer: resending would apply other bytes — never twice,
+  // never wrong: count it lost instead.
+  const bool resendable = c.handle[p] != 0 || config_.mode() == control::BSP ||
+                          (step_.in_step && c.step == step_.step_id);
+  const uint64_t lost = resendable ? c.seq - 1 - a : c.seq - a;
+  if (lost > 0) {
+    pushes_lost_ += lost;
+    LOG(WARNING) << "worker rank " << rank_ << ": chunk " << id << ": pushes " << a + 1 << ".."
+                 << (resendable ? c.seq - 1 : c.seq)
+                 << " were not replicated before the failover and cannot be resent (their "
+                    "gradient buffer may have been reused)";
+  }
+  if (resendable) {
+    RETURN_IF_ERROR(PostPush(id, c.seq, c.handle[p]));
+    ++pushes_resent_;
+  }
+  return Status::OK();
+}
+
+}  // namespace shardps::worker

@@ -1,0 +1,101 @@
+// The push pipeline: per chunk the push sequence, the pushes in flight per inbox parity and what
+// the server has acknowledged; posts pushes (data, then the header with the immediate), waits
+// for the acks that free an inbox slot, and after a reconnect or failover decides per chunk
+// what the server lacks (finished, resent, or counted lost).
+//
+//   push = WRITE grads -> inbox[rank][slot][parity].data            (unsignaled)
+//          WRITE_IMM push header -> inbox[rank][slot][parity].hdr   (imm = kPush slot|parity)
+// Small chunks (<= kSmallPushBytes) go as one WRITE_IMM of [header | data] from staging.
+// Inbox slots alternate by the parity of the push sequence number, so a push may be posted
+// while the previous one is still being applied; the one before that must be acknowledged
+// (acks region) first.
+//
+// Thread safety: none. Owned by the client; called from the client's (trainer's) thread only.
+#ifndef SHARDPS_WORKER_PUSH_PIPELINE_H_
+#define SHARDPS_WORKER_PUSH_PIPELINE_H_
+
+#include <functional>
+#include <vector>
+
+#include "proto/control_client.h"
+#include "worker/data_path.h"
+#include "worker/pull_pipeline.h"
+#include "worker/server_sessions.h"
+
+namespace shardps::worker {
+
+class PushPipeline {
+ public:
+  PushPipeline(const ClientOptions& options, const control::ClusterConfig& config,
+               control::ControlClient& control, uint32_t rank, ServerSessions& sessions,
+               std::vector<Tensor>& tensors, const std::vector<ChunkPlacement>& chunks,
+               HandleTable& handles, const StepClock& step, const PullPipeline& pull);
+
+  // Start: the staging bytes the small pushes need, then where they were placed.
+  uint64_t SmallStagingBytes() const;
+  void PlaceSmallStaging(uint64_t base);
+
+  // Pushes every chunk of a tensor at the current clock. `recover` is called when a server
+  // fails while an inbox slot is awaited (it reconnects or fails over, or reports why not).
+  StatusOr<Handle> Push(uint32_t tensor, const std::function<Status()>& recover);
+  void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
+  // Waits until every chunk's latest push is acknowledged (consumed, hence replicated where
+  // the group has a backup): after it, the caller may overwrite its gradient buffers without
+  // risking a push that a failover could neither find on the backup nor resend.
+  Status AwaitAllAcked(const std::function<Status()>& recover);
+  // After a reconnect or failover of `server`, given its acks of this worker's pushes: finishes
+  // the pushes it has, resends the latest one where it lacks it and the gradient is certainly
+  // still in the caller's buffer, counts the rest lost.
+  Status Resync(uint32_t server, const uint64_t* acks);
+
+  uint64_t pushes() const { return pushes_; }
+  uint64_t bytes_pushed() const { return bytes_pushed_; }
+  uint64_t pushes_resent() const { return pushes_resent_; }
+  uint64_t pushes_lost() const { return pushes_lost_; }
+
+ private:
+  struct ChunkPush {
+    uint64_t seq = 0;
+    uint64_t known_acked = 0;
+    // Pushes in flight per inbox parity: their handle (0 = none) and sequence number.
+    uint64_t handle[2] = {0, 0};
+    uint64_t seq_of[2] = {0, 0};
+    // The latest push, to send it again after a failover (from the caller's grads buffer).
+    uint64_t last_clock = 0;
+    uint64_t last_base = 0;
+    uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
+    // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
+    uint64_t small_staging = 0;
+  };
+
+  // Pushes one chunk as part of handle h (its pending count already taken).
+  Status PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover);
+  // Waits until the server acknowledged push `need` of a chunk (its inbox slot is free).
+  Status EnsureAcked(uint32_t id, uint64_t need, const std::function<Status()>& recover);
+  // Posts push `seq` of a chunk: the header's clock and base version are those of the chunk's
+  // latest push (a resend after a failover repeats them exactly).
+  Status PostPush(uint32_t id, uint64_t seq, uint64_t h);
+  // Posts the data writes of one chunk's push, piece by piece for staged tensors.
+  Status PostPushData(uint32_t id, uint32_t parity, uint64_t h);
+  Status ResyncChunk(uint32_t id, uint64_t acked);
+
+  const ClientOptions& options_;
+  const control::ClusterConfig& config_;
+  control::ControlClient& control_;
+  const uint32_t rank_;
+  ServerSessions& sessions_;
+  std::vector<Tensor>& tensors_;
+  const std::vector<ChunkPlacement>& chunks_;
+  HandleTable& handles_;
+  const StepClock& step_;
+  const PullPipeline& pull_;     // a push names the version its gradient was computed on
+  std::vector<ChunkPush> push_;  // by chunk id
+  uint64_t pushes_ = 0;
+  uint64_t bytes_pushed_ = 0;
+  uint64_t pushes_resent_ = 0;
+  uint64_t pushes_lost_ = 0;
+};
+
+}  // namespace shardps::worker
+
+#endif  // SHARDPS_WORKER_PUSH_PIPELINE_H_

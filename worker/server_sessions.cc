@@ -1,0 +1,279 @@
+#include "worker/server_sessions.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <glog/logging.h>
+
+namespace shardps::worker {
+
+using transport::Completion;
+using SteadyClock = std::chrono::steady_clock;
+
+Status ServerSessions::Configure(const control::ShardMap& map,
+                                 const std::vector<ChunkPlacement>& chunks) {
+  servers_.resize(map.servers_size());
+  map_epoch_ = map.epoch();
+  for (const auto& se : map.servers()) {
+    if (se.rank() >= servers_.size()) return InvalidArgumentError("shard map: bad server rank");
+    RETURN_IF_ERROR(ApplyEntry(se, se.rank()));
+  }
+  num_chunks_ = chunks.size();
+  std::vector<std::vector<uint64_t>> slot_bytes(servers_.size());
+  for (const ChunkPlacement& c : chunks) {
+    auto& sb = slot_bytes[c.server];
+    if (sb.size() <= c.slot) sb.resize(c.slot + 1);
+    sb[c.slot] = c.bytes;
+    auto& cos = servers_[c.server].chunk_of_slot;
+    if (cos.size() <= c.slot) cos.resize(c.slot + 1);
+    cos[c.slot] = c.id;
+  }
+  for (size_t s = 0; s < servers_.size(); ++s) {
+    servers_[s].layout = std::make_unique<layout::ServerLayout>(slot_bytes[s], map.max_workers());
+    if (servers_[s].inbox.length < servers_[s].layout->inbox_bytes() ||
+        servers_[s].weights.length < servers_[s].layout->weights_bytes() ||
+        servers_[s].clocks.length < servers_[s].layout->clocks_bytes()) {
+      return FailedPreconditionError("server " + std::to_string(s) +
+                                     "'s regions are smaller than its layout");
+    }
+  }
+  return Status::OK();
+}
+
+StatusOr<uint64_t> ServerSessions::AllocateStaging(uint64_t extra_bytes) {
+  // Per chunk 2 push headers + 2 header reads; the hello; per server an acks buffer; per
+  // server a clock value; then the caller's bytes.
+  acks_staging_offset_ = layout::AlignUp(num_chunks_ * kStagingPerChunk + layout::kAlign);
+  uint64_t bytes = acks_staging_offset_;
+  for (const auto& s : servers_) bytes += layout::AlignUp(s.layout->acks_of_worker_bytes());
+  clock_staging_offset_ = bytes;
+  bytes += layout::kAlign * servers_.size();
+  const uint64_t extra = bytes;
+  ASSIGN_OR_RETURN(staging_,
+                   fabric_.AllocateMemory(bytes + extra_bytes, transport::Access::kLocalOnly));
+  return extra;
+}
+
+Status ServerSessions::ConnectAll(uint64_t clock) {
+  // All endpoints on one CQ owned by this thread. Room for the completions of endpoints
+  // replaced by failovers, whose flushed operations may still arrive.
+  ASSIGN_OR_RETURN(cq_, fabric_.CreateCompletionQueue(
+                            2 * static_cast<int>(servers_.size()) * (kSendDepth + 8) + 64));
+  for (uint32_t s = 0; s < servers_.size(); ++s) RETURN_IF_ERROR(Connect(s, clock));
+  return Status::OK();
+}
+
+Status ServerSessions::ApplyEntry(const control::ServerEntry& se, uint32_t server) {
+  ServerSession& s = servers_[server];
+  if (se.lost()) {
+    return DataLossError("server group " + std::to_string(se.rank()) +
+                         " is lost: its primary (server rank " + std::to_string(se.server_rank()) +
+                         ") died and no backup was left (replicas=1, or the backup had died "
+                         "first); restart the cluster from the latest checkpoint");
+  }
+  s.rank = se.rank();
+  s.member_id = se.member_id();
+  s.server_rank = se.server_rank();
+  s.address = se.data_address();
+  for (const auto& r : se.regions()) {
+    ASSIGN_OR_RETURN(transport::RegionDescriptor d,
+                     transport::RegionDescriptor::Decode(r.encoded_descriptor()));
+    if (r.name() == "weights") s.weights = d;
+    if (r.name() == "inbox") s.inbox = d;
+    if (r.name() == "acks") s.acks = d;
+    if (r.name() == "clocks") s.clocks = d;
+  }
+  if (s.layout != nullptr &&
+      (s.inbox.length < s.layout->inbox_bytes() || s.weights.length < s.layout->weights_bytes() ||
+       s.clocks.length < s.layout->clocks_bytes())) {
+    return FailedPreconditionError("server " + std::to_string(s.rank) +
+                                   "'s regions are smaller than its layout");
+  }
+  return Status::OK();
+}
+
+Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::milliseconds timeout) {
+  ServerSession& s = servers_[server];
+  s.ep.reset();
+  ++s.gen;
+  transport::EndpointOptions eo;
+  eo.endpoint_id = (static_cast<uint64_t>(s.gen) << 32) | s.rank;
+  eo.send_depth = kSendDepth;
+  eo.recv_depth = 4;
+  eo.connect_timeout = timeout.count() > 0
+                           ? timeout
+                           : std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+  auto ep = fabric_.Connect(s.address, cq_.get(), eo);
+  if (!ep.ok()) {
+    return ep.status().WithContext("connecting to server group " + std::to_string(s.rank) + " at " +
+                                   s.address);
+  }
+  s.ep = std::move(*ep);
+  s.failed = false;
+  // Hello: tells the server which worker (rank and incarnation) this endpoint belongs to.
+  const uint64_t hello_off = num_chunks_ * kStagingPerChunk;
+  auto* hello = reinterpret_cast<layout::Hello*>(StagingAt(hello_off));
+  std::memset(hello, 0, sizeof(*hello));
+  hello->clock = clock;
+  hello->incarnation = control_.member_id();
+  hello->magic = layout::kHelloMagic;
+  RETURN_IF_ERROR(PostWithCredit([&] {
+    return s.ep->PostWriteImm({staging_.get(), hello_off, sizeof(layout::Hello)},
+                              transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
+                              layout::MakeImm(layout::ImmKind::kHello, rank_),
+                              MakeContext(kOpSetup, 0, 0));
+  }));
+  return WaitSetupOps(1, timeout);
+}
+
+bool ServerSessions::MarkFailed() {
+  bool any = false;
+  for (ServerSession& s : servers_) {
+    if (s.ep && !s.ep->status().ok()) s.failed = true;
+    any = any || s.failed;
+  }
+  return any;
+}
+
+bool ServerSessions::AnyFailed() const {
+  for (const ServerSession& s : servers_) {
+    if (s.failed) return true;
+  }
+  return false;
+}
+
+Status ServerSessions::ServerError(uint32_t server, const std::string& what) const {
+  const ServerSession& s = servers_[server];
+  Status st = s.ep ? s.ep->status() : UnavailableError("not connected");
+  return UnavailableError("server rank " + std::to_string(s.rank) + " at " + s.address + ": " +
+                          what + (st.ok() ? "" : " (" + st.ToString() + ")"));
+}
+
+uint64_t ServerSessions::AcksOffset(uint32_t server) const {
+  uint64_t off = acks_staging_offset_;
+  for (uint32_t i = 0; i < server; ++i) {
+    off += layout::AlignUp(servers_[i].layout->acks_of_worker_bytes());
+  }
+  return off;
+}
+
+Status ServerSessions::SendClock(uint32_t server, uint64_t clock) {
+  ServerSession& s = servers_[server];
+  const uint64_t off = clock_staging_offset_ + s.rank * layout::kAlign;
+  std::memcpy(StagingAt(off), &clock, sizeof(clock));
+  return PostWithCredit([&] {
+    return s.ep->PostWriteImm(
+        {staging_.get(), off, sizeof(uint64_t)},
+        transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
+        layout::MakeImm(layout::ImmKind::kClock, static_cast<uint32_t>(clock)),
+        MakeContext(kOpClock, 0, 0), transport::kUnsignaled);
+  });
+}
+
+Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::time_point deadline,
+                                const std::function<Status()>& timeout_error, bool stop_if_failed) {
+  ServerSession& s = servers_[server];
+  const uint64_t off = AcksOffset(server);
+  acks_pending_ = 1;
+  setup_error_ = Status::OK();
+  RETURN_IF_ERROR(PostWithCredit([&] {
+    return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
+                          transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
+                          MakeContext(kOpAcks, chunk, 0));
+  }));
+  return AwaitRead(deadline, timeout_error, stop_if_failed ? &s.failed : nullptr);
+}
+
+Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk,
+                                  SteadyClock::time_point deadline,
+                                  const std::function<Status()>& timeout_error) {
+  ServerSession& s = servers_[server];
+  acks_pending_ = 1;
+  setup_error_ = Status::OK();
+  RETURN_IF_ERROR(PostWithCredit([&] {
+    return s.ep->PostRead({staging_.get(), ChunkStagingOffset(chunk, 2), layout::kAlign},
+                          transport::AtOffset(s.weights, s.layout->header_offset(slot)),
+                          MakeContext(kOpAcks, chunk, 0));
+  }));
+  return AwaitRead(deadline, timeout_error, nullptr);
+}
+
+Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
+                                 const std::function<Status()>& timeout_error, const bool* stop) {
+  while (acks_pending_ > 0) {
+    RETURN_IF_ERROR(Progress());
+    if (SteadyClock::now() > deadline) return timeout_error();
+    if (stop != nullptr && *stop) {
+      acks_pending_ = 0;
+      return Status::OK();
+    }
+  }
+  return setup_error_;
+}
+
+Status ServerSessions::WaitSetupOps(int count, std::chrono::milliseconds timeout) {
+  setup_done_ = 0;
+  setup_error_ = Status::OK();
+  const auto deadline =
+      SteadyClock::now() + (timeout.count() > 0 ? timeout : options_.setup_timeout);
+  while (setup_done_ < count) {
+    RETURN_IF_ERROR(Progress());
+    if (!setup_error_.ok()) return setup_error_;
+    if (SteadyClock::now() > deadline) return DeadlineExceededError("setup writes timed out");
+  }
+  return setup_error_;
+}
+
+Status ServerSessions::PostWithCredit(const std::function<Status()>& post) {
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  while (true) {
+    Status s = post();
+    if (s.code() != StatusCode::kResourceExhausted) return s;
+    RETURN_IF_ERROR(Progress());  // reap completions, returning credits
+    if (SteadyClock::now() > deadline) return s;
+  }
+}
+
+Status ServerSessions::Progress() {
+  if (cq_ == nullptr) return Status::OK();
+  Completion wc[64];
+  const int n = cq_->Poll(wc, 64);
+  for (int i = 0; i < n; ++i) OnCompletion(wc[i]);
+  return Status::OK();
+}
+
+void ServerSessions::OnCompletion(const Completion& wc) {
+  const uint32_t kind = ContextKind(wc.context);
+  const uint32_t server = static_cast<uint32_t>(wc.endpoint_id & 0xffffffffu);
+  const uint32_t gen = static_cast<uint32_t>(wc.endpoint_id >> 32);
+  if (server >= servers_.size() || servers_[server].gen != gen) return;  // a replaced endpoint
+  const Status err =
+      wc.ok() ? Status::OK() : ServerError(server, std::string(transport::WcStatusName(wc.status)));
+  // A failed operation puts its session into the failed state: the group is failed over to its
+  // backup, or the endpoint reconnected if the server is alive (Recovery).
+  if (!wc.ok()) servers_[server].failed = true;
+  switch (kind) {
+    case kOpSetup:
+      if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
+      ++setup_done_;
+      return;
+    case kOpAcks:
+      --acks_pending_;
+      if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
+      return;
+    case kOpPush:
+      sink_.OnPushCompletion(ContextChunk(wc.context), ContextHandle(wc.context), err);
+      return;
+    case kOpPull:
+      sink_.OnPullCompletion(ContextChunk(wc.context), ContextHandle(wc.context), err);
+      return;
+    default:
+      return;
+  }
+}
+
+void ServerSessions::Disconnect() {
+  for (ServerSession& s : servers_) s.ep.reset();
+}
+
+}  // namespace shardps::worker

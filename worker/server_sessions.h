@@ -1,0 +1,141 @@
+// The client's sessions with its servers: one per shard group, each the endpoint to the server
+// process serving the group now, its regions and layout, and the endpoint generation (a
+// reconnect or failover makes a new generation; completions of older endpoints are dropped).
+// It owns the completion queue all endpoints share and the staging region (push headers,
+// header reads, hello, acks and clock buffers), connects and says hello, and polls: setup and
+// acks reads are accounted here, push and pull completions go to the CompletionSink.
+//
+// Thread safety: none. Owned by the client; called from the client's (trainer's) thread only,
+// which is also the one polling thread of the completion queue (transport.h).
+#ifndef SHARDPS_WORKER_SERVER_SESSIONS_H_
+#define SHARDPS_WORKER_SERVER_SESSIONS_H_
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "proto/control_client.h"
+#include "wire/region_layout.h"
+#include "shardps/client.h"
+#include "transport/transport.h"
+#include "worker/data_path.h"
+
+namespace shardps::worker {
+
+struct ServerSession {
+  uint32_t rank = 0;       // the shard group
+  uint32_t member_id = 0;  // the server process serving it now
+  uint32_t server_rank = 0;
+  uint32_t gen = 0;     // endpoint generation: completions of older endpoints are stale
+  bool failed = false;  // its endpoint failed: waiting for a reconnect or failover
+  std::string address;
+  transport::RegionDescriptor weights, inbox, acks, clocks;
+  std::unique_ptr<layout::ServerLayout> layout;
+  std::unique_ptr<transport::Endpoint> ep;
+  std::vector<uint32_t> chunk_of_slot;
+};
+
+// Receives the completions of push and pull operations on current endpoints. `err` is the
+// operation's error (OK when it succeeded), naming the server.
+class CompletionSink {
+ public:
+  virtual ~CompletionSink() = default;
+  virtual void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) = 0;
+  virtual void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) = 0;
+};
+
+class ServerSessions {
+ public:
+  ServerSessions(const ClientOptions& options, transport::Fabric& fabric,
+                 control::ControlClient& control, uint32_t rank, CompletionSink& sink)
+      : options_(options), fabric_(fabric), control_(control), rank_(rank), sink_(sink) {}
+
+  // Start: one session per server of the shard map, with the slots of `chunks`; then the
+  // staging region with `extra_bytes` at the end for the caller (returns their offset).
+  Status Configure(const control::ShardMap& map, const std::vector<ChunkPlacement>& chunks);
+  StatusOr<uint64_t> AllocateStaging(uint64_t extra_bytes);
+  // Start: connects to every server (hello with `clock`).
+  Status ConnectAll(uint64_t clock);
+  // Connects (a new endpoint generation) and says hello, within `timeout` (0: the setup bound).
+  Status Connect(uint32_t server, uint64_t clock,
+                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Takes the shard map's entry of a session's group (a failover names another server).
+  Status ApplyEntry(const control::ServerEntry& se, uint32_t server);
+
+  size_t size() const { return servers_.size(); }
+  ServerSession& at(uint32_t server) { return servers_[server]; }
+  const ServerSession& at(uint32_t server) const { return servers_[server]; }
+  uint64_t map_epoch() const { return map_epoch_; }
+  void set_map_epoch(uint64_t e) { map_epoch_ = e; }
+  // Marks the sessions whose endpoint is in the error state failed; true if any is failed.
+  bool MarkFailed();
+  bool AnyFailed() const;
+  // UNAVAILABLE naming the server, `what` and its endpoint's error.
+  Status ServerError(uint32_t server, const std::string& what) const;
+
+  // Staging: which = 0, 1: push headers of parity 0, 1; 2, 3: the two header reads of a pull.
+  transport::MemoryRegion* staging() const { return staging_.get(); }
+  char* StagingAt(uint64_t offset) const { return static_cast<char*>(staging_->data()) + offset; }
+  uint64_t ChunkStagingOffset(uint32_t chunk, int which) const {
+    return static_cast<uint64_t>(chunk) * kStagingPerChunk + which * layout::kAlign;
+  }
+  char* ChunkStaging(uint32_t chunk, int which) const {
+    return StagingAt(ChunkStagingOffset(chunk, which));
+  }
+  // This worker's acks of a server, as last read by ReadAcks.
+  const uint64_t* Acks(uint32_t server) const {
+    return reinterpret_cast<const uint64_t*>(StagingAt(AcksOffset(server)));
+  }
+
+  // Posts, retrying while the send queue is full (polling returns credits), within the wait
+  // bound.
+  Status PostWithCredit(const std::function<Status()>& post);
+  // Polls the completion queue once and dispatches what it finds.
+  Status Progress();
+  // Polls until `count` setup operations completed (their first error), within `timeout`.
+  Status WaitSetupOps(int count, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Reads this worker's acks from a server into Acks(server) (context: chunk) and waits for
+  // the read until `deadline` (then returns timeout_error()). With stop_if_failed, returns OK early
+  // when the session fails meanwhile: the caller checks at(server).failed.
+  Status ReadAcks(uint32_t server, uint32_t chunk, std::chrono::steady_clock::time_point deadline,
+                  const std::function<Status()>& timeout_error, bool stop_if_failed);
+  // Reads chunk header `slot` of a server into ChunkStaging(chunk, 2) and waits for it.
+  Status ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk,
+                    std::chrono::steady_clock::time_point deadline,
+                    const std::function<Status()>& timeout_error);
+  // Writes `clock` into this worker's clock slot on a server (unsignaled, with an immediate).
+  Status SendClock(uint32_t server, uint64_t clock);
+  // Close: drops every endpoint.
+  void Disconnect();
+
+ private:
+  uint64_t AcksOffset(uint32_t server) const;
+  void OnCompletion(const transport::Completion& wc);
+  // Waits for the one outstanding setup read (acks_pending_).
+  Status AwaitRead(std::chrono::steady_clock::time_point deadline,
+                   const std::function<Status()>& timeout_error, const bool* stop);
+
+  const ClientOptions& options_;
+  transport::Fabric& fabric_;
+  control::ControlClient& control_;
+  const uint32_t rank_;
+  CompletionSink& sink_;
+  // In dependency order: the endpoints (in servers_) are destroyed before the completion queue
+  // they post to and the staging region they read from.
+  std::unique_ptr<transport::CompletionQueue> cq_;
+  std::unique_ptr<transport::MemoryRegion> staging_;
+  std::vector<ServerSession> servers_;
+  size_t num_chunks_ = 0;
+  uint64_t map_epoch_ = 0;
+  uint64_t acks_staging_offset_ = 0;
+  uint64_t clock_staging_offset_ = 0;  // one u64 per server: the clock value written
+  int setup_done_ = 0;
+  Status setup_error_;
+  int acks_pending_ = 0;
+};
+
+}  // namespace shardps::worker
+
+#endif  // SHARDPS_WORKER_SERVER_SESSIONS_H_
