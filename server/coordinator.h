@@ -80,6 +80,17 @@ class Coordinator {
   void ReadFrom(Conn* c);
   void Handle(Conn* c, const Envelope& e);
   void HandleJoin(Conn* c, const JoinRequest& j);
+  // Join steps: why a join is refused ("" = it is not); the refusal sent; the acceptance sent
+  // (the member's id, rank, credential, config); a rejoin after a coordinator restart; a new
+  // member admitted with the rank PickRank gives it; the idempotent orders a rejoining server
+  // gets again.
+  std::string JoinRefusal(const JoinRequest& j) const;
+  void RefuseJoin(Conn* c, const std::string& error, const std::string& why, bool protocol_error);
+  void SendJoinAccepted(Conn* c);
+  void HandleRejoin(Conn* c, const JoinRequest& j);
+  uint32_t PickRank(const JoinRequest& j) const;
+  void AdmitMember(Conn* c, const JoinRequest& j);
+  void ResendServerOrders(Conn* c);
   void Close(Conn* c, const std::string& why, bool protocol_error);
   void Queue(Conn* c, const Envelope& e);
   void FlushOutput(Conn* c);

@@ -138,6 +138,9 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     return reject("header does not match the slot");
   }
   if ((h.seq & 1) != parity) return reject("parity does not match seq");
+  // Clocks move by one per step: 2^40 is beyond any run, and keeps every clock arithmetic of the
+  // gate (clock - 1, clock + 1 as int64) well defined whatever a peer writes.
+  if (h.clock >= (uint64_t{1} << 40)) return reject("clock out of range");
   if (h.epoch < fence_epoch_) return reject("push from an epoch before this server's promotion");
   if (workers_->IsDuplicate(worker, slot, h.seq)) {
     stats_.Bump(&ShardServerCounters::duplicate_pushes);

@@ -1,0 +1,310 @@
+// The coordinator's model and shard-map state machine (docs/control-protocol.md, "Model
+// setup"): the registered model, shard assignment, the servers' regions, the shard map each
+// worker receives (with its own peer keys), replica placement and failover of a group when
+// its primary departs. Loop thread only.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <glog/logging.h>
+
+#include "proto/credentials.h"
+#include "proto/shard_plan.h"
+#include "server/coordinator.h"
+#include "server/coordinator_conn.h"
+
+namespace shardps::control {
+
+namespace {
+
+StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
+                                  uint64_t default_partition,
+                                  const std::vector<double>& capacity = {}) {
+  std::vector<TensorSpec> specs;
+  for (const auto& t : m.tensors()) {
+    if (t.dtype() != 0) return InvalidArgumentError("tensor '" + t.name() + "': only float32");
+    TensorSpec s;
+    s.name = t.name();
+    s.shape.assign(t.shape().begin(), t.shape().end());
+    specs.push_back(std::move(s));
+  }
+  if (specs.empty()) return InvalidArgumentError("a model without tensors");
+  const uint64_t part = m.partition_bytes() ? m.partition_bytes() : default_partition;
+  return PlanShards(specs, num_servers, part, capacity);
+}
+
+std::vector<double> Capacity(const ClusterConfig& c) {  // --server_capacity; empty: equal
+  return {c.server_capacity().begin(), c.server_capacity().end()};
+}
+
+}  // namespace
+
+uint32_t Coordinator::NumGroups() const {
+  return std::max<uint32_t>(1, options_.config.num_servers());
+}
+
+uint32_t Coordinator::NumServerRanks() const {
+  return NumGroups() * std::max<uint32_t>(1, options_.config.replicas());
+}
+
+void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
+  const uint32_t num_servers = NumGroups();
+  auto plan =
+      PlanFromModel(m, num_servers, options_.config.partition_bytes(), Capacity(options_.config));
+  if (!plan.ok()) {
+    Envelope err;
+    err.mutable_error()->set_message("model refused: " + plan.status().ToString());
+    Queue(c, err);
+    FlushOutput(c);
+    Close(c, "model refused: " + plan.status().ToString(), true);
+    return;
+  }
+  if (!model_registered_) {
+    model_registered_ = true;
+    model_ = m;
+    plan_fingerprint_ = plan->Fingerprint();
+    LOG(INFO) << "coordinator: model registered by member " << c->member.member_id() << ": "
+              << plan->tensors.size() << " tensors, " << plan->chunks.size() << " chunks over "
+              << num_servers << " servers (imbalance " << plan->imbalance() << ")";
+  } else if (plan->Fingerprint() != plan_fingerprint_) {
+    Envelope err;
+    err.mutable_error()->set_message(
+        "model differs from the one already registered (same tensors, shapes and order "
+        "are required on every worker)");
+    Queue(c, err);
+    FlushOutput(c);
+    Close(c, "model mismatch", true);
+    return;
+  }
+  c->has_model = true;
+  has_model_ids_.push_back(c->member.member_id());
+  dirty_ = true;
+  if (shard_map_ready_) {
+    Queue(c, ShardMapFor(c->member));
+  } else {
+    awaiting_map_.push_back(c->member.member_id());
+    MaybeAssignShards();
+  }
+}
+
+Coordinator::Conn* Coordinator::ServerByRank(uint32_t rank) {
+  for (auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing && c->member.role() == ROLE_SERVER && c->member.rank() == rank) {
+      return c.get();
+    }
+  }
+  return nullptr;
+}
+
+void Coordinator::MaybeAssignShards() {
+  if (!model_registered_ || shards_assigned_) return;
+  const uint32_t num_servers = NumGroups();
+  for (uint32_t r = 0; r < NumServerRanks(); ++r) {
+    if (ServerByRank(r) == nullptr) return;  // wait for every server rank
+  }
+  auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes(),
+                            Capacity(options_.config));
+  if (!plan.ok()) return;  // checked when registered
+  const uint32_t max_workers = std::max<uint32_t>(
+      options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
+  // Server rank r holds group r % G; ranks >= G hold the backups, so the backup of group g
+  // is the process started as rank G + g (launchers put it on another host than rank g).
+  primary_of_.assign(num_servers, -1);
+  backup_of_.assign(num_servers, -1);
+  target_sent_.assign(num_servers, false);
+  for (uint32_t r = 0; r < NumServerRanks(); ++r) {
+    const uint32_t g = r % num_servers;
+    const bool backup = r >= num_servers;
+    (backup ? backup_of_ : primary_of_)[g] = r;
+    Envelope e;
+    AssignShards* a = e.mutable_assign_shards();
+    for (const auto& ch : plan->chunks) {
+      if (ch.server != g) continue;
+      a->add_chunk_ids(ch.chunk_id);
+      a->add_chunk_bytes(ch.bytes);
+    }
+    a->set_max_workers(max_workers);
+    a->set_plan_fingerprint(plan_fingerprint_);
+    a->set_group(g);
+    a->set_num_groups(num_servers);
+    a->set_backup(backup);
+    Queue(ServerByRank(r), e);
+  }
+  shards_assigned_ = true;
+  // Remember the plan in the map we will publish.
+  shard_map_.Clear();
+  for (const auto& t : plan->tensors) {
+    TensorSpecProto* p = shard_map_.add_tensors();
+    p->set_name(t.name);
+    p->set_dtype(0);
+    for (auto d : t.shape) p->add_shape(d);
+  }
+  for (const auto& ch : plan->chunks) {
+    ChunkEntry* e = shard_map_.add_chunks();
+    e->set_chunk_id(ch.chunk_id);
+    e->set_tensor(ch.tensor);
+    e->set_offset(ch.offset);
+    e->set_bytes(ch.bytes);
+    e->set_server_rank(ch.server);
+    e->set_slot(ch.server_slot);
+  }
+  shard_map_.set_max_workers(max_workers);
+  shard_map_.set_partition_bytes(plan->partition_bytes);
+  shard_map_.set_plan_fingerprint(plan_fingerprint_);
+  dirty_ = true;
+  LOG(INFO) << "coordinator: shards assigned to " << num_servers << " groups on "
+            << NumServerRanks() << " servers"
+            << (NumServerRanks() > num_servers ? " (every group has a backup)" : " (no backups)");
+}
+
+void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
+  if (!shards_assigned_ || r.plan_fingerprint() != plan_fingerprint_) {
+    Close(c, "shards_ready for a plan that was not assigned", true);
+    return;
+  }
+  ready_[c->member.rank()] = r;
+  dirty_ = true;
+  MaybeSendReplicaTarget(c->member.rank() % NumGroups());
+  MaybePublishShardMap();
+}
+
+void Coordinator::MaybeSendReplicaTarget(uint32_t g) {
+  if (options_.config.replicas() < 2 || g >= primary_of_.size() || target_sent_[g]) return;
+  if (primary_of_[g] < 0 || backup_of_[g] < 0) return;
+  Conn* p = ServerByRank(static_cast<uint32_t>(primary_of_[g]));
+  Conn* b = ServerByRank(static_cast<uint32_t>(backup_of_[g]));
+  auto ready = ready_.find(static_cast<uint32_t>(backup_of_[g]));
+  if (p == nullptr || b == nullptr || ready == ready_.end()) return;
+  Envelope e;
+  ReplicaTarget* t = e.mutable_replica_target();
+  t->set_group(g);
+  t->set_epoch(epoch());
+  t->set_member_id(b->member.member_id());
+  t->set_data_address(b->member.data_address());
+  t->set_peer_key(
+      PeerKey(CredentialOf(b->member),
+              {p->member.member_id(), static_cast<int>(p->member.role()), p->member.rank()}));
+  for (const Region& r : ready->second.regions()) {
+    if (r.name().rfind("repl_", 0) == 0) *t->add_regions() = r;
+  }
+  target_sent_[g] = true;
+  Queue(p, e);
+  LOG(INFO) << "coordinator: group " << g << ": primary server rank " << primary_of_[g]
+            << " replicates to server rank " << backup_of_[g] << " (" << b->member.data_address()
+            << ")";
+}
+
+void Coordinator::FillServerEntry(uint32_t g, uint32_t server_rank, ServerEntry* e) {
+  Conn* s = ServerByRank(server_rank);
+  e->set_rank(g);
+  e->set_server_rank(server_rank);
+  e->set_lost(false);
+  e->clear_regions();
+  if (s == nullptr) return;
+  e->set_member_id(s->member.member_id());
+  e->set_data_address(s->member.data_address());
+  for (const Region& r : ready_[server_rank].regions()) {
+    if (r.name().rfind("repl_", 0) != 0) *e->add_regions() = r;
+  }
+}
+
+void Coordinator::BroadcastShardMap() {
+  dirty_ = true;
+  shard_map_.set_epoch(epoch());
+  for (auto& [fd, c] : conns_) {
+    if (!c->joined || c->closing || c->member.role() != ROLE_WORKER) continue;
+    if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
+        awaiting_map_.end()) {
+      continue;  // gets the map when it is ready
+    }
+    if (!c->has_model) continue;  // asks for it with RegisterModel
+    Queue(c.get(), ShardMapFor(c->member));
+  }
+}
+
+void Coordinator::ServerDeparted(const Member& m) {
+  if (!shards_assigned_) return;
+  const uint32_t r = m.rank();
+  for (uint32_t g = 0; g < primary_of_.size(); ++g) {
+    if (backup_of_[g] == static_cast<int64_t>(r)) {
+      backup_of_[g] = -1;
+      {
+        MutexLock l(&mu_);
+        ++counters_.backups_lost;
+      }
+      LOG(WARNING) << "coordinator: group " << g << " lost its backup (server rank " << r
+                   << "); its primary goes on without replication";
+      if (primary_of_[g] >= 0) {
+        if (Conn* p = ServerByRank(static_cast<uint32_t>(primary_of_[g]))) {
+          Envelope e;
+          e.mutable_replica_target()->set_group(g);
+          e.mutable_replica_target()->set_epoch(epoch());
+          e.mutable_replica_target()->set_none(true);
+          Queue(p, e);
+        }
+      }
+    }
+    if (primary_of_[g] != static_cast<int64_t>(r)) continue;
+    Conn* b = backup_of_[g] >= 0 ? ServerByRank(static_cast<uint32_t>(backup_of_[g])) : nullptr;
+    if (b != nullptr && ready_.count(static_cast<uint32_t>(backup_of_[g]))) {
+      const uint32_t br = static_cast<uint32_t>(backup_of_[g]);
+      primary_of_[g] = br;
+      backup_of_[g] = -1;
+      Envelope e;
+      e.mutable_promote()->set_group(g);
+      e.mutable_promote()->set_epoch(epoch());
+      Queue(b, e);
+      {
+        MutexLock l(&mu_);
+        ++counters_.promotions;
+      }
+      LOG(WARNING) << "coordinator: group " << g << ": primary server rank " << r
+                   << " is gone; PROMOTING its backup, server rank " << br << " ("
+                   << b->member.data_address() << "), at epoch " << epoch();
+      if (shard_map_ready_ && static_cast<int>(g) < shard_map_.servers_size()) {
+        FillServerEntry(g, br, shard_map_.mutable_servers(g));
+        BroadcastShardMap();
+      }
+    } else {
+      primary_of_[g] = -1;
+      {
+        MutexLock l(&mu_);
+        ++counters_.groups_lost;
+      }
+      LOG(ERROR) << "coordinator: group " << g << ": primary server rank " << r
+                 << " is gone and there is NO BACKUP: the state of its shards is lost. "
+                    "Restart the cluster from the latest checkpoint (docs/fault-tolerance.md)";
+      if (shard_map_ready_ && static_cast<int>(g) < shard_map_.servers_size()) {
+        shard_map_.mutable_servers(g)->set_lost(true);
+        BroadcastShardMap();
+      }
+    }
+  }
+}
+
+void Coordinator::MaybePublishShardMap() {
+  const uint32_t num_servers = NumGroups();
+  if (shard_map_ready_ || ready_.size() < NumServerRanks()) return;
+  shard_map_.clear_servers();
+  for (uint32_t g = 0; g < num_servers; ++g) {
+    if (primary_of_[g] < 0 || ServerByRank(static_cast<uint32_t>(primary_of_[g])) == nullptr) {
+      return;
+    }
+    FillServerEntry(g, static_cast<uint32_t>(primary_of_[g]), shard_map_.add_servers());
+  }
+  shard_map_ready_ = true;
+  dirty_ = true;
+  shard_map_.set_epoch(epoch());
+  LOG(INFO) << "coordinator: shard map ready (" << shard_map_.chunks_size() << " chunks, "
+            << num_servers << " servers); sending to " << awaiting_map_.size() << " workers";
+  for (auto& [fd, c] : conns_) {
+    if (!c->joined || c->closing) continue;
+    if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
+        awaiting_map_.end()) {
+      Queue(c.get(), ShardMapFor(c->member));
+    }
+  }
+  awaiting_map_.clear();
+}
+
+}  // namespace shardps::control
