@@ -32,7 +32,7 @@ constexpr Tables kTables;
 inline uint32_t Load32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
-  return v;  // little-endian host (x86_64, aarch64): checked in checkpoint.cc
+  return v;  // little-endian host (x86_64, aarch64): checked in checkpoint_format.cc
 }
 
 #if defined(__x86_64__)

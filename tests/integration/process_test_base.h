@@ -1,4 +1,4 @@
-// Process-level test fixtures shared by process_cluster_test.cc and
+// Process-level test fixtures shared by process_cluster_test.cc, process_fault_test.cc and
 // consistency_property_test.cc: the result file parser, the cluster spec, and ProcessTestBase,
 // which starts, tracks and tears down real shardps_coordinator, shardps_server and
 // ps_test_worker processes (every wait bounded, every child SIGKILLed and reaped in TearDown).

@@ -1,0 +1,503 @@
+// The parameter server as real processes, under faults (docs/fault-tolerance.md): server kills
+// and failover, exactly-once pushes across a failover, a server lost without a backup, worker
+// restart and elastic join, restore from a checkpoint, injected data-path errors, a coordinator
+// restart, and control messages dropped and delayed. Part of process_cluster_test (with
+// process_cluster_test.cc, which instantiates ProcessClusterTest over the transports); the
+// shared fixtures are in process_test_base.h.
+//
+// Every wait is bounded, and every child is killed (SIGKILL) and reaped in TearDown, whatever
+// the test's outcome. On failure the children's logs are printed and their directory is kept.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/integration/child_process.h"
+#include "tests/integration/process_test_base.h"
+
+namespace shardps {
+namespace {
+
+using namespace proc_test;  // NOLINT(build/namespaces): the shared fixtures
+
+// ---- Fault tolerance (docs/fault-tolerance.md) ----------------------------------------------
+
+// A server process is SIGKILLed mid-training (a primary or a backup, chosen by a seed, at a step
+// chosen by the seed). Its group fails over to the backup (or goes on unreplicated) and the BSP
+// run ends with weights BIT-IDENTICAL to the one-process reference: every gradient applied
+// once, never twice, none dropped, and summed in the same (worker-rank) order. The recovery
+// time (kill -> the next step completed) is printed.
+class ServerKillTest : public ProcessTestBase,
+                       public ::testing::WithParamInterface<std::tuple<std::string, int>> {
+ protected:
+  void SetUp() override {
+    const std::string reason = SkipReason(std::get<0>(GetParam()));
+    if (!reason.empty()) {
+      const char* require = getenv("SHARDPS_REQUIRE_VERBS");
+      if (require != nullptr && std::string(require) == "1") {
+        FAIL() << "SHARDPS_REQUIRE_VERBS=1 but verbs cannot run: " << reason;
+      }
+      GTEST_SKIP() << std::get<0>(GetParam()) << ": " << reason;
+    }
+    ProcessTestBase::SetUp();
+  }
+  bool Emulated() const { return std::get<0>(GetParam()) == "verbs"; }
+  milliseconds ProcessBound() const { return Emulated() ? 4 * kProcessBound : kProcessBound; }
+};
+
+TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
+  const auto [transport, seed] = GetParam();
+  ClusterSpec spec;
+  spec.transport = transport;
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  // Under SoftRoCE's CPU emulation a busy guest can starve a heartbeat thread for > 1.5 s.
+  spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
+  // Seeded victim and moment: seeds 0..3 kill primary 0, primary 1, backup 2, backup 3.
+  std::mt19937 rng(static_cast<uint32_t>(seed) * 7919u + 17u);
+  const int victim_rank = seed % 4;
+  const int kSteps = 30;
+  const int kill_after = 4 + static_cast<int>(rng() % 16);
+  const int step_delay_ms = Emulated() ? 40 : 15;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec,
+      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms)});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
+  const int done = WaitProgress(Path("progress0"), kill_after, ProcessBound(), workers[0]);
+  ASSERT_GE(done, kill_after) << Tail(workers[0]);
+  ASSERT_LT(done, kSteps) << "training ended before the kill";
+  // The step in progress when the server dies is the one that recovers: the time from the kill
+  // to its completion (minus the step's own sleep) is detection + failover + resend.
+  const int at_kill = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  servers_[victim_rank]->Kill();
+  const auto t0 = Clock::now();
+  const int after = WaitProgress(Path("progress0"), at_kill + 1, ProcessBound(), workers[0]);
+  const auto recovery = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  ASSERT_GE(after, at_kill + 1) << "no progress after the kill:\n" << Tail(workers[0]);
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  int64_t failovers = 0;
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("steps"), kSteps);
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    failovers += res->Int("failovers");
+    ExpectSameWeights(*res, *ref, r);
+  }
+  if (victim_rank < spec.servers) {
+    EXPECT_EQ(failovers, spec.workers) << "every worker moves to the promoted backup once";
+  } else {
+    EXPECT_EQ(failovers, 0) << "a backup's death is invisible to the workers";
+  }
+  std::cerr << "[ info ] " << transport << " seed " << seed << ": killed server rank "
+            << victim_rank << (victim_rank < spec.servers ? " (primary)" : " (backup)")
+            << " after step " << at_kill << "; the next step completed " << recovery.count()
+            << " ms after the kill (its own sleep: " << step_delay_ms << " ms); failovers "
+            << failovers << "\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, ServerKillTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Values(0, 1, 2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_seed" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+// Exactly once, counted: each worker pushes -1 into its own element (servers sum, lr 1), so
+// w[k] is the number of worker k's pushes that were applied. The only group's primary is killed
+// mid-run: after the last step every w[k] equals exactly the number of steps (a lost push would
+// leave it short, a push applied twice would overshoot).
+TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
+  ClusterSpec spec = CounterSpec();
+  spec.consistency = "bsp";
+  spec.servers = 1;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const int kSteps = 40;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers =
+      SpawnWorkers(spec, {"--model=counter", "--steps=" + std::to_string(kSteps),
+                          "--step_delay_ms=" + std::string(Emulated() ? "40" : "10")});
+  const int done = WaitProgress(Path("progress1"), 12, ProcessBound(), workers[1]);
+  ASSERT_GE(done, 12);
+  servers_[0]->Kill();  // the only group's primary
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    const std::vector<float>& w = res->tensors["W"];
+    ASSERT_EQ(w.size(), static_cast<size_t>(spec.workers));
+    for (int k = 0; k < spec.workers; ++k) {
+      EXPECT_EQ(w[k], static_cast<float>(kSteps))
+          << "worker " << r << " sees " << w[k] << " applied pushes of worker " << k;
+    }
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+  }
+}
+
+// Without a backup, losing a server is reported, clearly and quickly, as lost state.
+TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.workers = 2;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=100000", "--step_delay_ms=5"});
+  ASSERT_GE(WaitProgress(Path("progress0"), 5, ProcessBound(), workers[0]), 5);
+  servers_[1]->Kill();
+  const auto t0 = Clock::now();
+  for (ChildProcess* w : workers) {
+    EXPECT_EQ(ExitCode(w, milliseconds(20000)), 5) << Tail(w);  // a step failed
+    const std::string log = w->LogTail();
+    EXPECT_NE(log.find("replicas=1"), std::string::npos) << log;
+    EXPECT_NE(log.find("latest checkpoint"), std::string::npos) << log;
+  }
+  std::cerr << "[ info ] workers reported the loss "
+            << std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count()
+            << " ms after the kill\n";
+}
+
+// A worker is SIGKILLed and restarted with the same rank: the others go on without it, it
+// rejoins at the cluster's clock (not 0) with the current weights, and nobody's pushes are
+// lost or doubled (counter model: w[k] counts worker k's applied pushes).
+TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
+  ClusterSpec spec = CounterSpec();
+  spec.servers = 2;
+  spec.replicas = 1;
+  spec.workers = 3;
+  spec.heartbeat_timeout_ms = 1000;
+  const int kSteps = 40;
+  const std::string delay = Emulated() ? "40" : "15";
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay});
+  const int done = WaitProgress(Path("progress2"), 8, ProcessBound(), workers[2]);
+  ASSERT_GE(done, 8);
+  workers[2]->Kill();
+  ChildProcess* again = SpawnWorker(WorkerArgs(spec, 2), "worker2-restarted.log",
+                                    {"--model=counter", "--steps=10", "--step_delay_ms=" + delay});
+  for (int r = 0; r < 2; ++r)
+    ASSERT_EQ(ExitCode(workers[r], ProcessBound()), 0) << Tail(workers[r]);
+  ASSERT_EQ(ExitCode(again, ProcessBound()), 0) << Tail(again);
+  auto res = ParseResult(Path("worker2.out"));  // the restarted worker's result
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_GT(res->Int("start_clock"), done - 1) << "a rejoining worker starts at the cluster clock";
+  for (int r = 0; r < 2; ++r) {
+    auto o = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    ASSERT_TRUE(o.ok()) << o.status();
+    // Survivors: every one of their pushes applied exactly once.
+    EXPECT_EQ(o->tensors["W"][r], static_cast<float>(kSteps)) << "worker " << r;
+  }
+  // The restarted worker: its 10 new pushes, plus those of the killed process that were
+  // applied (it died after `done` steps, with at most one more push in flight).
+  const float w2 = res->tensors["W"][2];
+  EXPECT_GE(w2, static_cast<float>(done + 10));
+  EXPECT_LE(w2, static_cast<float>(done + 1 + 10));
+  std::cerr << "[ info ] worker 2 killed after step " << done << ", restarted at clock "
+            << res->Int("start_clock") << "; its applied pushes: " << w2 << "\n";
+}
+
+// Checkpoints: a BSP run writes one every 5 clocks; the newest is then corrupted (a flipped
+// byte) and the whole cluster is restarted from the directory. The corrupt checkpoint is
+// refused with the reason, the previous one restored, the workers resume at its clock, and the
+// final weights are BIT-IDENTICAL to an uninterrupted one-process run (weights, optimizer
+// state and clocks all came back exactly).
+TEST_P(ProcessClusterTest, ClusterRestoredFromACheckpointResumesBitIdentical) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.workers = 3;
+  spec.optimizer = "momentum";  // optimizer state must come back too
+  spec.checkpoint_dir = Path("ckpt");
+  spec.checkpoint_every = 5;
+  const int kFirst = 20, kTotal = 30;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kFirst)});
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  // The checkpoint of the last clock is written asynchronously: wait for both groups' files.
+  const std::string newest = spec.checkpoint_dir + "/ckpt-000000000020";
+  for (int g = 0; g < 2; ++g) {
+    const std::string f = newest + "/group-" + std::to_string(g) + "-of-2.shps";
+    const auto until = Clock::now() + milliseconds(20000);
+    while (!std::filesystem::exists(f) && Clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    ASSERT_TRUE(std::filesystem::exists(f)) << f;
+  }
+  std::this_thread::sleep_for(milliseconds(200));
+  for (auto& c : children_) c->Kill();  // the whole cluster goes down
+  // Corrupt group 1's file of the newest checkpoint: one flipped byte in the middle.
+  {
+    const std::string f = newest + "/group-1-of-2.shps";
+    auto bytes = ReadFile(f);
+    ASSERT_TRUE(bytes.ok());
+    std::string b = *bytes;
+    b[b.size() / 2] ^= 0x10;
+    std::ofstream(f, std::ios::binary | std::ios::trunc) << b;
+  }
+  spec.restore_from = spec.checkpoint_dir;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> again;
+  for (int r = 0; r < spec.workers; ++r) {
+    again.push_back(SpawnWorker(WorkerArgs(spec, r), "again" + std::to_string(r) + ".log",
+                                {"--steps=" + std::to_string(kTotal), "--resume"}));
+  }
+  ChildProcess* standalone = SpawnStandalone(spec, kTotal, {"--optimizer=momentum"});
+  for (ChildProcess* w : again) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("start_clock"), 15) << "resumed from the checkpoint before the corrupt one";
+    ExpectSameWeights(*res, *ref, r);
+  }
+  // The refusal was reported with its reason.
+  const std::string log = servers_[0]->LogTail(20000);
+  EXPECT_NE(log.find("ckpt-000000000020"), std::string::npos) << log;
+  EXPECT_NE(log.find("checksum"), std::string::npos) << log;
+  EXPECT_NE(log.find("using ckpt-000000000015"), std::string::npos) << log;
+}
+
+// Error completions injected on the data path (ps_test_worker --inject_data_error_every=7: its
+// fabric is wrapped in tests/integration/fault_injecting_fabric.h, and every 7th push header of
+// worker 1 names a wrong rkey, which the server's side refuses with a remote access error). The
+// endpoint
+// enters the error state; the worker reconnects to the same, live server, resends what it lacks
+// and goes on: the weights stay bit-identical to the one-process run.
+TEST_P(ProcessClusterTest, InjectedDataPathErrorsAreSurvivedBitIdentical) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.workers = 2;
+  const int kSteps = 20;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    std::vector<std::string> extra = {"--steps=" + std::to_string(kSteps)};
+    if (r == 1) extra.push_back("--inject_data_error_every=7");
+    workers.push_back(
+        SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log", extra));
+  }
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ExpectSameWeights(*res, *ref, r);
+    if (r == 1) {
+      EXPECT_GE(res->Int("injected_errors"), 5);  // 3 chunks x 20 steps / 7
+      EXPECT_EQ(res->Int("reconnects"), res->Int("injected_errors"));
+      std::cerr << "[ info ] worker 1: " << res->Int("injected_errors") << " injected errors, "
+                << res->Int("reconnects") << " reconnects, " << res->Int("pushes_resent")
+                << " pushes resent\n";
+    } else {
+      EXPECT_EQ(res->Int("injected_errors"), 0);
+    }
+  }
+}
+
+// Elastic growth: a third worker joins a running BSP cluster (max_workers 3). It starts at the
+// cluster's clock, BSP averages over the workers present at each clock, and every push of the
+// original workers is applied exactly once (counter model: w[k] counts worker k's pushes).
+TEST_P(ProcessClusterTest, WorkerJoinsARunningClusterAtItsClock) {
+  ClusterSpec spec = CounterSpec();
+  spec.servers = 2;
+  spec.workers = 2;
+  spec.max_workers = 3;
+  const int kSteps = 40;
+  const std::string delay = Emulated() ? "40" : "15";
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.push_back(SpawnWorker(
+        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+        {"--model=counter", "--workers=3", "--steps=" + std::to_string(kSteps),
+         "--step_delay_ms=" + delay, "--progress_file=" + Path("progress" + std::to_string(r))}));
+  }
+  const int done = WaitProgress(Path("progress0"), 8, ProcessBound(), workers[0]);
+  ASSERT_GE(done, 8);
+  ChildProcess* late =
+      SpawnWorker(WorkerArgs(spec, 2), "worker2.log",
+                  {"--model=counter", "--workers=3", "--steps=10", "--step_delay_ms=" + delay});
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  ASSERT_EQ(ExitCode(late, ProcessBound()), 0) << Tail(late);
+  auto res = ParseResult(Path("worker2.out"));
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_GE(res->Int("start_clock"), done) << "the newcomer starts at the cluster clock";
+  for (int r = 0; r < 2; ++r) {
+    auto o = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->tensors["W"][r], static_cast<float>(kSteps)) << "worker " << r;
+  }
+  // The newcomer's 10 pushes: each applied once, except a first one whose clock some chunk had
+  // already completed without it (dropped, counted by the server as stale).
+  const float w2 = res->tensors["W"][2];
+  EXPECT_GE(w2, 9.0f);
+  EXPECT_LE(w2, 10.0f);
+  std::cerr << "[ info ] worker 2 joined at clock " << res->Int("start_clock")
+            << " (others at step " << done << "); its applied pushes: " << w2 << "\n";
+}
+
+// The coordinator is SIGKILLed mid-training and restarted on the same address with its state
+// file. Training goes on while it is down (a steady-state step needs no control message), every
+// member rejoins it as itself, and it is fully functional afterwards: a primary killed after the
+// restart is failed over through it. The weights are bit-identical to the one-process run.
+TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 2;
+  spec.state_file = Path("coordinator.state");
+  const int kSteps = 60;
+  const int step_delay_ms = Emulated() ? 60 : 20;
+  // A fixed port: the restarted coordinator must be found where the first one was.
+  auto probe = net::ListenTcp("127.0.0.1:0", &spec.listen);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  probe->reset();
+  ASSERT_NE(StartCoordinator(spec), "");
+  ChildProcess* first = coordinator_;
+  StartServers(spec);
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec,
+      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms)});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  const int before = WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]);
+  ASSERT_GE(before, 10);
+  first->Kill();
+  // Down for a while: training must go on without it.
+  const int down_from = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  const int during =
+      WaitProgress(Path("progress0"), down_from + 5, milliseconds(20000), workers[0]);
+  EXPECT_GE(during, down_from + 5) << "training stopped while the coordinator was down";
+  ASSERT_NE(StartCoordinator(spec), "");
+  // Every member rejoins (4 servers + 2 workers).
+  const auto until = Clock::now() + milliseconds(20000);
+  size_t rejoined = 0;
+  while (Clock::now() < until) {
+    const std::string log = coordinator_->LogTail(200000);
+    rejoined = 0;
+    for (size_t p = log.find("rejoined ("); p != std::string::npos;
+         p = log.find("rejoined (", p + 1)) {
+      ++rejoined;
+    }
+    if (rejoined == 6) break;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  ASSERT_EQ(rejoined, 6u) << coordinator_->LogTail();
+  // Now a primary dies: the restarted coordinator fails its group over.
+  const int now = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  ASSERT_LT(now + 3, kSteps) << "training ended before the second fault";
+  servers_[1]->Kill();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
+  }
+  std::cerr << "[ info ] coordinator killed after step " << down_from << "; " << during - down_from
+            << "+ steps done while it was down; 6 members rejoined; a primary killed at step "
+            << now << " failed over through the restarted coordinator\n";
+}
+
+// Control-plane faults during training and a failover: every member reaches the coordinator
+// through two control_fault_proxy instances in a row, one delaying half of all messages by
+// 20 ms (order kept), one dropping 30% of the heartbeats. A primary is killed mid-run. Nobody is
+// declared dead by the lost heartbeats, the failover goes through the delayed messages, and the
+// weights are bit-identical to the one-process run.
+TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 2;
+  const int kSteps = 40;
+  const std::string delay = Emulated() ? "40" : "15";
+  ASSERT_NE(StartCoordinator(spec), "");
+  const std::string coordinator = coordinator_address_;
+  std::vector<ChildProcess*> proxies;
+  auto proxy = [&](const std::string& name, const std::string& upstream,
+                   std::vector<std::string> flags) -> std::string {
+    const std::string port_file = Path(name + ".port");
+    std::vector<std::string> argv = {CONTROL_FAULT_PROXY_BIN, "--upstream=" + upstream,
+                                     "--listen=127.0.0.1:0", "--port_file=" + port_file, "--stats"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    ChildProcess* p = Spawn(argv, name + ".log");
+    if (p == nullptr) return "";
+    proxies.push_back(p);
+    auto addr = WaitForFile(port_file, milliseconds(10000), p);
+    if (!addr.ok()) return "";
+    std::string a = *addr;
+    a.erase(a.find_last_not_of("\n ") + 1);
+    return a;
+  };
+  const std::string delayer =
+      proxy("delay-proxy", coordinator, {"--delay_ms=20", "--delay_percent=50", "--seed=7"});
+  ASSERT_NE(delayer, "");
+  const std::string dropper =
+      proxy("drop-proxy", delayer,
+            {"--drop_percent=30", "--only=heartbeat", "--direction=up", "--seed=11"});
+  ASSERT_NE(dropper, "");
+  coordinator_address_ = dropper;  // every member dials the proxies
+  StartServers(spec);
+  std::vector<ChildProcess*> workers =
+      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
+  servers_[0]->Kill();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
+  }
+  // The faults really happened, and no member was declared dead for lost heartbeats.
+  auto last_count = [&](const std::string& log, const std::string& key) -> int64_t {
+    const size_t p = log.rfind(key);
+    return p == std::string::npos ? -1 : std::strtoll(log.c_str() + p + key.size(), nullptr, 10);
+  };
+  for (ChildProcess* p : proxies) {  // SIGTERM: each prints its final counters and exits 0
+    kill(p->pid(), SIGTERM);
+    EXPECT_EQ(ExitCode(p, milliseconds(10000)), 0) << Tail(p);
+  }
+  auto text = [&](const std::string& name) {
+    auto t = ReadFile(Path(name));
+    return t.ok() ? *t : std::string();
+  };
+  const std::string drop_log = text("drop-proxy.log");
+  const std::string delay_log = text("delay-proxy.log");
+  const std::string coord_log = text("coordinator.log");
+  EXPECT_GT(last_count(drop_log, "heartbeat: forwarded "), 0) << drop_log.substr(0, 2000);
+  const size_t hb = drop_log.rfind("heartbeat: forwarded");
+  ASSERT_NE(hb, std::string::npos);
+  EXPECT_GT(last_count(drop_log.substr(hb), "dropped "), 0) << "no heartbeat was dropped";
+  EXPECT_GT(last_count(delay_log, "total: forwarded "), 0);
+  const size_t tot = delay_log.rfind("total: forwarded");
+  ASSERT_NE(tot, std::string::npos);
+  EXPECT_GT(last_count(delay_log.substr(tot), "delayed "), 0) << "no message was delayed";
+  EXPECT_EQ(coord_log.find("no heartbeat for"), std::string::npos) << "a member was declared dead";
+}
+
+}  // namespace
+}  // namespace shardps
