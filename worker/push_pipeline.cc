@@ -96,10 +96,39 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
 }
 
 Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
-  for (uint32_t id = 0; id < push_.size(); ++id) {
-    if (push_[id].seq > 0) RETURN_IF_ERROR(EnsureAcked(id, push_[id].seq, recover));
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  while (true) {
+    // The servers that still owe an acknowledgement of some chunk's latest push.
+    std::vector<uint32_t> servers;
+    for (uint32_t id = 0; id < push_.size(); ++id) {
+      const uint32_t server = chunks_[id].server;
+      if (push_[id].known_acked < push_[id].seq &&
+          std::find(servers.begin(), servers.end(), server) == servers.end()) {
+        servers.push_back(server);
+      }
+    }
+    if (servers.empty()) return Status::OK();
+    // One read per server, all in flight together: one round trip, not one per server.
+    Status st = sessions_.ReadAcks(servers, deadline, [] {
+      return DeadlineExceededError("waiting for the servers to acknowledge this step's pushes");
+    });
+    bool failed = false;
+    for (uint32_t server : servers) failed = failed || sessions_.at(server).failed;
+    if (failed) {
+      RETURN_IF_ERROR(recover());  // resynchronises known_acked with the servers (Resync)
+      continue;
+    }
+    RETURN_IF_ERROR(st);
+    for (uint32_t server : servers) {
+      const uint64_t* acks = sessions_.Acks(server);
+      const std::vector<uint32_t>& chunk_of_slot = sessions_.at(server).chunk_of_slot;
+      for (uint32_t slot = 0; slot < chunk_of_slot.size(); ++slot) {
+        ChunkPush& o = push_[chunk_of_slot[slot]];
+        o.known_acked = std::max(o.known_acked, acks[slot]);
+      }
+    }
+    std::this_thread::yield();
   }
-  return Status::OK();
 }
 
 Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,

@@ -184,6 +184,29 @@ Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::ti
   return AwaitRead(deadline, timeout_error, stop_if_failed ? &s.failed : nullptr);
 }
 
+Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
+                                SteadyClock::time_point deadline,
+                                const std::function<Status()>& timeout_error) {
+  acks_pending_ = 0;
+  setup_error_ = Status::OK();
+  for (uint32_t server : servers) {
+    ServerSession& s = servers_[server];
+    if (!s.ep || s.failed) continue;
+    const uint64_t off = AcksOffset(server);
+    Status st = PostWithCredit([&] {
+      return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
+                            transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
+                            MakeContext(kOpAcks, 0, 0));
+    });
+    if (!st.ok()) {
+      s.failed = true;  // recovered by the caller, like a failed completion
+      continue;
+    }
+    ++acks_pending_;
+  }
+  return AwaitRead(deadline, timeout_error, nullptr);
+}
+
 Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk,
                                   SteadyClock::time_point deadline,
                                   const std::function<Status()>& timeout_error) {

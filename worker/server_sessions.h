@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "proto/control_client.h"
-#include "wire/region_layout.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
+#include "wire/region_layout.h"
 #include "worker/data_path.h"
 
 namespace shardps::worker {
@@ -101,6 +101,12 @@ class ServerSessions {
   // when the session fails meanwhile: the caller checks at(server).failed.
   Status ReadAcks(uint32_t server, uint32_t chunk, std::chrono::steady_clock::time_point deadline,
                   const std::function<Status()>& timeout_error, bool stop_if_failed);
+  // Reads this worker's acks from several servers at once (one read each, all in flight
+  // together) and waits for all of them until `deadline`. A server whose session fails
+  // meanwhile completes its read with an error: the caller checks at(server).failed first.
+  Status ReadAcks(const std::vector<uint32_t>& servers,
+                  std::chrono::steady_clock::time_point deadline,
+                  const std::function<Status()>& timeout_error);
   // Reads chunk header `slot` of a server into ChunkStaging(chunk, 2) and waits for it.
   Status ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk,
                     std::chrono::steady_clock::time_point deadline,
