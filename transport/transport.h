@@ -52,6 +52,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
@@ -306,6 +307,10 @@ struct FabricOptions {
   // shm: bytes of sparse address space each fabric reserves for AllocateMemory (0 = 64 GiB;
   // nothing is committed until touched; smaller reservations are tried if this one fails).
   uint64_t shm_arena_bytes = 0;
+  // shm: uids, besides this process's effective uid, whose processes a listener of this fabric
+  // serves. The listener reads the connecting process's uid with SO_PEERCRED and refuses any
+  // other uid before a byte of the handshake is read or an fd sent. Empty: same uid only.
+  std::vector<uint32_t> shm_allowed_uids;
 };
 
 class Fabric {

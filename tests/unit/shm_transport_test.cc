@@ -1,6 +1,13 @@
-// Tests of the shm provider through the public transport API: two fabrics in one process.
+// Tests of the shm provider through the public transport API: two fabrics in one process. The
+// uid tests also fork a child that becomes `nobody` and, besides Fabric::Connect, speaks the
+// handshake over a raw socket with shm_layout.h's structs, to see exactly which fds come back.
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +27,7 @@
 
 #include "common/byte_pattern.h"
 
+#include "transport/shm/shm_layout.h"
 #include "transport/transport.h"
 
 namespace shardps::transport {
@@ -547,6 +555,218 @@ TEST_F(ShmTransportTest, HostileHandshakeIsAnErrorNotACrash) {
   t.join();
   EXPECT_TRUE(tep.ok()) << tep.status();
   EXPECT_TRUE(iep.ok()) << iep.status();
+}
+
+// What the child of PeerOfAnotherUidIsRefusedBeforeAnyFdIsSent saw, sent back over a pipe.
+struct NobodyReport {
+  int setup_errno = 0;        // 0: the child became uid 65534 and reached the listener
+  int raw_fds_received = -1;  // SCM_RIGHTS fds the server sent after a well-formed hello
+  int raw_recv_result = 1;    // recvmsg's result: <= 0 means EOF or error, nothing sent
+  int connect_ok = 1;         // Fabric::Connect as nobody: 1 if it succeeded
+};
+
+// In the forked child, as `nobody`: a well-formed handshake over a raw socket, with a valid
+// arena and region table (so that a server that checks nothing goes on to send its own fds),
+// counting what comes back; then a real Fabric::Connect.
+NobodyReport NobodyTriesToConnect(const std::string& addr) {
+  NobodyReport r;
+  if (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0) {
+    r.setup_errno = errno;
+    return r;
+  }
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, addr.data() + 1, addr.size() - 1);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&sa),
+                        offsetof(sockaddr_un, sun_path) + addr.size()) != 0) {
+    r.setup_errno = errno;
+    return r;
+  }
+  constexpr uint64_t kArena = 2ull << 20;
+  const int arena = memfd_create("nobody-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  const int table = memfd_create("nobody-table", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (arena < 0 || table < 0 || ftruncate(arena, kArena) != 0 ||
+      ftruncate(table, shm::kTableBytes) != 0) {
+    r.setup_errno = errno;
+    return r;
+  }
+  void* t = mmap(nullptr, shm::kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, table, 0);
+  if (t == MAP_FAILED) {
+    r.setup_errno = errno;
+    return r;
+  }
+  auto* th = static_cast<shm::TableHeader*>(t);
+  th->version.store(shm::kLayoutVersion);
+  th->capacity.store(shm::kTableCapacity);
+  th->arena_size.store(kArena);
+  th->magic.store(shm::kTableMagic);
+  fcntl(arena, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  fcntl(table, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  shm::Hello hello{};
+  hello.magic = shm::kHelloMagic;
+  hello.version = shm::kLayoutVersion;
+  hello.pid = static_cast<uint32_t>(getpid());
+  hello.recv_depth = 8;
+  hello.table_capacity = shm::kTableCapacity;
+  hello.arena_size = kArena;
+  const int out[2] = {arena, table};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+  iovec iov{&hello, sizeof(hello)};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = CMSG_SPACE(sizeof(out));
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(out));
+  std::memcpy(CMSG_DATA(c), out, sizeof(out));
+  if (sendmsg(fd, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(hello))) {
+    r.setup_errno = errno;
+    return r;
+  }
+  pollfd p{fd, POLLIN, 0};
+  poll(&p, 1, 10000);
+  shm::Hello reply{};
+  std::memset(control, 0, sizeof(control));
+  iov = iovec{&reply, sizeof(reply)};
+  msg = msghdr{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  r.raw_recv_result = static_cast<int>(recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC));
+  r.raw_fds_received = 0;
+  if (r.raw_recv_result >= 0) {
+    for (cmsghdr* h = CMSG_FIRSTHDR(&msg); h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
+      if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS) {
+        r.raw_fds_received += static_cast<int>((h->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      }
+    }
+  }
+  close(fd);
+
+  FabricOptions o;
+  o.provider = "shm";
+  o.shm_arena_bytes = 64ull << 20;
+  auto f = Fabric::Open(o);
+  if (!f.ok()) {
+    r.setup_errno = EIO;
+    return r;
+  }
+  auto cq = (*f)->CreateCompletionQueue(64);
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  eo.connect_timeout = milliseconds(10000);
+  r.connect_ok = cq.ok() && (*f)->Connect(addr, cq->get(), eo).ok();
+  return r;
+}
+
+// The listener checks the connecting process's uid with SO_PEERCRED before it reads the hello:
+// a process of another uid (here `nobody`) is refused before any memfd is mapped or sent. Before
+// this check any local uid could map a server's arena read-write.
+TEST_F(ShmTransportTest, PeerOfAnotherUidIsRefusedBeforeAnyFdIsSent) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to fork a child that becomes nobody (65534)";
+  auto tcq = target_->CreateCompletionQueue(1024);
+  auto icq = initiator_->CreateCompletionQueue(1024);
+  ASSERT_TRUE(tcq.ok() && icq.ok());
+  auto l = target_->Listen("");
+  ASSERT_TRUE(l.ok()) << l.status();
+  const std::string addr = (*l)->address();
+  ASSERT_EQ(addr[0], '@');
+  int report_pipe[2];
+  ASSERT_EQ(pipe(report_pipe), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(report_pipe[0]);
+    const NobodyReport r = NobodyTriesToConnect(addr);
+    (void)!write(report_pipe[1], &r, sizeof(r));
+    _exit(0);
+  }
+  close(report_pipe[1]);
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  int accepted = 0;
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the raw handshake, then Fabric::Connect
+    SCOPED_TRACE(attempt);
+    auto ep = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+    if (ep.ok()) {
+      ++accepted;
+      continue;
+    }
+    EXPECT_EQ(ep.status().code(), StatusCode::kPermissionDenied) << ep.status();
+    EXPECT_NE(ep.status().message().find("uid 65534"), std::string::npos) << ep.status();
+  }
+  EXPECT_EQ(accepted, 0) << "the listener made endpoints for a peer of another uid";
+  NobodyReport r;
+  const ssize_t got = read(report_pipe[0], &r, sizeof(r));
+  close(report_pipe[0]);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_EQ(got, static_cast<ssize_t>(sizeof(r)));
+  ASSERT_EQ(r.setup_errno, 0) << strerror(r.setup_errno);
+  EXPECT_EQ(r.raw_fds_received, 0) << "the server sent fds to a peer of another uid";
+  EXPECT_LE(r.raw_recv_result, 0) << "the server answered the hello of a peer of another uid";
+  EXPECT_EQ(r.connect_ok, 0) << "Fabric::Connect as nobody succeeded";
+  // Nothing of the child's was mapped here, and no doorbell was made for it.
+  EXPECT_EQ(CountMappings("shardps-shm-arena"), 2);  // target_'s and initiator_'s own
+  EXPECT_EQ(CountMappings("nobody-arena"), 0);
+  EXPECT_EQ(CountMappings("shardps-shm-doorbell"), 0);
+  // A peer of this uid is still served.
+  StatusOr<std::unique_ptr<Endpoint>> iep = InternalError("not run");
+  std::thread t([&] { iep = initiator_->Connect(addr, icq->get(), eo); });
+  auto tep = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+  t.join();
+  EXPECT_TRUE(tep.ok()) << tep.status();
+  EXPECT_TRUE(iep.ok()) << iep.status();
+}
+
+// An allow-listed uid is served: FabricOptions::shm_allowed_uids admits a peer of another uid.
+TEST_F(ShmTransportTest, AllowListedUidIsServed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to fork a child that becomes nobody (65534)";
+  FabricOptions o;
+  o.provider = "shm";
+  o.shm_allowed_uids = {65534};
+  auto server = Fabric::Open(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto tcq = (*server)->CreateCompletionQueue(1024);
+  ASSERT_TRUE(tcq.ok());
+  auto l = (*server)->Listen("");
+  ASSERT_TRUE(l.ok()) << l.status();
+  const std::string addr = (*l)->address();
+  int report_pipe[2];
+  ASSERT_EQ(pipe(report_pipe), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(report_pipe[0]);
+    const NobodyReport r = NobodyTriesToConnect(addr);
+    (void)!write(report_pipe[1], &r, sizeof(r));
+    _exit(0);
+  }
+  close(report_pipe[1]);
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  // The raw handshake never acknowledges, so that Accept fails after the fds were sent.
+  auto raw = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+  EXPECT_FALSE(raw.ok());
+  auto ep = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+  EXPECT_TRUE(ep.ok()) << ep.status();
+  NobodyReport r;
+  const ssize_t got = read(report_pipe[0], &r, sizeof(r));
+  close(report_pipe[0]);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_EQ(got, static_cast<ssize_t>(sizeof(r)));
+  ASSERT_EQ(r.setup_errno, 0) << strerror(r.setup_errno);
+  EXPECT_EQ(r.raw_fds_received, 3);
+  EXPECT_EQ(r.connect_ok, 1);
 }
 
 // Two connections between the same two fabrics map each peer arena once per side.

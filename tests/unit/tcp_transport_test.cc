@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -348,14 +350,14 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, TcpAccessTest,
     ::testing::Values(
         AccessCase{"WrongRkey", Access::kRemoteReadWrite, false, 0, 0x00ff0000, 4096,
-                   "not registered"},
+                   "refused the write"},
         AccessCase{"StraddlesEnd", Access::kRemoteReadWrite, false, (1 << 16) - 10, 0, 4096,
-                   "outside the region"},
-        AccessCase{"StartsBefore", Access::kRemoteReadWrite, true, -8, 0, 64, "outside the region"},
+                   "refused the write"},
+        AccessCase{"StartsBefore", Access::kRemoteReadWrite, true, -8, 0, 64, "refused the read"},
         AccessCase{"WrapsAround", Access::kRemoteReadWrite, false, INT64_MIN / 2, 0, 4096,
-                   "outside the region"},
-        AccessCase{"NoRemoteWrite", Access::kRemoteRead, false, 0, 0, 4096, "remote write"},
-        AccessCase{"NoRemoteRead", Access::kRemoteWrite, true, 0, 0, 4096, "remote read"}),
+                   "refused the write"},
+        AccessCase{"NoRemoteWrite", Access::kRemoteRead, false, 0, 0, 4096, "refused the write"},
+        AccessCase{"NoRemoteRead", Access::kRemoteWrite, true, 0, 0, 4096, "refused the read"}),
     [](const ::testing::TestParamInfo<AccessCase>& i) { return std::string(i.param.name); });
 
 TEST_F(TcpTransportTest, DeregisteredRegionIsRejected) {
@@ -368,7 +370,54 @@ TEST_F(TcpTransportTest, DeregisteredRegionIsRejected) {
   auto cs = WaitInitiator(1);
   ASSERT_EQ(cs.size(), 1u);
   EXPECT_EQ(cs[0].status, WcStatus::kRemoteAccessError);
-  EXPECT_NE(iep_->status().message().find("not registered"), std::string::npos);
+  EXPECT_NE(iep_->status().message().find("refused the write"), std::string::npos)
+      << iep_->status();
+}
+
+// rkeys come from the kernel CSPRNG (docs/security.md): knowing some of a fabric's rkeys tells
+// nothing about the others. Before, they were consecutive from a clock-derived start, so a peer
+// holding one descriptor could name its neighbours.
+TEST_F(TcpTransportTest, RkeysAreUnpredictableAndANeighbourGuessIsRefused) {
+  constexpr size_t kRegions = 1000;
+  constexpr size_t kSlice = 4096;
+  std::vector<char> mem(kRegions * kSlice, 0);
+  std::vector<std::unique_ptr<MemoryRegion>> regions;
+  std::vector<uint32_t> keys;
+  for (size_t i = 0; i < kRegions; ++i) {
+    auto r = target_->RegisterMemory(mem.data() + i * kSlice, kSlice, Access::kRemoteReadWrite,
+                                     MemoryKind::kHost);
+    ASSERT_TRUE(r.ok()) << r.status();
+    keys.push_back((*r)->descriptor().rkey);
+    regions.push_back(std::move(*r));
+  }
+  const std::set<uint32_t> distinct(keys.begin(), keys.end());
+  EXPECT_EQ(distinct.size(), kRegions) << "rkeys repeat within a fabric";
+  EXPECT_EQ(distinct.count(0), 0u) << "rkey 0 handed out";
+  // No arithmetic progression: consecutive registrations never differ by the same step twice
+  // in a row (for 1000 random 32-bit keys the chance of one such pair is ~2^-22).
+  int same_step = 0;
+  for (size_t i = 2; i < kRegions; ++i) {
+    same_step += keys[i] - keys[i - 1] == keys[i - 1] - keys[i - 2];
+  }
+  EXPECT_EQ(same_step, 0) << "rkeys follow a fixed step, e.g. " << keys[0] << ", " << keys[1]
+                          << ", " << keys[2];
+  // The whole 32-bit field is used, not a narrow window near a seed.
+  std::set<uint32_t> high;
+  for (uint32_t k : keys) high.insert(k >> 16);
+  EXPECT_GT(high.size(), kRegions / 2) << "rkeys cluster in " << high.size() << " 64K windows";
+
+  // A peer that knows region 0's descriptor and region 1's address guesses region 1's rkey as
+  // region 0's plus one: refused, and region 1 is untouched.
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  auto src = Alloc(initiator_.get(), kSlice, Access::kLocalOnly);
+  Fill(src->data(), kSlice, 11);
+  RemoteSlice guess = AtOffset(regions[1]->descriptor(), 0);
+  guess.rkey = keys[0] + 1;
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 256}, guess, 1).ok());
+  auto cs = WaitInitiator(1);
+  ASSERT_EQ(cs.size(), 1u);
+  EXPECT_EQ(cs[0].status, WcStatus::kRemoteAccessError) << WcStatusName(cs[0].status);
+  EXPECT_TRUE(AllZero(mem.data() + kSlice, kSlice)) << "a guessed rkey wrote into region 1";
 }
 
 // A stray client that sends garbage instead of a hello is dropped; Accept keeps waiting and
@@ -460,6 +509,96 @@ TEST_F(TcpTransportTest, HostileFramesCloseOnlyThatConnection) {
   auto cs = WaitInitiator(1);
   ASSERT_TRUE(cs.size() == 1 && cs[0].ok());
   EXPECT_EQ(std::memcmp(remote->data(), src->data(), 4096), 0);
+}
+
+// One NAK for every refused remote access (docs/security.md): an unknown rkey, a range outside
+// a valid rkey's region and a missing access right draw byte-identical NAKs, for reads and
+// writes alike, so a peer cannot use the refusals to tell a valid rkey from an invalid one.
+// Before, the reason byte said which check failed and the NAK echoed the request's rkey/addr.
+TEST_F(TcpTransportTest, RefusedAccessesAreIndistinguishableOnTheWire) {
+  auto rw = Alloc(target_.get(), 4096, Access::kRemoteReadWrite);
+  auto read_only = Alloc(target_.get(), 4096, Access::kRemoteRead);
+  auto write_only = Alloc(target_.get(), 4096, Access::kRemoteWrite);
+  const RegionDescriptor d = rw->descriptor();
+  uint32_t unknown = d.rkey ^ 0x5a5a5a5au;
+  while (unknown == 0 || unknown == d.rkey || unknown == read_only->descriptor().rkey ||
+         unknown == write_only->descriptor().rkey) {
+    ++unknown;
+  }
+  struct Frame {
+    uint8_t magic, opcode, reason, flags;
+    uint32_t imm, rkey, reserved;
+    uint64_t addr, length, seq;
+  };
+  static_assert(sizeof(Frame) == 40);
+  constexpr uint64_t kLen = 200;
+  struct Case {
+    const char* name;
+    uint8_t opcode;  // 1 WRITE, 3 READ_REQ
+    uint32_t rkey;
+    uint64_t addr;
+  };
+  const Case cases[] = {
+      {"write, unknown rkey", 1, unknown, d.addr},
+      {"write, out of range", 1, d.rkey, d.addr + 4000},
+      {"write, no remote write", 1, read_only->descriptor().rkey, read_only->descriptor().addr},
+      {"read, unknown rkey", 3, unknown, d.addr},
+      {"read, out of range", 3, d.rkey, d.addr + 4000},
+      {"read, no remote read", 3, write_only->descriptor().rkey, write_only->descriptor().addr},
+  };
+  std::vector<std::string> naks;
+  int id = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::string nak;
+    std::thread peer([&] {
+      const int fd = RawConnect(listener_->address());
+      ASSERT_GE(fd, 0);
+      timeval tv{10, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      struct {
+        uint32_t magic;
+        uint16_t version, header_size;
+        uint32_t reserved, send_depth, recv_depth, reserved2;
+        uint64_t id;
+      } hello{0x43545053, 1, 40, 0, 16, 16, 0, 0};
+      ASSERT_EQ(send(fd, &hello, sizeof(hello), MSG_NOSIGNAL), 32);
+      char back[32];
+      ASSERT_EQ(recv(fd, back, sizeof(back), MSG_WAITALL), 32);
+      const Frame f{0xA5, c.opcode, 0, 0, 0, c.rkey, 0, c.addr, kLen, 1};
+      ASSERT_EQ(send(fd, &f, sizeof(f), MSG_NOSIGNAL), 40);
+      if (c.opcode == 1) {
+        const std::vector<char> payload(kLen, 0x7f);
+        ASSERT_EQ(send(fd, payload.data(), payload.size(), MSG_NOSIGNAL),
+                  static_cast<ssize_t>(kLen));
+      }
+      char resp[40];
+      ASSERT_EQ(recv(fd, resp, sizeof(resp), MSG_WAITALL), 40);
+      nak.assign(resp, sizeof(resp));
+      close(fd);
+    });
+    EndpointOptions eo;
+    eo.endpoint_id = 70 + id++;
+    eo.send_depth = 16;
+    eo.recv_depth = 16;
+    auto ep = listener_->Accept(tcq_.get(), eo, milliseconds(10000));
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    peer.join();
+    ASSERT_EQ(nak.size(), 40u);
+    EXPECT_EQ(static_cast<uint8_t>(nak[1]), 6) << "not a NAK";
+    naks.push_back(nak);
+  }
+  ASSERT_EQ(naks.size(), 6u);
+  for (size_t i = 1; i < naks.size(); ++i) {
+    Frame a, b;
+    std::memcpy(&a, naks[0].data(), 40);
+    std::memcpy(&b, naks[i].data(), 40);
+    EXPECT_EQ(naks[i], naks[0]) << cases[i].name << " vs " << cases[0].name << ": reason "
+                                << int{b.reason} << " vs " << int{a.reason} << ", rkey " << b.rkey
+                                << " vs " << a.rkey << ", addr " << b.addr << " vs " << a.addr;
+  }
+  EXPECT_TRUE(AllZero(rw->data(), 4096));
+  EXPECT_TRUE(AllZero(read_only->data(), 4096));
 }
 
 // The target endpoint goes away with reads and writes outstanding: the first outstanding op

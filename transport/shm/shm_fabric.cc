@@ -8,6 +8,8 @@
 // shm_layout.h. Connections are AF_UNIX SOCK_SEQPACKET sockets (abstract namespace unless the
 // address is a path); the fds travel with SCM_RIGHTS, and the socket stays open for the life of
 // the connection so that either side notices the other one's death (EOF/HUP).
+// A listener serves only processes of its own effective uid (or of FabricOptions::
+// shm_allowed_uids): it checks SO_PEERCRED before it reads the hello or sends any fd.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
@@ -247,6 +249,33 @@ Status CheckHello(const Hello& h, int sock) {
               << " (another pid namespace?)";
   }
   return Status::OK();
+}
+
+// The first thing a listener does with a new connection, before it reads the hello, maps
+// anything or sends an fd: the connecting process's uid, as the kernel recorded it at connect()
+// (SO_PEERCRED), must be this process's effective uid or one of `allowed`. An abstract socket
+// is reachable by every local uid (and listed in /proc/net/unix), so this is what keeps another
+// user's processes away from the arena.
+Status CheckPeerUid(int sock, const std::vector<uint32_t>& allowed, const std::string& address) {
+  ucred cred{};
+  socklen_t cl = sizeof(cred);
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0) {
+    return ErrnoError("shm: SO_PEERCRED of a connection to " + address, errno);
+  }
+  const uint32_t uid = static_cast<uint32_t>(cred.uid);
+  const uint32_t own = static_cast<uint32_t>(geteuid());
+  if (uid == own || std::find(allowed.begin(), allowed.end(), uid) != allowed.end()) {
+    return Status::OK();
+  }
+  LOG(WARNING) << "shm: refused a connection to " << address << " from uid " << uid << " (pid "
+               << cred.pid << "): this process runs as uid " << own << " and "
+               << (allowed.empty() ? "admits no other uid"
+                                   : std::to_string(allowed.size()) + " other uid(s)")
+               << " (FabricOptions::shm_allowed_uids)";
+  return PermissionDeniedError("shm: refused a peer of uid " + std::to_string(uid) + " (pid " +
+                               std::to_string(cred.pid) + ") on " + address +
+                               ": not this process's uid " + std::to_string(own) +
+                               " nor an allowed one");
 }
 
 Status CheckOptions(const EndpointOptions& o) {
@@ -549,11 +578,12 @@ namespace {
 class ShmListener final : public Listener {
  public:
   ShmListener(std::shared_ptr<FabricCore> core, UniqueFd fd, std::string address,
-              std::string unlink_path)
+              std::string unlink_path, std::vector<uint32_t> allowed_uids)
       : core_(std::move(core)),
         fd_(std::move(fd)),
         address_(std::move(address)),
-        unlink_path_(std::move(unlink_path)) {}
+        unlink_path_(std::move(unlink_path)),
+        allowed_uids_(std::move(allowed_uids)) {}
   ~ShmListener() override {
     if (!unlink_path_.empty()) unlink(unlink_path_.c_str());
   }
@@ -569,6 +599,7 @@ class ShmListener final : public Listener {
   UniqueFd fd_;
   const std::string address_;
   const std::string unlink_path_;
+  const std::vector<uint32_t> allowed_uids_;  // besides our own euid (CheckPeerUid)
 };
 
 StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
@@ -597,6 +628,7 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
                                                            std::shared_ptr<CqState> cq,
                                                            const EndpointOptions& options,
                                                            Clock::time_point deadline) {
+  RETURN_IF_ERROR(CheckPeerUid(sock.get(), allowed_uids_, address_));
   const int slots = options.send_depth + options.recv_depth;
   RETURN_IF_ERROR(cq->quota.Reserve(slots));
   QuotaGuard guard(cq.get(), slots);
@@ -645,7 +677,8 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
 // Thread-safe: setup calls share nothing mutable but FabricCore, which locks.
 class ShmFabric final : public Fabric {
  public:
-  explicit ShmFabric(std::shared_ptr<FabricCore> core) : core_(std::move(core)) {}
+  ShmFabric(std::shared_ptr<FabricCore> core, std::vector<uint32_t> allowed_uids)
+      : core_(std::move(core)), allowed_uids_(std::move(allowed_uids)) {}
   std::string name() const override { return "shm"; }
   std::string DebugString() const override {
     return "shm{pid=" + std::to_string(getpid()) + " arena=" + Bytes(core_->arena_size()) +
@@ -701,8 +734,8 @@ class ShmFabric final : public Fabric {
     }
     if (listen(fd.get(), 128) != 0) return ErrnoError("shm: listen " + canonical, errno);
     const bool is_path = canonical[0] != '@';
-    return std::unique_ptr<Listener>(
-        new ShmListener(core_, std::move(fd), canonical, is_path ? canonical : std::string()));
+    return std::unique_ptr<Listener>(new ShmListener(
+        core_, std::move(fd), canonical, is_path ? canonical : std::string(), allowed_uids_));
   }
 
   StatusOr<std::unique_ptr<Endpoint>> Connect(const std::string& address, CompletionQueue* cq,
@@ -710,6 +743,7 @@ class ShmFabric final : public Fabric {
 
  private:
   std::shared_ptr<FabricCore> core_;
+  const std::vector<uint32_t> allowed_uids_;  // handed to every listener
 };
 
 StatusOr<std::unique_ptr<Endpoint>> ShmFabric::Connect(const std::string& address,
@@ -778,7 +812,7 @@ StatusOr<std::unique_ptr<Fabric>> OpenShmFabric(const FabricOptions& options) {
   const uint64_t reserve =
       options.shm_arena_bytes != 0 ? options.shm_arena_bytes : shm::kDefaultArenaBytes;
   ASSIGN_OR_RETURN(auto core, shm::FabricCore::Create(reserve));
-  return std::unique_ptr<Fabric>(new shm::ShmFabric(std::move(core)));
+  return std::unique_ptr<Fabric>(new shm::ShmFabric(std::move(core), options.shm_allowed_uids));
 }
 
 }  // namespace shardps::transport

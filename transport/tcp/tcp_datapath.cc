@@ -45,21 +45,23 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
-uint8_t NakFor(AccessCheck c) {
-  switch (c) {
-    case AccessCheck::kUnknownRkey:
-      return kNakUnknownRkey;
-    case AccessCheck::kOutOfBounds:
-      return kNakOutOfBounds;
-    case AccessCheck::kNoAccess:
-      return kNakNoAccess;
-    case AccessCheck::kOk:
-      break;
-  }
-  return kNakNone;
-}
-
 }  // namespace
+
+const char* AccessCheckName(AccessCheck c) {
+  switch (c) {
+    case AccessCheck::kOk:
+      return "ok";
+    case AccessCheck::kUnknownRkey:
+      return "unknown rkey";
+    case AccessCheck::kOutOfBounds:
+      return "outside the region";
+    case AccessCheck::kNoAccess:
+      return "access right missing";
+    case AccessCheck::kDeregistered:
+      return "region deregistered during the transfer";
+  }
+  return "?";
+}
 
 // ---------------------------------------------------------------------------------------------
 // TcpEndpoint: setup and teardown
@@ -396,7 +398,7 @@ void TcpEndpoint::HandleHeader() {
       char* dst = nullptr;
       const AccessCheck chk = engine_->Lookup(h.rkey, h.addr, h.length, true, &dst);
       if (chk != AccessCheck::kOk) {
-        rx_nak_reason_ = NakFor(chk);
+        rx_refusal_ = chk;
         return StartDrain(h.length, RxAction::kNak);
       }
       return StartPayload(dst, h.length,
@@ -411,7 +413,7 @@ void TcpEndpoint::HandleHeader() {
       }
       char* src = nullptr;
       const AccessCheck chk = engine_->Lookup(h.rkey, h.addr, h.length, false, &src);
-      if (chk != AccessCheck::kOk) return SendNak(h, NakFor(chk));
+      if (chk != AccessCheck::kOk) return SendNak(h, chk);
       exec_seq_ = h.seq;
       acked_sent_ = h.seq;  // READ_RESP acknowledges everything before it
       unacked_bytes_ = 0;
@@ -461,27 +463,15 @@ void TcpEndpoint::HandleHeader() {
         }
       }
       if (!ok) return ProtocolError("NAK for seq " + std::to_string(h.seq) + " not outstanding");
-      const char* what = op.type == OpType::kRead ? "read" : "write";
-      std::string why = "remote access error: ";
-      switch (h.reason) {
-        case kNakUnknownRkey:
-          why += "rkey " + Hex(op.rkey) + " not registered at the target";
-          break;
-        case kNakOutOfBounds:
-          why += std::string(what) + " [" + Hex(op.raddr) + ", +" + std::to_string(op.length) +
-                 ") is outside the region of rkey " + Hex(op.rkey);
-          break;
-        case kNakNoAccess:
-          why += "region of rkey " + Hex(op.rkey) + " does not allow remote " + what;
-          break;
-        case kNakDeregistered:
-          why += "region of rkey " + Hex(op.rkey) + " was deregistered during the " + what;
-          break;
-        default:
-          why += "reason " + std::to_string(h.reason);
-          break;
-      }
-      return Fail(WcStatus::kRemoteAccessError, PermissionDeniedError(why));
+      // Every reason means the same (tcp_wire.h): the target does not say which check failed.
+      const std::string what = op.type == OpType::kRead ? "read" : "write";
+      return Fail(WcStatus::kRemoteAccessError,
+                  PermissionDeniedError("remote access error: the target refused the " + what +
+                                        " [" + Hex(op.raddr) + ", +" + std::to_string(op.length) +
+                                        ") with rkey " + Hex(op.rkey) +
+                                        " (unknown or stale rkey, range outside the region, or no "
+                                        "remote " +
+                                        what + " right; the target does not say which)"));
     }
     default:
       return ProtocolError("unknown opcode " + std::to_string(h.opcode));
@@ -525,7 +515,7 @@ void TcpEndpoint::FinishPayload() {
       return;
     }
     case RxAction::kNak:
-      return SendNak(h, rx_nak_reason_);
+      return SendNak(h, rx_refusal_);
     case RxAction::kReadRespGone:
       return Fail(WcStatus::kLocalError,
                   InternalError("tcp: the local region of a read was deregistered while the "
@@ -580,20 +570,20 @@ void TcpEndpoint::OnRecvImmReaped() {
   if (rx_paused_.load()) engine_->Wake();
 }
 
-void TcpEndpoint::SendNak(const FrameHeader& req, uint8_t reason) {
+void TcpEndpoint::SendNak(const FrameHeader& req, AccessCheck why) {
+  // Only seq and the one reason go out: rkey, addr and length stay 0, so the NAK of an unknown
+  // rkey is byte-identical to that of a valid rkey out of range or without the right.
   Segment s;
   s.hdr = FrameHeader{};
   s.hdr.magic = kFrameMagic;
   s.hdr.opcode = kOpNak;
-  s.hdr.reason = reason;
-  s.hdr.rkey = req.rkey;
-  s.hdr.addr = req.addr;
-  s.hdr.length = req.length;
+  s.hdr.reason = kNakRefused;
   s.hdr.seq = req.seq;
   s.payload = nullptr;
   s.payload_len = 0;
-  VLOG(1) << "tcp: rejecting request " << req.seq << " from " << remote_ << " (reason "
-          << static_cast<int>(reason) << ")";
+  VLOG(1) << "tcp: refusing request " << req.seq << " from " << remote_ << " (rkey "
+          << Hex(req.rkey) << ", [" << Hex(req.addr) << ", +" << req.length
+          << "): " << AccessCheckName(why) << ")";
   rx_discard_ = true;  // like an RC responder: nothing after the NAK is executed
   acked_sent_ = exec_seq_;
   SendResponse(s);
@@ -686,7 +676,7 @@ void TcpEndpoint::OnRegionGone(const char* base, uint64_t length) {
     rx_state_ = RxState::kDrain;  // the rest goes to the scratch sink
     if (rx_action_ == RxAction::kWrite || rx_action_ == RxAction::kWriteImm) {
       rx_action_ = RxAction::kNak;
-      rx_nak_reason_ = kNakDeregistered;
+      rx_refusal_ = AccessCheck::kDeregistered;
     } else if (rx_action_ == RxAction::kReadResp) {
       rx_action_ = RxAction::kReadRespGone;
     }

@@ -22,6 +22,7 @@
 
 #include <glog/logging.h>
 
+#include "common/crypto.h"
 #include "common/net.h"
 #include "transport/providers.h"
 #include "transport/tcp/tcp_internal.h"
@@ -161,12 +162,7 @@ std::string SockaddrToString(const sockaddr_in& sa) {
 // ---------------------------------------------------------------------------------------------
 // TcpEngine
 
-TcpEngine::TcpEngine(const FabricOptions& options) : options_(options), scratch_(256 << 10) {
-  // Start rkeys at a time-derived value so keys of a restarted process rarely collide with
-  // stale descriptors; never 0.
-  const uint64_t t = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  next_rkey_.store(static_cast<uint32_t>(t ^ (t >> 32) ^ (static_cast<uint64_t>(getpid()) << 16)));
-}
+TcpEngine::TcpEngine(const FabricOptions& options) : options_(options), scratch_(256 << 10) {}
 
 StatusOr<std::shared_ptr<TcpEngine>> TcpEngine::Create(const FabricOptions& options) {
   if (!options.bind_ip.empty()) {
@@ -397,9 +393,12 @@ const char* TcpEngine::Zeros(uint64_t n) {
 
 uint32_t TcpEngine::RegisterRegion(char* base, uint64_t length, Access access) {
   MutexLock l(&reg_mu_);
+  // Each rkey is drawn from the kernel CSPRNG (docs/security.md): a peer that holds some of
+  // this fabric's rkeys can infer nothing about the others, and a stale descriptor of an
+  // earlier process or region is unlikely to name a live one. Never 0; redrawn on collision.
   uint32_t key;
   do {
-    key = next_rkey_.fetch_add(1);
+    key = static_cast<uint32_t>(crypto::RandomU64());
   } while (key == 0 || regions_.count(key) != 0);
   regions_[key] = RegionEntry{base, length, access};
   return key;

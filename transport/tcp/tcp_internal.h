@@ -44,8 +44,11 @@ namespace shardps::transport::tcp {
 class TcpEndpoint;
 class TcpCompletionQueue;
 
-// Result of checking a remote access against the registry, as an HCA would.
-enum class AccessCheck : uint8_t { kOk, kUnknownRkey, kOutOfBounds, kNoAccess };
+// Result of checking a remote access against the registry, as an HCA would; kDeregistered: the
+// region went away while a write into it was being received. Only the target's log sees which
+// check failed: every refusal draws the same NAK (tcp_wire.h).
+enum class AccessCheck : uint8_t { kOk, kUnknownRkey, kOutOfBounds, kNoAccess, kDeregistered };
+const char* AccessCheckName(AccessCheck c);
 
 // Shared state of one tcp fabric: the rkey registry, the progress thread, the setup lock.
 // Held by shared_ptr by every object made from the fabric, so destroying them in any order is
@@ -64,6 +67,7 @@ class TcpEngine {
   void Shutdown();
 
   // ---- region registry (any thread) ----
+  // Returns a fresh rkey drawn from the kernel CSPRNG: never 0, unique within the fabric.
   uint32_t RegisterRegion(char* base, uint64_t length, Access access);
   // Removes the rkey, then fences the progress thread: when this returns, no receive or send
   // of the engine touches [base, base+length) any more.
@@ -124,8 +128,8 @@ class TcpEngine {
     uint64_t length;
     Access access;
   };
+  // rkey (CSPRNG-drawn, never 0) -> region.
   std::unordered_map<uint32_t, RegionEntry> regions_ GUARDED_BY(reg_mu_);
-  std::atomic<uint32_t> next_rkey_;
 
   UniqueFd epoll_fd_;
   UniqueFd event_fd_;
@@ -288,7 +292,8 @@ class TcpEndpoint final : public Endpoint {
   bool TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len) REQUIRES(engine_->progress_mu());
   void MaybeAck() REQUIRES(engine_->progress_mu());
   void SendResponse(const Segment& s) REQUIRES(engine_->progress_mu());
-  void SendNak(const FrameHeader& req, uint8_t reason) REQUIRES(engine_->progress_mu());
+  // Refuses request `req`; `why` goes to this side's log only, never on the wire.
+  void SendNak(const FrameHeader& req, AccessCheck why) REQUIRES(engine_->progress_mu());
   void ProtocolError(const std::string& what) REQUIRES(engine_->progress_mu());
   void Fail(WcStatus wc, Status why) REQUIRES(engine_->progress_mu());
 
@@ -327,8 +332,8 @@ class TcpEndpoint final : public Endpoint {
   size_t hdr_got_ = 0;
   char* rx_dest_ = nullptr;
   uint64_t rx_left_ = 0;
-  uint8_t rx_nak_reason_ = kNakNone;
-  bool rx_discard_ = false;  // a NAK was sent: later requests are discarded
+  AccessCheck rx_refusal_ = AccessCheck::kOk;  // why the request being drained is refused
+  bool rx_discard_ = false;                    // a NAK was sent: later requests are discarded
   bool rx_dead_ = false;
   bool resp_pending_ = false;  // responses queued, not yet flushed
   uint64_t exec_seq_ = 0;      // last request executed (target role)

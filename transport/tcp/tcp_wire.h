@@ -19,14 +19,18 @@
 //   header     = fmagic opcode reason flags imm rkey reserved addr length seq   ; 40 bytes
 //   fmagic     = u8 0xA5                       ; resynchronisation guard
 //   opcode     = u8: 1 WRITE, 2 WRITE_IMM, 3 READ_REQ, 4 READ_RESP, 5 ACK, 6 NAK
-//   reason     = u8 (NAK only): 1 unknown rkey, 2 out of bounds, 3 access right missing,
-//                4 region deregistered during the transfer
+//   reason     = u8 (NAK only): 1 remote access refused. One reason for every refusal (unknown
+//                or stale rkey, range outside the region, access right missing, region
+//                deregistered during the transfer): a NAK that said which would let a peer
+//                tell a valid rkey from an invalid one. The target logs the precise reason.
+//                (2, 3, 4 were sent by earlier builds; a receiver treats any value as 1.)
 //   flags      = u8 0
 //   imm        = u32 (WRITE_IMM)
-//   rkey       = u32 (requests; echoed in NAK)
+//   rkey       = u32 (requests; 0 in NAK)
 //   reserved   = u32 0
-//   addr       = u64 target virtual address (requests; echoed in NAK)
-//   length     = u64 payload bytes (WRITE, WRITE_IMM, READ_RESP) or bytes asked (READ_REQ)
+//   addr       = u64 target virtual address (requests; 0 in NAK)
+//   length     = u64 payload bytes (WRITE, WRITE_IMM, READ_RESP) or bytes asked (READ_REQ);
+//                0 in NAK
 //   seq        = u64 request sequence number, 1, 2, 3... per direction
 //
 // A peer whose hello is wrong is dropped by Accept, which keeps waiting for a real peer. After
@@ -44,7 +48,8 @@
 // Responses (target -> initiator), all cumulative: ACK(seq) says every request up to seq was
 // executed; READ_RESP(seq) carries the read's bytes (sent straight from the region) and also
 // acknowledges every request before seq; NAK(seq, reason) says requests before seq were
-// executed and request seq was rejected; the target then discards (never executes) every later
+// executed and request seq was rejected (a NAK carries only seq and reason 1, so every refusal
+// looks the same on the wire); the target then discards (never executes) every later
 // request on that connection, and the initiator moves its endpoint into the error state and
 // closes the connection. ACKs are coalesced: one after draining what the socket had readable
 // (and at least every 64 requests / 4 MiB during a long drain).
@@ -86,11 +91,7 @@ enum Opcode : uint8_t {
 };
 
 enum NakReason : uint8_t {
-  kNakNone = 0,
-  kNakUnknownRkey = 1,
-  kNakOutOfBounds = 2,
-  kNakNoAccess = 3,
-  kNakDeregistered = 4,
+  kNakRefused = 1,  // the only reason sent (see the grammar above)
 };
 
 struct FrameHeader {
