@@ -457,6 +457,14 @@ Status ClientImpl::Clock() {
 
 Status ClientImpl::Step() {
   RETURN_IF_ERROR(lifecycle_.Require("Step()", {ClientState::kRunning}));
+  Status st = StepOnce();
+  // A step during which the client broke reports why (e.g. DATA_LOSS), not the refusal of the
+  // call it made after the break (a push's error can surface in its handle first).
+  if (!st.ok() && lifecycle_.state() == ClientState::kBroken) return lifecycle_.cause();
+  return st;
+}
+
+Status ClientImpl::StepOnce() {
   struct InStep {
     bool* f;
     ~InStep() { *f = false; }

@@ -68,6 +68,9 @@ class ClientImpl final : public Client, private CompletionSink {
   Status Close() override;
 
  private:
+  // Step() without its entry check: push, wait, clock, pull, wait (and, replicated ASP/SSP, the
+  // acknowledgements).
+  Status StepOnce();
   // CompletionSink: push and pull completions, from ServerSessions::Progress.
   void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
   void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;

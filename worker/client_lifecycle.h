@@ -30,6 +30,8 @@ const char* ClientStateName(ClientState s);
 class ClientLifecycle {
  public:
   ClientState state() const { return state_; }
+  // Why Start failed or the data path broke (OK otherwise).
+  const Status& cause() const { return cause_; }
 
   // OK when `call` (e.g. "Clock()") may run in the current state, one of `allowed`; else
   // FAILED_PRECONDITION naming the call and the state, and the cause of a failed or broken
