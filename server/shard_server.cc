@@ -477,7 +477,9 @@ void ShardServer::Promote(const control::Promote& p) {
       if (wc[i].op == OpType::kRecvImm && wc[i].ok()) HandleRecvImm(wc[i]);
     }
     const bool primary_gone = !endpoints_->Healthy(applier_->primary_endpoint());
-    if (n == 0 && (primary_gone || Clock::now() > deadline)) break;
+    // A hard bound: a live (partitioned) primary that keeps writing never leaves the CQ empty.
+    // What is left is drained after the cut below.
+    if ((n == 0 && primary_gone) || Clock::now() > deadline) break;
   }
   // Cut the old primary off first (a partitioned one's later writes fail, so it never sees
   // them complete and never publishes them), then apply what it completed before the cut.
