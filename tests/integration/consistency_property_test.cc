@@ -37,17 +37,7 @@ using Param = std::tuple<std::string, int, int>;  // transport, index into kMode
 class ConsistencyPropertyTest : public ProcessTestBase,
                                 public ::testing::WithParamInterface<Param> {
  protected:
-  void SetUp() override {
-    const std::string reason = SkipReason(transport());
-    if (!reason.empty()) {
-      const char* require = getenv("SHARDPS_REQUIRE_VERBS");
-      if (require != nullptr && std::string(require) == "1") {
-        FAIL() << "SHARDPS_REQUIRE_VERBS=1 but verbs cannot run: " << reason;
-      }
-      GTEST_SKIP() << transport() << ": " << reason;
-    }
-    ProcessTestBase::SetUp();
-  }
+  void SetUp() override { SetUpFor(transport()); }
   std::string transport() const { return std::get<0>(GetParam()); }
   const ModeCase& mode() const { return kModes[std::get<1>(GetParam())]; }
   int replicas() const { return std::get<2>(GetParam()); }

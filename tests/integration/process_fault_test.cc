@@ -40,17 +40,7 @@ using namespace proc_test;  // NOLINT(build/namespaces): the shared fixtures
 class ServerKillTest : public ProcessTestBase,
                        public ::testing::WithParamInterface<std::tuple<std::string, int>> {
  protected:
-  void SetUp() override {
-    const std::string reason = SkipReason(std::get<0>(GetParam()));
-    if (!reason.empty()) {
-      const char* require = getenv("SHARDPS_REQUIRE_VERBS");
-      if (require != nullptr && std::string(require) == "1") {
-        FAIL() << "SHARDPS_REQUIRE_VERBS=1 but verbs cannot run: " << reason;
-      }
-      GTEST_SKIP() << std::get<0>(GetParam()) << ": " << reason;
-    }
-    ProcessTestBase::SetUp();
-  }
+  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
   bool Emulated() const { return std::get<0>(GetParam()) == "verbs"; }
   milliseconds ProcessBound() const { return Emulated() ? 4 * kProcessBound : kProcessBound; }
 };

@@ -162,6 +162,20 @@ class ProcessTestBase : public ::testing::Test {
     children_.clear();
   }
 
+  // SetUp of a test over `transport`: skips with the reason where it cannot run here (verbs
+  // without an RDMA device), fails instead under SHARDPS_REQUIRE_VERBS=1 (the SoftRoCE guest).
+  void SetUpFor(const std::string& transport) {
+    const std::string reason = SkipReason(transport);
+    if (!reason.empty()) {
+      const char* require = getenv("SHARDPS_REQUIRE_VERBS");
+      if (require != nullptr && std::string(require) == "1") {
+        FAIL() << "SHARDPS_REQUIRE_VERBS=1 but " << transport << " cannot run: " << reason;
+      }
+      GTEST_SKIP() << transport << ": " << reason;
+    }
+    ProcessTestBase::SetUp();
+  }
+
   std::string Path(const std::string& name) const { return dir_ + "/" + name; }
 
   ChildProcess* Spawn(const std::vector<std::string>& argv, const std::string& log_name) {
@@ -315,17 +329,7 @@ class ProcessTestBase : public ::testing::Test {
 class ProcessClusterTest : public ProcessTestBase,
                            public ::testing::WithParamInterface<std::string> {
  protected:
-  void SetUp() override {
-    const std::string reason = SkipReason(GetParam());
-    if (!reason.empty()) {
-      const char* require = getenv("SHARDPS_REQUIRE_VERBS");
-      if (require != nullptr && std::string(require) == "1") {
-        FAIL() << "SHARDPS_REQUIRE_VERBS=1 but " << GetParam() << " cannot run: " << reason;
-      }
-      GTEST_SKIP() << GetParam() << ": " << reason;
-    }
-    ProcessTestBase::SetUp();
-  }
+  void SetUp() override { SetUpFor(GetParam()); }
   ClusterSpec Spec() const {
     ClusterSpec s;
     s.transport = GetParam();
