@@ -341,6 +341,13 @@ TEST(ControlFaultProxyTest, DroppedHeartbeatsGetTheMemberDeclaredDead) {
       std::this_thread::sleep_for(milliseconds(5));
     }
     const auto dead_after = Clock::now() - joined_at;
+    // The timeout is counted first; the departure and the new membership follow on the
+    // coordinator's loop thread a moment later.
+    for (int i = 0; i < 200 && ((*coord)->counters().departures == 0 ||
+                                (*coord)->membership().members_size() != 0);
+         ++i) {
+      std::this_thread::sleep_for(milliseconds(5));
+    }
     const control::CoordinatorCounters cc = (*coord)->counters();
     EXPECT_EQ(cc.heartbeat_timeouts, 1u);
     EXPECT_EQ(cc.departures, 1u);
