@@ -10,8 +10,8 @@
 //                       replicating to its backup); server s derives it from its own credential
 //                       and the identity c claims, so c proves that identity, and only c and s
 //                       (and the coordinator) hold the key.
-//   proof               HMAC-SHA256(peer_key, "shardps-handshake-v1|" challenge) for a random
-//                       challenge of the acceptor's (challenge-response; nothing replayable).
+//   data-path proof     the transport's challenge-response under peer_key
+//                       (transport/handshake_auth.h), naming c by IdentityString(c).
 //
 // The role is the Role enum's number. Pure functions: safe from any thread.
 #ifndef SHARDPS_PROTO_CREDENTIALS_H_
@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+
+#include "common/status.h"
 
 namespace shardps::control {
 
@@ -32,7 +34,11 @@ struct Identity {
 
 std::string MemberCredential(std::string_view secret, const Identity& member);
 std::string PeerKey(std::string_view server_credential, const Identity& client);
-std::string HandshakeProof(std::string_view peer_key, std::string_view challenge);
+
+// "role:member_id:rank", the identity a client claims on the data path.
+std::string IdentityString(const Identity& who);
+// The inverse; an error for anything IdentityString did not produce.
+StatusOr<Identity> ParseIdentity(std::string_view s);
 
 }  // namespace shardps::control
 

@@ -5,15 +5,21 @@
 namespace shardps::server {
 
 int EndpointTable::AcceptPending(transport::CompletionQueue* cq, int send_depth, int recv_depth,
-                                 Status* error) {
+                                 Status* error, int* refused) {
   int accepted = 0;
-  while (listener_) {
+  // Bounded, so that a flood of refused peers cannot keep the caller here.
+  for (int round = 0; listener_ && round < 64; ++round) {
     transport::EndpointOptions eo;
     eo.endpoint_id = next_id_;
     eo.send_depth = send_depth;
     eo.recv_depth = recv_depth;
     auto ep = listener_->Accept(cq, eo, std::chrono::milliseconds(0));
     if (!ep.ok()) {
+      if (ep.status().code() == StatusCode::kPermissionDenied) {
+        ++*refused;
+        *error = ep.status();
+        continue;
+      }
       if (ep.status().code() != StatusCode::kDeadlineExceeded) *error = ep.status();
       break;
     }
@@ -21,6 +27,11 @@ int EndpointTable::AcceptPending(transport::CompletionQueue* cq, int send_depth,
     ++accepted;
   }
   return accepted;
+}
+
+std::string EndpointTable::IdentityOf(uint64_t id) const {
+  auto it = endpoints_.find(id);
+  return it == endpoints_.end() ? std::string() : it->second->peer_identity();
 }
 
 bool EndpointTable::Healthy(uint64_t id) const {

@@ -31,7 +31,16 @@ class EndpointTable {
   std::string address() const { return listener_->address(); }
   // Accepts every connection already waiting (never blocks), attaching it to `cq` under the next
   // endpoint id. Returns how many; an accept failure other than "none waiting" goes to *error.
-  int AcceptPending(transport::CompletionQueue* cq, int send_depth, int recv_depth, Status* error);
+  // Peers the listener refused (a wrong or missing credential, another uid) are counted in
+  // *refused and the latest reason kept in *error; they never stop the loop.
+  int AcceptPending(transport::CompletionQueue* cq, int send_depth, int recv_depth, Status* error,
+                    int* refused);
+  // The identity endpoint `id`'s peer proved at accept ("" if none or unknown id).
+  std::string IdentityOf(uint64_t id) const;
+  // The listener's authentication counters.
+  transport::HandshakeGate::Stats gate_stats() const {
+    return listener_ ? listener_->gate_stats() : transport::HandshakeGate::Stats{};
+  }
   size_t size() const { return endpoints_.size(); }
   // Whether endpoint `id` is open and healthy.
   bool Healthy(uint64_t id) const;

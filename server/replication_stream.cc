@@ -74,7 +74,7 @@ transport::LocalSlice ReplicationStream::sum_payload(uint32_t slot, uint64_t byt
   return {staging_.get(), stride_ * slot + ring_.payload_offset(0), bytes};
 }
 
-Status ReplicationStream::Connect(const control::ReplicaTarget& t) {
+Status ReplicationStream::Connect(const control::ReplicaTarget& t, const std::string& identity) {
   for (const auto& r : t.regions()) {
     ASSIGN_OR_RETURN(transport::RegionDescriptor d,
                      transport::RegionDescriptor::Decode(r.encoded_descriptor()));
@@ -89,6 +89,10 @@ Status ReplicationStream::Connect(const control::ReplicaTarget& t) {
   eo.send_depth = static_cast<int>(2 * ring_.entries() + 16);
   eo.recv_depth = 4;
   eo.connect_timeout = std::chrono::milliseconds(10000);
+  // The backup accepts a replication stream only from a peer that proves a server identity
+  // with the key the coordinator gave this primary alone (ReplicaTarget.peer_key).
+  eo.auth_identity = identity;
+  eo.auth_key = t.peer_key();
   auto ep = fabric_->Connect(t.data_address(), cq_, eo);
   if (!ep.ok())
     return ep.status().WithContext("connecting to the backup of group " + std::to_string(group_));

@@ -72,9 +72,10 @@ class ReplicationStream {
   float* sum(uint32_t slot) const;
   transport::LocalSlice sum_payload(uint32_t slot, uint64_t bytes) const;
 
-  // Connects to the backup named by `t` and says hello; blocks up to 10 s on the CQ (nothing
-  // else may be on it yet).
-  Status Connect(const control::ReplicaTarget& t);
+  // Connects to the backup named by `t` as `identity` (control::IdentityString of this
+  // primary: the backup checks it with t.peer_key()) and says hello; blocks up to 10 s on the
+  // CQ (nothing else may be on it yet).
+  Status Connect(const control::ReplicaTarget& t, const std::string& identity);
   // The coordinator says there is no backup (at start, or after a failure).
   void NoBackup();
 

@@ -17,6 +17,8 @@ struct ShardServerCounters {
   uint64_t rejected_pushes = 0;   // malformed header, wrong chunk, unknown worker
   uint64_t versions_published = 0;
   uint64_t endpoints_accepted = 0;
+  uint64_t connections_refused = 0;  // the data listener refused a peer (credential, uid)
+  uint64_t identity_mismatches = 0;  // a hello naming another rank than the credential's
   uint64_t endpoint_errors = 0;
   uint64_t deferred_pushes = 0;     // waited for the chunk's previous version to be replicated
   uint64_t stale_pushes = 0;        // BSP: a clock already applied without it (a late joiner)

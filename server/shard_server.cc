@@ -1,5 +1,7 @@
 #include "server/shard_server.h"
 
+#include "proto/credentials.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,6 +58,10 @@ Status ShardServer::Setup() {
         (options_.fabric.bind_ip.empty() ? std::string("0.0.0.0") : options_.fabric.bind_ip) + ":0";
   }
   ASSIGN_OR_RETURN(auto listener, fabric_->Listen(listen));
+  // Every data-path peer proves a member credential before it gets anything; until the join
+  // gives this server its credential, everyone is refused (docs/security.md).
+  authenticator_ = std::make_shared<MemberAuthenticator>();
+  listener->set_authenticator(authenticator_);
   endpoints_ = std::make_unique<EndpointTable>(std::move(listener));
   std::string data_address = endpoints_->address();
   // A wildcard listen address is useless to peers: advertise a reachable one.
@@ -82,6 +88,12 @@ Status ShardServer::Setup() {
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
+  if (control_->reply().credential().empty()) {
+    return FailedPreconditionError(
+        "the coordinator issued no credential (an older coordinator?): the data path would "
+        "refuse every worker");
+  }
+  authenticator_->SetCredential(control_->reply().credential());
   LOG(INFO) << "server rank " << rank_ << ": joined as member " << control_->member_id()
             << ", data path " << fabric_->name() << " at " << data_address << ", mode "
             << control::ConsistencyMode_Name(config_.mode()) << " s=" << config_.staleness();
@@ -228,7 +240,9 @@ Status ShardServer::ConnectReplication() {
                     "are the only copy)";
     return Status::OK();
   }
-  RETURN_IF_ERROR(stream_->Connect(t.replica_target()));
+  RETURN_IF_ERROR(stream_->Connect(
+      t.replica_target(), control::IdentityString({control_->member_id(),
+                                                   static_cast<int>(control::ROLE_SERVER), rank_})));
   LOG(INFO) << "server rank " << rank_ << ": replicating group " << group_ << " to member "
             << t.replica_target().member_id() << " at " << t.replica_target().data_address() << " ("
             << repl_layout_->entries() << "-entry ring)";
@@ -450,12 +464,25 @@ void ShardServer::DropFailedEndpoints() {
 
 void ShardServer::AcceptPending() {
   Status error;
+  int refused = 0;
   // A backup's stream from its primary carries up to one record per ring entry.
   const int accepted = endpoints_->AcceptPending(
       cq_.get(), 16, std::max<int>(RecvDepth(), static_cast<int>(repl_layout_->entries()) + 16),
-      &error);
-  if (!error.ok()) LOG(WARNING) << "server rank " << rank_ << ": accept: " << error;
-  for (int i = 0; i < accepted; ++i) stats_.Bump(&ShardServerCounters::endpoints_accepted);
+      &error, &refused);
+  if (refused > 0) {
+    const uint64_t before = stats_.Snapshot().connections_refused;
+    stats_.Update([&](ShardServerCounters& c) { c.connections_refused += refused; });
+    // The first refusal, then one line per 100 (a flood must not flood the log).
+    if (before == 0 || before / 100 != (before + refused) / 100) {
+      LOG(WARNING) << "server rank " << rank_ << ": " << before + refused
+                   << " data-path connection(s) refused so far; the latest: " << error;
+    }
+  } else if (!error.ok()) {
+    LOG(WARNING) << "server rank " << rank_ << ": accept: " << error;
+  }
+  if (accepted > 0) {
+    stats_.Update([&](ShardServerCounters& c) { c.endpoints_accepted += accepted; });
+  }
 }
 
 void ShardServer::Promote(const control::Promote& p) {

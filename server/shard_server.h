@@ -50,6 +50,7 @@
 #include "server/chunk_store.h"
 #include "server/consistency_gate.h"
 #include "server/endpoint_table.h"
+#include "server/member_authenticator.h"
 #include "server/optimizer.h"
 #include "server/replica_applier.h"
 #include "server/replication_stream.h"
@@ -155,6 +156,7 @@ class ShardServer {
   control::ClusterConfig config_;
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<EndpointTable> endpoints_;
+  std::shared_ptr<MemberAuthenticator> authenticator_;  // the data listener's (set at Setup)
   uint64_t seen_epoch_ = 0;
 
   // Registered regions (wire/region_layout.h).

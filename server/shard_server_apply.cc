@@ -10,6 +10,8 @@
 
 #include "server/shard_server.h"
 
+#include "proto/credentials.h"
+
 namespace shardps::server {
 
 using transport::Completion;
@@ -59,6 +61,15 @@ void ShardServer::HandleReplication(const Completion& c, layout::ImmKind kind, u
     return;
   }
   if (kind == layout::ImmKind::kReplHello) {
+    const auto who = control::ParseIdentity(endpoints_->IdentityOf(c.endpoint_id));
+    if (!who.ok() || who->role != control::ROLE_SERVER) {
+      LOG(WARNING) << "server rank " << rank_ << ": replication hello on endpoint "
+                   << c.endpoint_id << " whose peer is not an authenticated server ('"
+                   << endpoints_->IdentityOf(c.endpoint_id) << "'): closed";
+      stats_.Bump(&ShardServerCounters::identity_mismatches);
+      endpoints_->Close(c.endpoint_id);
+      return;
+    }
     if (arg != group_) {
       LOG(WARNING) << "server rank " << rank_ << ": replication hello for group " << arg
                    << ", but this server backs up group " << group_;
@@ -97,6 +108,19 @@ void ShardServer::HandleHello(uint64_t endpoint_id, uint32_t rank) {
   std::memcpy(&hello, static_cast<const char*>(clocks_->data()) + layout_->clock_offset(rank),
               sizeof(hello));
   const uint64_t incarnation = hello.magic == layout::kHelloMagic ? hello.incarnation : 0;
+  // A worker's rank and incarnation are the ones its credential names, not what its hello
+  // claims: the endpoint's peer proved "role:member:rank" at accept (docs/security.md).
+  const std::string identity = endpoints_->IdentityOf(endpoint_id);
+  const auto who = control::ParseIdentity(identity);
+  if (!who.ok() || who->role != control::ROLE_WORKER || who->rank != rank ||
+      who->member_id != incarnation) {
+    LOG(WARNING) << "server rank " << rank_ << ": hello as worker rank " << rank
+                 << " (incarnation " << incarnation << ") on an endpoint whose peer proved '"
+                 << identity << "': refused, endpoint " << endpoint_id << " closed";
+    stats_.Bump(&ShardServerCounters::identity_mismatches);
+    endpoints_->Close(endpoint_id);
+    return;
+  }
   bool fresh = false;
   const bool known = workers_->Hello(rank, incarnation, endpoint_id, &fresh);
   if (fresh) ack_board_->ResetWorker(rank);

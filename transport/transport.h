@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "transport/handshake_auth.h"
 
 namespace shardps::transport {
 
@@ -203,6 +204,10 @@ struct EndpointOptions {
   int send_depth = 256;      // max operations outstanding (posted, not yet completed)
   int recv_depth = 256;      // max unreaped kRecvImm completions at this side as target
   std::chrono::milliseconds connect_timeout{10000};
+  // Connect: who this side is and the key it proves (transport/handshake_auth.h). An empty key
+  // connects only to a listener without an Authenticator; a key refuses such a listener.
+  std::string auth_identity;
+  std::string auth_key;
 };
 
 // A connection to one peer. Owned and used by the polling thread of its CompletionQueue.
@@ -247,6 +252,12 @@ class Endpoint {
   const void* fabric_identity() const { return fabric_; }
   // "provider:local->remote" for logs.
   virtual std::string DebugString() const = 0;
+  // The identity the peer proved at Accept (its Authenticator's terms); "" for a connected
+  // endpoint, and for one accepted by a listener without an Authenticator.
+  const std::string& peer_identity() const { return peer_identity_; }
+  // Set once, by the listener that accepted this endpoint, before Accept returns it (or by a
+  // decorator that wraps one).
+  void set_peer_identity(std::string identity) { peer_identity_ = std::move(identity); }
 
  protected:
   // fabric: the identity its regions carry (MemoryRegion::fabric()).
@@ -268,6 +279,7 @@ class Endpoint {
   const uint64_t endpoint_id_;
   const void* const fabric_;
   const uint64_t max_operation_bytes_;
+  std::string peer_identity_;
 };
 
 // Accepts connections on an address. Owned by one thread.
@@ -279,13 +291,29 @@ class Listener {
 
   // The address peers pass to Fabric::Connect (port 0 and empty names are resolved).
   virtual std::string address() const = 0;
-  // Waits up to timeout for one peer; the endpoint is attached to cq.
+  // Waits up to timeout for one peer that passes the authentication (handshake_auth.h); the
+  // endpoint is attached to cq. Never waits on a single peer: connections that have not
+  // answered the challenge are multiplexed and bounded (HandshakeGate), so a silent stranger
+  // costs a zero-timeout Accept nothing. PERMISSION_DENIED: a peer was refused (call again);
+  // DEADLINE_EXCEEDED: none passed in time.
   virtual StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq,
                                                      const EndpointOptions& options,
                                                      std::chrono::milliseconds timeout) = 0;
 
+  // Every later Accept requires peers to prove a key of `auth` (null: none required). Call
+  // before the address is published.
+  void set_authenticator(std::shared_ptr<const Authenticator> auth) {
+    authenticator_ = std::move(auth);
+  }
+  // What this listener's gate has seen (handshakes passed, refused, evicted, timed out).
+  virtual HandshakeGate::Stats gate_stats() const = 0;
+
  protected:
   Listener() = default;
+  const Authenticator* authenticator() const { return authenticator_.get(); }
+
+ private:
+  std::shared_ptr<const Authenticator> authenticator_;
 };
 
 struct FabricOptions {

@@ -1,5 +1,7 @@
 #include "worker/server_sessions.h"
 
+#include "proto/credentials.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -75,6 +77,7 @@ Status ServerSessions::ApplyEntry(const control::ServerEntry& se, uint32_t serve
   s.member_id = se.member_id();
   s.server_rank = se.server_rank();
   s.address = se.data_address();
+  s.peer_key = se.peer_key();
   for (const auto& r : se.regions()) {
     ASSIGN_OR_RETURN(transport::RegionDescriptor d,
                      transport::RegionDescriptor::Decode(r.encoded_descriptor()));
@@ -103,6 +106,11 @@ Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::mil
   eo.connect_timeout = timeout.count() > 0
                            ? timeout
                            : std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+  // The data path proves this worker's membership credential (docs/security.md): the server
+  // takes its rank from the identity proven here, not from the hello below.
+  eo.auth_identity = control::IdentityString(
+      {control_.member_id(), static_cast<int>(control::ROLE_WORKER), rank_});
+  eo.auth_key = s.peer_key;
   auto ep = fabric_.Connect(s.address, cq_.get(), eo);
   if (!ep.ok()) {
     return ep.status().WithContext("connecting to server group " + std::to_string(s.rank) + " at " +

@@ -31,6 +31,7 @@ struct ServerSession {
   uint32_t gen = 0;     // endpoint generation: completions of older endpoints are stale
   bool failed = false;  // its endpoint failed: waiting for a reconnect or failover
   std::string address;
+  std::string peer_key;  // proves this worker to that server (ServerEntry.peer_key)
   transport::RegionDescriptor weights, inbox, acks, clocks;
   std::unique_ptr<layout::ServerLayout> layout;
   std::unique_ptr<transport::Endpoint> ep;

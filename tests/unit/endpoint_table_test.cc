@@ -28,7 +28,8 @@ TEST(EndpointTableTest, AcceptsBindsWorkersAndReportsFailedEndpoints) {
   ASSERT_TRUE(l.ok()) << l.status();
   EndpointTable table(std::move(*l));
   Status error;
-  EXPECT_EQ(table.AcceptPending(scq->get(), 16, 16, &error), 0);  // nobody waiting: no block
+  int refused = 0;
+  EXPECT_EQ(table.AcceptPending(scq->get(), 16, 16, &error, &refused), 0);  // nobody: no block
   EXPECT_TRUE(error.ok()) << error;
 
   std::unique_ptr<transport::Endpoint> peers[2];
@@ -41,7 +42,7 @@ TEST(EndpointTableTest, AcceptsBindsWorkersAndReportsFailedEndpoints) {
     int accepted = 0;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (accepted == 0 && std::chrono::steady_clock::now() < deadline) {
-      accepted = table.AcceptPending(scq->get(), 16, 16, &error);
+      accepted = table.AcceptPending(scq->get(), 16, 16, &error, &refused);
       if (accepted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     t.join();

@@ -68,7 +68,7 @@ class ReplicationStreamTest : public ::testing::Test {
     r->set_name("repl_consumed");
     r->set_encoded_descriptor(consumed_->descriptor().Encode());
     Status connected = InternalError("not run");
-    std::thread th([&] { connected = stream_->Connect(t); });
+    std::thread th([&] { connected = stream_->Connect(t, ""); });
     transport::EndpointOptions eo;
     eo.endpoint_id = 1;
     auto ep = (*l)->Accept(bcq_.get(), eo, milliseconds(10000));

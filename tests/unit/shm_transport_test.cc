@@ -569,6 +569,7 @@ struct NobodyReport {
 NobodyReport ConnectAsFabric(const std::string& addr, NobodyReport r) {
   FabricOptions o;
   o.provider = "shm";
+  o.shm_allowed_uids = {0};  // the connector checks the listener's uid too: root's is fine here
   o.shm_arena_bytes = 64ull << 20;
   auto f = Fabric::Open(o);
   if (!f.ok()) {
@@ -601,6 +602,16 @@ NobodyReport NobodyTriesToConnect(const std::string& addr) {
                         offsetof(sockaddr_un, sun_path) + addr.size()) != 0) {
     r.setup_errno = errno;
     return r;
+  }
+  // Through the listener's challenge (no credential: these listeners require none). A listener
+  // that refuses this uid closes before it sends a challenge: nothing came back.
+  if (!auth::ConnectorHandshake(fd, "", "",
+                                std::chrono::steady_clock::now() + std::chrono::seconds(10))
+           .ok()) {
+    r.raw_recv_result = 0;
+    r.raw_fds_received = 0;
+    close(fd);
+    return ConnectAsFabric(addr, r);
   }
   constexpr uint64_t kArena = 2ull << 20;
   const int arena = memfd_create("nobody-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);

@@ -43,8 +43,10 @@ bool AllZero(const void* p, size_t n) {
   return true;
 }
 
-// A raw TCP client, for hostile-peer tests.
-int RawConnect(const std::string& address) {
+// A raw TCP client, for hostile-peer tests: connected, and (unless `authenticate` is false)
+// through the listener's challenge with no credential, as a listener without an Authenticator
+// accepts; what follows is the raw tcp wire.
+int RawConnect(const std::string& address, bool authenticate = true) {
   const size_t colon = address.rfind(':');
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
@@ -52,6 +54,11 @@ int RawConnect(const std::string& address) {
   inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    close(fd);
+    return -1;
+  }
+  if (authenticate &&
+      !auth::ConnectorHandshake(fd, "", "", Clock::now() + std::chrono::seconds(10)).ok()) {
     close(fd);
     return -1;
   }
@@ -424,7 +431,7 @@ TEST_F(TcpTransportTest, RkeysAreUnpredictableAndANeighbourGuessIsRefused) {
 // serves the real peer.
 TEST_F(TcpTransportTest, GarbageHandshakeIsRejectedAndFabricKeepsServing) {
   std::thread hostile([&] {
-    const int fd = RawConnect(listener_->address());
+    const int fd = RawConnect(listener_->address(), /*authenticate=*/false);
     ASSERT_GE(fd, 0);
     const char junk[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n and some more bytes";
     ASSERT_GT(send(fd, junk, sizeof(junk), MSG_NOSIGNAL), 0);

@@ -583,15 +583,19 @@ class ShmListener final : public Listener {
         fd_(std::move(fd)),
         address_(std::move(address)),
         unlink_path_(std::move(unlink_path)),
-        allowed_uids_(std::move(allowed_uids)) {}
+        allowed_uids_(std::move(allowed_uids)),
+        gate_("shm: listener " + address_, HandshakeGate::Limits{}) {}
   ~ShmListener() override {
     if (!unlink_path_.empty()) unlink(unlink_path_.c_str());
   }
   std::string address() const override { return address_; }
   StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
                                              std::chrono::milliseconds timeout) override;
+  HandshakeGate::Stats gate_stats() const override { return gate_.stats(); }
 
  private:
+  // One waiting connection, non-blocking, whose uid passed CheckPeerUid; its source is its uid.
+  StatusOr<HandshakeGate::Accepted> AcceptOne();
   StatusOr<std::unique_ptr<Endpoint>> Handshake(UniqueFd sock, std::shared_ptr<CqState> cq,
                                                 const EndpointOptions& options,
                                                 Clock::time_point deadline);
@@ -600,7 +604,25 @@ class ShmListener final : public Listener {
   const std::string address_;
   const std::string unlink_path_;
   const std::vector<uint32_t> allowed_uids_;  // besides our own euid (CheckPeerUid)
+  HandshakeGate gate_;
 };
+
+StatusOr<HandshakeGate::Accepted> ShmListener::AcceptOne() {
+  for (;;) {
+    UniqueFd s(accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (s.valid()) {
+      // The uid first: a process of another uid gets no challenge, no byte, no fd.
+      RETURN_IF_ERROR(CheckPeerUid(s.get(), allowed_uids_, address_));
+      ucred cred{};
+      socklen_t cl = sizeof(cred);
+      getsockopt(s.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cl);
+      return HandshakeGate::Accepted{std::move(s), "uid " + std::to_string(cred.uid)};
+    }
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno == EAGAIN) return HandshakeGate::Accepted{};
+    return ErrnoError("shm: accept on " + address_, errno);
+  }
+}
 
 StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
                                                         const EndpointOptions& options,
@@ -608,27 +630,22 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Accept(CompletionQueue* cq,
   ASSIGN_OR_RETURN(auto cq_state, CqOf(cq));
   RETURN_IF_ERROR(CheckOptions(options));
   const auto deadline = Clock::now() + timeout;
-  for (;;) {
-    const int s = accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (s >= 0) {
-      // A peer that connected but stays silent may hold Accept a little past its timeout,
-      // never longer than kHandshakeTimeout.
-      const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
-                                          Clock::now() + kHandshakeTimeout);
-      return Handshake(UniqueFd(s), std::move(cq_state), options, hs_deadline);
-    }
-    if (errno == EINTR || errno == ECONNABORTED) continue;
-    if (errno != EAGAIN) return ErrnoError("shm: accept on " + address_, errno);
-    Status w = WaitFd(fd_.get(), POLLIN, deadline, "waiting for a peer");
-    if (!w.ok()) return w.WithContext("shm: accept on " + address_);
-  }
+  ASSIGN_OR_RETURN(HandshakeGate::Passed passed,
+                   gate_.Next(
+                       fd_.get(), [this] { return AcceptOne(); }, authenticator(), deadline));
+  // An authenticated peer sends its hello right after the verdict: give it at least 1 s,
+  // never more than kHandshakeTimeout.
+  const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
+                                      Clock::now() + kHandshakeTimeout);
+  auto ep = Handshake(std::move(passed.fd), std::move(cq_state), options, hs_deadline);
+  if (ep.ok()) (*ep)->set_peer_identity(std::move(passed.identity));
+  return ep;
 }
 
 StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
                                                            std::shared_ptr<CqState> cq,
                                                            const EndpointOptions& options,
                                                            Clock::time_point deadline) {
-  RETURN_IF_ERROR(CheckPeerUid(sock.get(), allowed_uids_, address_));
   const int slots = options.send_depth + options.recv_depth;
   RETURN_IF_ERROR(cq->quota.Reserve(slots));
   QuotaGuard guard(cq.get(), slots);
@@ -771,6 +788,13 @@ StatusOr<std::unique_ptr<Endpoint>> ShmFabric::Connect(const std::string& addres
     }
     return ErrnoError("shm: connect to " + canonical, errno);
   }
+  // The listener's uid, as the kernel recorded it at listen(): a process of another uid that
+  // took the name first is refused before it learns anything (our memfds go to it next).
+  RETURN_IF_ERROR(CheckPeerUid(sock.get(), allowed_uids_, canonical)
+                      .WithContext("shm: connect to " + canonical + " (the listener)"));
+  RETURN_IF_ERROR(
+      auth::ConnectorHandshake(sock.get(), options.auth_identity, options.auth_key, deadline)
+          .WithContext("shm: connect to " + canonical));
 
   Hello me = MakeHello(*core_, options.recv_depth);
   const int my_fds[2] = {core_->arena_fd(), core_->table_fd()};

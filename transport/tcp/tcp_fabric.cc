@@ -466,15 +466,23 @@ namespace {
 class TcpListener final : public Listener {
  public:
   TcpListener(std::shared_ptr<TcpEngine> engine, UniqueFd fd, std::string address)
-      : engine_(std::move(engine)), fd_(std::move(fd)), address_(std::move(address)) {}
+      : engine_(std::move(engine)),
+        fd_(std::move(fd)),
+        address_(std::move(address)),
+        gate_("tcp: listener " + address_, HandshakeGate::Limits{}) {}
   std::string address() const override { return address_; }
   StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
                                              std::chrono::milliseconds timeout) override;
+  HandshakeGate::Stats gate_stats() const override { return gate_.stats(); }
 
  private:
+  // One waiting connection, non-blocking; its source is the peer's IP (the per-source limit).
+  StatusOr<HandshakeGate::Accepted> AcceptOne();
+
   std::shared_ptr<TcpEngine> engine_;
   UniqueFd fd_;
   const std::string address_;
+  HandshakeGate gate_;
 };
 
 // Reserves the CQ quota for an endpoint; released by the endpoint (or by the caller on error).
@@ -508,40 +516,51 @@ StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine
   return std::unique_ptr<Endpoint>(std::move(ep));
 }
 
+StatusOr<HandshakeGate::Accepted> TcpListener::AcceptOne() {
+  for (;;) {
+    sockaddr_in sa{};
+    socklen_t len = sizeof(sa);
+    UniqueFd conn(accept4(fd_.get(), reinterpret_cast<sockaddr*>(&sa), &len,
+                          SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (conn.valid()) {
+      ConfigureSocket(conn.get());
+      char ip[INET_ADDRSTRLEN] = "?";
+      inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+      return HandshakeGate::Accepted{std::move(conn), ip};
+    }
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return HandshakeGate::Accepted{};
+    return ErrnoError("tcp: accept on " + address_, errno);
+  }
+}
+
 StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
                                                         const EndpointOptions& options,
                                                         std::chrono::milliseconds timeout) {
   ASSIGN_OR_RETURN(TcpCompletionQueue * tcq, ReserveCq(engine_.get(), cq, options));
   const auto deadline = Clock::now() + timeout;
   for (;;) {
-    const Status ready = net::WaitFd(fd_.get(), POLLIN, deadline, "tcp: accept on " + address_);
-    if (!ready.ok()) {
+    // The gate holds every connection that has not yet proved itself, across calls, and never
+    // waits on one of them: a silent stranger costs a zero-timeout Accept nothing.
+    auto passed = gate_.Next(
+        fd_.get(), [this] { return AcceptOne(); }, authenticator(), deadline);
+    if (!passed.ok()) {
       UnreserveCq(engine_.get(), tcq, options);
-      if (ready.code() != StatusCode::kDeadlineExceeded) return ready;
-      return DeadlineExceededError("tcp: no peer connected to " + address_ + " within " +
-                                   std::to_string(timeout.count()) + " ms");
+      return passed.status();
     }
-    UniqueFd conn(accept4(fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-    if (!conn.valid()) {
-      if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
-      UnreserveCq(engine_.get(), tcq, options);
-      return ErrnoError("tcp: accept", errno);
-    }
-    ConfigureSocket(conn.get());
-    // The peer's handshake follows its connect() by microseconds, but not always within a
-    // zero-timeout Accept (a server polling for new workers): give it at least 1 s, never more
-    // than kHandshakeTimeout. (Bounding it by `deadline` dropped such peers: a worker's setup
-    // then failed with "peer closed the connection", ~1 start in 50 under load.)
+    // An authenticated peer sends its hello right after the verdict: give it at least 1 s,
+    // never more than kHandshakeTimeout.
     const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
                                         Clock::now() + kHandshakeTimeout);
-    const Status hs = Handshake(conn.get(), options, hs_deadline);
+    const Status hs = Handshake(passed->fd.get(), options, hs_deadline);
     if (!hs.ok()) {
-      // A stray or hostile client: drop it and keep waiting for a real peer.
-      LOG(WARNING) << "tcp: rejected a connection from " << PeerAddress(conn.get()) << " on "
-                   << address_ << ": " << hs;
+      LOG(WARNING) << "tcp: dropped a connection from " << passed->source << " on " << address_
+                   << " after it authenticated: " << hs;
       continue;
     }
-    return MakeEndpoint(engine_, std::move(conn), tcq, options);
+    auto ep = MakeEndpoint(engine_, std::move(passed->fd), tcq, options);
+    if (ep.ok()) (*ep)->set_peer_identity(std::move(passed->identity));
+    return ep;
   }
 }
 
@@ -622,7 +641,10 @@ class TcpFabric final : public Fabric {
     RETURN_IF_ERROR(ParseAddress(address, &sa));
     ASSIGN_OR_RETURN(TcpCompletionQueue * tcq, ReserveCq(engine_.get(), cq, options));
     auto fd_or = Dial(sa, address, deadline);
-    Status hs = fd_or.ok() ? Handshake(fd_or->get(), options, deadline) : fd_or.status();
+    Status hs = fd_or.ok() ? auth::ConnectorHandshake(fd_or->get(), options.auth_identity,
+                                                      options.auth_key, deadline)
+                           : fd_or.status();
+    if (hs.ok()) hs = Handshake(fd_or->get(), options, deadline);
     if (!hs.ok()) {
       UnreserveCq(engine_.get(), tcq, options);
       return hs.WithContext("tcp: connect to " + address);

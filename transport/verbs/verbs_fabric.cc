@@ -234,12 +234,22 @@ StatusOr<std::unique_ptr<Listener>> VerbsFabric::Listen(const std::string& addre
 StatusOr<std::unique_ptr<Endpoint>> VerbsListener::Accept(CompletionQueue* cq,
                                                           const EndpointOptions& options,
                                                           std::chrono::milliseconds timeout) {
-  std::string peer;
-  ASSIGN_OR_RETURN(UniqueFd fd,
-                   TcpAccept(fd_.get(), std::chrono::steady_clock::now() + timeout, &peer));
+  // The gate multiplexes every bootstrap connection that has not yet authenticated, so a
+  // silent stranger never holds this call; the queue pair is created only for a peer that
+  // passed it.
+  auto accept_one = [this]() -> StatusOr<HandshakeGate::Accepted> {
+    std::string peer, ip;
+    ASSIGN_OR_RETURN(UniqueFd fd, TcpAcceptNow(fd_.get(), &peer, &ip));
+    return HandshakeGate::Accepted{std::move(fd), ip};
+  };
+  ASSIGN_OR_RETURN(HandshakeGate::Passed passed,
+                   gate_.Next(fd_.get(), accept_one, authenticator(),
+                              std::chrono::steady_clock::now() + timeout));
+  const std::string peer = passed.source;
   const Deadline deadline = std::chrono::steady_clock::now() + options.connect_timeout;
-  auto ep = fabric_->establish(std::move(fd), cq, options, address_, peer, deadline);
+  auto ep = fabric_->establish(std::move(passed.fd), cq, options, address_, peer, deadline);
   if (!ep.ok()) return ep.status().WithContext("verbs: accept from " + peer);
+  (*ep)->set_peer_identity(std::move(passed.identity));
   return ep;
 }
 
@@ -249,6 +259,9 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::Connect(const std::string& addr
   const Deadline deadline = std::chrono::steady_clock::now() + options.connect_timeout;
   std::string local;
   ASSIGN_OR_RETURN(UniqueFd fd, TcpConnect(address, options_.bind_ip, deadline, &local));
+  RETURN_IF_ERROR(
+      auth::ConnectorHandshake(fd.get(), options.auth_identity, options.auth_key, deadline)
+          .WithContext("verbs: connect to " + address));
   auto ep = establish(std::move(fd), cq, options, local, address, deadline);
   if (!ep.ok()) return ep.status().WithContext("verbs: connect to " + address);
   return ep;

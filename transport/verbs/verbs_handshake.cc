@@ -180,23 +180,27 @@ StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string& defa
   return fd;
 }
 
-StatusOr<UniqueFd> TcpAccept(int listen_fd, Deadline deadline, std::string* peer) {
+StatusOr<UniqueFd> TcpAcceptNow(int listen_fd, std::string* peer, std::string* peer_ip) {
   for (;;) {
-    RETURN_IF_ERROR(
-        net::WaitFd(listen_fd, POLLIN, deadline, "verbs bootstrap: waiting for a peer to connect"));
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
-    int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
+    int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len,
+                     SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) {
-        continue;
-      }
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return UniqueFd();
       return ErrnoError("verbs bootstrap: accept", errno);
     }
     UniqueFd owned(fd);
-    RETURN_IF_ERROR(net::SetNonBlocking(fd, true));
     TuneSocket(fd);
     *peer = net::SockaddrToString(ss);
+    char ip[INET6_ADDRSTRLEN] = "?";
+    if (ss.ss_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, ip, sizeof(ip));
+    } else if (ss.ss_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr, ip, sizeof(ip));
+    }
+    *peer_ip = ip;
     return owned;
   }
 }

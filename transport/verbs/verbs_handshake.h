@@ -55,8 +55,9 @@ using ::shardps::UniqueFd;  // common/fd.h
 // *resolved receives "ip:port" of the bound socket.
 StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string& default_host,
                              std::string* resolved_ip, int* resolved_port);
-// Waits until the deadline for one connection. *peer receives "ip:port".
-StatusOr<UniqueFd> TcpAccept(int listen_fd, Deadline deadline, std::string* peer);
+// One waiting connection without blocking (an invalid fd when none waits). *peer receives
+// "ip:port", *peer_ip the address alone.
+StatusOr<UniqueFd> TcpAcceptNow(int listen_fd, std::string* peer, std::string* peer_ip);
 // Connects to "host:port", source bound to bind_ip when not empty.
 StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bind_ip,
                               Deadline deadline, std::string* local);

@@ -227,15 +227,20 @@ class VerbsEndpoint final : public Endpoint {
 class VerbsListener final : public Listener {
  public:
   VerbsListener(class VerbsFabric* fabric, UniqueFd fd, std::string address)
-      : fabric_(fabric), fd_(std::move(fd)), address_(std::move(address)) {}
+      : fabric_(fabric),
+        fd_(std::move(fd)),
+        address_(std::move(address)),
+        gate_("verbs: listener " + address_, HandshakeGate::Limits{}) {}
   std::string address() const override { return address_; }
   StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
                                              std::chrono::milliseconds timeout) override;
+  HandshakeGate::Stats gate_stats() const override { return gate_.stats(); }
 
  private:
   VerbsFabric* fabric_;  // the fabric outlives its listeners (caller contract)
   UniqueFd fd_;
   std::string address_;
+  HandshakeGate gate_;  // bootstrap connections that have not yet authenticated
 };
 
 class VerbsFabric final : public Fabric {
