@@ -565,6 +565,99 @@ struct NobodyReport {
   int connect_ok = 1;         // Fabric::Connect as nobody: 1 if it succeeded
 };
 
+// What a listener sent back to a raw peer's hello.
+struct RawHelloReply {
+  int setup_errno = 0;   // the raw peer's own set-up failed
+  int recv_result = 1;   // recvmsg's result: <= 0 means EOF or error, nothing sent
+  std::vector<int> fds;  // SCM_RIGHTS fds received (the caller closes them)
+};
+
+// A raw peer's hello over an authenticated shm socket: the layout's Hello with a valid 2 MiB
+// arena, read-only arena and region table (so that a listener that checks nothing goes on to
+// send its own fds), then whatever comes back within 10 s.
+RawHelloReply RawShmHello(int fd) {
+  RawHelloReply r;
+  constexpr uint64_t kArena = 2ull << 20;
+  const int arena = memfd_create("nobody-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  const int ro_arena = memfd_create("nobody-ro-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  const int table = memfd_create("nobody-table", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (arena < 0 || ro_arena < 0 || table < 0 || ftruncate(arena, kArena) != 0 ||
+      ftruncate(ro_arena, kArena) != 0 || ftruncate(table, shm::kTableBytes) != 0) {
+    r.setup_errno = errno;
+    return r;
+  }
+  void* t = mmap(nullptr, shm::kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, table, 0);
+  if (t == MAP_FAILED) {
+    r.setup_errno = errno;
+    return r;
+  }
+  auto* th = static_cast<shm::TableHeader*>(t);
+  th->version.store(shm::kLayoutVersion);
+  th->capacity.store(shm::kTableCapacity);
+  th->arena_size.store(kArena);
+  th->magic.store(shm::kTableMagic);
+  munmap(t, shm::kTableBytes);
+  fcntl(arena, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  fcntl(ro_arena, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  fcntl(table, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  shm::Hello hello{};
+  hello.magic = shm::kHelloMagic;
+  hello.version = shm::kLayoutVersion;
+  hello.pid = static_cast<uint32_t>(getpid());
+  hello.recv_depth = 8;
+  hello.table_capacity = shm::kTableCapacity;
+  hello.arena_size = kArena;
+  const int out[3] = {arena, ro_arena, table};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+  iovec iov{&hello, sizeof(hello)};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = CMSG_SPACE(sizeof(out));
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(out));
+  std::memcpy(CMSG_DATA(c), out, sizeof(out));
+  const ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+  close(arena);
+  close(ro_arena);
+  close(table);
+  if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) {
+    r.recv_result = 0;  // refused before the hello: nothing came back
+    return r;
+  }
+  if (sent != static_cast<ssize_t>(sizeof(hello))) {
+    r.setup_errno = errno;
+    return r;
+  }
+  pollfd p{fd, POLLIN, 0};
+  poll(&p, 1, 10000);
+  shm::Hello reply{};
+  std::memset(control, 0, sizeof(control));
+  iov = iovec{&reply, sizeof(reply)};
+  msg = msghdr{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  r.recv_result = static_cast<int>(recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC));
+  if (r.recv_result >= 0) {
+    for (cmsghdr* h = CMSG_FIRSTHDR(&msg); h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
+      if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS) {
+        const size_t n = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < n; ++i) {
+          int f;
+          std::memcpy(&f, CMSG_DATA(h) + i * sizeof(int), sizeof(int));
+          r.fds.push_back(f);
+        }
+      }
+    }
+  }
+  return r;
+}
+
 // The second half of NobodyTriesToConnect: a real Fabric::Connect as the same (other) uid.
 NobodyReport ConnectAsFabric(const std::string& addr, NobodyReport r) {
   FabricOptions o;
@@ -613,79 +706,15 @@ NobodyReport NobodyTriesToConnect(const std::string& addr) {
     close(fd);
     return ConnectAsFabric(addr, r);
   }
-  constexpr uint64_t kArena = 2ull << 20;
-  const int arena = memfd_create("nobody-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  const int table = memfd_create("nobody-table", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (arena < 0 || table < 0 || ftruncate(arena, kArena) != 0 ||
-      ftruncate(table, shm::kTableBytes) != 0) {
-    r.setup_errno = errno;
-    return r;
-  }
-  void* t = mmap(nullptr, shm::kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, table, 0);
-  if (t == MAP_FAILED) {
-    r.setup_errno = errno;
-    return r;
-  }
-  auto* th = static_cast<shm::TableHeader*>(t);
-  th->version.store(shm::kLayoutVersion);
-  th->capacity.store(shm::kTableCapacity);
-  th->arena_size.store(kArena);
-  th->magic.store(shm::kTableMagic);
-  fcntl(arena, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
-  fcntl(table, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
-  shm::Hello hello{};
-  hello.magic = shm::kHelloMagic;
-  hello.version = shm::kLayoutVersion;
-  hello.pid = static_cast<uint32_t>(getpid());
-  hello.recv_depth = 8;
-  hello.table_capacity = shm::kTableCapacity;
-  hello.arena_size = kArena;
-  const int out[2] = {arena, table};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
-  iovec iov{&hello, sizeof(hello)};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = CMSG_SPACE(sizeof(out));
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(out));
-  std::memcpy(CMSG_DATA(c), out, sizeof(out));
-  const ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
-  if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) {
-    // The listener checked SO_PEERCRED at accept and closed before the hello was sent: a
-    // refusal, not a failure of the test's set-up. Nothing came back; go on to Fabric::Connect.
-    r.raw_recv_result = 0;
-    r.raw_fds_received = 0;
-    close(fd);
-    return ConnectAsFabric(addr, r);
-  }
-  if (sent != static_cast<ssize_t>(sizeof(hello))) {
-    r.setup_errno = errno;
-    return r;
-  }
-  pollfd p{fd, POLLIN, 0};
-  poll(&p, 1, 10000);
-  shm::Hello reply{};
-  std::memset(control, 0, sizeof(control));
-  iov = iovec{&reply, sizeof(reply)};
-  msg = msghdr{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  r.raw_recv_result = static_cast<int>(recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC));
-  r.raw_fds_received = 0;
-  if (r.raw_recv_result >= 0) {
-    for (cmsghdr* h = CMSG_FIRSTHDR(&msg); h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
-      if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS) {
-        r.raw_fds_received += static_cast<int>((h->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      }
-    }
-  }
+  const RawHelloReply h = RawShmHello(fd);
   close(fd);
+  if (h.setup_errno != 0) {
+    r.setup_errno = h.setup_errno;
+    return r;
+  }
+  r.raw_recv_result = h.recv_result;
+  r.raw_fds_received = static_cast<int>(h.fds.size());
+  for (int f : h.fds) close(f);
   return ConnectAsFabric(addr, r);
 }
 
@@ -789,8 +818,99 @@ TEST_F(ShmTransportTest, AllowListedUidIsServed) {
   ASSERT_EQ(waitpid(child, &wstatus, 0), child);
   ASSERT_EQ(got, static_cast<ssize_t>(sizeof(r)));
   ASSERT_EQ(r.setup_errno, 0) << strerror(r.setup_errno);
-  EXPECT_EQ(r.raw_fds_received, 3);
+  EXPECT_EQ(r.raw_fds_received, 4);  // arena, read-only arena, table, doorbell
   EXPECT_EQ(r.connect_ok, 1);
+}
+
+// A region peers may only read reaches them as a read-only mapping, so a member cannot write it
+// even by hand: the kernel refuses a writable mapping of the read-only arena (sealed
+// FUTURE_WRITE), an mprotect to writable, a write through the fd, and a writable mapping of the
+// fd reopened through /proc. Before, every region lived in one arena that peers mapped
+// read-write: a process that connected overwrote the remote-read-only weights region.
+TEST_F(ShmTransportTest, ReadOnlyRegionsReachPeersAsReadOnlyMappings) {
+  constexpr size_t kBytes = 1 << 16;
+  auto tcq = target_->CreateCompletionQueue(1024);
+  ASSERT_TRUE(tcq.ok());
+  auto l = target_->Listen("");
+  ASSERT_TRUE(l.ok()) << l.status();
+  auto weights = target_->AllocateMemory(kBytes, Access::kRemoteRead);
+  auto inbox = target_->AllocateMemory(kBytes, Access::kRemoteWrite);
+  ASSERT_TRUE(weights.ok() && inbox.ok());
+  auto* w = static_cast<uint8_t*>((*weights)->data());
+  for (size_t i = 0; i < kBytes; ++i) w[i] = static_cast<uint8_t>(i * 13 + 5);
+
+  // A raw member: connects, passes the challenge (this listener requires no credential), says
+  // hello and takes the fds; it never acknowledges, so the Accept below fails afterwards.
+  RawHelloReply reply;
+  const std::string addr = (*l)->address();
+  std::thread raw([&] {
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path + 1, addr.data() + 1, addr.size() - 1);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa),
+                static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + addr.size())) != 0 ||
+        !auth::ConnectorHandshake(fd, "", "",
+                                  std::chrono::steady_clock::now() + std::chrono::seconds(10))
+             .ok()) {
+      reply.setup_errno = EIO;
+    } else {
+      reply = RawShmHello(fd);
+    }
+    close(fd);
+  });
+  EndpointOptions eo;
+  eo.send_depth = 8;
+  eo.recv_depth = 8;
+  auto ep = (*l)->Accept(tcq->get(), eo, milliseconds(10000));
+  raw.join();
+  EXPECT_FALSE(ep.ok());
+  ASSERT_EQ(reply.setup_errno, 0) << strerror(reply.setup_errno);
+  ASSERT_EQ(reply.fds.size(), 4u);
+  const int rw_fd = reply.fds[0], ro_fd = reply.fds[1], table_fd = reply.fds[2];
+
+  // Where the region table says the two regions are.
+  void* t = mmap(nullptr, shm::kTableBytes, PROT_READ, MAP_SHARED, table_fd, 0);
+  ASSERT_NE(t, MAP_FAILED);
+  const auto* th = static_cast<const shm::TableHeader*>(t);
+  const uint64_t arena_size = th->arena_size.load();
+  const auto* entries = reinterpret_cast<const shm::TableEntry*>(
+      static_cast<const uint8_t*>(t) + sizeof(shm::TableHeader));
+  const uint64_t w_offset =
+      entries[(*weights)->descriptor().rkey & shm::kRkeySlotMask].offset.load();
+  const uint64_t i_offset = entries[(*inbox)->descriptor().rkey & shm::kRkeySlotMask].offset.load();
+  munmap(t, shm::kTableBytes);
+  ASSERT_GE(w_offset, arena_size) << "a remote-read-only region must be in the read-only arena";
+  EXPECT_LT(i_offset, arena_size) << "a remote-writable region belongs in the read-write arena";
+  const uint64_t off = w_offset - arena_size;
+
+  errno = 0;
+  void* writable = mmap(nullptr, arena_size, PROT_READ | PROT_WRITE, MAP_SHARED, ro_fd, 0);
+  EXPECT_EQ(writable, MAP_FAILED) << "a peer mapped the read-only arena writable";
+  EXPECT_EQ(errno, EPERM);
+  if (writable != MAP_FAILED) munmap(writable, arena_size);
+  void* ro = mmap(nullptr, arena_size, PROT_READ, MAP_SHARED, ro_fd, 0);
+  ASSERT_NE(ro, MAP_FAILED) << strerror(errno);
+  EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(ro) + off, w, kBytes), 0)
+      << "the peer does not see the region's live bytes";
+  EXPECT_NE(mprotect(ro, arena_size, PROT_READ | PROT_WRITE), 0)
+      << "a peer made its read-only mapping writable";
+  munmap(ro, arena_size);
+  const char x = 'x';
+  EXPECT_LT(pwrite(ro_fd, &x, 1, static_cast<off_t>(off)), 0) << "a peer wrote through the fd";
+  const int reopened = open(("/proc/self/fd/" + std::to_string(ro_fd)).c_str(), O_RDWR);
+  if (reopened >= 0) {
+    void* again = mmap(nullptr, arena_size, PROT_READ | PROT_WRITE, MAP_SHARED, reopened, 0);
+    EXPECT_EQ(again, MAP_FAILED) << "a peer mapped the reopened read-only arena writable";
+    if (again != MAP_FAILED) munmap(again, arena_size);
+    close(reopened);
+  }
+  // The owner's bytes are as it wrote them.
+  for (size_t i = 0; i < kBytes; ++i) {
+    ASSERT_EQ(w[i], static_cast<uint8_t>(i * 13 + 5)) << "byte " << i;
+  }
+  (void)rw_fd;
+  for (int f : reply.fds) close(f);
 }
 
 // Two connections between the same two fabrics map each peer arena once per side.

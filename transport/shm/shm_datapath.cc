@@ -123,8 +123,14 @@ bool ShmEndpoint::Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_
     *why = "the peer's region " + Hex(r.rkey) + " was deregistered";
     return false;
   }
-  if (offset > peer_arena_size_ || length > peer_arena_size_ - offset) {
+  const bool in_ro = offset >= peer_arena_size_;
+  const uint64_t off = in_ro ? offset - peer_arena_size_ : offset;
+  if (off > peer_arena_size_ || length > peer_arena_size_ - off) {
     *why = "the peer's region table is corrupt (entry outside its arena)";
+    return false;
+  }
+  if (write && in_ro) {  // only a corrupt table can say so: writable regions are never there
+    *why = "the peer's region " + Hex(r.rkey) + " lies in its read-only arena";
     return false;
   }
   if (r.addr < va || r.addr - va > length || len > length - (r.addr - va)) {
@@ -132,7 +138,9 @@ bool ShmEndpoint::Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_
            Hex(va) + ", +" + std::to_string(length) + ")";
     return false;
   }
-  *out = peer_arena_ + offset + (r.addr - va);
+  // A read from the read-only arena only ever reads through this pointer.
+  *out = in_ro ? const_cast<uint8_t*>(peer_ro_arena_) + off + (r.addr - va)
+               : peer_arena_ + off + (r.addr - va);
   return true;
 }
 

@@ -1,8 +1,9 @@
 // shm provider, setup half: arena and region table, regions, completion queues, listening,
 // connecting and the handshake. The datapath (posts, polls) is in shm_datapath.cc.
 //
-// Shared memory per fabric: an arena memfd (regions are ranges of it; peers map it whole,
-// read-write, once per connection) and a region table memfd (peers map it read-only; the
+// Shared memory per fabric: two arena memfds (regions are ranges of them; peers map each whole,
+// once per peer fabric: the read-write one read-write, the read-only one, sealed FUTURE_WRITE,
+// PROT_READ) and a region table memfd (peers map it read-only; the
 // initiator checks every operation against it like an HCA checks an rkey). Per connection: a
 // doorbell memfd with two SPSC rings carrying write-with-immediate notifications. Layouts in
 // shm_layout.h. Connections are AF_UNIX SOCK_SEQPACKET sockets (abstract namespace unless the
@@ -360,9 +361,20 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   }
   core->arena_size_ = size;
   RETURN_IF_ERROR(Seal(core->arena_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW, "arena"));
+  // The read-only arena, as large: mapped read-write here, then sealed so that no later mapping
+  // (a peer's) can be writable. Sparse like the other one.
+  ASSIGN_OR_RETURN(core->ro_arena_fd_, MakeMemfd("shardps-shm-ro-arena"));
+  if (ftruncate(core->ro_arena_fd_.get(), static_cast<off_t>(size)) != 0) {
+    return ErrnoError("shm: ftruncate read-only arena", errno);
+  }
+  ASSIGN_OR_RETURN(core->ro_arena_map_, MapFd(core->ro_arena_fd_.get(), size,
+                                              PROT_READ | PROT_WRITE, "read-only arena", kHugePage));
+  RETURN_IF_ERROR(Seal(core->ro_arena_fd_.get(),
+                       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE, "read-only arena"));
   {
     MutexLock l(&core->mu_);  // not shared yet; the lock is for the analysis (and costs nothing)
     core->free_[0] = size;
+    core->free_ro_[0] = size;
   }
 
   ASSIGN_OR_RETURN(core->table_fd_, MakeMemfd("shardps-shm-regions"));
@@ -390,7 +402,7 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
 
 FabricCore::~FabricCore() = default;
 
-StatusOr<FabricCore::Range> FabricCore::Carve(uint64_t length) {
+StatusOr<FabricCore::Range> FabricCore::Carve(uint64_t length, bool read_only) {
   if (length == 0) return InvalidArgumentError("shm: zero-length allocation");
   const uint64_t align = length >= kHugePage ? kHugePage : kPage;
   if (length > arena_size_) {
@@ -399,57 +411,66 @@ StatusOr<FabricCore::Range> FabricCore::Carve(uint64_t length) {
   }
   const uint64_t bytes = RoundUp(length, align);
   Range r;
+  r.read_only = read_only;
   {
     MutexLock lock(&mu_);
-    auto it = free_.begin();
-    for (; it != free_.end(); ++it) {
+    std::map<uint64_t, uint64_t>& free = read_only ? free_ro_ : free_;
+    auto it = free.begin();
+    for (; it != free.end(); ++it) {
       const uint64_t start = RoundUp(it->first, align);
       const uint64_t end = it->first + it->second;
       if (start <= end && end - start >= bytes) {
         const uint64_t free_start = it->first;
-        free_.erase(it);
-        if (start > free_start) free_[free_start] = start - free_start;
-        if (start + bytes < end) free_[start + bytes] = end - start - bytes;
-        r = Range{start, bytes};
+        free.erase(it);
+        if (start > free_start) free[free_start] = start - free_start;
+        if (start + bytes < end) free[start + bytes] = end - start - bytes;
+        r.offset = start;
+        r.bytes = bytes;
         break;
       }
     }
-    if (it == free_.end()) {
-      return ResourceExhaustedError("shm: arena of " + Bytes(arena_size_) + " has no free " +
+    if (it == free.end()) {
+      return ResourceExhaustedError("shm: " + std::string(read_only ? "read-only " : "") +
+                                    "arena of " + Bytes(arena_size_) + " has no free " +
                                     std::to_string(bytes) + "-byte range");
     }
   }
-  // Zero-fill even if a racing peer wrote into the range after it was last freed.
-  if (fallocate(arena_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes)) != 0) {
+  // Zero-fill even if a racing peer wrote into the range after it was last freed. Nobody but
+  // this process writes the read-only arena, and Release zeroes what it frees there.
+  if (!read_only && fallocate(arena_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                              static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes)) != 0) {
     const int err = errno;
     Release(r);
     return ErrnoError("shm: fallocate(PUNCH_HOLE) arena", err);
   }
-  if (r.bytes >= kHugePage) madvise(arena() + r.offset, r.bytes, MADV_HUGEPAGE);  // best effort
+  if (r.bytes >= kHugePage) madvise(Address(r), r.bytes, MADV_HUGEPAGE);  // best effort
   return r;
 }
 
 void FabricCore::Release(Range r) {
-  if (fallocate(arena_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes)) != 0) {
+  if (r.read_only) {
+    // FUTURE_WRITE forbids punching holes: zero through our own mapping instead.
+    std::memset(Address(r), 0, r.bytes);
+  } else if (fallocate(arena_fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                       static_cast<off_t>(r.offset), static_cast<off_t>(r.bytes)) != 0) {
     PLOG(WARNING) << "shm: punching a freed arena range failed; memory stays committed";
   }
   MutexLock lock(&mu_);
+  std::map<uint64_t, uint64_t>& free = r.read_only ? free_ro_ : free_;
   uint64_t start = r.offset, end = r.offset + r.bytes;
-  auto next = free_.lower_bound(start);
-  if (next != free_.begin()) {
+  auto next = free.lower_bound(start);
+  if (next != free.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second == start) {
       start = prev->first;
-      free_.erase(prev);
+      free.erase(prev);
     }
   }
-  if (next != free_.end() && next->first == end) {
+  if (next != free.end() && next->first == end) {
     end += next->second;
-    free_.erase(next);
+    free.erase(next);
   }
-  free_[start] = end - start;
+  free[start] = end - start;
 }
 
 StatusOr<uint32_t> FabricCore::Publish(uint64_t va, uint64_t offset, uint64_t length,
@@ -480,7 +501,7 @@ void FabricCore::Retract(uint32_t rkey) {
 }
 
 StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int arena_fd,
-                                                          int table_fd) {
+                                                          int ro_arena_fd, int table_fd) {
   struct stat a, t;
   if (fstat(arena_fd, &a) != 0 || fstat(table_fd, &t) != 0) {
     return ErrnoError("shm: fstat peer arena/table", errno);
@@ -498,6 +519,8 @@ StatusOr<std::shared_ptr<PeerMemory>> FabricCore::MapPeer(const Hello& h, int ar
   auto pm = std::make_shared<PeerMemory>();
   ASSIGN_OR_RETURN(pm->arena,
                    MapPeerFd(arena_fd, h.arena_size, PROT_READ | PROT_WRITE, "arena", kHugePage));
+  ASSIGN_OR_RETURN(pm->ro_arena, MapPeerFd(ro_arena_fd, h.arena_size, PROT_READ,
+                                           "read-only arena", kHugePage));
   ASSIGN_OR_RETURN(pm->table, MapPeerFd(table_fd, kTableBytes, PROT_READ, "table"));
   const auto* th = reinterpret_cast<const TableHeader*>(pm->table.data());
   if (th->magic.load(std::memory_order_acquire) != kTableMagic ||
@@ -553,6 +576,7 @@ ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqSta
       description_(parts_.description) {
   peer_arena_ = parts_.peer->arena.data();
   peer_arena_size_ = parts_.peer->arena.size();
+  peer_ro_arena_ = parts_.peer->ro_arena.data();
   peer_entries_ =
       reinterpret_cast<const TableEntry*>(parts_.peer->table.data() + sizeof(TableHeader));
   uint8_t* db = parts_.doorbell.data();
@@ -652,10 +676,10 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
 
   Hello peer{};
   std::vector<UniqueFd> fds;
-  RETURN_IF_ERROR(RecvMsg(sock.get(), &peer, sizeof(peer), &fds, 2, deadline));
+  RETURN_IF_ERROR(RecvMsg(sock.get(), &peer, sizeof(peer), &fds, 3, deadline));
   RETURN_IF_ERROR(CheckHello(peer, sock.get()));
   ConnectionParts parts;
-  ASSIGN_OR_RETURN(parts.peer, core_->MapPeer(peer, fds[0].get(), fds[1].get()));
+  ASSIGN_OR_RETURN(parts.peer, core_->MapPeer(peer, fds[0].get(), fds[1].get(), fds[2].get()));
 
   parts.is_acceptor = true;
   parts.cap0 = static_cast<uint32_t>(options.recv_depth);
@@ -676,8 +700,9 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
 
   Hello me = MakeHello(*core_, options.recv_depth);
   me.doorbell_bytes = db_bytes;
-  const int out_fds[3] = {core_->arena_fd(), core_->table_fd(), db_fd.get()};
-  RETURN_IF_ERROR(SendMsg(sock.get(), &me, sizeof(me), out_fds, 3, deadline));
+  const int out_fds[4] = {core_->arena_fd(), core_->ro_arena_fd(), core_->table_fd(),
+                          db_fd.get()};
+  RETURN_IF_ERROR(SendMsg(sock.get(), &me, sizeof(me), out_fds, 4, deadline));
   char ack = 0;
   std::vector<UniqueFd> none;
   RETURN_IF_ERROR(RecvMsg(sock.get(), &ack, 1, &none, 0, deadline));
@@ -720,9 +745,12 @@ class ShmFabric final : public Fabric {
   }
 
   StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) override {
-    ASSIGN_OR_RETURN(FabricCore::Range r, core_->Carve(length));
-    uint8_t* data = core_->arena() + r.offset;
-    auto rkey = core_->Publish(reinterpret_cast<uint64_t>(data), r.offset, length, access);
+    // Regions peers may not write (remote-read-only, local-only) live in the read-only arena:
+    // the kernel, not only the initiator's check, keeps peers from writing them.
+    ASSIGN_OR_RETURN(FabricCore::Range r, core_->Carve(length, !AllowsRemoteWrite(access)));
+    uint8_t* data = core_->Address(r);
+    auto rkey =
+        core_->Publish(reinterpret_cast<uint64_t>(data), core_->TableOffset(r), length, access);
     if (!rkey.ok()) {
       core_->Release(r);
       return rkey.status();
@@ -797,16 +825,16 @@ StatusOr<std::unique_ptr<Endpoint>> ShmFabric::Connect(const std::string& addres
           .WithContext("shm: connect to " + canonical));
 
   Hello me = MakeHello(*core_, options.recv_depth);
-  const int my_fds[2] = {core_->arena_fd(), core_->table_fd()};
-  RETURN_IF_ERROR(SendMsg(sock.get(), &me, sizeof(me), my_fds, 2, deadline)
+  const int my_fds[3] = {core_->arena_fd(), core_->ro_arena_fd(), core_->table_fd()};
+  RETURN_IF_ERROR(SendMsg(sock.get(), &me, sizeof(me), my_fds, 3, deadline)
                       .WithContext("connect to " + canonical));
   Hello peer{};
   std::vector<UniqueFd> fds;
-  RETURN_IF_ERROR(RecvMsg(sock.get(), &peer, sizeof(peer), &fds, 3, deadline)
+  RETURN_IF_ERROR(RecvMsg(sock.get(), &peer, sizeof(peer), &fds, 4, deadline)
                       .WithContext("connect to " + canonical));
   RETURN_IF_ERROR(CheckHello(peer, sock.get()));
   ConnectionParts parts;
-  ASSIGN_OR_RETURN(parts.peer, core_->MapPeer(peer, fds[0].get(), fds[1].get()));
+  ASSIGN_OR_RETURN(parts.peer, core_->MapPeer(peer, fds[0].get(), fds[1].get(), fds[2].get()));
   parts.is_acceptor = false;
   parts.cap0 = peer.recv_depth;
   parts.cap1 = static_cast<uint32_t>(options.recv_depth);
@@ -815,7 +843,7 @@ StatusOr<std::unique_ptr<Endpoint>> ShmFabric::Connect(const std::string& addres
     return FailedPreconditionError("shm: peer's doorbell has an unexpected size");
   }
   ASSIGN_OR_RETURN(parts.doorbell,
-                   MapPeerFd(fds[2].get(), db_bytes, PROT_READ | PROT_WRITE, "doorbell"));
+                   MapPeerFd(fds[3].get(), db_bytes, PROT_READ | PROT_WRITE, "doorbell"));
   RETURN_IF_ERROR(CheckDoorbell(parts.doorbell, parts.cap0, parts.cap1));
   const char ack = 'A';
   RETURN_IF_ERROR(SendMsg(sock.get(), &ack, 1, nullptr, 0, deadline));

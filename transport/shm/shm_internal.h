@@ -24,10 +24,14 @@ constexpr uint64_t kDefaultArenaBytes = 64ull << 30;
 
 struct Hello;
 
-// A peer fabric's arena (read-write) and region table (read-only), mapped once and shared by
-// every endpoint of this fabric connected to that peer fabric. Immutable after creation.
+// A peer fabric's arenas and region table, mapped once and shared by every endpoint of this
+// fabric connected to that peer fabric: the read-write arena (regions peers may write), the
+// read-only arena (regions they may only read, and local-only ones; the memfd is sealed
+// FUTURE_WRITE, so no peer can map it writable or mprotect it so) and the table (read-only).
+// Immutable after creation.
 struct PeerMemory {
   Mapping arena;
+  Mapping ro_arena;
   Mapping table;
 };
 
@@ -41,11 +45,25 @@ class FabricCore {
   struct Range {
     uint64_t offset = 0;
     uint64_t bytes = 0;
+    bool read_only = false;  // in the read-only arena
   };
-  // Carves a page-aligned (2 MiB aligned for >= 2 MiB) zero-filled range of the arena.
-  StatusOr<Range> Carve(uint64_t length);
-  // Punches the range out of the arena (memory goes back to the kernel) and frees it.
+  // Carves a page-aligned (2 MiB aligned for >= 2 MiB) zero-filled range of the read-write
+  // arena, or of the read-only one (peers map it PROT_READ: an HCA's missing remote-write
+  // right, enforced by the kernel).
+  StatusOr<Range> Carve(uint64_t length, bool read_only);
+  // Frees the range: punched out of the read-write arena (memory goes back to the kernel);
+  // zeroed in the read-only one (its seal forbids punching: the memory stays committed until
+  // the fabric closes, and is reused).
   void Release(Range r);
+  // The owner's (read-write) address of r's first byte.
+  uint8_t* Address(const Range& r) const {
+    return (r.read_only ? ro_arena_map_.data() : arena_map_.data()) + r.offset;
+  }
+  // Where peers find r in the table's offset space: [0, arena_size) is the read-write arena,
+  // [arena_size, 2 * arena_size) the read-only one.
+  uint64_t TableOffset(const Range& r) const {
+    return (r.read_only ? arena_size_ : 0) + r.offset;
+  }
   // Publishes a live table entry; returns its rkey.
   StatusOr<uint32_t> Publish(uint64_t va, uint64_t offset, uint64_t length, Access access);
   // Marks the entry dead (release store) so every later remote access is rejected.
@@ -54,24 +72,29 @@ class FabricCore {
   uint8_t* arena() const { return arena_map_.data(); }
   uint64_t arena_size() const { return arena_size_; }
   int arena_fd() const { return arena_fd_.get(); }
+  int ro_arena_fd() const { return ro_arena_fd_.get(); }
   int table_fd() const { return table_fd_.get(); }
   std::string NextListenName();
   // Maps a peer fabric's arena and table (validated), or returns the mapping this fabric
   // already holds for the same pair of files.
-  StatusOr<std::shared_ptr<PeerMemory>> MapPeer(const Hello& hello, int arena_fd, int table_fd);
+  StatusOr<std::shared_ptr<PeerMemory>> MapPeer(const Hello& hello, int arena_fd, int ro_arena_fd,
+                                                 int table_fd);
 
  private:
   FabricCore() = default;
 
   UniqueFd arena_fd_;
+  UniqueFd ro_arena_fd_;
   UniqueFd table_fd_;
   Mapping arena_map_;
+  Mapping ro_arena_map_;
   Mapping table_map_;
   uint64_t arena_size_ = 0;
   TableEntry* entries_ = nullptr;
 
   Mutex mu_;
-  std::map<uint64_t, uint64_t> free_ GUARDED_BY(mu_);  // offset -> bytes, coalesced
+  std::map<uint64_t, uint64_t> free_ GUARDED_BY(mu_);     // offset -> bytes, coalesced
+  std::map<uint64_t, uint64_t> free_ro_ GUARDED_BY(mu_);  // the same, read-only arena
   std::vector<uint32_t> free_slots_ GUARDED_BY(mu_);
   // (arena inode, table inode) -> live mapping. A live entry keeps its files open through the
   // mapping, so the inode numbers cannot be reused while it is live.
@@ -206,7 +229,8 @@ class ShmEndpoint final : public Endpoint {
 
   // Peer's memory, validated at connect.
   uint8_t* peer_arena_ = nullptr;
-  uint64_t peer_arena_size_ = 0;
+  const uint8_t* peer_ro_arena_ = nullptr;  // PROT_READ
+  uint64_t peer_arena_size_ = 0;            // each of the two
   const TableEntry* peer_entries_ = nullptr;
   RingView out_;  // this side produces
   RingView in_;   // this side consumes

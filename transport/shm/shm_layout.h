@@ -2,8 +2,12 @@
 //
 // Three kinds of shared memory exist (see docs in shm_fabric.cc's header comment):
 //
-//  * Arena (one memfd per Fabric, sealed SHRINK|GROW): the bytes of every region the fabric
-//    allocated. Peers map it read-write; a region is a [offset, offset+len) range of it.
+//  * Arenas (two memfds per Fabric): the bytes of every region the fabric allocated; a region
+//    is a [offset, offset+len) range of one. The read-write arena (sealed SHRINK|GROW) holds
+//    regions peers may write; peers map it read-write. The read-only arena (sealed
+//    SHRINK|GROW|FUTURE_WRITE after the owner mapped it) holds remote-read-only and local-only
+//    regions; peers can map it only PROT_READ, and cannot mprotect it writable. In the table,
+//    offsets [0, S) name the read-write arena and [S, 2S) the read-only one (S = arena_size).
 //  * Region table (one memfd per Fabric, sealed SHRINK|GROW|FUTURE_WRITE after the owner mapped
 //    it read-write, so peers can map it read-only only): TableHeader, then kTableCapacity
 //    TableEntry records. The initiator checks every operation against the target's table.
@@ -32,7 +36,7 @@
 
 namespace shardps::transport::shm {
 
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;  // 2: the read-only arena
 constexpr size_t kCacheLine = 64;
 
 // ---- Region table -------------------------------------------------------------------------
@@ -122,8 +126,10 @@ struct RingView {
 };
 
 // ---- Connection handshake (SOCK_SEQPACKET, one message each way, then a one-byte ack) -------
-// connector -> acceptor: Hello, fds {arena, table}
-// acceptor -> connector: Hello, fds {arena, table, doorbell}  (doorbell_bytes set)
+// (after the data-path authentication of transport/handshake_auth.h)
+// connector -> acceptor: Hello, fds {arena, read-only arena, table}
+// acceptor -> connector: Hello, fds {arena, read-only arena, table, doorbell}
+//                        (doorbell_bytes set)
 // connector -> acceptor: 1 byte 'A' once everything is mapped
 constexpr uint64_t kHelloMagic = 0x3130484c50485353ull;  // "SSHPHL01"
 struct Hello {
