@@ -351,11 +351,14 @@ void ShardServer::RefreshMembership() {
   seen_epoch_ = e;
   const control::Membership m = control_->membership();
   std::set<uint32_t> now;
+  std::set<uint32_t> member_ids;
   bool backup_present = false;
   for (const auto& mem : m.members()) {
+    member_ids.insert(mem.member_id());
     if (mem.role() == control::ROLE_WORKER) now.insert(mem.rank());
     if (mem.member_id() == stream_->backup_member()) backup_present = true;
   }
+  authenticator_->SetMembership(std::move(member_ids));  // a departed member's key is spent
   if (stream_->failed() && !backup_present) {
     LOG(WARNING) << "server rank " << rank_ << ": backup member " << stream_->backup_member()
                  << " left the membership (epoch " << e << ")";

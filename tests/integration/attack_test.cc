@@ -148,8 +148,9 @@ class AttackTest : public ProcessTestBase {
     control::ShardMap map;
     uint32_t member_id = 0;
     uint32_t rank = 0;
+    std::unique_ptr<control::ControlClient> client;  // set when the member stays joined
   };
-  StatusOr<Leak> JoinAndLeak(uint32_t rank) {
+  StatusOr<Leak> JoinAndLeak(uint32_t rank, bool stay = false) {
     control::ControlClientOptions co;
     co.coordinator_address = coordinator_address_;
     co.cluster_token = kToken;
@@ -177,7 +178,11 @@ class AttackTest : public ProcessTestBase {
     leak.map = env.shard_map();
     leak.member_id = client->member_id();
     leak.rank = client->reply().rank();
-    RETURN_IF_ERROR(client->Leave("the stranger has what it came for"));
+    if (stay) {
+      leak.client = std::move(client);  // still a member: its credential stays valid
+    } else {
+      RETURN_IF_ERROR(client->Leave("the stranger has what it came for"));
+    }
     return leak;
   }
 
@@ -539,12 +544,11 @@ TEST_F(AttackTest, AMembersCredentialCannotClaimAnotherRank) {
   const int kSteps = 30;
   ASSERT_FALSE(StartCoordinator(spec).empty());
   StartAttackServers(spec, "");
-  auto leak = JoinAndLeak(3);
+  // The member connects while it is one (a departed member's key opens nothing: below), then
+  // leaves, so that the job trains without it; its endpoint stays open.
+  auto leak = JoinAndLeak(3, /*stay=*/true);
   ASSERT_TRUE(leak.ok()) << leak.status() << Tail(coordinator_);
   ASSERT_EQ(leak->rank, 3u);
-  std::vector<ChildProcess*> workers = StartWorkers(spec, "", kSteps, 10);
-  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
-  ASSERT_GE(WaitProgress(Path("progress0"), 3, kProcessBound, workers[0]), 3) << Tail(workers[0]);
 
   transport::FabricOptions fo;
   fo.provider = "tcp";
@@ -569,6 +573,20 @@ TEST_F(AttackTest, AMembersCredentialCannotClaimAnotherRank) {
   eo.auth_key = s.peer_key();
   auto ep = (*fabric)->Connect(s.data_address(), cq->get(), eo);
   ASSERT_TRUE(ep.ok()) << "the member's real credential was refused: " << ep.status();
+  ASSERT_TRUE(leak->client->Leave("the member has its endpoint").ok());
+  leak->client.reset();
+  std::vector<ChildProcess*> workers = StartWorkers(spec, "", kSteps, 10);
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 3, kProcessBound, workers[0]), 3) << Tail(workers[0]);
+  // Now that it has left (and the servers have seen newer members), its own credential opens
+  // no new connection.
+  {
+    auto again = (*fabric)->Connect(s.data_address(), cq->get(), eo);
+    EXPECT_FALSE(again.ok()) << "a departed member's credential still opened a connection";
+    if (!again.ok()) {
+      EXPECT_EQ(again.status().code(), StatusCode::kPermissionDenied) << again.status();
+    }
+  }
 
   // The hello, as a worker sends it, but naming rank 0.
   auto* hello = static_cast<layout::Hello*>((*local)->data());
