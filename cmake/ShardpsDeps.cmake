@@ -7,7 +7,7 @@ if(NOT TARGET gflags)
 endif()
 find_package(glog CONFIG REQUIRED)
 # libcrypto: HMAC-SHA256 membership credentials (common/crypto.h, docs/security.md).
-find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+find_package(OpenSSL REQUIRED COMPONENTS Crypto SSL)
 message(STATUS "shardps: glog ${glog_VERSION}, gflags ${gflags_VERSION}")
 
 # ---- verbs ----

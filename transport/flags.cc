@@ -16,6 +16,9 @@ DEFINE_int32(rdma_signal_interval, 32,
              "verbs: one signaled work request per this many unsignaled ones");
 DEFINE_int32(rdma_timeout, 14, "verbs: QP local ACK timeout exponent (4.096us * 2^t)");
 DEFINE_int32(rdma_retry_count, 7, "verbs: QP transport retry count (0..7)");
+DEFINE_bool(tcp_tls, false,
+            "tcp: TLS 1.3 on every data-path connection (PSK from the data-path authentication; "
+            "set it on the servers: workers follow, see docs/security.md)");
 
 namespace shardps::transport {
 
@@ -30,6 +33,7 @@ FabricOptions FabricOptionsFromFlags() {
   o.signal_interval = FLAGS_rdma_signal_interval;
   o.rdma_timeout = FLAGS_rdma_timeout;
   o.rdma_retry_count = FLAGS_rdma_retry_count;
+  o.tcp_tls = FLAGS_tcp_tls;
   return o;
 }
 

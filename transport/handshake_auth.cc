@@ -17,11 +17,11 @@ namespace shardps::transport {
 namespace auth {
 namespace {
 
-std::string Transcript(std::string_view side, std::string_view nonce_a, std::string_view nonce_c,
-                       std::string_view identity) {
-  std::string m = "shardps-auth-v1|";
-  m.append(side);
+std::string Transcript(std::string_view label, uint16_t flags, std::string_view nonce_a,
+                       std::string_view nonce_c, std::string_view identity) {
+  std::string m(label);
   m.push_back('|');
+  m.append(reinterpret_cast<const char*>(&flags), sizeof(flags));
   m.append(nonce_a);
   m.append(nonce_c);
   m.append(identity);
@@ -30,18 +30,26 @@ std::string Transcript(std::string_view side, std::string_view nonce_a, std::str
 
 }  // namespace
 
-std::string ConnectorProof(std::string_view key, std::string_view nonce_a, std::string_view nonce_c,
-                           std::string_view identity) {
-  return crypto::HmacSha256(key, Transcript("connector", nonce_a, nonce_c, identity));
+std::string ConnectorProof(std::string_view key, uint16_t flags, std::string_view nonce_a,
+                           std::string_view nonce_c, std::string_view identity) {
+  return crypto::HmacSha256(
+      key, Transcript("shardps-auth-v1|connector", flags, nonce_a, nonce_c, identity));
 }
 
-std::string AcceptorProof(std::string_view key, std::string_view nonce_a, std::string_view nonce_c,
-                          std::string_view identity) {
-  return crypto::HmacSha256(key, Transcript("acceptor", nonce_a, nonce_c, identity));
+std::string AcceptorProof(std::string_view key, uint16_t flags, std::string_view nonce_a,
+                          std::string_view nonce_c, std::string_view identity) {
+  return crypto::HmacSha256(
+      key, Transcript("shardps-auth-v1|acceptor", flags, nonce_a, nonce_c, identity));
+}
+
+std::string SessionSecret(std::string_view key, uint16_t flags, std::string_view nonce_a,
+                          std::string_view nonce_c, std::string_view identity) {
+  return crypto::HmacSha256(key,
+                            Transcript("shardps-session-v1", flags, nonce_a, nonce_c, identity));
 }
 
 Status ConnectorHandshake(int fd, std::string_view identity, std::string_view key,
-                          std::chrono::steady_clock::time_point deadline) {
+                          std::chrono::steady_clock::time_point deadline, Outcome* outcome) {
   if (identity.size() > kMaxIdentity) {
     return InvalidArgumentError("authentication: identity longer than " +
                                 std::to_string(kMaxIdentity) + " bytes");
@@ -67,7 +75,7 @@ Status ConnectorHandshake(int fd, std::string_view identity, std::string_view ke
   std::memcpy(r.identity, identity.data(), identity.size());
   std::memcpy(r.nonce, nonce_c.data(), kNonceBytes);
   if (!key.empty()) {
-    const std::string proof = ConnectorProof(key, nonce_a, nonce_c, identity);
+    const std::string proof = ConnectorProof(key, c.flags, nonce_a, nonce_c, identity);
     std::memcpy(r.proof, proof.data(), kProofBytes);
   }
   RETURN_IF_ERROR(net::SendAll(fd, &r, sizeof(r), deadline, "authentication: the answer"));
@@ -83,13 +91,18 @@ Status ConnectorHandshake(int fd, std::string_view identity, std::string_view ke
                     : "authentication: the listener refused this side's credential");
   }
   if (!key.empty()) {
-    const std::string want = AcceptorProof(key, nonce_a, nonce_c, identity);
+    const std::string want = AcceptorProof(key, c.flags, nonce_a, nonce_c, identity);
     if (!crypto::ConstantTimeEquals(
             want, std::string_view(reinterpret_cast<const char*>(v.proof), kProofBytes))) {
       return PermissionDeniedError(
           "authentication: the listener could not prove the shared key: it is not the server "
           "the coordinator named");
     }
+  }
+  if (outcome != nullptr) {
+    outcome->flags = c.flags;
+    outcome->session_secret =
+        key.empty() ? std::string() : SessionSecret(key, c.flags, nonce_a, nonce_c, identity);
   }
   return Status::OK();
 }
@@ -117,8 +130,8 @@ bool CrossedPowerOfTwo(uint64_t before, uint64_t after) {
 
 }  // namespace
 
-HandshakeGate::HandshakeGate(std::string where, Limits limits)
-    : where_(std::move(where)), limits_(limits) {}
+HandshakeGate::HandshakeGate(std::string where, Limits limits, uint16_t extra_flags)
+    : where_(std::move(where)), limits_(limits), extra_flags_(extra_flags) {}
 
 void HandshakeGate::Admit(Accepted a, const Authenticator* auth) {
   // Room first: the oldest pending connection of this source, else the oldest of all, goes.
@@ -150,7 +163,7 @@ void HandshakeGate::Admit(Accepted a, const Authenticator* auth) {
   auth::Challenge c{};
   c.magic = auth::kMagic;
   c.version = auth::kVersion;
-  c.flags = auth != nullptr ? auth::kFlagRequired : 0;
+  c.flags = static_cast<uint16_t>((auth != nullptr ? auth::kFlagRequired : 0) | extra_flags_);
   std::memcpy(c.nonce, nonce->data(), auth::kNonceBytes);
   // A fresh socket's send buffer always has room for 40 bytes; anything else is a dead peer.
   if (send(a.fd.get(), &c, sizeof(c), MSG_DONTWAIT | MSG_NOSIGNAL) !=
@@ -162,6 +175,7 @@ void HandshakeGate::Admit(Accepted a, const Authenticator* auth) {
   p.fd = std::move(a.fd);
   p.source = std::move(a.source);
   p.nonce = std::move(*nonce);
+  p.flags = c.flags;
   p.expires = std::chrono::steady_clock::now() + limits_.timeout;
   pending_.push_back(std::move(p));
 }
@@ -195,7 +209,7 @@ bool HandshakeGate::Advance(Pending* p, const Authenticator* auth, StatusOr<Pass
       } else {
         key = std::move(*k);
         const std::string nonce_c(reinterpret_cast<const char*>(r.nonce), auth::kNonceBytes);
-        const std::string want = auth::ConnectorProof(key, p->nonce, nonce_c, identity);
+        const std::string want = auth::ConnectorProof(key, p->flags, p->nonce, nonce_c, identity);
         if (!crypto::ConstantTimeEquals(
                 want, std::string_view(reinterpret_cast<const char*>(r.proof), auth::kProofBytes))) {
           why = "identity '" + Printable(identity) + "': the proof does not verify";
@@ -209,7 +223,7 @@ bool HandshakeGate::Advance(Pending* p, const Authenticator* auth, StatusOr<Pass
   v.accepted = why.empty() ? 1 : 0;
   if (why.empty() && auth != nullptr) {
     const std::string nonce_c(reinterpret_cast<const char*>(r.nonce), auth::kNonceBytes);
-    const std::string proof = auth::AcceptorProof(key, p->nonce, nonce_c, identity);
+    const std::string proof = auth::AcceptorProof(key, p->flags, p->nonce, nonce_c, identity);
     std::memcpy(v.proof, proof.data(), auth::kProofBytes);
   }
   const bool sent =
@@ -224,8 +238,13 @@ bool HandshakeGate::Advance(Pending* p, const Authenticator* auth, StatusOr<Pass
     return true;
   }
   ++stats_.passed;
+  std::string session;
+  if (auth != nullptr) {
+    const std::string nonce_c(reinterpret_cast<const char*>(r.nonce), auth::kNonceBytes);
+    session = auth::SessionSecret(key, p->flags, p->nonce, nonce_c, identity);
+  }
   *out = Passed{std::move(p->fd), auth != nullptr ? std::move(identity) : std::string(),
-                std::move(p->source)};
+                std::move(p->source), std::move(session)};
   return true;
 }
 

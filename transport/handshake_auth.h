@@ -13,8 +13,13 @@
 //                                        nonce_c[32], proof_c[32] }
 //   acceptor  -> connector   Verdict   { magic, version, accepted, proof_a[32] }
 //
-//   proof_c = HMAC-SHA256(key, "shardps-auth-v1|connector|" nonce_a nonce_c identity)
-//   proof_a = HMAC-SHA256(key, "shardps-auth-v1|acceptor|"  nonce_a nonce_c identity)
+//   proof_c = HMAC-SHA256(key, "shardps-auth-v1|connector|" flags nonce_a nonce_c identity)
+//   proof_a = HMAC-SHA256(key, "shardps-auth-v1|acceptor|"  flags nonce_a nonce_c identity)
+//   session = HMAC-SHA256(key, "shardps-session-v1|"        flags nonce_a nonce_c identity)
+//
+// flags (2 bytes, as sent) are in every MAC, so a man in the middle cannot strip what the
+// acceptor asks for (e.g. kFlagTcpTls) without both proofs failing. `session` is a fresh
+// per-connection secret both sides know afterwards (the tcp provider keys TLS with it).
 //
 // Both nonces are fresh from the CSPRNG, so neither proof can be replayed. A refusal is one
 // Verdict{accepted = 0} whatever the reason (unknown identity, wrong proof, malformed), so the
@@ -59,7 +64,8 @@ inline constexpr uint16_t kVersion = 1;
 inline constexpr size_t kNonceBytes = 32;
 inline constexpr size_t kProofBytes = 32;
 inline constexpr size_t kMaxIdentity = 64;
-inline constexpr uint16_t kFlagRequired = 1;
+inline constexpr uint16_t kFlagRequired = 1;  // the acceptor requires a proof
+inline constexpr uint16_t kFlagTcpTls = 2;    // the tcp acceptor requires TLS after this
 
 struct Challenge {
   uint32_t magic;
@@ -83,18 +89,27 @@ struct Verdict {
 };
 static_assert(sizeof(Challenge) == 40 && sizeof(Response) == 136 && sizeof(Verdict) == 40);
 
-// The two proofs of the transcript above.
-std::string ConnectorProof(std::string_view key, std::string_view nonce_a, std::string_view nonce_c,
-                           std::string_view identity);
-std::string AcceptorProof(std::string_view key, std::string_view nonce_a, std::string_view nonce_c,
-                          std::string_view identity);
+// The two proofs and the session secret of the transcript above.
+std::string ConnectorProof(std::string_view key, uint16_t flags, std::string_view nonce_a,
+                           std::string_view nonce_c, std::string_view identity);
+std::string AcceptorProof(std::string_view key, uint16_t flags, std::string_view nonce_a,
+                          std::string_view nonce_c, std::string_view identity);
+std::string SessionSecret(std::string_view key, uint16_t flags, std::string_view nonce_a,
+                          std::string_view nonce_c, std::string_view identity);
+
+// What the connector learned.
+struct Outcome {
+  uint16_t flags = 0;          // the acceptor's challenge flags (authenticated when keyed)
+  std::string session_secret;  // "" without a key
+};
 
 // The connector's side, blocking until the deadline: reads the challenge, answers as
 // `identity` with `key`, reads the verdict and checks the acceptor's proof. An empty key
 // connects only to a listener that requires nothing. Errors: PERMISSION_DENIED when either side
 // refuses the other, DEADLINE_EXCEEDED / UNAVAILABLE from the socket.
 Status ConnectorHandshake(int fd, std::string_view identity, std::string_view key,
-                          std::chrono::steady_clock::time_point deadline);
+                          std::chrono::steady_clock::time_point deadline,
+                          Outcome* outcome = nullptr);
 
 }  // namespace auth
 
@@ -117,6 +132,7 @@ class HandshakeGate {
     UniqueFd fd;
     std::string identity;
     std::string source;
+    std::string session_secret;  // auth::SessionSecret; "" without an Authenticator
   };
   struct Stats {
     uint64_t passed = 0;
@@ -130,7 +146,8 @@ class HandshakeGate {
   // listener (anything else); both are returned by Next.
   using AcceptFn = std::function<StatusOr<Accepted>()>;
 
-  HandshakeGate(std::string where, Limits limits);
+  // extra_flags: provider bits the challenge carries (auth::kFlagTcpTls).
+  HandshakeGate(std::string where, Limits limits, uint16_t extra_flags = 0);
   HandshakeGate(const HandshakeGate&) = delete;
   HandshakeGate& operator=(const HandshakeGate&) = delete;
 
@@ -150,6 +167,7 @@ class HandshakeGate {
     std::string source;
     std::string nonce;
     std::chrono::steady_clock::time_point expires;
+    uint16_t flags = 0;  // as sent in the challenge
     size_t have = 0;
     auth::Response response;
   };
@@ -161,6 +179,7 @@ class HandshakeGate {
 
   const std::string where_;
   const Limits limits_;
+  const uint16_t extra_flags_;
   std::deque<Pending> pending_;  // oldest first
   Stats stats_;
 };

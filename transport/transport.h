@@ -339,6 +339,11 @@ struct FabricOptions {
   // serves. The listener reads the connecting process's uid with SO_PEERCRED and refuses any
   // other uid before a byte of the handshake is read or an fd sent. Empty: same uid only.
   std::vector<uint32_t> shm_allowed_uids;
+  // tcp: TLS 1.3 on every data-path connection, keyed by the per-connection secret of the
+  // data-path authentication (transport/tcp/tcp_tls.h). A listener with it on requires it of
+  // every peer (and needs an Authenticator); a connector follows what the listener requires
+  // (the requirement is authenticated), and with it on also refuses a listener without it.
+  bool tcp_tls = false;
 };
 
 class Fabric {

@@ -5,11 +5,13 @@
 // any peer that sent a well-formed hello, and Accept waited on a silent peer for up to a second
 // on the caller's (the server's apply) thread.
 #include <arpa/inet.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
@@ -21,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "common/crypto.h"
+#include "common/thread_annotations.h"
 #include "transport/transport.h"
 
 #ifdef SHARDPS_HAVE_VERBS
@@ -265,6 +268,214 @@ TEST_P(HandshakeAuthTest, SilentStrangersNeverHoldAZeroTimeoutAccept) {
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ((*a)->peer_identity(), kIdentity);
+}
+
+// A TCP relay between a connector and a listener that records what crosses it and may rewrite
+// the listener's first bytes (its challenge): a wire tap and a man in the middle.
+class Relay {
+ public:
+  explicit Relay(std::string target, bool strip_tls_flag = false)
+      : target_(std::move(target)), strip_(strip_tls_flag) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    bind(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+    listen(fd_, 4);
+    socklen_t len = sizeof(sa);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len);
+    address_ = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Relay() {
+    stop_ = true;
+    thread_.join();
+    close(fd_);
+  }
+  const std::string& address() const { return address_; }
+  // What the connector sent (after the relay is destroyed, or when the test is done with it).
+  std::string upstream() const {
+    MutexLock l(&mu_);
+    return up_;
+  }
+
+ private:
+  void Run() {
+    pollfd p{fd_, POLLIN, 0};
+    while (!stop_ && poll(&p, 1, 50) <= 0) {
+    }
+    if (stop_) return;
+    const int a = accept(fd_, nullptr, nullptr);
+    const int b = RawConnect("tcp", target_);
+    size_t down = 0;  // bytes relayed listener -> connector
+    char buf[65536];
+    while (!stop_ && a >= 0 && b >= 0) {
+      pollfd ps[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+      if (poll(ps, 2, 50) <= 0) continue;
+      if (ps[0].revents) {
+        const ssize_t n = recv(a, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        {
+          MutexLock l(&mu_);
+          up_.append(buf, static_cast<size_t>(n));
+        }
+        if (send(b, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+      }
+      if (ps[1].revents) {
+        const ssize_t n = recv(b, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        // The challenge's flags are bytes 6..7 of the stream: clear kFlagTcpTls.
+        if (strip_ && down <= 6 && down + static_cast<size_t>(n) > 6) {
+          buf[6 - down] = static_cast<char>(buf[6 - down] & ~auth::kFlagTcpTls);
+        }
+        down += static_cast<size_t>(n);
+        if (send(a, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+      }
+    }
+    if (a >= 0) close(a);
+    if (b >= 0) close(b);
+  }
+
+  const std::string target_;
+  const bool strip_;
+  int fd_ = -1;
+  std::string address_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  mutable Mutex mu_;
+  std::string up_ GUARDED_BY(mu_);
+};
+
+// The tcp data path with TLS on (FabricOptions::tcp_tls on the listener; the connector follows
+// the listener's authenticated requirement).
+class TcpTlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto key = crypto::RandomBytes(32);
+    ASSERT_TRUE(key.ok());
+    key_ = *key;
+  }
+  // A listener fabric (TLS as given) with the one-member authenticator, and a connector fabric.
+  void Open(bool listener_tls, bool connector_tls) {
+    FabricOptions o;
+    o.provider = "tcp";
+    o.bind_ip = "127.0.0.1";
+    o.tcp_tls = listener_tls;
+    auto t = Fabric::Open(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    target_ = std::move(*t);
+    o.tcp_tls = connector_tls;
+    auto i = Fabric::Open(o);
+    ASSERT_TRUE(i.ok()) << i.status();
+    initiator_ = std::move(*i);
+    auto tcq = target_->CreateCompletionQueue(1024);
+    auto icq = initiator_->CreateCompletionQueue(1024);
+    ASSERT_TRUE(tcq.ok() && icq.ok());
+    tcq_ = std::move(*tcq);
+    icq_ = std::move(*icq);
+    auto l = target_->Listen("127.0.0.1:0");
+    ASSERT_TRUE(l.ok()) << l.status();
+    listener_ = std::move(*l);
+    listener_->set_authenticator(std::make_shared<OneMemberAuthenticator>(key_));
+  }
+  EndpointOptions Eo(bool keyed) const {
+    EndpointOptions eo;
+    eo.send_depth = 16;
+    eo.recv_depth = 16;
+    eo.connect_timeout = milliseconds(10000);
+    if (keyed) {
+      eo.auth_identity = kIdentity;
+      eo.auth_key = key_;
+    }
+    return eo;
+  }
+  void ConnectAndAccept(const std::string& address, StatusOr<std::unique_ptr<Endpoint>>* c,
+                        StatusOr<std::unique_ptr<Endpoint>>* a) {
+    std::thread t([&] { *c = initiator_->Connect(address, icq_.get(), Eo(true)); });
+    *a = listener_->Accept(tcq_.get(), Eo(false), milliseconds(10000));
+    t.join();
+  }
+  // Writes `n` patterned bytes through c into a fresh target region, reads them back, and
+  // checks both; returns the pattern.
+  std::string WriteAndReadBack(Endpoint* c, size_t n) {
+    auto remote = target_->AllocateMemory(n, Access::kRemoteReadWrite);
+    auto local = initiator_->AllocateMemory(2 * n, Access::kLocalOnly);
+    EXPECT_TRUE(remote.ok() && local.ok());
+    if (!remote.ok() || !local.ok()) return "";
+    auto* src = static_cast<uint8_t*>((*local)->data());
+    for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>("SHARDPS-PLAINTEXT-"[i % 18]);
+    EXPECT_TRUE(c->PostWrite({local->get(), 0, n}, AtOffset((*remote)->descriptor(), 0), 1).ok());
+    EXPECT_TRUE(c->PostRead({local->get(), n, n}, AtOffset((*remote)->descriptor(), 0), 2).ok());
+    Completion wc[4];
+    int got = 0;
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (got < 2 && Clock::now() < deadline) {
+      const int k = icq_->Wait(wc + got, 4 - got, std::chrono::microseconds(1000));
+      for (int i = got; i < got + k; ++i) EXPECT_TRUE(wc[i].ok()) << WcStatusName(wc[i].status);
+      got += k;
+    }
+    EXPECT_EQ(got, 2);
+    EXPECT_EQ(std::memcmp((*remote)->data(), src, n), 0) << "the write did not arrive intact";
+    EXPECT_EQ(std::memcmp(src + n, src, n), 0) << "the read did not return the bytes";
+    return std::string(reinterpret_cast<const char*>(src), 64);
+  }
+
+  std::string key_;
+  std::unique_ptr<Fabric> target_, initiator_;
+  std::unique_ptr<CompletionQueue> tcq_, icq_;
+  std::unique_ptr<Listener> listener_;
+};
+
+// With TLS the bytes arrive intact and what crosses the wire is ciphertext; without it, the same
+// tap sees the plaintext (so the tap would have caught a leak).
+TEST_F(TcpTlsTest, DataArrivesAndTheWireCarriesOnlyCiphertext) {
+  for (bool tls : {false, true}) {
+    SCOPED_TRACE(tls ? "tls" : "plain");
+    ASSERT_NO_FATAL_FAILURE(Open(tls, false));
+    std::string pattern, wire;
+    {
+      Relay tap(listener_->address());
+      StatusOr<std::unique_ptr<Endpoint>> c = InternalError("not run");
+      StatusOr<std::unique_ptr<Endpoint>> a = InternalError("not run");
+      ConnectAndAccept(tap.address(), &c, &a);
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_TRUE(a.ok()) << a.status();
+      EXPECT_EQ((*c)->DebugString().rfind(tls ? "tcp+tls:" : "tcp:", 0), 0u)
+          << (*c)->DebugString();
+      pattern = WriteAndReadBack(c->get(), 1 << 20);
+      wire = tap.upstream();
+    }
+    EXPECT_GT(wire.size(), size_t{1} << 20);
+    const bool visible = wire.find(pattern) != std::string::npos;
+    EXPECT_EQ(visible, !tls) << (tls ? "plaintext crossed the wire under TLS"
+                                     : "the tap did not see the plaintext (a broken tap)");
+  }
+}
+
+// A man in the middle that clears the listener's TLS requirement in the challenge makes both
+// proofs fail (the flags are in the MACs): the connection is refused, never downgraded.
+TEST_F(TcpTlsTest, TheTlsRequirementCannotBeStripped) {
+  ASSERT_NO_FATAL_FAILURE(Open(true, false));
+  Relay mitm(listener_->address(), /*strip_tls_flag=*/true);
+  StatusOr<std::unique_ptr<Endpoint>> c = InternalError("not run");
+  StatusOr<std::unique_ptr<Endpoint>> a = InternalError("not run");
+  ConnectAndAccept(mitm.address(), &c, &a);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied) << c.status();
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kPermissionDenied) << a.status();
+}
+
+// A connector that requires TLS refuses a listener without it, with the reason.
+TEST_F(TcpTlsTest, AConnectorThatRequiresTlsRefusesAPlainListener) {
+  ASSERT_NO_FATAL_FAILURE(Open(false, true));
+  StatusOr<std::unique_ptr<Endpoint>> c = InternalError("not run");
+  std::thread t([&] { c = initiator_->Connect(listener_->address(), icq_.get(), Eo(true)); });
+  auto a = listener_->Accept(tcq_.get(), Eo(false), milliseconds(3000));
+  t.join();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied) << c.status();
+  EXPECT_NE(c.status().message().find("TLS"), std::string::npos) << c.status();
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, HandshakeAuthTest, ::testing::Values("tcp", "shm"),

@@ -67,10 +67,12 @@ const char* AccessCheckName(AccessCheck c) {
 // TcpEndpoint: setup and teardown
 
 TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpCompletionQueue* cq,
-                         const EndpointOptions& options, std::string local, std::string remote)
+                         const EndpointOptions& options, std::string local, std::string remote,
+                         std::unique_ptr<TlsSession> tls)
     : Endpoint(options.endpoint_id, engine.get(), kMaxMessageBytes),
       engine_(std::move(engine)),
       fd_(std::move(fd)),
+      tls_(std::move(tls)),
       send_depth_(options.send_depth),
       recv_depth_(options.recv_depth),
       local_(std::move(local)),
@@ -112,7 +114,9 @@ Status TcpEndpoint::status() const {
   return error_;
 }
 
-std::string TcpEndpoint::DebugString() const { return "tcp:" + local_ + "->" + remote_; }
+std::string TcpEndpoint::DebugString() const {
+  return std::string(tls_ != nullptr ? "tcp+tls:" : "tcp:") + local_ + "->" + remote_;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Posting (polling thread)
@@ -251,10 +255,15 @@ Status TcpEndpoint::FlushLocked() {
       off = 0;
       if (capped) break;
     }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<size_t>(cnt);
-    const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n;
+    if (tls_ != nullptr) {
+      n = tls_->Writev(iov, cnt);
+    } else {
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<size_t>(cnt);
+      n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return Status::OK();
@@ -340,7 +349,9 @@ void TcpEndpoint::OnReadable() {
     }
     if (rx_state_ == RxState::kHeader) {
       if (hdr_got_ < kHeaderSize) {
-        const ssize_t n = ::recv(fd_.get(), hdr_buf_ + hdr_got_, kHeaderSize - hdr_got_, 0);
+        const iovec one{hdr_buf_ + hdr_got_, kHeaderSize - hdr_got_};
+        const ssize_t n = tls_ != nullptr ? tls_->Readv(&one, 1)
+                                          : ::recv(fd_.get(), one.iov_base, one.iov_len, 0);
         if (n <= 0) {
           if (HandleIoError(n) == IoResult::kRetry) continue;
           break;
@@ -363,7 +374,7 @@ void TcpEndpoint::OnReadable() {
     iov[0] = {to_mem ? rx_dest_ : engine_->scratch(), chunk};
     iov[1] = {hdr_buf_, kHeaderSize};
     const int iovcnt = chunk == rx_left_ ? 2 : 1;
-    const ssize_t n = ::readv(fd_.get(), iov, iovcnt);
+    const ssize_t n = tls_ != nullptr ? tls_->Readv(iov, iovcnt) : ::readv(fd_.get(), iov, iovcnt);
     if (n <= 0) {
       if (HandleIoError(n) == IoResult::kRetry) continue;
       break;

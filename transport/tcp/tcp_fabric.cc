@@ -469,7 +469,9 @@ class TcpListener final : public Listener {
       : engine_(std::move(engine)),
         fd_(std::move(fd)),
         address_(std::move(address)),
-        gate_("tcp: listener " + address_, HandshakeGate::Limits{}) {}
+        tls_(engine_->options().tcp_tls),
+        gate_("tcp: listener " + address_, HandshakeGate::Limits{},
+              tls_ ? auth::kFlagTcpTls : 0) {}
   std::string address() const override { return address_; }
   StatusOr<std::unique_ptr<Endpoint>> Accept(CompletionQueue* cq, const EndpointOptions& options,
                                              std::chrono::milliseconds timeout) override;
@@ -482,6 +484,7 @@ class TcpListener final : public Listener {
   std::shared_ptr<TcpEngine> engine_;
   UniqueFd fd_;
   const std::string address_;
+  const bool tls_;  // FabricOptions::tcp_tls: every connection runs TLS after the proof
   HandshakeGate gate_;
 };
 
@@ -505,10 +508,12 @@ void UnreserveCq(TcpEngine* engine, TcpCompletionQueue* cq, const EndpointOption
 
 StatusOr<std::unique_ptr<Endpoint>> MakeEndpoint(const std::shared_ptr<TcpEngine>& engine,
                                                  UniqueFd fd, TcpCompletionQueue* cq,
-                                                 const EndpointOptions& options) {
+                                                 const EndpointOptions& options,
+                                                 std::unique_ptr<TlsSession> tls) {
   const std::string local = LocalAddress(fd.get());
   const std::string remote = PeerAddress(fd.get());
-  auto ep = std::make_unique<TcpEndpoint>(engine, std::move(fd), cq, options, local, remote);
+  auto ep = std::make_unique<TcpEndpoint>(engine, std::move(fd), cq, options, local, remote,
+                                          std::move(tls));
   Status added;
   engine->RunSync([&]() REQUIRES(engine->progress_mu()) { added = engine->AddEndpoint(ep.get()); });
   if (!added.ok()) return added;  // ~TcpEndpoint releases the quota
@@ -537,6 +542,11 @@ StatusOr<HandshakeGate::Accepted> TcpListener::AcceptOne() {
 StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
                                                         const EndpointOptions& options,
                                                         std::chrono::milliseconds timeout) {
+  if (tls_ && authenticator() == nullptr) {
+    return FailedPreconditionError(
+        "tcp: listener " + address_ +
+        " has TLS on (tcp_tls) but no Authenticator: TLS is keyed by the members' proof");
+  }
   ASSIGN_OR_RETURN(TcpCompletionQueue * tcq, ReserveCq(engine_.get(), cq, options));
   const auto deadline = Clock::now() + timeout;
   for (;;) {
@@ -552,13 +562,23 @@ StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
     // never more than kHandshakeTimeout.
     const auto hs_deadline = std::clamp(deadline, Clock::now() + std::chrono::seconds(1),
                                         Clock::now() + kHandshakeTimeout);
-    const Status hs = Handshake(passed->fd.get(), options, hs_deadline);
+    Status hs = Handshake(passed->fd.get(), options, hs_deadline);
+    std::unique_ptr<TlsSession> tls;
+    if (hs.ok() && tls_) {
+      auto t = TlsSession::Handshake(passed->fd.get(), /*server=*/true, passed->session_secret,
+                                     hs_deadline);
+      if (t.ok()) {
+        tls = std::move(*t);
+      } else {
+        hs = t.status();
+      }
+    }
     if (!hs.ok()) {
       LOG(WARNING) << "tcp: dropped a connection from " << passed->source << " on " << address_
                    << " after it authenticated: " << hs;
       continue;
     }
-    auto ep = MakeEndpoint(engine_, std::move(passed->fd), tcq, options);
+    auto ep = MakeEndpoint(engine_, std::move(passed->fd), tcq, options, std::move(tls));
     if (ep.ok()) (*ep)->set_peer_identity(std::move(passed->identity));
     return ep;
   }
@@ -641,15 +661,33 @@ class TcpFabric final : public Fabric {
     RETURN_IF_ERROR(ParseAddress(address, &sa));
     ASSIGN_OR_RETURN(TcpCompletionQueue * tcq, ReserveCq(engine_.get(), cq, options));
     auto fd_or = Dial(sa, address, deadline);
+    auth::Outcome outcome;
     Status hs = fd_or.ok() ? auth::ConnectorHandshake(fd_or->get(), options.auth_identity,
-                                                      options.auth_key, deadline)
+                                                      options.auth_key, deadline, &outcome)
                            : fd_or.status();
+    // TLS when the listener requires it (an authenticated requirement: a man in the middle
+    // cannot strip it), and a refusal when this side requires it and the listener does not.
+    const bool tls = (outcome.flags & auth::kFlagTcpTls) != 0;
+    if (hs.ok() && engine_->options().tcp_tls && !tls) {
+      hs = PermissionDeniedError(
+          "the listener does not use TLS and this side requires it (tcp_tls)");
+    }
     if (hs.ok()) hs = Handshake(fd_or->get(), options, deadline);
+    std::unique_ptr<TlsSession> session;
+    if (hs.ok() && tls) {
+      auto t = TlsSession::Handshake(fd_or->get(), /*server=*/false, outcome.session_secret,
+                                     deadline);
+      if (t.ok()) {
+        session = std::move(*t);
+      } else {
+        hs = t.status();
+      }
+    }
     if (!hs.ok()) {
       UnreserveCq(engine_.get(), tcq, options);
       return hs.WithContext("tcp: connect to " + address);
     }
-    return MakeEndpoint(engine_, std::move(*fd_or), tcq, options);
+    return MakeEndpoint(engine_, std::move(*fd_or), tcq, options, std::move(session));
   }
 
  private:

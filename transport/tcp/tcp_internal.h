@@ -37,6 +37,7 @@
 #include "common/thread_annotations.h"
 #include "transport/flow_control.h"
 #include "transport/tcp/tcp_wire.h"
+#include "transport/tcp/tcp_tls.h"
 #include "transport/transport.h"
 
 namespace shardps::transport::tcp {
@@ -231,8 +232,10 @@ class TcpCompletionQueue final : public CompletionQueue {
 // CQ. OnEvents/TryResume/OnRegionGone: the progress thread. See tcp_datapath.cc.
 class TcpEndpoint final : public Endpoint {
  public:
+  // tls: the connection's TLS session when FabricOptions::tcp_tls is on (null: plain TCP).
   TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpCompletionQueue* cq,
-              const EndpointOptions& options, std::string local, std::string remote);
+              const EndpointOptions& options, std::string local, std::string remote,
+              std::unique_ptr<TlsSession> tls);
   ~TcpEndpoint() override;
 
   Status status() const override;
@@ -299,6 +302,7 @@ class TcpEndpoint final : public Endpoint {
 
   std::shared_ptr<TcpEngine> engine_;
   UniqueFd fd_;
+  const std::unique_ptr<TlsSession> tls_;  // every byte goes through it when set
   const int send_depth_;
   const int recv_depth_;
   const std::string local_;
