@@ -88,16 +88,19 @@ class AttackTest : public ProcessTestBase {
  protected:
   // The servers, like ProcessTestBase::StartServers, with logs named <prefix>server<i>.log and
   // the binary replaceable for broke-checks.
-  void StartAttackServers(const ClusterSpec& spec, const std::string& prefix) {
+  void StartAttackServers(const ClusterSpec& spec, const std::string& prefix,
+                          const std::vector<std::string>& extra = {}) {
     const std::string bin = EnvOr("SHARDPS_ATTACK_SERVER_BIN", SHARDPS_SERVER_BIN);
     servers_.clear();
     for (int i = 0; i < spec.servers * spec.replicas; ++i) {
-      servers_.push_back(Spawn({bin, "--coordinator=" + coordinator_address_,
-                                std::string("--cluster_token=") + kToken,
-                                "--transport=" + spec.transport, "--bind_ip=127.0.0.1",
-                                "--rank=" + std::to_string(i), "--optimizer=" + spec.optimizer,
-                                LrFlag(spec.lr), "--aggregation=" + spec.aggregation},
-                               prefix + "server" + std::to_string(i) + ".log"));
+      std::vector<std::string> argv = {bin, "--coordinator=" + coordinator_address_,
+                                       std::string("--cluster_token=") + kToken,
+                                       "--transport=" + spec.transport, "--bind_ip=127.0.0.1",
+                                       "--rank=" + std::to_string(i),
+                                       "--optimizer=" + spec.optimizer, LrFlag(spec.lr),
+                                       "--aggregation=" + spec.aggregation};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      servers_.push_back(Spawn(argv, prefix + "server" + std::to_string(i) + ".log"));
     }
   }
 
@@ -447,7 +450,7 @@ TEST_F(AttackTest, AStrangerWithLeakedRkeysCannotReadOrWrite) {
       std::memcpy(r.identity, id.data(), id.size());
       for (uint8_t& b : r.nonce) b = static_cast<uint8_t>(rng());
       const std::string nonce_c(reinterpret_cast<const char*>(r.nonce), sizeof(r.nonce));
-      const std::string proof = transport::auth::ConnectorProof(wrong, nonce_a, nonce_c, id);
+      const std::string proof = transport::auth::ConnectorProof(wrong, c.flags, nonce_a, nonce_c, id);
       std::memcpy(r.proof, proof.data(), sizeof(r.proof));
       ASSERT_TRUE(net::SendAll(fd->get(), &r, sizeof(r), milliseconds(3000)).ok());
       transport::auth::Verdict v{};
@@ -625,6 +628,31 @@ TEST_F(AttackTest, AMembersCredentialCannotClaimAnotherRank) {
   EXPECT_NE(log.find("hello as worker rank 0"), std::string::npos) << servers_[0]->LogTail();
   std::cerr << "[          ] forged hello as rank 0: endpoint closed after " << reads_ok
             << " reads\n";
+}
+
+// ---- 4. TLS ---------------------------------------------------------------------------------
+
+// With --tcp_tls on the servers, the whole job (workers to primaries, primaries to their
+// backups) runs over TLS 1.3, the workers following the servers' authenticated requirement
+// without a flag of their own, and trains to the reference weights bit for bit.
+TEST_F(AttackTest, ATlsClusterWithBackupsTrainsToTheReference) {
+  ClusterSpec spec;
+  spec.transport = "tcp";
+  spec.servers = 2;
+  spec.workers = 3;
+  spec.replicas = 2;
+  const int kSteps = 20;
+  ASSERT_FALSE(StartCoordinator(spec).empty());
+  StartAttackServers(spec, "", {"--tcp_tls"});
+  std::vector<ChildProcess*> workers = StartWorkers(spec, "", kSteps, 0);
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ExpectTrainedCorrectly(workers, standalone, "", kSteps);
+  int tls_logs = 0;
+  for (ChildProcess* s : servers_) {
+    tls_logs += s->LogTail(1 << 22).find("TLSv1.3") != std::string::npos ? 1 : 0;
+  }
+  // Every primary took TLS connections (workers, and its backup took the primary's stream).
+  EXPECT_EQ(tls_logs, spec.servers * spec.replicas) << Tail(servers_[0]);
 }
 
 }  // namespace

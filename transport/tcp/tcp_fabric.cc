@@ -485,6 +485,7 @@ class TcpListener final : public Listener {
   UniqueFd fd_;
   const std::string address_;
   const bool tls_;  // FabricOptions::tcp_tls: every connection runs TLS after the proof
+  bool tls_logged_ = false;
   HandshakeGate gate_;
 };
 
@@ -577,6 +578,11 @@ StatusOr<std::unique_ptr<Endpoint>> TcpListener::Accept(CompletionQueue* cq,
       LOG(WARNING) << "tcp: dropped a connection from " << passed->source << " on " << address_
                    << " after it authenticated: " << hs;
       continue;
+    }
+    if (tls != nullptr && !tls_logged_) {
+      tls_logged_ = true;
+      LOG(INFO) << "tcp: " << address_ << " serves its peers over " << tls->Describe()
+                << " (PSK from the data-path proof)";
     }
     auto ep = MakeEndpoint(engine_, std::move(passed->fd), tcq, options, std::move(tls));
     if (ep.ok()) (*ep)->set_peer_identity(std::move(passed->identity));
