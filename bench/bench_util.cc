@@ -135,4 +135,17 @@ void Prefault(void* p, size_t n) {
   for (size_t i = 0; i < n; i += page) b[i] = b[i];
 }
 
+std::string BenchKey() { return std::string(32, 'k'); }
+
+std::shared_ptr<transport::Authenticator> BenchAuthenticator() {
+  class Bench final : public transport::Authenticator {
+   public:
+    StatusOr<std::string> KeyFor(std::string_view identity) const override {
+      if (identity != kBenchIdentity) return PermissionDeniedError("not the bench initiator");
+      return BenchKey();
+    }
+  };
+  return std::make_shared<Bench>();
+}
+
 }  // namespace shardps::bench

@@ -10,8 +10,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "transport/handshake_auth.h"
 
 #include "common/byte_pattern.h"
 #include "common/status.h"
@@ -43,6 +46,14 @@ using shardps::FirstMismatch;
 
 // Touches every page so that first-touch faults are not timed.
 void Prefault(void* p, size_t n);
+
+// The data-path credential of a benchmark pair (the target's listener requires it when the
+// fabric has tcp_tls on, since TLS is keyed by the proof). A fixed, public key: benchmarks
+// only, never a cluster's.
+inline constexpr char kBenchIdentity[] = "bench";
+std::string BenchKey();
+// The target's Authenticator: knows kBenchIdentity with BenchKey().
+std::shared_ptr<transport::Authenticator> BenchAuthenticator();
 
 }  // namespace shardps::bench
 

@@ -38,6 +38,8 @@ StatusOr<std::unique_ptr<TransportInitiator>> TransportInitiator::Connect(
   eo.send_depth = kSendDepth;
   eo.recv_depth = kRecvDepth;
   eo.connect_timeout = std::chrono::milliseconds(60000);
+  eo.auth_identity = kBenchIdentity;
+  eo.auth_key = BenchKey();
   ASSIGN_OR_RETURN(t->ep_, t->fabric_->Connect(config.peer_address, t->cq_.get(), eo));
   LOG(INFO) << "initiator: " << t->DebugString();
   return t;

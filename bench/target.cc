@@ -62,6 +62,7 @@ int RunTarget(const TargetConfig& config) {
     LOG(ERROR) << "target: listen on '" << config.listen_address << "': " << listener.status();
     return 2;
   }
+  (*listener)->set_authenticator(BenchAuthenticator());
   std::unique_ptr<RawTcpServer> raw;
   if (config.raw_tcp_bound) {
     auto r = RawTcpServer::Start(config.raw_tcp_bind_ip);
