@@ -5,6 +5,9 @@
 #include <atomic>
 #include <thread>
 
+#include <sys/prctl.h>
+#include <unistd.h>
+
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
@@ -47,6 +50,17 @@ int main(int argc, char** argv) {
   using namespace shardps::server;
   ShardServerOptions o;
   o.fabric = shardps::transport::FabricOptionsFromFlags();
+  if (o.fabric.provider == "shm") {
+    // The arenas' memfds are reachable through /proc/<pid>/fd by any process of this uid unless
+    // the process is not dumpable (docs/security.md): members prove credentials, bystanders of
+    // the same uid must not bypass that. (No core dumps and no same-uid ptrace follow.)
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0) {
+      LOG(INFO) << "shm: this server is not dumpable (/proc/" << getpid()
+                << "/fd closed to other processes of its uid; no core dumps)";
+    } else {
+      PLOG(WARNING) << "shm: prctl(PR_SET_DUMPABLE, 0)";
+    }
+  }
   o.data_listen = FLAGS_data_listen;
   o.coordinator = FLAGS_coordinator;
   o.cluster_token = FLAGS_cluster_token;

@@ -135,25 +135,37 @@ HandshakeGate::HandshakeGate(std::string where, Limits limits, uint16_t extra_fl
 
 void HandshakeGate::Admit(Accepted a, const Authenticator* auth) {
   // Room first: the oldest pending connection of this source, else the oldest of all, goes.
-  // A member answers within microseconds of connecting, so only peers that sit silent are
-  // ever old; a stranger who floods evicts its own connections.
+  // Before one goes it is read once more: a member whose answer has arrived passes instead of
+  // being evicted, so a flood must evict a member in the microseconds between its challenge
+  // and its answer, not in the time until the next Accept.
   const uint64_t evicted_before = stats_.evicted;
-  size_t from_source = 0;
-  for (const Pending& p : pending_) from_source += p.source == a.source ? 1 : 0;
-  if (from_source >= limits_.max_pending_per_source) {
-    auto it = std::find_if(pending_.begin(), pending_.end(),
-                           [&](const Pending& p) { return p.source == a.source; });
-    pending_.erase(it);
-    ++stats_.evicted;
-  } else if (pending_.size() >= limits_.max_pending) {
-    pending_.pop_front();
-    ++stats_.evicted;
+  for (;;) {
+    size_t from_source = 0;
+    for (const Pending& p : pending_) from_source += p.source == a.source ? 1 : 0;
+    std::deque<Pending>::iterator victim;
+    if (from_source >= limits_.max_pending_per_source) {
+      victim = std::find_if(pending_.begin(), pending_.end(),
+                            [&](const Pending& p) { return p.source == a.source; });
+    } else if (pending_.size() >= limits_.max_pending) {
+      victim = pending_.begin();
+    } else {
+      break;
+    }
+    StatusOr<Passed> out = DeadlineExceededError("");
+    if (Advance(&*victim, auth, &out)) {
+      if (out.ok() || out.status().code() == StatusCode::kPermissionDenied) {
+        ready_.push_back(std::move(out));
+      }
+    } else {
+      ++stats_.evicted;
+    }
+    pending_.erase(victim);
   }
   if (CrossedPowerOfTwo(evicted_before, stats_.evicted)) {
     LOG(WARNING) << where_ << ": " << stats_.evicted
                  << " unauthenticated connection(s) evicted so far (limits: "
                  << limits_.max_pending_per_source << " per source, " << limits_.max_pending
-                 << " in total); the latest from " << a.source;
+                 << " in total); the latest for room for one from " << a.source;
   }
   auto nonce = crypto::RandomBytes(auth::kNonceBytes);
   if (!nonce.ok()) {
@@ -269,11 +281,12 @@ StatusOr<HandshakeGate::Passed> HandshakeGate::Next(
     std::chrono::steady_clock::time_point deadline) {
   std::vector<pollfd> fds;
   for (;;) {
-    for (;;) {
-      StatusOr<Accepted> a = accept_one();
-      if (!a.ok()) return a.status();
-      if (!a->fd.valid()) break;
-      Admit(std::move(*a), auth);
+    // 1. What has already answered, before anything new is let in (nothing new can push an
+    //    answered member out, and refusals of newcomers never starve it).
+    if (!ready_.empty()) {
+      StatusOr<Passed> out = std::move(ready_.front());
+      ready_.pop_front();
+      return out;
     }
     for (auto it = pending_.begin(); it != pending_.end();) {
       StatusOr<Passed> out = DeadlineExceededError("");
@@ -282,10 +295,39 @@ StatusOr<HandshakeGate::Passed> HandshakeGate::Next(
         continue;
       }
       it = pending_.erase(it);
-      if (out.ok() || out.status().code() == StatusCode::kPermissionDenied) return out;
+      if (out.ok() || out.status().code() == StatusCode::kPermissionDenied) {
+        ready_.push_back(std::move(out));
+      }
     }
+    if (!ready_.empty()) continue;
     const auto now = std::chrono::steady_clock::now();
     Expire(now);
+    // 2. Newcomers, a bounded number per call (a connect flood cannot hold the caller here).
+    Status refused;
+    for (int n = 0; n < kMaxAcceptsPerCall; ++n) {
+      StatusOr<Accepted> a = accept_one();
+      if (!a.ok()) {
+        if (a.status().code() == StatusCode::kPermissionDenied) {  // e.g. shm: another uid
+          ++stats_.refused;
+          refused = a.status();
+          continue;
+        }
+        if (a.status().code() == StatusCode::kResourceExhausted) {  // EMFILE and kin
+          ++stats_.accept_errors;
+          if (CrossedPowerOfTwo(stats_.accept_errors - 1, stats_.accept_errors)) {
+            LOG(WARNING) << where_ << ": " << stats_.accept_errors
+                         << " accept(s) failed for lack of resources so far (" << a.status()
+                         << "); pending connections are still served and expire";
+          }
+          break;
+        }
+        return a.status();
+      }
+      if (!a->fd.valid()) break;
+      Admit(std::move(*a), auth);
+    }
+    if (!ready_.empty()) continue;
+    if (!refused.ok()) return refused;
     if (now >= deadline) {
       return DeadlineExceededError(where_ + ": no authenticated peer yet (" +
                                    std::to_string(pending_.size()) + " pending)");
@@ -297,8 +339,11 @@ StatusOr<HandshakeGate::Passed> HandshakeGate::Next(
       fds.push_back(pollfd{p.fd.get(), POLLIN, 0});
       wake = std::min(wake, p.expires);
     }
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count();
-    const int r = poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(ms + 1, 0, 1 << 30)));
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        wake - std::chrono::steady_clock::now())
+                        .count();
+    const int r =
+        poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(ms + 1, 0, 1 << 30)));
     if (r < 0 && errno != EINTR) return ErrnoError(where_ + ": poll", errno);
   }
 }

@@ -140,10 +140,14 @@ class HandshakeGate {
     uint64_t evicted = 0;    // dropped to make room (per-source or total limit)
     uint64_t timed_out = 0;  // silent past Limits::timeout
     uint64_t closed = 0;     // the peer hung up before answering
+    uint64_t accept_errors = 0;  // accept(2) out of resources (EMFILE, ENFILE, ENOBUFS...)
   };
-  // Accepts one waiting connection without blocking; an invalid fd when none waits. An error
-  // refuses that connection (PERMISSION_DENIED, e.g. shm's uid check) or reports a broken
-  // listener (anything else); both are returned by Next.
+  // Newcomers accepted per Next call at most (a connect flood cannot hold the caller).
+  static constexpr int kMaxAcceptsPerCall = 16;
+  // Accepts one waiting connection without blocking; an invalid fd when none waits. Errors:
+  // PERMISSION_DENIED refuses that connection (e.g. shm's uid check; counted, and returned by
+  // Next when nothing passed), RESOURCE_EXHAUSTED is a transient accept(2) failure (EMFILE:
+  // counted, logged sparingly, pending connections go on), anything else a broken listener.
   using AcceptFn = std::function<StatusOr<Accepted>()>;
 
   // extra_flags: provider bits the challenge carries (auth::kFlagTcpTls).
@@ -151,10 +155,10 @@ class HandshakeGate {
   HandshakeGate(const HandshakeGate&) = delete;
   HandshakeGate& operator=(const HandshakeGate&) = delete;
 
-  // Accepts what is waiting on listen_fd, advances every pending handshake, and returns the
-  // first connection that passes, or an error: DEADLINE_EXCEEDED when none passed by the
-  // deadline, PERMISSION_DENIED for a refused peer (the caller may simply call again). Never
-  // waits on a single peer: poll(2) over all of them until the deadline.
+  // Advances every pending handshake first, then accepts up to kMaxAcceptsPerCall newcomers,
+  // and returns the first connection that passes, or an error: DEADLINE_EXCEEDED when none
+  // passed by the deadline, PERMISSION_DENIED for a refused peer (the caller may simply call
+  // again). Never waits on a single peer: poll(2) over all of them until the deadline.
   StatusOr<Passed> Next(int listen_fd, const AcceptFn& accept_one, const Authenticator* auth,
                         std::chrono::steady_clock::time_point deadline);
 
@@ -180,7 +184,8 @@ class HandshakeGate {
   const std::string where_;
   const Limits limits_;
   const uint16_t extra_flags_;
-  std::deque<Pending> pending_;  // oldest first
+  std::deque<Pending> pending_;           // oldest first
+  std::deque<StatusOr<Passed>> ready_;    // finished (passed or refused), not yet returned
   Stats stats_;
 };
 

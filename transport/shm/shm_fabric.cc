@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -268,11 +269,17 @@ Status CheckPeerUid(int sock, const std::vector<uint32_t>& allowed, const std::s
   if (uid == own || std::find(allowed.begin(), allowed.end(), uid) != allowed.end()) {
     return Status::OK();
   }
-  LOG(WARNING) << "shm: refused a connection to " << address << " from uid " << uid << " (pid "
-               << cred.pid << "): this process runs as uid " << own << " and "
-               << (allowed.empty() ? "admits no other uid"
-                                   : std::to_string(allowed.size()) + " other uid(s)")
-               << " (FabricOptions::shm_allowed_uids)";
+  // The first refusal, then one line per 1000: a flood of foreign connects must not flood the
+  // log (the caller counts every one).
+  static std::atomic<uint64_t> refusals{0};
+  const uint64_t n = refusals.fetch_add(1, std::memory_order_relaxed);
+  if (n % 1000 == 0) {
+    LOG(WARNING) << "shm: refused a connection to " << address << " from uid " << uid
+                 << " (pid " << cred.pid << "): this process runs as uid " << own << " and "
+                 << (allowed.empty() ? "admits no other uid"
+                                     : std::to_string(allowed.size()) + " other uid(s)")
+                 << " (FabricOptions::shm_allowed_uids); " << n + 1 << " refused so far";
+  }
   return PermissionDeniedError("shm: refused a peer of uid " + std::to_string(uid) + " (pid " +
                                std::to_string(cred.pid) + ") on " + address +
                                ": not this process's uid " + std::to_string(own) +
@@ -360,7 +367,10 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
     size /= 4;
   }
   core->arena_size_ = size;
-  RETURN_IF_ERROR(Seal(core->arena_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW, "arena"));
+  // F_SEAL_SEAL on every memfd a peer receives: a peer must not add seals of its own (one
+  // that added FUTURE_WRITE to the read-write arena would stop every later punch and mapping).
+  RETURN_IF_ERROR(
+      Seal(core->arena_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, "arena"));
   // The read-only arena, as large: mapped read-write here, then sealed so that no later mapping
   // (a peer's) can be writable. Sparse like the other one.
   ASSIGN_OR_RETURN(core->ro_arena_fd_, MakeMemfd("shardps-shm-ro-arena"));
@@ -370,7 +380,8 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   ASSIGN_OR_RETURN(core->ro_arena_map_, MapFd(core->ro_arena_fd_.get(), size,
                                               PROT_READ | PROT_WRITE, "read-only arena", kHugePage));
   RETURN_IF_ERROR(Seal(core->ro_arena_fd_.get(),
-                       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE, "read-only arena"));
+                       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL,
+                       "read-only arena"));
   {
     MutexLock l(&core->mu_);  // not shared yet; the lock is for the analysis (and costs nothing)
     core->free_[0] = size;
@@ -390,7 +401,8 @@ StatusOr<std::shared_ptr<FabricCore>> FabricCore::Create(uint64_t arena_reserve)
   th->magic.store(kTableMagic, std::memory_order_release);
   core->entries_ = reinterpret_cast<TableEntry*>(core->table_map_.data() + sizeof(TableHeader));
   // After our own read-write mapping exists, nobody can write-map the table any more.
-  RETURN_IF_ERROR(Seal(core->table_fd_.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE,
+  RETURN_IF_ERROR(Seal(core->table_fd_.get(),
+                       F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL,
                        "region table"));
   {
     MutexLock l(&core->mu_);
@@ -644,6 +656,9 @@ StatusOr<HandshakeGate::Accepted> ShmListener::AcceptOne() {
     }
     if (errno == EINTR || errno == ECONNABORTED) continue;
     if (errno == EAGAIN) return HandshakeGate::Accepted{};
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      return ResourceExhaustedError("shm: accept on " + address_ + ": " + strerror(errno));
+    }
     return ErrnoError("shm: accept on " + address_, errno);
   }
 }
@@ -696,7 +711,7 @@ StatusOr<std::unique_ptr<Endpoint>> ShmListener::Handshake(UniqueFd sock,
   dh->capacity[0].store(parts.cap0, std::memory_order_relaxed);
   dh->capacity[1].store(parts.cap1, std::memory_order_relaxed);
   dh->magic.store(kDoorbellMagic, std::memory_order_release);
-  RETURN_IF_ERROR(Seal(db_fd.get(), F_SEAL_SHRINK | F_SEAL_GROW, "doorbell"));
+  RETURN_IF_ERROR(Seal(db_fd.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL, "doorbell"));
 
   Hello me = MakeHello(*core_, options.recv_depth);
   me.doorbell_bytes = db_bytes;

@@ -530,12 +530,18 @@ StatusOr<HandshakeGate::Accepted> TcpListener::AcceptOne() {
                           SOCK_NONBLOCK | SOCK_CLOEXEC));
     if (conn.valid()) {
       ConfigureSocket(conn.get());
+      // The source for the per-source limit: the IPv4 address, except that all of 127/8 is one
+      // source (any local process can connect from any 127.x.y.z).
       char ip[INET_ADDRSTRLEN] = "?";
       inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
-      return HandshakeGate::Accepted{std::move(conn), ip};
+      const bool loopback = (ntohl(sa.sin_addr.s_addr) >> 24) == 127;
+      return HandshakeGate::Accepted{std::move(conn), loopback ? "127.0.0.0/8" : ip};
     }
     if (errno == EINTR || errno == ECONNABORTED) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return HandshakeGate::Accepted{};
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      return ResourceExhaustedError("tcp: accept on " + address_ + ": " + strerror(errno));
+    }
     return ErrnoError("tcp: accept on " + address_, errno);
   }
 }

@@ -189,18 +189,37 @@ StatusOr<UniqueFd> TcpAcceptNow(int listen_fd, std::string* peer, std::string* p
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return UniqueFd();
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        return ResourceExhaustedError(std::string("verbs bootstrap: accept: ") + strerror(errno));
+      }
       return ErrnoError("verbs bootstrap: accept", errno);
     }
     UniqueFd owned(fd);
     TuneSocket(fd);
     *peer = net::SockaddrToString(ss);
+    // The source for the gate's per-source limit: an IPv4 address (all of 127/8 as one, and
+    // IPv4-mapped IPv6 as IPv4), or an IPv6 /64.
     char ip[INET6_ADDRSTRLEN] = "?";
+    in_addr v4{};
+    bool is_v4 = false;
     if (ss.ss_family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, ip, sizeof(ip));
+      v4 = reinterpret_cast<sockaddr_in*>(&ss)->sin_addr;
+      is_v4 = true;
     } else if (ss.ss_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr, ip, sizeof(ip));
+      in6_addr a = reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr;
+      if (IN6_IS_ADDR_V4MAPPED(&a)) {
+        std::memcpy(&v4, a.s6_addr + 12, 4);
+        is_v4 = true;
+      } else {
+        std::memset(a.s6_addr + 8, 0, 8);
+        inet_ntop(AF_INET6, &a, ip, sizeof(ip));
+        *peer_ip = std::string(ip) + "/64";
+      }
     }
-    *peer_ip = ip;
+    if (is_v4) {
+      inet_ntop(AF_INET, &v4, ip, sizeof(ip));
+      *peer_ip = (ntohl(v4.s_addr) >> 24) == 127 ? std::string("127.0.0.0/8") : std::string(ip);
+    }
     return owned;
   }
 }
