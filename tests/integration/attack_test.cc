@@ -630,6 +630,70 @@ TEST_F(AttackTest, AMembersCredentialCannotClaimAnotherRank) {
             << " reads\n";
 }
 
+// ---- 3b. A flood during a failover ------------------------------------------------------------
+
+// A primary is killed mid-run while this process floods every server, the backup that is about
+// to be promoted included, with silent, hello-only, bogus and forged connections from the
+// workers' own source (127/8, the harshest case for the per-source limit). Every worker
+// reconnects through the gate to the promoted backup, nothing is lost, and the weights are the
+// reference's bit for bit. (Before the gate, ~130 hello-only connections filled the CQ and a
+// failover under such a flood was impossible.)
+TEST_F(AttackTest, AFloodDuringAFailoverLosesNothing) {
+  ClusterSpec spec;
+  spec.transport = "tcp";
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const int kSteps = 30;
+  ASSERT_FALSE(StartCoordinator(spec).empty());
+  StartAttackServers(spec, "");
+  const std::vector<std::string> addrs = WaitDataAddresses(spec.servers * spec.replicas);
+  ASSERT_EQ(addrs.size(), static_cast<size_t>(spec.servers * spec.replicas)) << Tail(servers_[0]);
+  std::vector<ChildProcess*> workers = StartWorkers(spec, "", kSteps, 15);
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 3, kProcessBound, workers[0]), 3) << Tail(workers[0]);
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> flooded{0};
+  std::vector<UniqueFd> held;
+  std::thread flooder([&] {
+    std::mt19937 rng(4242);
+    const auto until = Clock::now() + seconds(20);
+    for (int i = 0; i < 400 && !stop.load() && Clock::now() < until; ++i) {
+      const auto kind = static_cast<FloodKind>(i % static_cast<int>(FloodKind::kCount));
+      FloodOne(addrs[(i / static_cast<int>(FloodKind::kCount)) % addrs.size()], kind, &rng,
+               &held);
+      flooded.fetch_add(1);
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  });
+  // Let the flood build up, then kill group 0's primary (its backup is rank 2).
+  const auto flood_up_by = Clock::now() + seconds(5);
+  while (flooded.load() < 60 && Clock::now() < flood_up_by) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  const int at_kill = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  ASSERT_LT(at_kill, kSteps) << "training ended before the kill";
+  servers_[0]->Kill();
+  for (ChildProcess* w : workers) EXPECT_EQ(ExitCode(w), 0) << Tail(w);
+  stop.store(true);
+  flooder.join();
+  held.clear();
+  ExpectTrainedCorrectly(workers, standalone, "", kSteps);
+  int64_t failovers = 0;
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = ParseResult(Path("worker" + std::to_string(r) + ".out"));
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    failovers += res->Int("failovers");
+  }
+  EXPECT_EQ(failovers, spec.workers) << "every worker moves to the promoted backup once";
+  EXPECT_NE(servers_[2]->LogTail(1 << 22).find("PROMOTED"), std::string::npos)
+      << servers_[2]->LogTail();
+  std::cerr << "[          ] killed primary 0 after step " << at_kill << " during a flood of "
+            << flooded.load() << " connections; " << failovers << " failovers, nothing lost\n";
+}
+
 // ---- 4. TLS ---------------------------------------------------------------------------------
 
 // With --tcp_tls on the servers, the whole job (workers to primaries, primaries to their

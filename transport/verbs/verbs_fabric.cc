@@ -257,6 +257,12 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::Connect(const std::string& addr
                                                          CompletionQueue* cq,
                                                          const EndpointOptions& options) {
   const Deadline deadline = std::chrono::steady_clock::now() + options.connect_timeout;
+  // A full CQ fails here, before the listener's challenge is awaited (establish re-checks).
+  if (auto* vcq = dynamic_cast<VerbsCompletionQueue*>(cq);
+      vcq != nullptr && options.send_depth > 0 && options.recv_depth >= 0) {
+    RETURN_IF_ERROR(vcq->state()->checkRoom(options.send_depth + options.recv_depth)
+                        .WithContext("verbs: connect to " + address));
+  }
   std::string local;
   ASSIGN_OR_RETURN(UniqueFd fd, TcpConnect(address, options_.bind_ip, deadline, &local));
   RETURN_IF_ERROR(

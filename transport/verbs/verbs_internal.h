@@ -101,6 +101,13 @@ class CqState {
 
   ibv_cq* cq() const { return cq_.get(); }
   int depth() const { return quota_.depth(); }
+  // OK when an endpoint of `slots` would fit now (RESOURCE_EXHAUSTED otherwise): Connect fails
+  // fast, before it waits on the listener's challenge. Polling thread, like attach.
+  Status checkRoom(int slots) {
+    RETURN_IF_ERROR(quota_.Reserve(slots));
+    quota_.Release(slots);
+    return Status::OK();
+  }
   const VerbsDevice& device() const { return *device_; }
 
  private:
