@@ -905,6 +905,11 @@ TEST_F(ShmTransportTest, ReadOnlyRegionsReachPeersAsReadOnlyMappings) {
     if (again != MAP_FAILED) munmap(again, arena_size);
     close(reopened);
   }
+  // A local-only allocation is in neither arena: no rkey names it, no peer maps it.
+  auto private_mem = target_->AllocateMemory(kBytes, Access::kLocalOnly);
+  ASSERT_TRUE(private_mem.ok()) << private_mem.status();
+  EXPECT_EQ((*private_mem)->descriptor().rkey, 0u);
+  std::memset((*private_mem)->data(), 0x5a, kBytes);
   // The owner's bytes are as it wrote them.
   for (size_t i = 0; i < kBytes; ++i) {
     ASSERT_EQ(w[i], static_cast<uint8_t>(i * 13 + 5)) << "byte " << i;

@@ -562,6 +562,7 @@ ShmRegion::~ShmRegion() {
   // Retract first: from here on every remote access naming this rkey is refused.
   if (published_) core_->Retract(rkey_);
   if (owned_) core_->Release(range_);
+  if (anon_bytes_ > 0) munmap(data(), anon_bytes_);
 }
 
 RegionDescriptor ShmRegion::descriptor() const {
@@ -760,8 +761,18 @@ class ShmFabric final : public Fabric {
   }
 
   StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) override {
-    // Regions peers may not write (remote-read-only, local-only) live in the read-only arena:
-    // the kernel, not only the initiator's check, keeps peers from writing them.
+    if (access == Access::kLocalOnly) {
+      // Never shared: private anonymous memory, which no peer maps at all (like an HCA's
+      // local-only registration, which no rkey names).
+      if (length == 0) return InvalidArgumentError("shm: zero-length allocation");
+      const size_t bytes = RoundUp(length, kPage);
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return ErrnoError("shm: mmap of " + std::to_string(bytes), errno);
+      return std::unique_ptr<MemoryRegion>(new ShmRegion(core_, p, length, access, 0, false,
+                                                         FabricCore::Range{}, false, bytes));
+    }
+    // Regions peers may not write (remote-read-only) live in the read-only arena: the kernel,
+    // not only the initiator's check, keeps peers from writing them.
     ASSIGN_OR_RETURN(FabricCore::Range r, core_->Carve(length, !AllowsRemoteWrite(access)));
     uint8_t* data = core_->Address(r);
     auto rkey =

@@ -26,7 +26,7 @@ struct Hello;
 
 // A peer fabric's arenas and region table, mapped once and shared by every endpoint of this
 // fabric connected to that peer fabric: the read-write arena (regions peers may write), the
-// read-only arena (regions they may only read, and local-only ones; the memfd is sealed
+// read-only arena (regions they may only read; the memfd is sealed
 // FUTURE_WRITE, so no peer can map it writable or mprotect it so) and the table (read-only).
 // Immutable after creation.
 struct PeerMemory {
@@ -105,14 +105,17 @@ class FabricCore {
 // retracts the table entry before it returns the range to the arena.
 class ShmRegion final : public MemoryRegion {
  public:
+  // anon_bytes > 0: data is a private anonymous mapping of that size, unmapped here.
   ShmRegion(std::shared_ptr<FabricCore> core, void* data, size_t length, Access access,
-            uint32_t rkey, bool published, FabricCore::Range range, bool owned)
+            uint32_t rkey, bool published, FabricCore::Range range, bool owned,
+            size_t anon_bytes = 0)
       : MemoryRegion(core.get(), data, length, access, MemoryKind::kHost),
         core_(std::move(core)),
         rkey_(rkey),
         published_(published),
         range_(range),
-        owned_(owned) {}
+        owned_(owned),
+        anon_bytes_(anon_bytes) {}
   ~ShmRegion() override;
   RegionDescriptor descriptor() const override;
   const FabricCore* core() const { return core_.get(); }
@@ -123,6 +126,7 @@ class ShmRegion final : public MemoryRegion {
   const bool published_;
   const FabricCore::Range range_;
   const bool owned_;
+  const size_t anon_bytes_;
 };
 
 class ShmEndpoint;

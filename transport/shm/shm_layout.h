@@ -5,7 +5,7 @@
 //  * Arenas (two memfds per Fabric): the bytes of every region the fabric allocated; a region
 //    is a [offset, offset+len) range of one. The read-write arena (sealed SHRINK|GROW) holds
 //    regions peers may write; peers map it read-write. The read-only arena (sealed
-//    SHRINK|GROW|FUTURE_WRITE after the owner mapped it) holds remote-read-only and local-only
+//    SHRINK|GROW|FUTURE_WRITE after the owner mapped it) holds remote-read-only
 //    regions; peers can map it only PROT_READ, and cannot mprotect it writable. In the table,
 //    offsets [0, S) name the read-write arena and [S, 2S) the read-only one (S = arena_size).
 //  * Region table (one memfd per Fabric, sealed SHRINK|GROW|FUTURE_WRITE after the owner mapped
