@@ -56,8 +56,9 @@ bool IsDir(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// list and verify share the scan; verify's exit code counts corrupt files only (a missing group
-// makes a checkpoint incomplete, not corrupt).
+// list and verify share the scan; verify's exit code counts the group files present that a
+// restore could not use: corrupt, unreadable (e.g. a directory in a group file's place), or of
+// another plan (a missing group makes a checkpoint incomplete, not corrupt).
 int ListOrVerify(const std::string& dir, bool verify) {
   auto listing = ListCheckpoints(dir, FLAGS_groups, FLAGS_fingerprint);
   if (!listing.ok()) {
@@ -78,7 +79,7 @@ int ListOrVerify(const std::string& dir, bool verify) {
             ",\"why_incomplete\":" + Json(l.why_incomplete) + ",\"files\":[";
     for (size_t j = 0; j < l.files.size(); ++j) {
       const GroupFileStatus& f = l.files[j];
-      if (!f.status.ok() && f.status.code() == StatusCode::kDataLoss) ++corrupt;
+      if (!f.status.ok()) ++corrupt;
       std::string detail;
       if (f.summary) {
         detail = std::to_string(f.summary->file_bytes) + " bytes, " +
@@ -113,7 +114,7 @@ int ListOrVerify(const std::string& dir, bool verify) {
     std::printf("no checkpoints in %s\n", dir.c_str());
   }
   if (verify && !FLAGS_json) {
-    std::printf("%d corrupt file%s\n", corrupt, corrupt == 1 ? "" : "s");
+    std::printf("%d corrupt or unreadable file%s\n", corrupt, corrupt == 1 ? "" : "s");
   }
   return verify && corrupt > 0 ? 1 : 0;
 }

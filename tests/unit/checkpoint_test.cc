@@ -696,12 +696,12 @@ TEST(CheckpointCliTest, ListVerifyDump) {
   WriteAll(d, 20, 2);
   std::string out;
   EXPECT_EQ(RunCli(cli + " verify " + d, &out), 0) << out;
-  EXPECT_NE(out.find("0 corrupt files"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 corrupt or unreadable files"), std::string::npos) << out;
   auto b = Slurp(SnapshotPath(d, 20, 1, 2));
   b[b.size() - 9] ^= 4;
   Spit(SnapshotPath(d, 20, 1, 2), b, b.size());
   EXPECT_EQ(RunCli(cli + " verify " + d, &out), 1) << out;
-  EXPECT_NE(out.find("1 corrupt file"), std::string::npos) << out;
+  EXPECT_NE(out.find("1 corrupt or unreadable file"), std::string::npos) << out;
   EXPECT_EQ(RunCli(cli + " verify " + SnapshotPath(d, 20, 1, 2), &out), 1) << out;
   EXPECT_NE(out.find("checksum mismatch"), std::string::npos) << out;
   EXPECT_EQ(RunCli(cli + " list " + d, &out), 0) << out;
@@ -718,6 +718,22 @@ TEST(CheckpointCliTest, ListVerifyDump) {
   EXPECT_EQ(RunCli(cli + " dump --json " + SnapshotPath(d, 10, 0, 2), &out), 0) << out;
   EXPECT_NE(out.find("\"applied_clock\":[9,-1,-9223372036854775808]"), std::string::npos) << out;
   EXPECT_EQ(RunCli(cli + " dump " + SnapshotPath(d, 20, 1, 2), &out), 1) << out;
+}
+
+// A directory where a group file should be is a file restore cannot use: verify says so and
+// exits 1. (Before, it reported "0 corrupt files" and exited 0 while restore refused it.)
+TEST(CheckpointCliTest, VerifyCountsAGroupFileThatIsADirectory) {
+  TempDir dir;
+  const std::string d = dir.path(), cli = SHARDPS_CHECKPOINT_CLI;
+  WriteAll(d, 10, 2);
+  const std::string victim = SnapshotPath(d, 10, 1, 2);
+  ASSERT_EQ(::unlink(victim.c_str()), 0);
+  ASSERT_EQ(::mkdir(victim.c_str(), 0700), 0);
+  std::string out;
+  EXPECT_EQ(RunCli(cli + " verify " + d, &out), 1) << out;
+  EXPECT_NE(out.find("1 corrupt or unreadable file"), std::string::npos) << out;
+  EXPECT_EQ(RunCli(cli + " list " + d, &out), 0) << out;
+  EXPECT_NE(out.find("INCOMPLETE"), std::string::npos) << out;
 }
 
 }  // namespace
