@@ -1,5 +1,7 @@
 #include "server/shard_server.h"
 
+#include "common/crash_point.h"
+
 #include "proto/credentials.h"
 
 #include <unistd.h>
@@ -107,6 +109,7 @@ Status ShardServer::Setup() {
   }
   RETURN_IF_ERROR(SetupRegions(a));
   RETURN_IF_ERROR(SendShardsReady(a));
+  CrashPoint("server.after_shards_ready");
   return ConnectReplication();
 }
 
@@ -240,9 +243,37 @@ Status ShardServer::ConnectReplication() {
                     "are the only copy)";
     return Status::OK();
   }
-  RETURN_IF_ERROR(stream_->Connect(
-      t.replica_target(), control::IdentityString({control_->member_id(),
-                                                   static_cast<int>(control::ROLE_SERVER), rank_})));
+  // A backup that dies during start-up must not take its primary down: when it cannot be
+  // reached, wait for the coordinator's verdict (a new target, or none: the backup was declared
+  // gone, and the group goes on unreplicated, reported), within the setup timeout.
+  const auto deadline = std::chrono::steady_clock::now() + options_.setup_timeout;
+  const std::string identity = control::IdentityString(
+      {control_->member_id(), static_cast<int>(control::ROLE_SERVER), rank_});
+  for (;;) {
+    const Status st = stream_->Connect(t.replica_target(), identity);
+    if (st.ok()) break;
+    LOG(WARNING) << "server rank " << rank_ << ": cannot reach the backup of group " << group_
+                 << " (member " << t.replica_target().member_id() << " at "
+                 << t.replica_target().data_address() << "): " << st
+                 << "; waiting for the coordinator's verdict";
+    StatusOr<control::Envelope> next = DeadlineExceededError("no verdict yet");
+    while (!next.ok() && std::chrono::steady_clock::now() < deadline) {
+      next = control_->WaitMessage(control::Envelope::kReplicaTarget,
+                                   std::chrono::milliseconds(500));
+    }
+    if (!next.ok()) {
+      return st.WithContext("the backup of group " + std::to_string(group_) +
+                            " stayed unreachable and the coordinator named no other");
+    }
+    t = std::move(*next);
+    if (t.replica_target().none()) {
+      stream_->NoBackup();
+      LOG(WARNING) << "server rank " << rank_ << ": the backup of group " << group_
+                   << " is gone (died during start-up); going on WITHOUT replication: a failure "
+                      "of this server now loses its state (checkpoints are the only copy)";
+      return Status::OK();
+    }
+  }
   LOG(INFO) << "server rank " << rank_ << ": replicating group " << group_ << " to member "
             << t.replica_target().member_id() << " at " << t.replica_target().data_address() << " ("
             << repl_layout_->entries() << "-entry ring)";

@@ -22,6 +22,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/crash_point.h"
 #include "tests/integration/child_process.h"
 #include "tests/integration/process_test_base.h"
 
@@ -108,6 +109,37 @@ INSTANTIATE_TEST_SUITE_P(Seeds, ServerKillTest,
                            return std::get<0>(info.param) + "_seed" +
                                   std::to_string(std::get<1>(info.param));
                          });
+
+// A backup that dies during start-up (a crash point right after its shards are ready, before
+// its primary connects) no longer takes its primary down: the primary waits for the
+// coordinator's verdict, goes on unreplicated (and says so), and training ends bit-identical to
+// the one-process reference. Before, the primary exited on "connecting to the backup ...
+// refused" and its group was lost (issue 14).
+TEST_P(ProcessClusterTest, ABackupThatDiesDuringStartUpLeavesItsPrimaryServing) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  spec.crash_rank = 2;  // group 0's backup
+  spec.crash_point = "server.after_shards_ready";
+  const int kSteps = 15;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps)});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  EXPECT_EQ(ExitCode(servers_[2], ProcessBound()), kCrashPointExitCode) << Tail(servers_[2]);
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("steps"), kSteps);
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
+  }
+  EXPECT_NE(servers_[0]->LogTail(1 << 22).find("going on WITHOUT replication"), std::string::npos)
+      << Tail(servers_[0]);
+}
 
 // Exactly once, counted: each worker pushes -1 into its own element (servers sum, lr 1), so
 // w[k] is the number of worker k's pushes that were applied. The only group's primary is killed

@@ -135,6 +135,9 @@ struct ClusterSpec {
   std::string listen = "127.0.0.1:0";
   std::string state_file;
   std::string optimizer = "sgd";
+  // Server rank crash_rank (>= 0) runs with SHARDPS_CRASH_POINT=crash_point (common/crash_point.h).
+  int crash_rank = -1;
+  std::string crash_point;
 };
 
 // Starts, tracks and tears down the processes of one test.
@@ -231,6 +234,12 @@ class ProcessTestBase : public ::testing::Test {
   void StartServers(const ClusterSpec& spec) {
     servers_.clear();
     for (int i = 0; i < spec.servers * spec.replicas; ++i) {
+      // The child inherits the environment at spawn: armed for that one rank only.
+      if (i == spec.crash_rank) {
+        setenv("SHARDPS_CRASH_POINT", spec.crash_point.c_str(), 1);
+      } else {
+        unsetenv("SHARDPS_CRASH_POINT");
+      }
       servers_.push_back(
           Spawn({SHARDPS_SERVER_BIN, "--coordinator=" + coordinator_address_,
                  std::string("--cluster_token=") + kToken, "--transport=" + spec.transport,
@@ -239,6 +248,7 @@ class ProcessTestBase : public ::testing::Test {
                  "--aggregation=" + spec.aggregation, "--restore_from=" + spec.restore_from},
                 "server" + std::to_string(i) + ".log"));
     }
+    unsetenv("SHARDPS_CRASH_POINT");
   }
 
   // The coordinator, then its servers; false if the coordinator did not come up.
