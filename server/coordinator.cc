@@ -429,7 +429,10 @@ void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
     }
     Publish("member " + std::to_string(c->member.member_id()) + " departed: " + why,
             c->member.member_id());
-    if (c->member.role() == ROLE_SERVER) ServerDeparted(c->member);
+    if (c->member.role() == ROLE_SERVER) {
+      ServerDeparted(c->member);
+      MaybeFailStartUp(c->member, why);
+    }
   }
   c->fd.reset();
 }

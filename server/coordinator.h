@@ -107,6 +107,9 @@ class Coordinator {
   uint32_t NumServerRanks() const;
   void MaybeSendReplicaTarget(uint32_t group);
   void ServerDeparted(const Member& m);
+  // After ServerDeparted: if that departure means the shard map can never be ready, tells every
+  // worker why (server, group, reason) instead of letting them wait for their setup timeout.
+  void MaybeFailStartUp(const Member& m, const std::string& why);
   void FillServerEntry(uint32_t group, uint32_t server_rank, ServerEntry* e);
   void BroadcastShardMap();
   // Restart support.
@@ -139,6 +142,9 @@ class Coordinator {
   bool shards_assigned_ = false;
   std::map<uint32_t, ShardsReady> ready_;  // by server rank
   bool shard_map_ready_ = false;
+  // Set when a server's departure means the shard map can never be ready; every worker gets it
+  // as an Error (at once, and at its RegisterModel if it comes later).
+  std::string startup_failure_;
   ShardMap shard_map_;
   std::vector<uint32_t> awaiting_map_;  // member ids of workers waiting for the map
   // Per group: the server rank that is its primary and the one that holds its backup (-1 none).

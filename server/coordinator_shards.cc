@@ -81,9 +81,40 @@ void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
   dirty_ = true;
   if (shard_map_ready_) {
     Queue(c, ShardMapFor(c->member));
+  } else if (!startup_failure_.empty()) {
+    Envelope err;
+    err.mutable_error()->set_message(startup_failure_);
+    Queue(c, err);
   } else {
     awaiting_map_.push_back(c->member.member_id());
     MaybeAssignShards();
+  }
+}
+
+void Coordinator::MaybeFailStartUp(const Member& m, const std::string& why) {
+  if (!shards_assigned_ || shard_map_ready_ || !startup_failure_.empty()) return;
+  const uint32_t r = m.rank();
+  int64_t group = -1;
+  bool primary_left = false;
+  for (uint32_t g = 0; g < primary_of_.size(); ++g) {
+    if (primary_of_[g] < 0) {  // no copy left (ServerDeparted ran first)
+      group = g;
+      primary_left = true;
+    }
+  }
+  // A server that had reported its shards ready can be failed over (or dropped as a backup);
+  // one that had not, or a group with no server left, means the shard map can never be ready.
+  if (!primary_left && ready_.count(r) != 0) return;
+  if (group < 0) group = r % std::max<uint32_t>(1, NumGroups());
+  startup_failure_ = "start-up failed: server rank " + std::to_string(r) + " (group " +
+                     std::to_string(group) + ", member " + std::to_string(m.member_id()) +
+                     ") left before the shard map was ready: " + why +
+                     "; the job cannot start (fix the cause and start it again)";
+  LOG(ERROR) << "coordinator: " << startup_failure_ << "; telling every worker";
+  Envelope err;
+  err.mutable_error()->set_message(startup_failure_);
+  for (auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing && c->member.role() == ROLE_WORKER) Queue(c.get(), err);
   }
 }
 

@@ -44,7 +44,13 @@ ShardServer::ShardServer(const ShardServerOptions& options) : options_(options) 
 ShardServer::~ShardServer() = default;
 
 Status ShardServer::Run() {
-  RETURN_IF_ERROR(Setup());
+  const Status setup = Setup();
+  if (!setup.ok()) {
+    // Say why before going: the coordinator tells the workers (server, group, reason) at once
+    // instead of letting them wait for their setup timeout.
+    if (control_) control_->Leave("start-up failed: " + setup.ToString()).IgnoreError();
+    return setup;
+  }
   return Serve();
 }
 

@@ -141,6 +141,35 @@ TEST_P(ProcessClusterTest, ABackupThatDiesDuringStartUpLeavesItsPrimaryServing) 
       << Tail(servers_[0]);
 }
 
+// A server that cannot start (here: --restore_from names a directory with no checkpoint) says
+// why as it leaves, and the coordinator tells every waiting worker at once, naming the server,
+// its group and the reason. Before, the workers waited for their 30 s setup timeout and failed
+// with "control: no message of the expected kind in time", naming nothing (issue 14).
+TEST_P(ProcessClusterTest, AServerThatCannotStartIsReportedToEveryWorkerAtOnce) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.workers = 2;
+  spec.restore_from = Path("no-checkpoints-here");
+  std::filesystem::create_directories(spec.restore_from);
+  ASSERT_TRUE(StartCluster(spec));
+  const auto t0 = Clock::now();
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=5"});
+  for (ChildProcess* w : workers) {
+    EXPECT_NE(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  }
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (ChildProcess* w : workers) {
+    const std::string log = w->LogTail(1 << 20);
+    EXPECT_NE(log.find("start-up failed: server rank"), std::string::npos) << log;
+    EXPECT_NE(log.find("no-checkpoints-here"), std::string::npos)
+        << "the reason (the restore directory) did not reach the worker:\n"
+        << log;
+  }
+  // Well inside the workers' 30 s setup timeout (the old failure mode).
+  EXPECT_LT(s, 15.0) << "the workers were not told; they timed out";
+  std::cerr << "[ info ] workers failed " << s << " s after they started, with the reason\n";
+}
+
 // Exactly once, counted: each worker pushes -1 into its own element (servers sum, lr 1), so
 // w[k] is the number of worker k's pushes that were applied. The only group's primary is killed
 // mid-run: after the last step every w[k] equals exactly the number of steps (a lost push would
