@@ -95,17 +95,15 @@ void Coordinator::MaybeFailStartUp(const Member& m, const std::string& why) {
   if (!shards_assigned_ || shard_map_ready_ || !startup_failure_.empty()) return;
   const uint32_t r = m.rank();
   int64_t group = -1;
-  bool primary_left = false;
   for (uint32_t g = 0; g < primary_of_.size(); ++g) {
-    if (primary_of_[g] < 0) {  // no copy left (ServerDeparted ran first)
-      group = g;
-      primary_left = true;
-    }
+    if (primary_of_[g] < 0) group = g;  // no server left (ServerDeparted ran first)
   }
-  // A server that had reported its shards ready can be failed over (or dropped as a backup);
-  // one that had not, or a group with no server left, means the shard map can never be ready.
-  if (!primary_left && ready_.count(r) != 0) return;
-  if (group < 0) group = r % std::max<uint32_t>(1, NumGroups());
+  // A departed backup is dropped and a departed primary's backup promoted (ServerDeparted);
+  // only a group with no server left means the shard map can never be ready.
+  if (group < 0) {
+    MaybePublishShardMap();  // the departure may have been all it waited for
+    return;
+  }
   startup_failure_ = "start-up failed: server rank " + std::to_string(r) + " (group " +
                      std::to_string(group) + ", member " + std::to_string(m.member_id()) +
                      ") left before the shard map was ready: " + why +
@@ -277,7 +275,9 @@ void Coordinator::ServerDeparted(const Member& m) {
     }
     if (primary_of_[g] != static_cast<int64_t>(r)) continue;
     Conn* b = backup_of_[g] >= 0 ? ServerByRank(static_cast<uint32_t>(backup_of_[g])) : nullptr;
-    if (b != nullptr && ready_.count(static_cast<uint32_t>(backup_of_[g]))) {
+    // Before the shard map is out nothing has been trained or replicated: a backup that has
+    // not reported its shards yet takes over as well (start-up is failover-capable).
+    if (b != nullptr && (ready_.count(static_cast<uint32_t>(backup_of_[g])) || !shard_map_ready_)) {
       const uint32_t br = static_cast<uint32_t>(backup_of_[g]);
       primary_of_[g] = br;
       backup_of_[g] = -1;
@@ -315,12 +315,19 @@ void Coordinator::ServerDeparted(const Member& m) {
 
 void Coordinator::MaybePublishShardMap() {
   const uint32_t num_servers = NumGroups();
-  if (shard_map_ready_ || ready_.size() < NumServerRanks()) return;
+  if (shard_map_ready_ || !shards_assigned_) return;
+  // Every group's primary is alive and ready, and so is its backup if it still has one (a
+  // server that died during start-up was promoted over or dropped by ServerDeparted).
+  auto live_and_ready = [&](int64_t rank) {
+    return rank >= 0 && ServerByRank(static_cast<uint32_t>(rank)) != nullptr &&
+           ready_.count(static_cast<uint32_t>(rank)) != 0;
+  };
+  for (uint32_t g = 0; g < num_servers; ++g) {
+    if (!live_and_ready(primary_of_[g])) return;
+    if (backup_of_[g] >= 0 && !live_and_ready(backup_of_[g])) return;
+  }
   shard_map_.clear_servers();
   for (uint32_t g = 0; g < num_servers; ++g) {
-    if (primary_of_[g] < 0 || ServerByRank(static_cast<uint32_t>(primary_of_[g])) == nullptr) {
-      return;
-    }
     FillServerEntry(g, static_cast<uint32_t>(primary_of_[g]), shard_map_.add_servers());
   }
   shard_map_ready_ = true;

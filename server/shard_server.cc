@@ -114,6 +114,7 @@ Status ShardServer::Setup() {
     return InvalidArgumentError("malformed shard assignment from the coordinator");
   }
   RETURN_IF_ERROR(SetupRegions(a));
+  CrashPoint("server.before_shards_ready");
   RETURN_IF_ERROR(SendShardsReady(a));
   CrashPoint("server.after_shards_ready");
   return ConnectReplication();
