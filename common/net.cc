@@ -228,4 +228,11 @@ Status RecvAll(int fd, void* data, size_t n, std::chrono::milliseconds timeout) 
   return RecvAll(fd, data, n, Clock::now() + timeout);
 }
 
+bool HasUnacknowledgedData(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  return info.tcpi_unacked > 0;
+}
+
 }  // namespace shardps::net

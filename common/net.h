@@ -57,6 +57,11 @@ std::string SockaddrToString(const struct sockaddr_storage& ss);
 
 Status SetNonBlocking(int fd, bool on);
 
+// Whether a connected TCP socket has sent data its peer's kernel has not acknowledged yet
+// (TCP_INFO tcpi_unacked): a liveness signal below the peer process (a stopped or descheduled
+// process's kernel still acknowledges; a dead or cut-off host does not). False if unknown.
+bool HasUnacknowledgedData(int fd);
+
 }  // namespace shardps::net
 
 #endif  // SHARDPS_COMMON_NET_H_

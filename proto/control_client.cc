@@ -104,10 +104,8 @@ void ControlClient::Loop() {
   auto next_hb = Clock::now();
   while (!stop_.load()) {
     if (Clock::now() >= next_hb) {
-      Envelope hb;
-      hb.mutable_heartbeat()->set_member_id(reply_.member_id());
-      hb.mutable_heartbeat()->set_epoch(epoch());
-      Status s = Send(hb);
+      Status s;
+      SendHeartbeat(&s);
       if (!s.ok()) {
         if (!Rejoin(s)) return;
         continue;
@@ -132,6 +130,40 @@ void ControlClient::Loop() {
       return;
     }
   }
+}
+
+void ControlClient::SendHeartbeat(Status* error) {
+  const auto now = Clock::now();
+  Envelope hb;
+  hb.mutable_heartbeat()->set_member_id(reply_.member_id());
+  hb.mutable_heartbeat()->set_epoch(epoch());
+  hb.mutable_heartbeat()->set_seq(++heartbeat_seq_);
+  hb.mutable_heartbeat()->set_sent_us(static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count()));
+  // Recorded before sending: the lease counts from before the coordinator could see it.
+  unacked_.emplace_back(heartbeat_seq_, now);
+  if (unacked_.size() > 256) unacked_.pop_front();  // a coordinator that never answers
+  *error = Send(hb);
+}
+
+void ControlClient::OnHeartbeatAck(const HeartbeatAck& ack) {
+  if (ack.seq() == 0) return;  // a probe: the kernel's acknowledgement was the answer
+  while (!unacked_.empty() && unacked_.front().first < ack.seq()) unacked_.pop_front();
+  if (unacked_.empty() || unacked_.front().first != ack.seq()) return;
+  const Clock::time_point until = unacked_.front().second + std::chrono::milliseconds(ack.lease_ms());
+  unacked_.pop_front();
+  if (until.time_since_epoch().count() > lease_until_.load()) {
+    lease_until_.store(until.time_since_epoch().count());
+  }
+  MutexLock l(&mu_);
+  ++counters_.heartbeat_acks;
+}
+
+std::chrono::milliseconds ControlClient::LeaseLeft() const {
+  const Clock::rep until = lease_until_.load();
+  if (until == 0) return std::chrono::milliseconds::min();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+      Clock::time_point(Clock::duration(until)) - Clock::now());
 }
 
 bool ControlClient::Rejoin(const Status& why) {
@@ -215,10 +247,17 @@ Status ControlClient::DrainDecoder() {
   while (true) {
     ASSIGN_OR_RETURN(bool got, decoder_.Next(&env));
     if (!got) return Status::OK();
+    if (env.body_case() == Envelope::kHeartbeatAck) {
+      OnHeartbeatAck(env.heartbeat_ack());
+      continue;
+    }
     MutexLock l(&mu_);
     ++counters_.messages_received;
     if (env.body_case() == Envelope::kMembership) {
-      if (env.membership().epoch() > membership_.epoch()) membership_ = env.membership();
+      if (env.membership().epoch() > membership_.epoch()) {
+        membership_ = env.membership();
+        epoch_.store(membership_.epoch());
+      }
     } else {
       inbox_.push_back(env);
     }
@@ -231,10 +270,7 @@ Membership ControlClient::membership() const {
   return membership_;
 }
 
-uint64_t ControlClient::epoch() const {
-  MutexLock l(&mu_);
-  return membership_.epoch();
-}
+uint64_t ControlClient::epoch() const { return epoch_.load(); }
 
 Status ControlClient::status() const {
   MutexLock l(&mu_);

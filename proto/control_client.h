@@ -1,6 +1,8 @@
 // ControlClient: a member's side of the control plane (servers and workers use it alike).
 // Join() connects to the coordinator, presents the cluster token and waits for the reply; a
-// background thread then sends heartbeats and receives Membership updates.
+// background thread then sends heartbeats and receives Membership updates. Every heartbeat the
+// coordinator acknowledges renews this member's lease (lease_ms from the heartbeat's sending):
+// a replicated primary serves only while it holds one (docs/fault-tolerance.md, "Liveness").
 //
 // Thread safety: all public methods may be called from any thread. The background thread owns
 // the socket's receive side; sends are serialised by a mutex.
@@ -39,6 +41,7 @@ struct ControlCounters {
   uint64_t other_messages_sent = 0;  // everything but heartbeats
   uint64_t messages_received = 0;
   uint64_t rejoins = 0;  // reconnections to a (restarted) coordinator as the same member
+  uint64_t heartbeat_acks = 0;  // leases granted
 };
 
 class ControlClient {
@@ -56,6 +59,11 @@ class ControlClient {
   Status status() const;
   // False while the connection is broken and a rejoin is being attempted.
   bool connected() const { return connected_.load(); }
+  // The lease: held until the sending of the newest acknowledged heartbeat plus the lease it
+  // was granted. Before the first acknowledgement there is none.
+  bool LeaseHeld() const { return Clock::now().time_since_epoch().count() < lease_until_.load(); }
+  // Until the lease ends (negative: it ended that long ago; min() if never granted).
+  std::chrono::milliseconds LeaseLeft() const;
   ControlCounters counters() const;
 
   // Waits until pred(membership) holds, the connection fails, or the timeout passes.
@@ -72,8 +80,11 @@ class ControlClient {
   Status Leave(const std::string& reason);
 
  private:
+  using Clock = std::chrono::steady_clock;
   ControlClient() = default;
   void Loop();
+  void SendHeartbeat(Status* error);  // loop thread
+  void OnHeartbeatAck(const HeartbeatAck& ack);  // loop thread
   Status DrainDecoder();  // decodes every buffered frame (loop thread)
   void Fail(const Status& s);
   // Loop thread: the connection broke for `why`; rejoin within the window or fail.
@@ -94,6 +105,11 @@ class ControlClient {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> connected_{true};
+  // Heartbeats sent and not yet acknowledged, oldest first (loop thread only): seq, sent at.
+  std::deque<std::pair<uint64_t, Clock::time_point>> unacked_;
+  uint64_t heartbeat_seq_ = 0;  // loop thread
+  std::atomic<uint64_t> epoch_{0};  // membership_.epoch(), readable without mu_ (hot paths)
+  std::atomic<Clock::rep> lease_until_{0};  // steady-clock ticks; 0 = never granted
   Mutex send_mu_;
 
   mutable Mutex mu_;

@@ -125,6 +125,8 @@ const char* BodyName(const Envelope& e) {
       return "promote";
     case Envelope::kCheckpoint:
       return "checkpoint";
+    case Envelope::kHeartbeatAck:
+      return "heartbeat_ack";
     case Envelope::BODY_NOT_SET:
       return "none";
   }

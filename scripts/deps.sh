@@ -12,6 +12,7 @@ PKGS=(
   python3-sklearn openmpi-bin
   python3-dev pybind11-dev python3-numpy python3-torch python3-pytest
   clang libclang-rt-14-dev
+  stress-ng etcd-server etcd-client
 )
 missing=()
 for p in "${PKGS[@]}"; do

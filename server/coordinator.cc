@@ -20,17 +20,19 @@
 
 namespace shardps::control {
 
-Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {
-  ClusterConfig& c = options_.config;
-  if (c.heartbeat_interval_ms() == 0) c.set_heartbeat_interval_ms(500);
-  if (c.heartbeat_timeout_ms() == 0) c.set_heartbeat_timeout_ms(5 * c.heartbeat_interval_ms());
-}
+Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {}
 
 StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
   if (options.cluster_token.empty()) {
     return InvalidArgumentError("coordinator: an empty cluster token is not allowed");
   }
   std::unique_ptr<Coordinator> c(new Coordinator(options));
+  ClusterConfig& config = c->options_.config;
+  if (config.rejoin_grace_ms() == 0 && options.rejoin_grace.count() > 0) {
+    config.set_rejoin_grace_ms(static_cast<uint32_t>(options.rejoin_grace.count()));
+  }
+  ASSIGN_OR_RETURN(c->timeouts_, FaultTimeouts::Derive(&config));
+  c->options_.rejoin_grace = c->timeouts_.rejoin_grace;
   ASSIGN_OR_RETURN(c->listen_fd_, net::ListenTcp(options.listen_address, &c->address_));
   RETURN_IF_ERROR(net::SetNonBlocking(c->listen_fd_.get(), true));
   c->wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -38,9 +40,8 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   ASSIGN_OR_RETURN(c->credential_secret_, crypto::RandomBytes(32));
   if (!options.state_file.empty()) RETURN_IF_ERROR(c->LoadState());
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
-  LOG(INFO) << "coordinator: listening on " << c->address_ << ", heartbeat "
-            << c->options_.config.heartbeat_interval_ms() << " ms, timeout "
-            << c->options_.config.heartbeat_timeout_ms() << " ms";
+  LOG(INFO) << "coordinator: listening on " << c->address_ << "; liveness: "
+            << c->timeouts_.ToString();
   return c;
 }
 
@@ -70,6 +71,9 @@ CoordinatorCounters Coordinator::counters() const {
 
 void Coordinator::Loop() {
   std::vector<pollfd> fds;
+  const auto tick_ms = std::chrono::milliseconds(
+      std::max<int>(10, static_cast<int>(timeouts_.heartbeat_interval.count() / 4)));
+  auto last_pass = Clock::now();
   while (!stop_.load()) {
     fds.clear();
     fds.push_back({listen_fd_.get(), POLLIN, 0});
@@ -79,11 +83,22 @@ void Coordinator::Loop() {
       if (c->out_off < c->out.size()) ev |= POLLOUT;
       fds.push_back({fd, ev, 0});
     }
-    const int tick = std::max<int>(10, options_.config.heartbeat_interval_ms() / 4);
-    const int n = poll(fds.data(), fds.size(), tick);
+    const int n = poll(fds.data(), fds.size(), static_cast<int>(tick_ms.count()));
     if (n < 0 && errno != EINTR) {
       PLOG(ERROR) << "coordinator: poll";
       continue;
+    }
+    {
+      // A pass takes at most one tick plus a little work. Longer means this thread was
+      // descheduled (a busy host, a slow disk under SaveState): its members were not silent
+      // for that long, it was not listening. Forgiven before anyone's silence is judged.
+      const auto now = Clock::now();
+      const auto pass = now - last_pass;
+      last_pass = now;
+      const auto allowed = tick_ms + std::chrono::milliseconds(100);
+      if (pass > allowed) {
+        ForgivePause(std::chrono::duration_cast<std::chrono::microseconds>(pass - tick_ms));
+      }
     }
     if (fds[0].revents & POLLIN) AcceptNew();
     for (size_t i = 2; i < fds.size(); ++i) {
@@ -118,7 +133,11 @@ void Coordinator::AcceptNew() {
       if (errno != EAGAIN && errno != EINTR) PLOG(WARNING) << "coordinator: accept";
       return;
     }
-    auto c = std::make_unique<Conn>(options_.max_frame_bytes);
+    PhiAccrualDetector::Options liveness;
+    liveness.expected_interval = timeouts_.heartbeat_interval;
+    liveness.min_stddev = std::max<std::chrono::microseconds>(
+        std::chrono::milliseconds(20), timeouts_.heartbeat_interval / 10);
+    auto c = std::make_unique<Conn>(options_.max_frame_bytes, liveness);
     c->opened = c->last_heard = Clock::now();
     c->peer = "fd" + std::to_string(fd.get());
     c->fd = std::move(fd);
@@ -204,8 +223,10 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
     case Envelope::kHeartbeat:
       if (e.heartbeat().member_id() != c->member.member_id()) {
         Close(c, "heartbeat names another member", true);
+        return;
       }
-      return;  // last_heard already updated
+      HandleHeartbeat(c, e.heartbeat());
+      return;
     case Envelope::kLeave:
       Close(c, "left: " + e.leave().reason(), false);
       return;
@@ -514,18 +535,134 @@ void Coordinator::CheckTimeouts() {
     Publish("member " + std::to_string(m.member_id()) + " did not rejoin", m.member_id());
     if (m.role() == ROLE_SERVER) ServerDeparted(m);
   }
-  const auto hb_timeout = std::chrono::milliseconds(options_.config.heartbeat_timeout_ms());
   for (auto& [fd, c] : conns_) {
     if (c->closing) continue;
     if (!c->joined && now - c->opened > options_.handshake_timeout) {
       Close(c.get(), "no join within the handshake timeout", true);
-    } else if (c->joined && now - c->last_heard > hb_timeout) {
-      {
-        MutexLock l(&mu_);
-        ++counters_.heartbeat_timeouts;
-      }
-      Close(c.get(), "no heartbeat for " + std::to_string(hb_timeout.count()) + " ms", false);
+    } else if (c->joined) {
+      CheckLiveness(c.get(), now);
     }
+  }
+}
+
+void Coordinator::HandleHeartbeat(Conn* c, const Heartbeat& hb) {
+  const auto now = Clock::now();
+  std::chrono::microseconds member_interval(0);
+  if (hb.sent_us() > c->last_sent_us && c->last_sent_us != 0) {
+    member_interval = std::chrono::microseconds(hb.sent_us() - c->last_sent_us);
+  }
+  if (hb.sent_us() != 0) c->last_sent_us = hb.sent_us();
+  c->detector.Heartbeat(now, member_interval);
+  if (c->suspected) {
+    c->suspected = false;
+    {
+      MutexLock l(&mu_);
+      ++counters_.suspicions_cleared;
+    }
+    LOG(WARNING) << "coordinator: member " << c->member.member_id() << " (" << c->peer
+                 << ") spoke again after "
+                 << std::chrono::duration_cast<std::chrono::milliseconds>(now - c->suspected_at)
+                        .count()
+                 << " ms of suspicion: slow, not dead";
+  }
+  if (hb.seq() == 0) return;  // a member that does not take leases
+  Envelope ack;
+  ack.mutable_heartbeat_ack()->set_seq(hb.seq());
+  ack.mutable_heartbeat_ack()->set_lease_ms(static_cast<uint32_t>(timeouts_.lease.count()));
+  Queue(c, ack);
+}
+
+void Coordinator::CheckLiveness(Conn* c, Clock::time_point now) {
+  using std::chrono::duration_cast;
+  using std::chrono::milliseconds;
+  // Any byte from the member counts as life (ReadFrom); the detector's last heartbeat may be
+  // older than that, never newer.
+  const Clock::time_point heard = std::max(c->last_heard, c->detector.last());
+  const auto silent = now - heard;
+  const auto silent_ms = duration_cast<milliseconds>(silent).count();
+  // The lease: the member's own view of it ends before this (it counts from sending), so a
+  // primary has stopped serving by the time it is declared dead. The margin covers clock-rate
+  // differences between the two hosts (100 ppm is generous) and one tick.
+  const auto lease_end = timeouts_.lease + timeouts_.lease / 100 + timeouts_.heartbeat_interval / 4;
+  if (silent > lease_end) {
+    {
+      MutexLock l(&mu_);
+      ++counters_.heartbeat_timeouts;
+    }
+    Close(c,
+          "no heartbeat for " + std::to_string(silent_ms) + " ms: its lease (" +
+              std::to_string(timeouts_.lease.count()) + " ms) ran out",
+          false);
+    return;
+  }
+  const auto suspect_after = std::clamp<std::chrono::microseconds>(
+      c->detector.SilenceFor(timeouts_.suspicion_phi), timeouts_.suspect_after, timeouts_.lease);
+  if (!c->suspected) {
+    if (silent < suspect_after) return;
+    c->suspected = true;
+    c->suspected_at = now;
+    c->probed_at = Clock::time_point{};
+    c->unacked_since = Clock::time_point{};
+    {
+      MutexLock l(&mu_);
+      ++counters_.suspicions;
+    }
+    LOG(WARNING) << "coordinator: member " << c->member.member_id() << " (" << c->peer
+                 << ") SUSPECTED: silent " << silent_ms << " ms (phi "
+                 << static_cast<int>(c->detector.Phi(now)) << "; its heartbeat intervals: mean "
+                 << c->detector.mean().count() / 1000 << " ms, sd "
+                 << c->detector.stddev().count() / 1000
+                 << " ms); probing its host. Declared dead if the host stops acknowledging, else "
+                 << "when its lease runs out in "
+                 << duration_cast<milliseconds>(timeouts_.lease - silent).count() << " ms";
+  }
+  // Probe: a frame the member's kernel must acknowledge even if the process is stopped or
+  // descheduled. A host that is down or cut off acknowledges nothing: then the member is dead
+  // now, not at its lease (its replication stream is fenced by the promotion, see Promote).
+  const auto probe_every = std::max<milliseconds>(milliseconds(50), timeouts_.heartbeat_interval);
+  if (now - c->probed_at >= probe_every && c->out_off == c->out.size()) {
+    c->probed_at = now;
+    Envelope probe;
+    probe.mutable_heartbeat_ack()->set_seq(0);
+    Queue(c, probe);
+    if (c->closing) return;
+  }
+  if (!net::HasUnacknowledgedData(c->fd.get())) {
+    c->unacked_since = Clock::time_point{};
+    return;
+  }
+  if (c->unacked_since == Clock::time_point{}) c->unacked_since = now;
+  const auto unacked_for = duration_cast<milliseconds>(now - c->unacked_since);
+  const milliseconds confirm =
+      std::max<milliseconds>(milliseconds(200), duration_cast<milliseconds>(timeouts_.suspect_after / 2));
+  if (unacked_for >= confirm) {
+    {
+      MutexLock l(&mu_);
+      ++counters_.unreachable;
+      ++counters_.heartbeat_timeouts;
+    }
+    Close(c,
+          "silent for " + std::to_string(silent_ms) + " ms and its host has acknowledged "
+              "nothing for " + std::to_string(unacked_for.count()) + " ms: unreachable",
+          false);
+  }
+}
+
+void Coordinator::ForgivePause(std::chrono::microseconds pause) {
+  for (auto& [fd, c] : conns_) {
+    c->last_heard += pause;
+    c->detector.Shift(pause);
+  }
+  for (auto& [id, p] : pending_) p.deadline += pause;
+  uint64_t n;
+  {
+    MutexLock l(&mu_);
+    n = ++counters_.coordinator_pauses;
+  }
+  if (n == 1 || n % 100 == 0) {
+    LOG(WARNING) << "coordinator: this process was descheduled for "
+                 << std::chrono::duration_cast<std::chrono::milliseconds>(pause).count()
+                 << " ms (" << n << " such pauses so far); not counted as its members' silence";
   }
 }
 

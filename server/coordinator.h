@@ -5,8 +5,14 @@
 // Protocol duties:
 //  * a connection must send the magic and then a JoinRequest carrying the cluster token within
 //    the handshake timeout; anything else is refused and closed;
-//  * members send Heartbeats; one silent for heartbeat_timeout, or whose connection closes, is
-//    declared departed;
+//  * members send Heartbeats, each acknowledged with the lease it grants (HeartbeatAck). A member
+//    whose connection closes is declared departed at once (its process is gone). One that is
+//    silent is suspected once a phi-accrual detector over its own heartbeat intervals says so
+//    (never before heartbeat_timeout); a suspected member's host is probed, and the member is
+//    declared departed when its host stops acknowledging (TCP), or when its lease runs out. A
+//    member that is only slow (descheduled on a busy host) is never declared departed before
+//    its lease (docs/fault-tolerance.md, "Liveness"). The coordinator's own pauses are not
+//    counted as its members' silence;
 //  * every change is broadcast to all members as a Membership message;
 //  * a malformed, oversized or unexpected message closes that connection (and removes the
 //    member) and is logged; the coordinator keeps running.
@@ -29,6 +35,7 @@
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "proto/control.pb.h"
+#include "proto/fault_timeouts.h"
 #include "proto/framing.h"
 
 namespace shardps::control {
@@ -44,7 +51,8 @@ struct CoordinatorOptions {
   // Saved after every change (temp file + rename); loaded at start if it exists, and the
   // members it names may then rejoin as themselves within rejoin_grace. "" = no state file.
   std::string state_file;
-  std::chrono::milliseconds rejoin_grace{10000};
+  // 0 = config.rejoin_grace_ms (itself derived from the lease when 0; proto/fault_timeouts.h).
+  std::chrono::milliseconds rejoin_grace{0};
 };
 
 struct CoordinatorCounters {
@@ -57,6 +65,11 @@ struct CoordinatorCounters {
   uint64_t groups_lost = 0;  // a primary died with no backup left
   uint64_t backups_lost = 0;
   uint64_t rejoins = 0;  // members taken back after a coordinator restart
+  // Liveness (docs/fault-tolerance.md, "Liveness").
+  uint64_t suspicions = 0;          // members suspected (silent past their detector's timeout)
+  uint64_t suspicions_cleared = 0;  // ... that spoke again before their lease ran out
+  uint64_t unreachable = 0;         // suspected members whose host stopped acknowledging
+  uint64_t coordinator_pauses = 0;  // times this loop was descheduled long enough to matter
 };
 
 class Coordinator {
@@ -96,6 +109,11 @@ class Coordinator {
   void FlushOutput(Conn* c);
   void Publish(const std::string& reason, uint32_t departed);
   void CheckTimeouts();
+  // Liveness of one joined member: suspicion, probing, death (CheckTimeouts).
+  void CheckLiveness(Conn* c, std::chrono::steady_clock::time_point now);
+  void HandleHeartbeat(Conn* c, const Heartbeat& hb);
+  // The loop found itself descheduled for `pause`: nobody's silence counts it.
+  void ForgivePause(std::chrono::microseconds pause);
   // Model / shard-map state machine (docs/control-protocol.md, "Model setup").
   void HandleRegisterModel(Conn* c, const RegisterModel& m);
   void HandleShardsReady(Conn* c, const ShardsReady& r);
@@ -123,6 +141,7 @@ class Coordinator {
   Envelope ShardMapFor(const Member& worker) const;
 
   CoordinatorOptions options_;
+  FaultTimeouts timeouts_;  // derived from options_.config at Start
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;  // eventfd to stop the loop
   std::string address_;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 
+#include "common/failure_detector.h"
 #include "common/fd.h"
 #include "proto/framing.h"
 #include "server/coordinator.h"
@@ -28,8 +29,19 @@ struct Coordinator::Conn {
   bool has_model = false;  // a worker that registered the model (it gets shard map updates)
   Member member;
   bool closing = false;
+  // Liveness (joined members): the detector learns the member's heartbeat intervals; a silence
+  // past its suspicion timeout makes it suspected and probed (docs/fault-tolerance.md).
+  PhiAccrualDetector detector;
+  uint64_t last_sent_us = 0;  // the previous heartbeat's send timestamp (member clock)
+  bool suspected = false;
+  Clock::time_point suspected_at{};
+  Clock::time_point probed_at{};
+  // While suspected: since when the member's kernel has had our data unacknowledged without a
+  // break (time_point{} = nothing outstanding at the last look).
+  Clock::time_point unacked_since{};
 
-  explicit Conn(size_t max_frame) : decoder(max_frame) {}
+  Conn(size_t max_frame, const PhiAccrualDetector::Options& liveness)
+      : decoder(max_frame), detector(liveness) {}
 };
 
 }  // namespace shardps::control

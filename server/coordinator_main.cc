@@ -22,7 +22,16 @@ DEFINE_int32(staleness, 0, "SSP/VSGD staleness bound s");
 DEFINE_int32(num_servers, 1, "Servers expected at start");
 DEFINE_int32(num_workers, 1, "Workers expected at start");
 DEFINE_int32(heartbeat_interval_ms, 500, "Member heartbeat interval");
-DEFINE_int32(heartbeat_timeout_ms, 3000, "A member silent this long is declared dead");
+DEFINE_int32(heartbeat_timeout_ms, 3000,
+             "A member silent this long (or longer, as its measured heartbeat jitter says) is "
+             "suspected and its host probed; dead when its host stops acknowledging or its "
+             "lease runs out (docs/fault-tolerance.md, \"Liveness\")");
+DEFINE_int32(lease_ms, 0,
+             "A member silent this long is declared dead; a replicated primary whose heartbeats "
+             "went unacknowledged this long stops serving (0: 3 x --heartbeat_timeout_ms)");
+DEFINE_double(suspicion_phi, 8.0,
+              "Phi-accrual threshold: suspect a member once its silence is this unlikely "
+              "(-log10 probability) given its own heartbeat intervals");
 DEFINE_string(data_transport, "", "If set, members must use this transport (verbs, tcp, shm)");
 DEFINE_uint64(partition_bytes, 4u << 20, "Chunk size for sharding tensors");
 DEFINE_string(server_capacity, "",
@@ -36,17 +45,18 @@ DEFINE_int32(replicas, 1,
              "Copies of every shard group: 2 = a primary and a backup server per group "
              "(num_servers * replicas server processes; docs/fault-tolerance.md)");
 DEFINE_int32(max_workers, 0, "Inbox slots per server: workers that may join (0: num_workers)");
-DEFINE_int32(failover_timeout_ms, 20000,
-             "How long workers wait for a failed server's group to be failed over");
+DEFINE_int32(failover_timeout_ms, 0,
+             "How long workers wait for a failed server's group to be failed over (0: the larger "
+             "of 20 s and lease + promotion drain + heartbeat timeout)");
 DEFINE_string(checkpoint_dir, "", "Periodic checkpoints go here (servers read it too)");
 DEFINE_int32(checkpoint_every, 0, "Checkpoint every N clocks (0: only on request)");
 DEFINE_int32(checkpoint_keep, 3, "Complete checkpoints kept");
 DEFINE_string(state_file, "",
               "Save the coordinator's state here after every change; a coordinator restarted "
               "with the same file takes its members back (docs/fault-tolerance.md)");
-DEFINE_int32(rejoin_grace_ms, 10000,
+DEFINE_int32(rejoin_grace_ms, 0,
              "After a restart: members of the saved state that do not rejoin within this are "
-             "declared departed");
+             "declared departed (0: the lease; it may not be shorter)");
 DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
 
 namespace {
@@ -80,6 +90,8 @@ int main(int argc, char** argv) {
   o.config.set_num_workers(FLAGS_num_workers);
   o.config.set_heartbeat_interval_ms(FLAGS_heartbeat_interval_ms);
   o.config.set_heartbeat_timeout_ms(FLAGS_heartbeat_timeout_ms);
+  o.config.set_lease_ms(FLAGS_lease_ms);
+  o.config.set_suspicion_phi(FLAGS_suspicion_phi);
   o.config.set_transport(FLAGS_data_transport);
   o.config.set_partition_bytes(FLAGS_partition_bytes);
   if (FLAGS_replicas < 1 || FLAGS_replicas > 2) {
@@ -93,7 +105,7 @@ int main(int argc, char** argv) {
   o.config.set_checkpoint_every(FLAGS_checkpoint_every);
   o.config.set_checkpoint_keep(FLAGS_checkpoint_keep);
   o.state_file = FLAGS_state_file;
-  o.rejoin_grace = std::chrono::milliseconds(FLAGS_rejoin_grace_ms);
+  o.config.set_rejoin_grace_ms(FLAGS_rejoin_grace_ms);
   if (!FLAGS_server_capacity.empty()) {
     std::stringstream ss(FLAGS_server_capacity);
     for (std::string w; std::getline(ss, w, ',');) {

@@ -27,6 +27,7 @@ struct ShardServerCounters {
   uint64_t records_rejected = 0;    // backup: malformed, out of sequence or fenced
   uint64_t replication_stalls = 0;  // primary: ring full, waited for the backup to consume
   uint64_t promotions = 0;          // backup -> primary
+  uint64_t lease_lapses = 0;        // replicated primary: lease ran out, fenced until renewed
   uint64_t checkpoints_submitted = 0;
   uint64_t checkpoints_written = 0;
   uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on

@@ -96,6 +96,7 @@ Status ShardServer::Setup() {
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
+  timeouts_ = control::FaultTimeouts::Of(config_);
   if (control_->reply().credential().empty()) {
     return FailedPreconditionError(
         "the coordinator issued no credential (an older coordinator?): the data path would "
@@ -421,6 +422,14 @@ Status ShardServer::Serve() {
   Completion wc[64];
   auto last_accept = Clock::now() - std::chrono::seconds(1);
   while (!stop_.load()) {
+    if (LeaseLapsed()) {
+      // Fenced: nothing is applied or published until the lease is renewed (pushes wait in
+      // the inbox and the transport), so a primary that the coordinator may have replaced
+      // never serves beside its successor. Control and membership are still handled.
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (!Housekeeping(&fenced)) stop_ = true;
+      continue;
+    }
     const int n = cq_->Wait(wc, 64, std::chrono::microseconds(2000));
     for (int i = 0; i < n; ++i) {
       if (wc[i].endpoint_id == ReplicationStream::kEndpointId) {
@@ -449,12 +458,38 @@ Status ShardServer::Serve() {
   return fenced;
 }
 
+bool ShardServer::LeaseLapsed() {
+  // Only a replicated group's primary fences itself: the coordinator can hand such a group to
+  // its backup. An unreplicated primary has no successor, and stopping it while the
+  // coordinator is away (restarting) would only stall training.
+  if (backup_ || config_.replicas() < 2 || !stream_ ||
+      !(stream_->connected() || stream_->failed())) {
+    return false;
+  }
+  const bool lapsed = !control_->LeaseHeld();
+  if (lapsed != lease_lapsed_) {
+    lease_lapsed_ = lapsed;
+    if (lapsed) {
+      stats_.Bump(&ShardServerCounters::lease_lapses);
+      LOG(ERROR) << "server rank " << rank_ << ": LEASE LAPSED (no heartbeat acknowledged for "
+                 << timeouts_.lease.count() << " ms; ended " << -control_->LeaseLeft().count()
+                 << " ms ago): group " << group_
+                 << " is fenced: nothing is applied or published until it is renewed";
+    } else {
+      LOG(WARNING) << "server rank " << rank_ << ": lease renewed; group " << group_
+                   << " serves again";
+    }
+  }
+  return lapsed;
+}
+
 bool ShardServer::Housekeeping(Status* fenced) {
   AcceptPending();
   RefreshMembership();
+  // The primary may be dead without the coordinator knowing yet: it may be within its lease, or
+  // a restarted coordinator may still be waiting for it to rejoin (proto/fault_timeouts.h).
   if (backup_ && applier_->broken() && control_->connected() &&
-      Clock::now() - applier_->broken_since() >
-          std::chrono::milliseconds(2 * std::max<uint32_t>(1000, config_.heartbeat_timeout_ms()))) {
+      Clock::now() - applier_->broken_since() > timeouts_.backup_eviction) {
     bool primary_member = false;  // the group's primary is still in the membership
     const control::Membership now = control_->membership();
     for (const auto& m : now.members()) {

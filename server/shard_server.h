@@ -44,6 +44,7 @@
 
 #include "common/status.h"
 #include "proto/control_client.h"
+#include "proto/fault_timeouts.h"
 #include "server/ack_board.h"
 #include "server/checkpoint.h"
 #include "server/checkpoint_capture.h"
@@ -113,6 +114,9 @@ class ShardServer {
   Status ConnectReplication();
   Status Serve();
   bool Housekeeping(Status* fenced);  // periodic: accept, membership, liveness; false: stop
+  // A replicated primary without a lease (docs/fault-tolerance.md, "Liveness"): it must not
+  // apply or publish anything. Logs and counts the transitions.
+  bool LeaseLapsed();
   void DropFailedEndpoints();
   void AcceptPending();
   void PollControl();
@@ -154,6 +158,8 @@ class ShardServer {
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;
+  control::FaultTimeouts timeouts_;  // of config_
+  bool lease_lapsed_ = false;
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<EndpointTable> endpoints_;
   std::shared_ptr<MemberAuthenticator> authenticator_;  // the data listener's (set at Setup)

@@ -393,6 +393,8 @@ Status ClientImpl::Wait(Handle handle) {
     if (now >= next_check) {
       next_check = now + std::chrono::milliseconds(50);
       RETURN_IF_ERROR(CheckEndpoints(now));
+      // A server declared dead whose endpoint still looks healthy (stopped, cut off).
+      if (!recovery_->recovering()) RETURN_IF_ERROR(MaybeRecover());
     }
     if (now > deadline) return WaitTimedOut(*hs);
   }

@@ -12,7 +12,13 @@ using std::chrono::milliseconds;
 
 Status Recovery::MaybeRecover() {
   if (recovering_) return Status::OK();
-  if (!sessions_.MarkFailed()) return Status::OK();
+  const uint64_t epoch = control_.epoch();
+  bool departed = false;
+  if (epoch != checked_epoch_) {
+    checked_epoch_ = epoch;
+    departed = sessions_.MarkDeparted(control_.membership());
+  }
+  if (!sessions_.MarkFailed() && !departed) return Status::OK();
   return Recover();
 }
 

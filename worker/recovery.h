@@ -35,7 +35,8 @@ class Recovery {
         pull_(pull),
         step_(step) {}
 
-  // Recover() if a session has failed (and no recovery is under way).
+  // Recover() if a session has failed, or its server was declared departed (a new membership
+  // epoch: cheap otherwise), and no recovery is under way.
   Status MaybeRecover();
   // Repairs every failed session, or returns why it cannot.
   Status Recover();
@@ -76,6 +77,7 @@ class Recovery {
   PullPipeline& pull_;
   const StepClock& step_;
   bool recovering_ = false;
+  uint64_t checked_epoch_ = 0;  // the membership epoch MaybeRecover last looked at
   control::ShardMap newest_;  // during Recover: the newest map newer than ours
   bool have_newest_ = false;
   uint64_t failovers_ = 0;

@@ -143,6 +143,23 @@ bool ServerSessions::MarkFailed() {
   return any;
 }
 
+bool ServerSessions::MarkDeparted(const control::Membership& m) {
+  bool any = false;
+  for (ServerSession& s : servers_) {
+    bool member = false;
+    for (const auto& mm : m.members()) member = member || mm.member_id() == s.member_id;
+    if (!member && !s.failed && s.ep) {
+      LOG(WARNING) << "worker rank " << rank_ << ": server rank " << s.server_rank
+                   << " (member " << s.member_id << ", group " << s.rank
+                   << ") was declared departed at epoch " << m.epoch() << ": "
+                   << m.reason() << "; failing over";
+      s.failed = true;
+    }
+    any = any || s.failed;
+  }
+  return any;
+}
+
 bool ServerSessions::AnyFailed() const {
   for (const ServerSession& s : servers_) {
     if (s.failed) return true;

@@ -73,6 +73,9 @@ class ServerSessions {
   // Marks the sessions whose endpoint is in the error state failed; true if any is failed.
   bool MarkFailed();
   bool AnyFailed() const;
+  // Marks failed every session whose server process is not in `m` any more (declared dead: a
+  // stopped or cut-off server's endpoint may look healthy for ever). True if any is failed.
+  bool MarkDeparted(const control::Membership& m);
   // UNAVAILABLE naming the server, `what` and its endpoint's error.
   Status ServerError(uint32_t server, const std::string& what) const;
 

@@ -106,6 +106,15 @@ void ChildProcess::Kill() {
   Reaped(st);
 }
 
+void ChildProcess::Signal(int sig) {
+  if (pid_ <= 0 || exit_code_.has_value()) return;
+  if (group_) {
+    kill(-pid_, sig);
+  } else {
+    kill(pid_, sig);
+  }
+}
+
 std::string ChildProcess::LogTail(size_t max_bytes) const {
   auto s = ReadFile(log_path_);
   if (!s.ok()) return "(no log: " + s.status().ToString() + ")";

@@ -46,6 +46,9 @@ class ChildProcess {
   bool Running();
   // SIGKILL now, then reap (bounded by the kernel: SIGKILL cannot be ignored).
   void Kill();
+  // Sends `sig` to the program (and its `timeout` wrapper): SIGSTOP / SIGCONT make a hung or
+  // descheduled process of it.
+  void Signal(int sig);
   // The last max_bytes of the child's log, for failure messages.
   std::string LogTail(size_t max_bytes = 3000) const;
 

@@ -78,12 +78,14 @@ TEST(CoordinatorTest, MembersGetRanksConfigAndEpochs) {
   EXPECT_EQ(c->epoch(), 3u);
 }
 
-TEST(CoordinatorTest, DeadMemberLeavesWithinTheHeartbeatBound) {
+// A member that joins and then goes silent without closing its socket (a hung or stopped
+// process): its host still acknowledges, so it is only suspected at the heartbeat timeout and
+// declared dead when its lease (3 x 400 ms) runs out.
+TEST(CoordinatorTest, AHungMemberIsSuspectedThenDeclaredDeadAtItsLease) {
   auto c = StartCoordinator(50, 400);
   ASSERT_TRUE(c);
   auto s0 = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
   ASSERT_TRUE(s0.ok());
-  // A member that joins and then goes silent without closing its socket (a hung process).
   auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
   ASSERT_TRUE(fd.ok());
   ASSERT_TRUE(SendMagic(fd->get(), milliseconds(1000)).ok());
@@ -100,11 +102,95 @@ TEST(CoordinatorTest, DeadMemberLeavesWithinTheHeartbeatBound) {
       (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; }, milliseconds(5000));
   ASSERT_TRUE(after.ok()) << after.status();
   const auto took = std::chrono::steady_clock::now() - t0;
-  EXPECT_LE(took, milliseconds(400 + 500)) << "bound: timeout + one poll tick + slack";
+  EXPECT_GE(took, milliseconds(1200 - 50)) << "not before its lease";
+  EXPECT_LE(took, milliseconds(1200 + 500)) << "bound: lease + one poll tick + slack";
   EXPECT_EQ(after->departed_size(), 1);
-  EXPECT_EQ(c->counters().heartbeat_timeouts, 1u);
-  // The live member kept heartbeating and was not declared dead.
+  const CoordinatorCounters k = c->counters();
+  EXPECT_EQ(k.heartbeat_timeouts, 1u);
+  EXPECT_EQ(k.suspicions, 1u) << "suspected first";
+  EXPECT_EQ(k.unreachable, 0u) << "its host (loopback) acknowledged the probes";
+  // The live member kept heartbeating and was never suspected.
   EXPECT_TRUE((*s0)->status().ok());
+  EXPECT_EQ(k.suspicions_cleared, 0u);
+}
+
+// A member silent for twice the heartbeat timeout but less than its lease (a process
+// descheduled on a busy host) is suspected, speaks again, and stays a member: slow, not dead.
+TEST(CoordinatorTest, ASlowMemberIsSuspectedButNotDeclaredDead) {
+  auto c = StartCoordinator(50, 400);
+  ASSERT_TRUE(c);
+  auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(SendMagic(fd->get(), milliseconds(1000)).ok());
+  Envelope join;
+  join.mutable_join()->set_cluster_token(kToken);
+  join.mutable_join()->set_role(ROLE_WORKER);
+  ASSERT_TRUE(SendEnvelope(fd->get(), join, milliseconds(1000)).ok());
+  FrameDecoder decoder;
+  auto reply = ReceiveEnvelope(fd->get(), &decoder, milliseconds(2000));
+  ASSERT_TRUE(reply.ok() && reply->has_join_reply() && reply->join_reply().accepted());
+  const uint32_t id = reply->join_reply().member_id();
+  uint64_t seq = 0;
+  auto beat = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      Envelope hb;
+      hb.mutable_heartbeat()->set_member_id(id);
+      hb.mutable_heartbeat()->set_seq(++seq);
+      ASSERT_TRUE(SendEnvelope(fd->get(), hb, milliseconds(1000)).ok());
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+  };
+  beat(10);
+  std::this_thread::sleep_for(milliseconds(800));  // 2 x the timeout, 2/3 of the lease
+  beat(10);
+  const CoordinatorCounters k = c->counters();
+  EXPECT_EQ(k.suspicions, 1u);
+  EXPECT_EQ(k.suspicions_cleared, 1u);
+  EXPECT_EQ(k.heartbeat_timeouts, 0u);
+  EXPECT_EQ(k.departures, 0u);
+  EXPECT_EQ(c->membership().members_size(), 1);
+  // Every heartbeat was acknowledged with the lease (and the suspicion sent probes, seq 0).
+  int acks = 0, probes = 0;
+  while (true) {
+    auto e = ReceiveEnvelope(fd->get(), &decoder, milliseconds(200));
+    if (!e.ok()) break;
+    if (!e->has_heartbeat_ack()) continue;
+    if (e->heartbeat_ack().seq() == 0) {
+      ++probes;
+    } else {
+      ++acks;
+      EXPECT_EQ(e->heartbeat_ack().lease_ms(), 1200u);
+    }
+  }
+  EXPECT_EQ(acks, 20);
+  EXPECT_GE(probes, 1);
+}
+
+// Each acknowledged heartbeat renews the member's lease, counted from its sending; with the
+// coordinator gone the lease runs out after lease_ms, not before.
+TEST(CoordinatorTest, TheLeaseIsRenewedByHeartbeatsAndLapsesWithoutTheCoordinator) {
+  auto c = StartCoordinator(50, 400);
+  ASSERT_TRUE(c);
+  ControlClientOptions o = ClientOptions(*c, ROLE_SERVER, kToken);
+  auto s0 = ControlClient::Join(o);
+  ASSERT_TRUE(s0.ok());
+  EXPECT_EQ((*s0)->reply().config().lease_ms(), 1200u);
+  const auto until = std::chrono::steady_clock::now() + milliseconds(2000);
+  while (!(*s0)->LeaseHeld() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE((*s0)->LeaseHeld());
+  std::this_thread::sleep_for(milliseconds(600));  // renewed meanwhile
+  EXPECT_TRUE((*s0)->LeaseHeld());
+  EXPECT_GT((*s0)->LeaseLeft(), milliseconds(1000));
+  EXPECT_LE((*s0)->LeaseLeft(), milliseconds(1200));
+  EXPECT_GE((*s0)->counters().heartbeat_acks, 10u);
+  const auto stopped = std::chrono::steady_clock::now();
+  c.reset();  // the coordinator is gone: no more renewals
+  while ((*s0)->LeaseHeld()) std::this_thread::sleep_for(milliseconds(5));
+  const auto held = std::chrono::steady_clock::now() - stopped;
+  EXPECT_GE(held, milliseconds(1200 - 100)) << "the last renewal was < 1 heartbeat ago";
+  EXPECT_LE(held, milliseconds(1200 + 200));
 }
 
 TEST(CoordinatorTest, ClosedConnectionLeavesImmediately) {

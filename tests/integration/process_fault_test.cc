@@ -229,6 +229,105 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
   }
 }
 
+// Leases and fencing (issue 14): group 0's primary is SIGSTOPped mid-training (a hung process:
+// its kernel still acknowledges, its connections stay open, nothing errors). The coordinator
+// suspects it, declares it dead when its lease runs out, and promotes the backup; the workers
+// fail over within the lease (they learn the departure from the membership, not from a
+// data-path error that never comes) instead of stalling until their wait timeout. Resumed
+// afterwards, the old primary finds its lease lapsed and serves nothing: the run ends with
+// weights bit-identical to the one-process reference (a second, stale primary publishing
+// would break that) and the old primary stops, fenced.
+TEST_P(ProcessClusterTest, AStoppedPrimaryIsFailedOverWithinItsLeaseAndNeverServesAgain) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const milliseconds lease(3 * spec.heartbeat_timeout_ms);
+  const int kSteps = 30;
+  const int step_delay_ms = Emulated() ? 40 : 15;
+  ASSERT_TRUE(StartCluster(spec));
+  // The wait timeout far beyond the lease: a stall until it would show as a slow recovery.
+  const milliseconds wait_timeout = 4 * lease + Slack();
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms),
+             "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 5, ProcessBound(), workers[0]), 5) << Tail(workers[0]);
+  const int at_stop = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  servers_[0]->Signal(SIGSTOP);
+  const auto t0 = Clock::now();
+  const int after = WaitProgress(Path("progress0"), at_stop + 1, ProcessBound(), workers[0]);
+  const auto recovery = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  ASSERT_GE(after, at_stop + 1) << "no progress after the stop:\n" << Tail(workers[0]);
+  // Detection at the lease (the host acknowledges: not unreachable), then promotion and resend.
+  EXPECT_GE(recovery, lease - milliseconds(200)) << "declared dead before its lease ran out";
+  EXPECT_LT(recovery, lease + milliseconds(2000) + Slack() / 2)
+      << "failover took longer than lease + promotion drain";
+  EXPECT_LT(recovery, wait_timeout / 2) << "the workers stalled instead of failing over";
+  servers_[0]->Signal(SIGCONT);  // the old primary wakes up, its group long taken over
+  ExpectWorkersMatchReference(spec, workers, standalone, kSteps, 1, ProcessBound());
+  if (HasFatalFailure()) return;
+  // Resumed, it found itself refused back (or its lease lapsed first): it stops by itself.
+  EXPECT_EQ(ExitCode(servers_[0], Slack()), 1) << Tail(servers_[0]);
+  const std::string old_log = servers_[0]->LogTail(1 << 22);
+  EXPECT_NE(old_log.find("(fenced)"), std::string::npos) << Tail(servers_[0]);
+  const std::string coord_log = coordinator_->LogTail(1 << 22);
+  EXPECT_NE(coord_log.find("SUSPECTED"), std::string::npos);
+  EXPECT_NE(coord_log.find("its lease"), std::string::npos);
+  std::cerr << "[ info ] " << GetParam() << ": primary SIGSTOPped after step " << at_stop
+            << "; the next step completed " << recovery.count() << " ms later (lease "
+            << lease.count() << " ms, wait timeout " << wait_timeout.count() << " ms)\n";
+}
+
+// The other side of a lease: the coordinator is SIGSTOPped for longer than the lease (a
+// descheduled or partitioned coordinator). Every replicated primary's lease lapses and it
+// fences itself (nothing applied or published: the coordinator could have promoted its backup
+// meanwhile); when the coordinator resumes it forgives its own pause (nobody is declared dead),
+// the leases are renewed, and training goes on bit-identical to the one-process reference.
+TEST_P(ProcessClusterTest, PrimariesFenceThemselvesWhileTheCoordinatorIsAwayAndResume) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const milliseconds lease(3 * spec.heartbeat_timeout_ms);
+  // Long enough to outlast the stop: steps x delay > lease + 2 s.
+  const int kStepDelayMs = 30;
+  const int kSteps = static_cast<int>((lease.count() + 4000) / kStepDelayMs);
+  ASSERT_TRUE(StartCluster(spec));
+  const milliseconds wait_timeout = 4 * lease + Slack();
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(kStepDelayMs),
+             "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 5, ProcessBound(), workers[0]), 5) << Tail(workers[0]);
+  coordinator_->Signal(SIGSTOP);
+  const auto t0 = Clock::now();
+  const int before = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  // Past the lease both primaries are fenced: no step completes in that second.
+  std::this_thread::sleep_for(lease + milliseconds(500));
+  const int fenced_from = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  std::this_thread::sleep_for(milliseconds(1000));
+  const int during = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  coordinator_->Signal(SIGCONT);
+  const auto stopped = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  EXPECT_GT(fenced_from, before) << "training went on within the lease";
+  EXPECT_LE(during, fenced_from + 1) << "steps completed past the lease: not fenced";
+  ExpectWorkersMatchReference(spec, workers, standalone, kSteps, 0, ProcessBound());
+  if (HasFatalFailure()) return;
+  for (int g = 0; g < spec.servers; ++g) {
+    const std::string log = servers_[g]->LogTail(1 << 22);
+    EXPECT_NE(log.find("LEASE LAPSED"), std::string::npos) << Tail(servers_[g]);
+    EXPECT_NE(log.find("lease renewed"), std::string::npos) << Tail(servers_[g]);
+  }
+  const std::string clog = coordinator_->LogTail(1 << 22);
+  EXPECT_NE(clog.find("was descheduled for"), std::string::npos) << clog.substr(clog.size() - 3000);
+  EXPECT_EQ(clog.find("its lease ("), std::string::npos) << "a member was declared dead";
+  std::cerr << "[ info ] " << GetParam() << ": coordinator stopped " << stopped.count()
+            << " ms (lease " << lease.count() << " ms); steps " << before << " -> " << fenced_from
+            << " within the lease, " << fenced_from << " -> " << during
+            << " in the second past it; nobody declared dead\n";
+}
+
 // Without a backup, losing a server is reported, clearly and quickly, as lost state.
 TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
   ClusterSpec spec = Spec();

@@ -127,6 +127,7 @@ struct ClusterSpec {
   std::string aggregation = "average";
   int heartbeat_interval_ms = 100;
   int heartbeat_timeout_ms = 1500;
+  int lease_ms = 0;  // 0: derived (3 x heartbeat_timeout_ms; proto/fault_timeouts.h)
   int replicas = 1;
   int max_workers = 0;
   std::string checkpoint_dir;
@@ -196,7 +197,12 @@ class ProcessTestBase : public ::testing::Test {
     std::filesystem::remove(addr_file, ec);  // a restarted cluster must not read the old one
     coordinator_ =
         Spawn({SHARDPS_COORDINATOR_BIN, "--listen=" + spec.listen, "--address_file=" + addr_file,
-               "--state_file=" + spec.state_file, "--rejoin_grace_ms=15000",
+               "--state_file=" + spec.state_file,
+               // At least the lease (checked at start), and long enough for slow restarts.
+               "--rejoin_grace_ms=" +
+                   std::to_string(std::max(15000, spec.lease_ms > 0 ? spec.lease_ms
+                                                                   : 3 * spec.heartbeat_timeout_ms)),
+               "--lease_ms=" + std::to_string(spec.lease_ms),
                std::string("--cluster_token=") + kToken, "--consistency=" + spec.consistency,
                "--staleness=" + std::to_string(spec.staleness),
                "--num_servers=" + std::to_string(spec.servers),
@@ -206,7 +212,7 @@ class ProcessTestBase : public ::testing::Test {
                "--data_transport=" + spec.transport,
                "--partition_bytes=" + std::to_string(spec.partition_bytes),
                "--replicas=" + std::to_string(spec.replicas),
-               "--max_workers=" + std::to_string(spec.max_workers), "--failover_timeout_ms=20000",
+               "--max_workers=" + std::to_string(spec.max_workers), "--failover_timeout_ms=0",
                "--checkpoint_dir=" + spec.checkpoint_dir,
                "--checkpoint_every=" + std::to_string(spec.checkpoint_every)},
               "coordinator.log");
@@ -322,6 +328,25 @@ class ProcessTestBase : public ::testing::Test {
   }
   StatusOr<WorkerResult> Result(int rank, const std::string& prefix = "worker") {
     return ParseResult(Path(prefix + std::to_string(rank) + ".out"));
+  }
+  // Every worker exits 0 after `steps` steps with `failovers` failovers each (-1: any) and no
+  // push lost, its weights bit-identical to the standalone reference's.
+  void ExpectWorkersMatchReference(const ClusterSpec& spec, const std::vector<ChildProcess*>& workers,
+                                   ChildProcess* standalone, int steps, int failovers,
+                                   milliseconds bound) {
+    for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+    auto ref = StandaloneResult(standalone, bound);
+    ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+    for (int r = 0; r < spec.workers; ++r) {
+      auto res = Result(r);
+      ASSERT_TRUE(res.ok()) << res.status();
+      EXPECT_EQ(res->Int("steps"), steps) << "worker " << r;
+      if (failovers >= 0) {
+        EXPECT_EQ(res->Int("failovers"), failovers) << "worker " << r;
+      }
+      EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+      ExpectSameWeights(*res, *ref, r);
+    }
   }
   // Bit-identical weights: the same floats, element by element.
   static void ExpectSameWeights(WorkerResult& got, WorkerResult& ref, int rank) {
