@@ -13,7 +13,8 @@
 #
 # Passes when both workers finish and their weights equal a standalone run with the same total
 # batch (ps_test_worker --mode=compare; tolerance derived there), and when ns C's veth carried
-# at least the gradients the workers pushed (the data path crossed namespaces).
+# at least the gradients the workers pushed (the data path crossed namespaces). Then a server
+# in ns B is cut off (its link down): it must be declared dead as unreachable before its lease.
 #
 # Usage: netns_cluster_test.sh COORDINATOR_BIN SERVER_BIN PS_TEST_WORKER_BIN
 # Exit: 0 pass, 1 fail, 77 skip (not root, or network namespaces unavailable).
@@ -172,5 +173,38 @@ done
 
 echo "PASS: 2 servers in 2 namespaces, 2 workers in a third; $sent bytes left ns C;" \
   "weights match the standalone run"
+
+# --- A host cut off: suspected, probed, unreachable before its lease -------------------------
+# A second coordinator (heartbeat timeout 1 s, lease 3 s) in ns A and a server in ns B; then ns
+# B's link goes down. ns B's kernel acknowledges nothing any more, so the coordinator must
+# declare the server dead as "unreachable" once its probes stay unacknowledged (~1.5 s), not
+# wait for the lease (docs/fault-tolerance.md, "Liveness").
+in_ns "$NS_A" "$COORD_BIN" --listen=10.77.0.1:0 --address_file="$TMP/coordinator2.addr" \
+  --cluster_token="$TOKEN" --num_servers=1 --num_workers=1 --heartbeat_interval_ms=100 \
+  --heartbeat_timeout_ms=1000 --data_transport=tcp >"$TMP/coordinator2.log" 2>&1 &
+COORD2_PID=$!
+wait_file "$TMP/coordinator2.addr" $COORD2_PID || fail "the second coordinator did not start"
+COORD2=$(head -n1 "$TMP/coordinator2.addr")
+in_ns "$NS_B" "$SERVER_BIN" --coordinator="$COORD2" --cluster_token="$TOKEN" --transport=tcp \
+  --bind_ip=10.77.0.2 --rank=0 >"$TMP/server-cut.log" 2>&1 &
+deadline=$((SECONDS + BOUND_S))
+until grep -q "joined as server" "$TMP/coordinator2.log"; do
+  ((SECONDS < deadline)) || fail "the server in ns B never joined the second coordinator"
+  sleep 0.05
+done
+sleep 1  # a second of heartbeats for its detector
+ip -n "$NS_B" link set eth0 down || fail "link down in ns B"
+t0=$(date +%s%N)
+deadline=$((SECONDS + 15))
+until grep -qE ": unreachable|its lease \(" "$TMP/coordinator2.log"; do
+  ((SECONDS < deadline)) || fail "the cut-off server was not declared dead within 15 s"
+  sleep 0.01
+done
+cut_ms=$((($(date +%s%N) - t0) / 1000000))
+grep -q ": unreachable" "$TMP/coordinator2.log" ||
+  fail "the cut-off server was declared dead by its lease, not as unreachable"
+((cut_ms < 3000)) || fail "declared unreachable after $cut_ms ms, not before its 3 s lease"
+echo "PASS: a server whose host was cut off was declared unreachable after $cut_ms ms" \
+  "(suspicion floor 1000 ms, lease 3000 ms)"
 FAILED=0
 exit 0
