@@ -44,26 +44,39 @@ Status Recovery::Recover() {
   }
   LOG(WARNING) << "worker rank " << rank_ << ": server group(s) " << names
                << " failed; waiting up to " << timeout.count() << " ms for a failover";
-  while (true) {
-    DrainShardMaps();
-    RETURN_IF_ERROR(ReconnectLiveServers(SteadyClock::now() >= next_reconnect));
-    if (SteadyClock::now() >= next_reconnect)
-      next_reconnect = SteadyClock::now() + milliseconds(100);
-    if (AllReplaced()) break;
-    if (SteadyClock::now() > deadline) {
-      for (uint32_t i = 0; i < sessions_.size(); ++i) {
-        if (sessions_.at(i).failed) {
-          return sessions_.ServerError(i, "failed, and no backup took over within " +
-                                              std::to_string(timeout.count()) + " ms");
+  for (;;) {
+    while (true) {
+      DrainShardMaps();
+      RETURN_IF_ERROR(ReconnectLiveServers(SteadyClock::now() >= next_reconnect));
+      if (SteadyClock::now() >= next_reconnect)
+        next_reconnect = SteadyClock::now() + milliseconds(100);
+      if (AllReplaced()) break;
+      if (SteadyClock::now() > deadline) {
+        for (uint32_t i = 0; i < sessions_.size(); ++i) {
+          if (sessions_.at(i).failed) {
+            return sessions_.ServerError(i, "failed, and no backup took over within " +
+                                                std::to_string(timeout.count()) + " ms");
+          }
         }
       }
+      auto m = control_.WaitMessage(control::Envelope::kShardMap, milliseconds(20));
+      if (m.ok()) Consider(*m);
+      sessions_.Progress().IgnoreError();  // completions of the healthy servers keep flowing
     }
-    auto m = control_.WaitMessage(control::Envelope::kShardMap, milliseconds(20));
-    if (m.ok()) Consider(*m);
-    sessions_.Progress().IgnoreError();  // completions of the healthy servers keep flowing
+    if (!have_newest_) return Status::OK();  // every failed server was reconnected
+    const Status moved = MoveToBackups(t0, deadline, timeout);
+    // The server a group failed over to may die too, before or while this worker moves to it:
+    // that is not this worker's error but the group's, and the coordinator says next what it
+    // is (another server, or the group lost: DATA_LOSS). Wait for its word, within the same
+    // deadline; the session that could not move stays failed.
+    const bool transport_error = moved.code() == StatusCode::kUnavailable ||
+                                 moved.code() == StatusCode::kDeadlineExceeded ||
+                                 moved.code() == StatusCode::kPermissionDenied;
+    if (moved.ok() || !transport_error || SteadyClock::now() > deadline) return moved;
+    LOG(WARNING) << "worker rank " << rank_ << ": the server a group failed over to failed too ("
+                 << moved << "); waiting for the coordinator's next shard map";
+    have_newest_ = false;
   }
-  if (!have_newest_) return Status::OK();  // every failed server was reconnected
-  return MoveToBackups(t0, deadline, timeout);
 }
 
 void Recovery::DrainShardMaps() {
@@ -146,9 +159,13 @@ Status Recovery::MoveToBackups(SteadyClock::time_point t0, SteadyClock::time_poi
     RETURN_IF_ERROR(sessions_.ApplyEntry(se, se.rank()));
     const auto left =
         std::chrono::duration_cast<milliseconds>(deadline + timeout - SteadyClock::now());
-    RETURN_IF_ERROR(sessions_.Connect(se.rank(), step_.clock, std::max(left, milliseconds(1000))));
-    RETURN_IF_ERROR(WaitServing(se.rank()));
-    RETURN_IF_ERROR(Resync(se.rank()));
+    Status st = sessions_.Connect(se.rank(), step_.clock, std::max(left, milliseconds(1000)));
+    if (st.ok()) st = WaitServing(se.rank());
+    if (st.ok()) st = Resync(se.rank());
+    if (!st.ok()) {
+      s.failed = true;  // still waiting for a server for this group (Recover decides)
+      return st;
+    }
     ++failovers_;
     LOG(WARNING) << "worker rank " << rank_ << ": server group " << se.rank()
                  << " failed over to server rank " << se.server_rank() << " at "
