@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -10,13 +12,35 @@
 
 namespace shardps {
 
+namespace {
+
+struct Armed {
+  std::string name;     // "" = none
+  long long nth = 1;    // crash on the nth time the point is reached ("name@nth")
+};
+
+Armed Parse() {
+  Armed a;
+  const char* v = std::getenv("SHARDPS_CRASH_POINT");
+  if (v == nullptr) return a;
+  a.name = v;
+  const size_t at = a.name.find('@');
+  if (at != std::string::npos) {
+    a.nth = std::max(1LL, std::atoll(a.name.c_str() + at + 1));
+    a.name.resize(at);
+  }
+  return a;
+}
+
+}  // namespace
+
 void CrashPoint(const char* name) {
-  static const std::string armed = [] {
-    const char* v = std::getenv("SHARDPS_CRASH_POINT");
-    return std::string(v != nullptr ? v : "");
-  }();
-  if (armed.empty() || armed != name) return;
-  LOG(ERROR) << "crash point " << name << " (SHARDPS_CRASH_POINT): exiting now";
+  static const Armed armed = Parse();
+  static std::atomic<long long> reached{0};
+  if (armed.name.empty() || armed.name != name) return;
+  if (reached.fetch_add(1) + 1 < armed.nth) return;
+  LOG(ERROR) << "crash point " << name << " (SHARDPS_CRASH_POINT, time " << armed.nth
+             << "): exiting now";
   google::FlushLogFiles(google::GLOG_INFO);
   _exit(kCrashPointExitCode);
 }

@@ -10,7 +10,8 @@
 
 namespace shardps {
 
-// Exits the process with status 86 if SHARDPS_CRASH_POINT equals `name`.
+// Exits the process with status 86 if SHARDPS_CRASH_POINT equals `name`, or is "name@N" and
+// this is the Nth time the point is reached (points inside loops, e.g. the Nth publication).
 void CrashPoint(const char* name);
 
 // The exit status of a crash point.

@@ -70,17 +70,28 @@ ControlClient::~ControlClient() {
   if (thread_.joinable()) thread_.join();
 }
 
-Status ControlClient::Send(const Envelope& e) {
-  MutexLock l(&send_mu_);
-  if (!fd_.valid()) return UnavailableError("control connection closed");
-  RETURN_IF_ERROR(SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000)));
-  MutexLock l2(&mu_);
-  if (e.body_case() == Envelope::kHeartbeat) {
-    ++counters_.heartbeats_sent;
-  } else {
-    ++counters_.other_messages_sent;
+Status ControlClient::Send(const Envelope& e, std::chrono::milliseconds wait_for_rejoin) {
+  const auto deadline = Clock::now() + wait_for_rejoin;
+  while (true) {
+    {
+      MutexLock l(&send_mu_);
+      if (fd_.valid()) {
+        RETURN_IF_ERROR(SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000)));
+        MutexLock l2(&mu_);
+        if (e.body_case() == Envelope::kHeartbeat) {
+          ++counters_.heartbeats_sent;
+        } else {
+          ++counters_.other_messages_sent;
+        }
+        return Status::OK();
+      }
+    }
+    // Rejoin() replaces fd_ once a restarted coordinator takes this member back.
+    if (stop_.load() || !status().ok() || Clock::now() >= deadline) {
+      return UnavailableError("control connection closed");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  return Status::OK();
 }
 
 void ControlClient::Fail(const Status& s) {
@@ -132,6 +143,21 @@ void ControlClient::Loop() {
   }
 }
 
+Status ControlClient::SendAndRepeatOnRejoin(const Envelope& e) {
+  {
+    MutexLock l(&send_mu_);
+    repeat_.push_back(e);
+  }
+  return Send(e);
+}
+
+void ControlClient::Forget(Envelope::BodyCase body) {
+  MutexLock l(&send_mu_);
+  repeat_.erase(std::remove_if(repeat_.begin(), repeat_.end(),
+                               [&](const Envelope& x) { return x.body_case() == body; }),
+                repeat_.end());
+}
+
 void ControlClient::SendHeartbeat(Status* error) {
   const auto now = Clock::now();
   Envelope hb;
@@ -143,7 +169,7 @@ void ControlClient::SendHeartbeat(Status* error) {
   // Recorded before sending: the lease counts from before the coordinator could see it.
   unacked_.emplace_back(heartbeat_seq_, now);
   if (unacked_.size() > 256) unacked_.pop_front();  // a coordinator that never answers
-  *error = Send(hb);
+  *error = Send(hb, std::chrono::milliseconds(0));
 }
 
 void ControlClient::OnHeartbeatAck(const HeartbeatAck& ack) {
@@ -217,10 +243,16 @@ bool ControlClient::Rejoin(const Status& why) {
                                  " back: " + r->join_reply().error()));
       return false;
     }
+    std::vector<Envelope> repeat;
     {
       MutexLock l(&send_mu_);
       fd_ = std::move(*fd);
       decoder_ = std::move(decoder);
+      repeat = repeat_;
+    }
+    for (const Envelope& x : repeat) {
+      Status rs = Send(x, std::chrono::milliseconds(0));
+      if (!rs.ok()) LOG(WARNING) << "control: re-sending " << BodyName(x) << " after the rejoin: " << rs;
     }
     {
       MutexLock l(&mu_);
@@ -318,7 +350,7 @@ Status ControlClient::Leave(const std::string& reason) {
   Envelope e;
   e.mutable_leave()->set_member_id(reply_.member_id());
   e.mutable_leave()->set_reason(reason);
-  Status s = Send(e);
+  Status s = Send(e, std::chrono::milliseconds(0));  // a lost coordinator sees the close
   stop_ = true;
   if (thread_.joinable()) thread_.join();
   MutexLock l(&send_mu_);

@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/fd.h"
 #include "common/status.h"
@@ -70,8 +71,15 @@ class ControlClient {
   StatusOr<Membership> WaitFor(const std::function<bool(const Membership&)>& pred,
                                std::chrono::milliseconds timeout);
   // Sends a control message (register_model, shards_ready, ...). Counted in
-  // counters().other_messages_sent.
-  Status Send(const Envelope& e);
+  // counters().other_messages_sent. While the connection is being re-established (a
+  // coordinator restart) it waits for that, up to `wait_for_rejoin`, instead of failing.
+  Status Send(const Envelope& e,
+              std::chrono::milliseconds wait_for_rejoin = std::chrono::milliseconds(10000));
+  // Send(), and again after every rejoin until Forget(e.body_case()): for requests a
+  // coordinator that dies before saving them would lose (RegisterModel, ShardsReady); the
+  // coordinator takes them idempotently.
+  Status SendAndRepeatOnRejoin(const Envelope& e);
+  void Forget(Envelope::BodyCase body);
   // Waits for the next message with the given body (join replies, heartbeats and membership
   // are handled internally; an Error from the coordinator is returned as an error).
   StatusOr<Envelope> WaitMessage(Envelope::BodyCase body, std::chrono::milliseconds timeout);
@@ -111,6 +119,7 @@ class ControlClient {
   std::atomic<uint64_t> epoch_{0};  // membership_.epoch(), readable without mu_ (hot paths)
   std::atomic<Clock::rep> lease_until_{0};  // steady-clock ticks; 0 = never granted
   Mutex send_mu_;
+  std::vector<Envelope> repeat_ GUARDED_BY(send_mu_);  // re-sent after every rejoin
 
   mutable Mutex mu_;
   CondVar cv_;  // signalled on a new message, membership or status_

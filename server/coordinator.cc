@@ -118,6 +118,10 @@ void Coordinator::Loop() {
       } else {
         SaveState();
       }
+      dirty_ = false;  // a failed save was logged; the messages must go out regardless
+      for (auto& [fd, c] : conns_) {
+        if (!c->closing && c->out_off < c->out.size()) FlushOutput(c.get());
+      }
     }
   }
   conns_.clear();
@@ -350,6 +354,9 @@ void Coordinator::HandleRejoin(Conn* c, const JoinRequest& j) {
             << " still expected)";
   if (c->member.role() == ROLE_SERVER) ResendServerOrders(c);
   Publish("member " + std::to_string(c->member.member_id()) + " rejoined", 0);
+  // A coordinator restarted before it had assigned the shards assigns them once every server
+  // is back (the first one's assignment never left: write-ahead, see Queue).
+  if (c->member.role() == ROLE_SERVER) MaybeAssignShards();
 }
 
 void Coordinator::ResendServerOrders(Conn* c) {
@@ -425,7 +432,10 @@ void Coordinator::AdmitMember(Conn* c, const JoinRequest& j) {
             << (m.role() == ROLE_SERVER ? "server" : "worker") << " rank " << rank << " ("
             << c->peer << ")";
   Publish("member " + std::to_string(m.member_id()) + " joined", 0);
-  if (m.role() == ROLE_SERVER) MaybeAssignShards();
+  if (m.role() == ROLE_SERVER) {
+    gone_before_assignment_.erase(rank);  // a replacement for a server that died
+    MaybeAssignShards();
+  }
 }
 
 void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
@@ -473,7 +483,11 @@ void Coordinator::Queue(Conn* c, const Envelope& e) {
     c->out_off = 0;
   }
   c->out += *frame;
-  FlushOutput(c);
+  // Write-ahead: a message that follows from a state change (an assignment, a promotion, a new
+  // shard map, a membership) leaves only once that state is in the state file, so a coordinator
+  // that dies in between never has told anyone what its successor will not know. The loop
+  // flushes right after saving.
+  if (!dirty_ || options_.state_file.empty()) FlushOutput(c);
 }
 
 void Coordinator::FlushOutput(Conn* c) {

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -166,6 +167,10 @@ class Coordinator {
   std::string startup_failure_;
   ShardMap shard_map_;
   std::vector<uint32_t> awaiting_map_;  // member ids of workers waiting for the map
+  // Server ranks that joined and departed before the assignment: the assignment goes ahead
+  // without them (a group keeps whichever of its two ranks is there), unless a replacement
+  // with the same rank joins first.
+  std::set<uint32_t> gone_before_assignment_;
   // Per group: the server rank that is its primary and the one that holds its backup (-1 none).
   std::vector<int64_t> primary_of_;
   std::vector<int64_t> backup_of_;

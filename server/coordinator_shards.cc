@@ -8,6 +8,7 @@
 
 #include <glog/logging.h>
 
+#include "common/crash_point.h"
 #include "proto/credentials.h"
 #include "proto/shard_plan.h"
 #include "server/coordinator.h"
@@ -77,7 +78,10 @@ void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
     return;
   }
   c->has_model = true;
-  has_model_ids_.push_back(c->member.member_id());
+  if (std::find(has_model_ids_.begin(), has_model_ids_.end(), c->member.member_id()) ==
+      has_model_ids_.end()) {
+    has_model_ids_.push_back(c->member.member_id());  // a rejoined worker may register again
+  }
   dirty_ = true;
   if (shard_map_ready_) {
     Queue(c, ShardMapFor(c->member));
@@ -126,10 +130,30 @@ Coordinator::Conn* Coordinator::ServerByRank(uint32_t rank) {
 }
 
 void Coordinator::MaybeAssignShards() {
-  if (!model_registered_ || shards_assigned_) return;
+  if (!model_registered_ || shards_assigned_ || !startup_failure_.empty()) return;
   const uint32_t num_servers = NumGroups();
+  // Every server rank is there, or joined and died (start-up is failover-capable: a group keeps
+  // whichever of its ranks is alive; a group with none cannot start).
   for (uint32_t r = 0; r < NumServerRanks(); ++r) {
-    if (ServerByRank(r) == nullptr) return;  // wait for every server rank
+    if (ServerByRank(r) == nullptr && gone_before_assignment_.count(r) == 0) return;
+  }
+  for (uint32_t g = 0; g < num_servers; ++g) {
+    bool any = false;
+    for (uint32_t r = g; r < NumServerRanks(); r += num_servers) {
+      any = any || ServerByRank(r) != nullptr;
+    }
+    if (!any) {
+      startup_failure_ = "start-up failed: no server of group " + std::to_string(g) +
+                         " is left (its server rank(s) died before the shards were assigned); "
+                         "the job cannot start (fix the cause and start it again)";
+      LOG(ERROR) << "coordinator: " << startup_failure_ << "; telling every worker";
+      Envelope err;
+      err.mutable_error()->set_message(startup_failure_);
+      for (auto& [fd, c] : conns_) {
+        if (c->joined && !c->closing && c->member.role() == ROLE_WORKER) Queue(c.get(), err);
+      }
+      return;
+    }
   }
   auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes(),
                             Capacity(options_.config));
@@ -141,9 +165,12 @@ void Coordinator::MaybeAssignShards() {
   primary_of_.assign(num_servers, -1);
   backup_of_.assign(num_servers, -1);
   target_sent_.assign(num_servers, false);
+  dirty_ = true;  // the assignment is saved before any of it is sent (write-ahead)
   for (uint32_t r = 0; r < NumServerRanks(); ++r) {
+    if (ServerByRank(r) == nullptr) continue;  // died before the assignment
     const uint32_t g = r % num_servers;
-    const bool backup = r >= num_servers;
+    // The group's first live rank is its primary (rank g, or its backup's rank if g died).
+    const bool backup = primary_of_[g] >= 0;
     (backup ? backup_of_ : primary_of_)[g] = r;
     Envelope e;
     AssignShards* a = e.mutable_assign_shards();
@@ -160,6 +187,7 @@ void Coordinator::MaybeAssignShards() {
     Queue(ServerByRank(r), e);
   }
   shards_assigned_ = true;
+  CrashPoint("coordinator.after_assign_shards");  // before the state file is saved
   // Remember the plan in the map we will publish.
   shard_map_.Clear();
   for (const auto& t : plan->tensors) {
@@ -181,9 +209,26 @@ void Coordinator::MaybeAssignShards() {
   shard_map_.set_partition_bytes(plan->partition_bytes);
   shard_map_.set_plan_fingerprint(plan_fingerprint_);
   dirty_ = true;
+  uint32_t without_backup = 0;
+  for (uint32_t g = 0; g < num_servers; ++g) {
+    if (options_.config.replicas() < 2 || backup_of_[g] >= 0) continue;
+    // One of the group's ranks died before the assignment: its primary goes on alone (it
+    // waits for this verdict before serving).
+    ++without_backup;
+    Envelope e;
+    e.mutable_replica_target()->set_group(g);
+    e.mutable_replica_target()->set_epoch(epoch());
+    e.mutable_replica_target()->set_none(true);
+    Queue(ServerByRank(static_cast<uint32_t>(primary_of_[g])), e);
+    LOG(WARNING) << "coordinator: group " << g << " starts WITHOUT a backup (server rank "
+                 << primary_of_[g] << " alone; its other rank died before the assignment)";
+  }
   LOG(INFO) << "coordinator: shards assigned to " << num_servers << " groups on "
-            << NumServerRanks() << " servers"
-            << (NumServerRanks() > num_servers ? " (every group has a backup)" : " (no backups)");
+            << NumServerRanks() - gone_before_assignment_.size() << " servers"
+            << (options_.config.replicas() < 2 ? " (no backups)"
+                : without_backup == 0        ? " (every group has a backup)"
+                                             : " (" + std::to_string(without_backup) +
+                                                   " group(s) without a backup)");
 }
 
 void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
@@ -252,7 +297,13 @@ void Coordinator::BroadcastShardMap() {
 }
 
 void Coordinator::ServerDeparted(const Member& m) {
-  if (!shards_assigned_) return;
+  if (!shards_assigned_) {
+    // Before the assignment nothing is lost: the assignment goes ahead without it (or waits
+    // for a replacement with its rank that joins first).
+    gone_before_assignment_.insert(m.rank());
+    MaybeAssignShards();
+    return;
+  }
   const uint32_t r = m.rank();
   for (uint32_t g = 0; g < primary_of_.size(); ++g) {
     if (backup_of_[g] == static_cast<int64_t>(r)) {
@@ -285,6 +336,7 @@ void Coordinator::ServerDeparted(const Member& m) {
       e.mutable_promote()->set_group(g);
       e.mutable_promote()->set_epoch(epoch());
       Queue(b, e);
+      CrashPoint("coordinator.after_promote");
       {
         MutexLock l(&mu_);
         ++counters_.promotions;
@@ -337,12 +389,15 @@ void Coordinator::MaybePublishShardMap() {
             << num_servers << " servers); sending to " << awaiting_map_.size() << " workers";
   for (auto& [fd, c] : conns_) {
     if (!c->joined || c->closing) continue;
-    if (std::find(awaiting_map_.begin(), awaiting_map_.end(), c->member.member_id()) !=
-        awaiting_map_.end()) {
+    // Those that asked, and those that had registered the model with a coordinator that
+    // restarted since (awaiting_map_ is not in the state file; has_model is).
+    if (c->has_model || std::find(awaiting_map_.begin(), awaiting_map_.end(),
+                                  c->member.member_id()) != awaiting_map_.end()) {
       Queue(c.get(), ShardMapFor(c->member));
     }
   }
   awaiting_map_.clear();
+  CrashPoint("coordinator.after_shard_map");
 }
 
 }  // namespace shardps::control

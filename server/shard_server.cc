@@ -106,6 +106,7 @@ Status ShardServer::Setup() {
   LOG(INFO) << "server rank " << rank_ << ": joined as member " << control_->member_id()
             << ", data path " << fabric_->name() << " at " << data_address << ", mode "
             << control::ConsistencyMode_Name(config_.mode()) << " s=" << config_.staleness();
+  CrashPoint("server.after_join");
 
   ASSIGN_OR_RETURN(control::Envelope assign,
                    control_->WaitMessage(control::Envelope::kAssignShards, options_.setup_timeout));
@@ -225,7 +226,8 @@ Status ShardServer::SendShardsReady(const control::AssignShards& a) {
     add("repl_ring", *ring_);
     add("repl_consumed", *consumed_);
   }
-  RETURN_IF_ERROR(control_->Send(ready));
+  // Again after every rejoin: a coordinator that died before saving it would wait for ever.
+  RETURN_IF_ERROR(control_->SendAndRepeatOnRejoin(ready));
   stats_.Update([&](ShardServerCounters& c) {
     c.backup = backup_;
     c.group = group_;
@@ -285,6 +287,7 @@ Status ShardServer::ConnectReplication() {
   LOG(INFO) << "server rank " << rank_ << ": replicating group " << group_ << " to member "
             << t.replica_target().member_id() << " at " << t.replica_target().data_address() << " ("
             << repl_layout_->entries() << "-entry ring)";
+  CrashPoint("server.after_replica_connect");
   return Status::OK();
 }
 
@@ -569,6 +572,7 @@ void ShardServer::Promote(const control::Promote& p) {
     return;
   }
   const auto t0 = Clock::now();
+  CrashPoint("server.promote_before_drain");
   // Every record the old primary saw complete is in this CQ: apply them all first. Wait
   // (boundedly) for its stream to fail so that nothing is still in flight inside the transport;
   // a primary that is only partitioned is cut off instead (its later writes fail: fenced).
@@ -587,6 +591,7 @@ void ShardServer::Promote(const control::Promote& p) {
   // Cut the old primary off first (a partitioned one's later writes fail, so it never sees
   // them complete and never publishes them), then apply what it completed before the cut.
   endpoints_->Close(applier_->primary_endpoint());
+  CrashPoint("server.promote_after_cut");
   for (int empty = 0; empty < 3;) {
     const int n = cq_->Wait(wc, 64, std::chrono::microseconds(1000));
     empty = n == 0 ? empty + 1 : 0;

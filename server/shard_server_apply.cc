@@ -10,6 +10,7 @@
 
 #include "server/shard_server.h"
 
+#include "common/crash_point.h"
 #include "proto/credentials.h"
 
 namespace shardps::server {
@@ -282,6 +283,7 @@ void ShardServer::FinishCommit(uint32_t slot) {
   chunks_->Publish(slot, v.buffer,
                    gate_->PublishMinClockPlus1(slot, v.min_clock_plus1, initialised, *workers_));
   stats_.Bump(&ShardServerCounters::versions_published);
+  CrashPoint("server.after_publish");  // "@N": the Nth version published (mid-training)
   // The pushes folded into this version are acknowledged only now: their inbox slots (and, for
   // a failover, the workers' own buffers) may be reused once the version is replicated.
   for (const Contributor& a : contributors) {
@@ -312,6 +314,7 @@ void ShardServer::MaybeCapture(uint32_t slot) {
   VLOG(1) << "server rank " << rank_ << ": checkpoint of group " << group_ << " at clock "
           << snap->clock << " captured";
   ckpt_writer_->Submit(std::move(*snap));
+  CrashPoint("server.after_checkpoint_submit");
   stats_.Bump(&ShardServerCounters::checkpoints_submitted);
 }
 

@@ -8,6 +8,7 @@
 
 #include <glog/logging.h>
 
+#include "common/crash_point.h"
 #include "worker/client_testing.h"
 
 namespace shardps {
@@ -80,6 +81,7 @@ Status ClientImpl::Init(std::unique_ptr<transport::Fabric> fabric) {
   co.join.set_requested_rank(options_.requested_rank);
   co.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
+  CrashPoint("worker.after_join");
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
   LOG(INFO) << "worker rank " << rank_ << ": joined (member " << control_->member_id()
@@ -217,10 +219,16 @@ Status ClientImpl::Start() {
 Status ClientImpl::StartCluster() {
   RETURN_IF_ERROR(WaitForWorkers());
   ASSIGN_OR_RETURN(const control::ShardMap map, RegisterModel());
+  CrashPoint("worker.after_shard_map");
   RETURN_IF_ERROR(ApplyShardMap(map));
   RETURN_IF_ERROR(sessions_->ConnectAll(step_.clock));
+  // A server that died after the shard map was published: its group fails over (or is lost)
+  // as during training.
+  if (sessions_->AnyFailed()) RETURN_IF_ERROR(recovery_->Recover());
+  CrashPoint("worker.after_connect");
   if (rank_ == 0) RETURN_IF_ERROR(PublishInitialWeights());
   RETURN_IF_ERROR(PullInitialWeights());
+  CrashPoint("worker.after_first_pull");
   control_baseline_ = control_->counters().other_messages_sent;
   LOG(INFO) << "worker rank " << rank_ << ": started: " << tensors_.size() << " tensors, "
             << chunks_.size() << " chunks on " << sessions_->size() << " servers";
@@ -252,9 +260,12 @@ StatusOr<control::ShardMap> ClientImpl::RegisterModel() {
     p->set_dtype(0);
     for (int64_t d : t.shape) p->add_shape(d);
   }
-  RETURN_IF_ERROR(control_->Send(reg));
-  ASSIGN_OR_RETURN(control::Envelope env,
-                   control_->WaitMessage(control::Envelope::kShardMap, options_.setup_timeout));
+  // Again after every rejoin until the map arrives: a coordinator that died before saving the
+  // registration would never send it.
+  RETURN_IF_ERROR(control_->SendAndRepeatOnRejoin(reg));
+  auto got = control_->WaitMessage(control::Envelope::kShardMap, options_.setup_timeout);
+  control_->Forget(control::Envelope::kRegisterModel);
+  ASSIGN_OR_RETURN(control::Envelope env, std::move(got));
   const control::ShardMap& map = env.shard_map();
   if (map.tensors_size() != static_cast<int>(tensors_.size())) {
     return FailedPreconditionError("shard map names a different model");

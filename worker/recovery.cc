@@ -5,6 +5,8 @@
 
 #include <glog/logging.h>
 
+#include "common/crash_point.h"
+
 namespace shardps::worker {
 
 using SteadyClock = std::chrono::steady_clock;
@@ -197,6 +199,7 @@ Status Recovery::Resync(uint32_t server) {
       server, 0, deadline,
       [&] { return sessions_.ServerError(server, "no answer after failover"); },
       /*stop_if_failed=*/false));
+  CrashPoint("worker.before_resend");
   RETURN_IF_ERROR(push_.Resync(server, sessions_.Acks(server)));
   // The clock goes after the pushes: it tells the server every push of the earlier clocks is in.
   if (step_.clock > 0) RETURN_IF_ERROR(sessions_.SendClock(server, step_.clock));

@@ -61,7 +61,18 @@ Status ServerSessions::ConnectAll(uint64_t clock) {
   // replaced by failovers, whose flushed operations may still arrive.
   ASSIGN_OR_RETURN(cq_, fabric_.CreateCompletionQueue(
                             2 * static_cast<int>(servers_.size()) * (kSendDepth + 8) + 64));
-  for (uint32_t s = 0; s < servers_.size(); ++s) RETURN_IF_ERROR(Connect(s, clock));
+  for (uint32_t s = 0; s < servers_.size(); ++s) {
+    const Status st = Connect(s, clock);
+    if (st.ok()) continue;
+    // A server that died since the shard map was published (its group fails over): the
+    // caller recovers that session like any failed one. Anything else is this worker's error.
+    const bool transport_error = st.code() == StatusCode::kUnavailable ||
+                                 st.code() == StatusCode::kDeadlineExceeded ||
+                                 st.code() == StatusCode::kPermissionDenied;
+    if (!transport_error) return st;
+    LOG(WARNING) << "worker rank " << rank_ << ": " << st << "; waiting for its group's failover";
+    servers_[s].failed = true;
+  }
   return Status::OK();
 }
 

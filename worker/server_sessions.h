@@ -57,7 +57,8 @@ class ServerSessions {
   // staging region with `extra_bytes` at the end for the caller (returns their offset).
   Status Configure(const control::ShardMap& map, const std::vector<ChunkPlacement>& chunks);
   StatusOr<uint64_t> AllocateStaging(uint64_t extra_bytes);
-  // Start: connects to every server (hello with `clock`).
+  // Start: connects to every server (hello with `clock`). A server that cannot be reached
+  // leaves its session failed (AnyFailed()) for the caller to recover.
   Status ConnectAll(uint64_t clock);
   // Connects (a new endpoint generation) and says hello, within `timeout` (0: the setup bound).
   Status Connect(uint32_t server, uint64_t clock,

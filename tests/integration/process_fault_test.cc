@@ -110,62 +110,8 @@ INSTANTIATE_TEST_SUITE_P(Seeds, ServerKillTest,
                                   std::to_string(std::get<1>(info.param));
                          });
 
-// Start-up crashes (issue 14): server rank `victim` of a 2 groups x 2 replicas cluster dies at a
-// named crash point during start-up; training must end bit-identical to the one-process
-// reference, with no push lost. The cases and what failed before:
-//  - group 0's backup right after its shards are ready, before its primary connects: the
-//    primary exited on "connecting to the backup ... refused" and the group was lost;
-//  - group 0's backup before its shards are ready: the shard map waited for it for ever;
-//  - group 0's primary before its shards are ready: the shard map waited for it for ever (and
-//    its backup, not yet ready, could not be promoted).
-class StartUpCrashTest : public ProcessClusterTest {
- protected:
-  void Run(int victim, const std::string& point) {
-    ClusterSpec spec = Spec();
-    spec.servers = 2;
-    spec.replicas = 2;
-    spec.workers = 3;
-    spec.crash_rank = victim;
-    spec.crash_point = point;
-    const int kSteps = 15;
-    ASSERT_TRUE(StartCluster(spec));
-    std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps)});
-    ChildProcess* standalone = SpawnStandalone(spec, kSteps);
-    EXPECT_EQ(ExitCode(servers_[victim], ProcessBound()), kCrashPointExitCode)
-        << Tail(servers_[victim]);
-    for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
-    auto ref = StandaloneResult(standalone, ProcessBound());
-    ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
-    for (int r = 0; r < spec.workers; ++r) {
-      auto res = Result(r);
-      ASSERT_TRUE(res.ok()) << res.status();
-      EXPECT_EQ(res->Int("steps"), kSteps);
-      EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
-      ExpectSameWeights(*res, *ref, r);
-    }
-  }
-};
-
-TEST_P(StartUpCrashTest, ABackupThatDiesDuringStartUpLeavesItsPrimaryServing) {
-  Run(2, "server.after_shards_ready");
-  if (HasFatalFailure()) return;
-  EXPECT_NE(servers_[0]->LogTail(1 << 22).find("going on WITHOUT replication"), std::string::npos)
-      << Tail(servers_[0]);
-}
-
-TEST_P(StartUpCrashTest, ABackupThatDiesBeforeItsShardsAreReadyIsDropped) {
-  Run(2, "server.before_shards_ready");
-}
-
-TEST_P(StartUpCrashTest, APrimaryThatDiesBeforeItsShardsAreReadyIsFailedOver) {
-  Run(0, "server.before_shards_ready");
-  if (HasFatalFailure()) return;
-  EXPECT_NE(servers_[2]->LogTail(1 << 22).find("PROMOTED"), std::string::npos)
-      << Tail(servers_[2]);
-}
-
-INSTANTIATE_TEST_SUITE_P(Transports, StartUpCrashTest, ::testing::Values("tcp", "shm", "verbs"),
-                         [](const auto& info) { return info.param; });
+// Crashes at named points of start-up, training, checkpointing and failover, in every role:
+// tests/integration/crash_matrix_test.cc.
 
 // A server that cannot start (here: --restore_from names a directory with no checkpoint) says
 // why as it leaves, and the coordinator tells every waiting worker at once, naming the server,
