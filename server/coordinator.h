@@ -129,6 +129,8 @@ class Coordinator {
   // After ServerDeparted: if that departure means the shard map can never be ready, tells every
   // worker why (server, group, reason) instead of letting them wait for their setup timeout.
   void MaybeFailStartUp(const Member& m, const std::string& why);
+  // Records why the job cannot start and tells every worker (later registrants get it too).
+  void FailStartUp(const std::string& why);
   void FillServerEntry(uint32_t group, uint32_t server_rank, ServerEntry* e);
   void BroadcastShardMap();
   // Restart support.

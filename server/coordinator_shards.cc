@@ -108,10 +108,14 @@ void Coordinator::MaybeFailStartUp(const Member& m, const std::string& why) {
     MaybePublishShardMap();  // the departure may have been all it waited for
     return;
   }
-  startup_failure_ = "start-up failed: server rank " + std::to_string(r) + " (group " +
-                     std::to_string(group) + ", member " + std::to_string(m.member_id()) +
-                     ") left before the shard map was ready: " + why +
-                     "; the job cannot start (fix the cause and start it again)";
+  FailStartUp("start-up failed: server rank " + std::to_string(r) + " (group " +
+              std::to_string(group) + ", member " + std::to_string(m.member_id()) +
+              ") left before the shard map was ready: " + why +
+              "; the job cannot start (fix the cause and start it again)");
+}
+
+void Coordinator::FailStartUp(const std::string& why) {
+  startup_failure_ = why;
   LOG(ERROR) << "coordinator: " << startup_failure_ << "; telling every worker";
   Envelope err;
   err.mutable_error()->set_message(startup_failure_);
@@ -143,15 +147,9 @@ void Coordinator::MaybeAssignShards() {
       any = any || ServerByRank(r) != nullptr;
     }
     if (!any) {
-      startup_failure_ = "start-up failed: no server of group " + std::to_string(g) +
-                         " is left (its server rank(s) died before the shards were assigned); "
-                         "the job cannot start (fix the cause and start it again)";
-      LOG(ERROR) << "coordinator: " << startup_failure_ << "; telling every worker";
-      Envelope err;
-      err.mutable_error()->set_message(startup_failure_);
-      for (auto& [fd, c] : conns_) {
-        if (c->joined && !c->closing && c->member.role() == ROLE_WORKER) Queue(c.get(), err);
-      }
+      FailStartUp("start-up failed: no server of group " + std::to_string(g) +
+                  " is left (its server rank(s) died before the shards were assigned); the job "
+                  "cannot start (fix the cause and start it again)");
       return;
     }
   }
