@@ -434,6 +434,19 @@ void Coordinator::AdmitMember(Conn* c, const JoinRequest& j) {
   Publish("member " + std::to_string(m.member_id()) + " joined", 0);
   if (m.role() == ROLE_SERVER) {
     gone_before_assignment_.erase(rank);  // a replacement for a server that died
+    if (shards_assigned_) {
+      // Too late to be assigned anything: say so now rather than let it wait for an
+      // assignment that never comes (its setup timeout). Re-replication onto a new server (a
+      // spare becoming a group's backup) is not built yet.
+      Envelope err;
+      err.mutable_error()->set_message(
+          "server rank " + std::to_string(rank) +
+          " joined after the shards were assigned: every group already has its servers (a "
+          "group whose server died was failed over to its backup); a new server cannot become "
+          "a group's backup yet (re-replication is not built), so it is not used");
+      Queue(c, err);
+      LOG(WARNING) << "coordinator: " << err.error().message();
+    }
     MaybeAssignShards();
   }
 }

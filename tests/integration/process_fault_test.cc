@@ -274,6 +274,32 @@ TEST_P(ProcessClusterTest, PrimariesFenceThemselvesWhileTheCoordinatorIsAwayAndR
             << " in the second past it; nobody declared dead\n";
 }
 
+// A server that joins after the shards were assigned (a replacement started for a dead one)
+// is told at once that it is not used, instead of waiting for an assignment until its setup
+// timeout (120 s); training is undisturbed.
+TEST_P(ProcessClusterTest, AServerJoiningAfterTheAssignmentIsToldAtOnceItIsNotUsed) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.workers = 2;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers =
+      SpawnWorkers(spec, {"--steps=30", "--step_delay_ms=" + std::string(Emulated() ? "40" : "15")});
+  ASSERT_GE(WaitProgress(Path("progress0"), 3, ProcessBound(), workers[0]), 3) << Tail(workers[0]);
+  const auto t0 = Clock::now();
+  ChildProcess* late =
+      Spawn({SHARDPS_SERVER_BIN, "--coordinator=" + coordinator_address_,
+             std::string("--cluster_token=") + kToken, "--transport=" + spec.transport,
+             "--bind_ip=" + ServerIp(spec.transport), "--rank=0", LrFlag(spec.lr)},
+            "late-server.log");
+  EXPECT_EQ(ExitCode(late, Slack()), 1) << Tail(late);
+  const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  EXPECT_LT(took, Slack()) << "it waited for its setup timeout";
+  EXPECT_NE(late->LogTail(1 << 20).find("it is not used"), std::string::npos) << Tail(late);
+  for (ChildProcess* w : workers) EXPECT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  std::cerr << "[ info ] the late server was told it is not used and exited " << took.count()
+            << " ms after it started\n";
+}
+
 // Without a backup, losing a server is reported, clearly and quickly, as lost state.
 TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
   ClusterSpec spec = Spec();
