@@ -317,9 +317,19 @@ ControlCounters ControlClient::counters() const {
 StatusOr<Membership> ControlClient::WaitFor(const std::function<bool(const Membership&)>& pred,
                                             std::chrono::milliseconds timeout) {
   MutexLock l(&mu_);
-  const bool ok = cv_.WaitFor(&mu_, timeout,
-                              [&]() REQUIRES(mu_) { return !status_.ok() || pred(membership_); });
+  // An Error from the coordinator (a start-up that failed) ends the wait too: it is final.
+  auto error = [&]() REQUIRES(mu_) {
+    return std::find_if(inbox_.begin(), inbox_.end(), [](const Envelope& e) {
+      return e.body_case() == Envelope::kError;
+    });
+  };
+  const bool ok = cv_.WaitFor(&mu_, timeout, [&]() REQUIRES(mu_) {
+    return !status_.ok() || pred(membership_) || error() != inbox_.end();
+  });
   if (!status_.ok()) return status_;
+  if (auto it = error(); it != inbox_.end()) {
+    return FailedPreconditionError("coordinator: " + it->error().message());
+  }
   if (!ok) return DeadlineExceededError("membership condition not met in time");
   return membership_;
 }

@@ -67,7 +67,8 @@ class ControlClient {
   std::chrono::milliseconds LeaseLeft() const;
   ControlCounters counters() const;
 
-  // Waits until pred(membership) holds, the connection fails, or the timeout passes.
+  // Waits until pred(membership) holds, the connection fails, the coordinator sends an Error
+  // (returned as FAILED_PRECONDITION, and left for WaitMessage), or the timeout passes.
   StatusOr<Membership> WaitFor(const std::function<bool(const Membership&)>& pred,
                                std::chrono::milliseconds timeout);
   // Sends a control message (register_model, shards_ready, ...). Counted in
