@@ -64,4 +64,13 @@ std::optional<uint32_t> EndpointTable::WorkerOf(uint64_t id) const {
   return it->second;
 }
 
+int EndpointTable::CloseWorker(uint32_t rank) {
+  int n = 0;
+  for (const auto& [id, r] : worker_of_) {
+    if (r != rank) continue;
+    n += static_cast<int>(endpoints_.erase(id));
+  }
+  return n;
+}
+
 }  // namespace shardps::server

@@ -52,6 +52,10 @@ class EndpointTable {
   void CloseAll();
 
   void BindWorker(uint64_t id, uint32_t rank) { worker_of_[id] = rank; }
+  // Closes every open endpoint bound to worker `rank` (a departed worker: if it is in fact
+  // alive, a stopped process declared dead, its later writes fail instead of landing).
+  // Returns how many.
+  int CloseWorker(uint32_t rank);
   std::optional<uint32_t> WorkerOf(uint64_t id) const;
 
  private:

@@ -406,8 +406,11 @@ void ShardServer::RefreshMembership() {
                  << " left the membership (epoch " << e << ")";
   }
   for (uint32_t r : workers_->SetMembers(now)) {
+    // Its endpoints are closed: a worker declared dead that is in fact alive (stopped past its
+    // lease) must not go on writing into this server; it learns it is out of the cluster.
+    const int closed = endpoints_->CloseWorker(r);
     LOG(WARNING) << "server rank " << rank_ << ": worker " << r << " left (epoch " << e
-                 << "); BSP/SSP waits go on without it";
+                 << "); BSP/SSP waits go on without it (" << closed << " endpoint(s) closed)";
   }
   if (options_.exit_when_workers_done && now.empty() &&
       workers_->most_members_seen() >= std::max<size_t>(1, config_.num_workers())) {

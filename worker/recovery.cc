@@ -29,7 +29,18 @@ milliseconds Recovery::FailoverTimeout() const {
   return milliseconds(config_.failover_timeout_ms() > 0 ? config_.failover_timeout_ms() : 20000);
 }
 
+Status Recovery::OutOfCluster() const {
+  // Declared dead while stopped or cut off, and refused back: nothing here can be repaired;
+  // the trainer must start again as a new worker (it then rejoins at the cluster's clock).
+  const Status cs = control_.status();
+  if (cs.code() != StatusCode::kPermissionDenied) return Status::OK();
+  return AbortedError("worker rank " + std::to_string(rank_) +
+                      " is no longer a member of the cluster: " + cs.ToString() +
+                      "; restart this worker (it rejoins at the cluster's clock)");
+}
+
 Status Recovery::Recover() {
+  RETURN_IF_ERROR(OutOfCluster());
   recovering_ = true;
   struct Reset {
     bool* f;
@@ -48,6 +59,7 @@ Status Recovery::Recover() {
                << " failed; waiting up to " << timeout.count() << " ms for a failover";
   for (;;) {
     while (true) {
+      RETURN_IF_ERROR(OutOfCluster());
       DrainShardMaps();
       RETURN_IF_ERROR(ReconnectLiveServers(SteadyClock::now() >= next_reconnect));
       if (SteadyClock::now() >= next_reconnect)

@@ -67,6 +67,8 @@ class Recovery {
   // resends what it lacks, tells it our clock, and restarts the pulls in flight.
   Status Resync(uint32_t server);
   std::chrono::milliseconds FailoverTimeout() const;
+  // ABORTED if the coordinator refused to take this worker back (it was declared dead).
+  Status OutOfCluster() const;
 
   const ClientOptions& options_;
   const control::ClusterConfig& config_;

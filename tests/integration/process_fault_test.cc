@@ -300,6 +300,48 @@ TEST_P(ProcessClusterTest, AServerJoiningAfterTheAssignmentIsToldAtOnceItIsNotUs
             << " ms after it started\n";
 }
 
+// A worker stopped (SIGSTOP) past its lease is declared dead: the others go on without it
+// (BSP waits for it only until then). Resumed, it is out of the cluster: the servers closed its
+// endpoints and the coordinator refuses it back, so its next step fails at once with ABORTED
+// saying so (restart it to rejoin), instead of training on in isolation or waiting for a
+// timeout.
+TEST_P(ProcessClusterTest, AWorkerStoppedPastItsLeaseIsToldItIsOutWhenItResumes) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.workers = 3;
+  const milliseconds lease(3 * spec.heartbeat_timeout_ms);
+  const int kStepDelayMs = 20;
+  const int kSteps = static_cast<int>((lease.count() + 3000) / kStepDelayMs);
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(kStepDelayMs),
+             "--wait_timeout_ms=" + std::to_string((4 * lease + Slack()).count())});
+  ASSERT_GE(WaitProgress(Path("progress2"), 3, ProcessBound(), workers[2]), 3) << Tail(workers[2]);
+  workers[2]->Signal(SIGSTOP);
+  const int before = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
+  // The others go on once it is declared dead (at its lease).
+  const int after = WaitProgress(Path("progress0"), before + 5, lease + Slack(), workers[0]);
+  EXPECT_GE(after, before + 5) << "the others did not go on without the stopped worker";
+  workers[2]->Signal(SIGCONT);
+  const auto t0 = Clock::now();
+  EXPECT_EQ(ExitCode(workers[2], Slack()), 5) << Tail(workers[2]);
+  const auto told = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  const std::string log = workers[2]->LogTail(1 << 20);
+  EXPECT_NE(log.find("no longer a member"), std::string::npos) << Tail(workers[2]);
+  EXPECT_NE(log.find("ABORTED"), std::string::npos) << Tail(workers[2]);
+  EXPECT_LT(told, milliseconds(5000)) << "it was not told promptly";
+  std::vector<WorkerResult> results;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(ExitCode(workers[r], ProcessBound()), 0) << Tail(workers[r]);
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    results.push_back(std::move(*res));
+  }
+  ExpectSameWeights(results[1], results[0], 1);
+  std::cerr << "[ info ] the resumed worker was told it is out " << told.count()
+            << " ms after SIGCONT\n";
+}
+
 // Without a backup, losing a server is reported, clearly and quickly, as lost state.
 TEST_P(ProcessClusterTest, ServerLossWithoutBackupIsReportedAsLostState) {
   ClusterSpec spec = Spec();
