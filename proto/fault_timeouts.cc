@@ -17,7 +17,7 @@ FaultTimeouts FaultTimeouts::Of(const ClusterConfig& c) {
   const uint32_t l = c.lease_ms() > 0 ? c.lease_ms() : 3 * h;
   const uint32_t r = c.rejoin_grace_ms() > 0 ? c.rejoin_grace_ms() : l;
   const uint32_t f =
-      c.failover_timeout_ms() > 0 ? c.failover_timeout_ms() : std::max(20000u, l + kPromoteDrainMs + h);
+      c.failover_timeout_ms() > 0 ? c.failover_timeout_ms() : std::max(20000u, r + kPromoteDrainMs + h);
   t.heartbeat_interval = ms(i);
   t.suspect_after = ms(h);
   t.lease = ms(l);
@@ -52,11 +52,12 @@ StatusOr<FaultTimeouts> FaultTimeouts::Derive(ClusterConfig* c) {
   RETURN_IF_ERROR(need(t.rejoin_grace >= t.lease,
                        "rejoin_grace_ms must be >= lease_ms (after a coordinator restart, a "
                        "member's lease granted by the old one may run until then)"));
-  RETURN_IF_ERROR(need(t.failover >= t.lease + t.promote_drain + t.suspect_after,
-                       "failover_timeout_ms must be >= lease_ms + " +
+  RETURN_IF_ERROR(need(t.failover >= t.rejoin_grace + t.promote_drain + t.suspect_after,
+                       "failover_timeout_ms must be >= rejoin_grace_ms (>= lease_ms) + " +
                            std::to_string(kPromoteDrainMs) +
                            " ms (promotion drain) + heartbeat_timeout_ms (a worker must outwait "
-                           "the detection of a stopped server and its backup's promotion)"));
+                           "the detection of a stopped server, or a restarted coordinator's wait "
+                           "for it, and its backup's promotion)"));
   RETURN_IF_ERROR(need(t.suspicion_phi >= 1 && t.suspicion_phi <= 30,
                        "suspicion_phi must be in [1, 30]"));
   return t;

@@ -13,7 +13,8 @@
 //   rejoin_grace        R >= L   a restarted coordinator waits this long for the members of
 //                                 its saved state (a live one's lease may still run until then)
 //   promote_drain       D        a promoted backup drains its old primary's stream for <= D
-//   failover            F >= L+D+H  a worker waits this long for a failed group's new server
+//   failover            F >= R+D+H  a worker waits this long for a failed group's new server
+//                                 (through a coordinator restart, which waits R first)
 //   backup_eviction     E = R+L+H  a backup whose primary's stream broke waits this long for a
 //                                 promotion before it leaves (its primary may be within R)
 //

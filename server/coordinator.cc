@@ -310,6 +310,7 @@ void Coordinator::SendJoinAccepted(Conn* c) {
   r->set_rank(c->member.rank());
   r->set_epoch(epoch() + 1);
   *r->mutable_config() = options_.config;
+  r->set_cluster_started(shard_map_ready_);
   Queue(c, reply);
 }
 

@@ -238,6 +238,8 @@ Status ClientImpl::StartCluster() {
 // Every expected worker must be there before step 0, or BSP's first steps would average over
 // fewer workers than the job has.
 Status ClientImpl::WaitForWorkers() {
+  // A worker joining a running cluster (elastic growth, a restarted worker) starts at once.
+  if (control_->reply().cluster_started()) return Status::OK();
   const uint32_t want = std::max<uint32_t>(1, config_.num_workers());
   auto ready = control_->WaitFor(
       [&](const control::Membership& m) {

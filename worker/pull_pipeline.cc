@@ -157,6 +157,13 @@ void PullPipeline::Restart(uint32_t server) {
   }
 }
 
+void PullPipeline::ExtendDeadlines() {
+  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  for (ChunkPull& c : pull_) {
+    if (c.handle != 0) c.deadline = std::max(c.deadline, deadline);
+  }
+}
+
 uint64_t PullPipeline::ClusterClock() const {
   uint64_t clock = 0;
   for (const ChunkPull& c : pull_) clock = std::max(clock, c.pulled_min_clock_plus1);

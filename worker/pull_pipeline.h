@@ -37,6 +37,9 @@ class PullPipeline {
   void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
   // After a reconnect or failover of `server`: its pulls in flight start over.
   void Restart(uint32_t server);
+  // After a recovery: every pull in flight gets a whole wait timeout again from now (the
+  // consistency bound could not move while the cluster was failing over).
+  void ExtendDeadlines();
 
   // The version of a chunk last pulled (0: none yet).
   uint64_t pulled_version(uint32_t chunk) const { return pull_[chunk].pulled_version; }

@@ -77,8 +77,12 @@ Status Recovery::Recover() {
       if (m.ok()) Consider(*m);
       sessions_.Progress().IgnoreError();  // completions of the healthy servers keep flowing
     }
-    if (!have_newest_) return Status::OK();  // every failed server was reconnected
+    if (!have_newest_) {  // every failed server was reconnected
+      pull_.ExtendDeadlines();
+      return Status::OK();
+    }
     const Status moved = MoveToBackups(t0, deadline, timeout);
+    if (moved.ok()) pull_.ExtendDeadlines();
     // The server a group failed over to may die too, before or while this worker moves to it:
     // that is not this worker's error but the group's, and the coordinator says next what it
     // is (another server, or the group lost: DATA_LOSS). Wait for its word, within the same
