@@ -204,6 +204,10 @@ struct EndpointOptions {
   int send_depth = 256;      // max operations outstanding (posted, not yet completed)
   int recv_depth = 256;      // max unreaped kRecvImm completions at this side as target
   std::chrono::milliseconds connect_timeout{10000};
+  // A refused connection (nobody listens at the address) is retried until connect_timeout when
+  // true: at launch the listener may not be up yet. False: refused fails at once (a peer that
+  // was listening before, now refusing, is dead). Providers whose connect never retries ignore it.
+  bool retry_refused = true;
   // Connect: who this side is and the key it proves (transport/handshake_auth.h). An empty key
   // connects only to a listener without an Authenticator; a key refuses such a listener.
   std::string auth_identity;

@@ -98,7 +98,7 @@ void PullPipeline::EvaluatePull(uint32_t id) {
   const bool ready =
       v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
   if (!ready) {
-    if (SteadyClock::now() > c.deadline) {
+    if (!hold_deadlines_ && SteadyClock::now() > c.deadline) {
       Finish(id, DeadlineExceededError(
                      "chunk " + std::to_string(id) + " on server " + std::to_string(p.server) +
                      " did not reach the consistency bound (" + ConsistencyName(config_) +
@@ -157,7 +157,9 @@ void PullPipeline::Restart(uint32_t server) {
   }
 }
 
-void PullPipeline::ExtendDeadlines() {
+void PullPipeline::HoldDeadlines(bool hold) {
+  hold_deadlines_ = hold;
+  if (hold) return;
   const auto deadline = SteadyClock::now() + options_.wait_timeout;
   for (ChunkPull& c : pull_) {
     if (c.handle != 0) c.deadline = std::max(c.deadline, deadline);

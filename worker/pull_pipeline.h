@@ -37,9 +37,10 @@ class PullPipeline {
   void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
   // After a reconnect or failover of `server`: its pulls in flight start over.
   void Restart(uint32_t server);
-  // After a recovery: every pull in flight gets a whole wait timeout again from now (the
-  // consistency bound could not move while the cluster was failing over).
-  void ExtendDeadlines();
+  // While a recovery runs no pull times out (the consistency bound cannot move while the
+  // cluster fails over: the other workers wait for the same failover); when it ends, every
+  // pull in flight gets a whole wait timeout again from then.
+  void HoldDeadlines(bool hold);
 
   // The version of a chunk last pulled (0: none yet).
   uint64_t pulled_version(uint32_t chunk) const { return pull_[chunk].pulled_version; }
@@ -86,6 +87,7 @@ class PullPipeline {
   uint64_t pulls_ = 0;
   uint64_t pull_retries_ = 0;
   uint64_t bytes_pulled_ = 0;
+  bool hold_deadlines_ = false;  // a recovery is under way
 };
 
 }  // namespace shardps::worker

@@ -1,5 +1,6 @@
 #include "worker/recovery.h"
 
+#include <algorithm>
 #include <string>
 #include <thread>
 
@@ -42,10 +43,15 @@ Status Recovery::OutOfCluster() const {
 Status Recovery::Recover() {
   RETURN_IF_ERROR(OutOfCluster());
   recovering_ = true;
+  pull_.HoldDeadlines(true);
   struct Reset {
     bool* f;
-    ~Reset() { *f = false; }
-  } reset{&recovering_};
+    PullPipeline* pull;
+    ~Reset() {
+      *f = false;
+      pull->HoldDeadlines(false);
+    }
+  } reset{&recovering_, &pull_};
   const auto t0 = SteadyClock::now();
   const milliseconds timeout = FailoverTimeout();
   const auto deadline = t0 + timeout;
@@ -77,12 +83,8 @@ Status Recovery::Recover() {
       if (m.ok()) Consider(*m);
       sessions_.Progress().IgnoreError();  // completions of the healthy servers keep flowing
     }
-    if (!have_newest_) {  // every failed server was reconnected
-      pull_.ExtendDeadlines();
-      return Status::OK();
-    }
+    if (!have_newest_) return Status::OK();  // every failed server was reconnected
     const Status moved = MoveToBackups(t0, deadline, timeout);
-    if (moved.ok()) pull_.ExtendDeadlines();
     // The server a group failed over to may die too, before or while this worker moves to it:
     // that is not this worker's error but the group's, and the coordinator says next what it
     // is (another server, or the group lost: DATA_LOSS). Wait for its word, within the same
@@ -90,7 +92,9 @@ Status Recovery::Recover() {
     const bool transport_error = moved.code() == StatusCode::kUnavailable ||
                                  moved.code() == StatusCode::kDeadlineExceeded ||
                                  moved.code() == StatusCode::kPermissionDenied;
-    if (moved.ok() || !transport_error || SteadyClock::now() > deadline) return moved;
+    // Past the deadline too: the loop first looks for the coordinator's verdict (a lost group is
+    // DATA_LOSS), then reports the deadline.
+    if (moved.ok() || !transport_error) return moved;
     LOG(WARNING) << "worker rank " << rank_ << ": the server a group failed over to failed too ("
                  << moved << "); waiting for the coordinator's next shard map";
     have_newest_ = false;
@@ -175,9 +179,14 @@ Status Recovery::MoveToBackups(SteadyClock::time_point t0, SteadyClock::time_poi
     ServerSession& s = sessions_.at(se.rank());
     if (se.member_id() == s.member_id && !s.failed) continue;
     RETURN_IF_ERROR(sessions_.ApplyEntry(se, se.rank()));
+    // A promoted server was listening since its start: a refused connect means it died too,
+    // and the coordinator's next map says what now (so refused is not retried: verbs would
+    // retry it until the timeout, past the failover deadline). The timeout itself stays long:
+    // a server being promoted accepts only after draining its old primary's stream.
     const auto left =
         std::chrono::duration_cast<milliseconds>(deadline + timeout - SteadyClock::now());
-    Status st = sessions_.Connect(se.rank(), step_.clock, std::max(left, milliseconds(1000)));
+    Status st = sessions_.Connect(se.rank(), step_.clock, std::max(left, milliseconds(1000)),
+                                  /*retry_refused=*/false);
     if (st.ok()) st = WaitServing(se.rank());
     if (st.ok()) st = Resync(se.rank());
     if (!st.ok()) {

@@ -106,7 +106,8 @@ Status ServerSessions::ApplyEntry(const control::ServerEntry& se, uint32_t serve
   return Status::OK();
 }
 
-Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::milliseconds timeout) {
+Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::milliseconds timeout,
+                               bool retry_refused) {
   ServerSession& s = servers_[server];
   s.ep.reset();
   ++s.gen;
@@ -114,6 +115,7 @@ Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::mil
   eo.endpoint_id = (static_cast<uint64_t>(s.gen) << 32) | s.rank;
   eo.send_depth = kSendDepth;
   eo.recv_depth = 4;
+  eo.retry_refused = retry_refused;
   eo.connect_timeout = timeout.count() > 0
                            ? timeout
                            : std::min(options_.setup_timeout, std::chrono::milliseconds(30000));

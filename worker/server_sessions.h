@@ -61,8 +61,10 @@ class ServerSessions {
   // leaves its session failed (AnyFailed()) for the caller to recover.
   Status ConnectAll(uint64_t clock);
   // Connects (a new endpoint generation) and says hello, within `timeout` (0: the setup bound).
+  // retry_refused: see transport::EndpointOptions (false for a server that was listening).
   Status Connect(uint32_t server, uint64_t clock,
-                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0),
+                 bool retry_refused = true);
   // Takes the shard map's entry of a session's group (a failover names another server).
   Status ApplyEntry(const control::ServerEntry& se, uint32_t server);
 

@@ -264,7 +264,8 @@ StatusOr<std::unique_ptr<Endpoint>> VerbsFabric::Connect(const std::string& addr
                         .WithContext("verbs: connect to " + address));
   }
   std::string local;
-  ASSIGN_OR_RETURN(UniqueFd fd, TcpConnect(address, options_.bind_ip, deadline, &local));
+  ASSIGN_OR_RETURN(UniqueFd fd,
+                   TcpConnect(address, options_.bind_ip, deadline, &local, options.retry_refused));
   RETURN_IF_ERROR(
       auth::ConnectorHandshake(fd.get(), options.auth_identity, options.auth_key, deadline)
           .WithContext("verbs: connect to " + address));

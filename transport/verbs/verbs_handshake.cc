@@ -225,7 +225,7 @@ StatusOr<UniqueFd> TcpAcceptNow(int listen_fd, std::string* peer, std::string* p
 }
 
 StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bind_ip,
-                              Deadline deadline, std::string* local) {
+                              Deadline deadline, std::string* local, bool retry_refused) {
   std::string host, port;
   RETURN_IF_ERROR(SplitHostPort(address, &host, &port));
   socklen_t len = 0;
@@ -250,7 +250,7 @@ StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bin
       int err = 0;
       socklen_t elen = sizeof(err);
       getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &elen);
-      if (err == ECONNREFUSED && std::chrono::steady_clock::now() < deadline) {
+      if (err == ECONNREFUSED && retry_refused && std::chrono::steady_clock::now() < deadline) {
         // The listener may not be up yet: retry until the connect timeout, like NCCL does.
         usleep(10000);
         continue;

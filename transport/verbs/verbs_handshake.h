@@ -59,8 +59,9 @@ StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string& defa
 // "ip:port", *peer_ip the address alone.
 StatusOr<UniqueFd> TcpAcceptNow(int listen_fd, std::string* peer, std::string* peer_ip);
 // Connects to "host:port", source bound to bind_ip when not empty.
+// A refused connect is retried until the deadline when retry_refused (a listener not up yet).
 StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::string& bind_ip,
-                              Deadline deadline, std::string* local);
+                              Deadline deadline, std::string* local, bool retry_refused = true);
 // Non-blocking liveness probe of a bootstrap socket: OK while the peer keeps it open (stray
 // bytes are read and dropped).
 Status ProbePeer(int fd);
