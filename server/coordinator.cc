@@ -310,7 +310,10 @@ void Coordinator::SendJoinAccepted(Conn* c) {
   r->set_rank(c->member.rank());
   r->set_epoch(epoch() + 1);
   *r->mutable_config() = options_.config;
-  r->set_cluster_started(shard_map_ready_);
+  // Training has begun: the map is out and the job's workers were all there at some point
+  // (counted before this member joined). A late worker then starts at once.
+  r->set_cluster_started(shard_map_ready_ &&
+                         most_workers_ >= std::max<uint32_t>(1, options_.config.num_workers()));
   Queue(c, reply);
 }
 
@@ -519,6 +522,11 @@ void Coordinator::FlushOutput(Conn* c) {
 }
 
 void Coordinator::Publish(const std::string& reason, uint32_t departed) {
+  {
+    uint32_t workers = 0;
+    for (auto& [fd, c] : conns_) workers += c->joined && !c->closing && c->member.role() == ROLE_WORKER;
+    most_workers_ = std::max(most_workers_, workers);
+  }
   Envelope e;
   Membership* m = e.mutable_membership();
   {

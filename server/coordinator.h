@@ -173,6 +173,8 @@ class Coordinator {
   // without them (a group keeps whichever of its two ranks is there), unless a replacement
   // with the same rank joins first.
   std::set<uint32_t> gone_before_assignment_;
+  // The most workers joined at once so far (JoinReply.cluster_started).
+  uint32_t most_workers_ = 0;
   // Per group: the server rank that is its primary and the one that holds its backup (-1 none).
   std::vector<int64_t> primary_of_;
   std::vector<int64_t> backup_of_;
