@@ -185,8 +185,7 @@ Status Recovery::MoveToBackups(SteadyClock::time_point t0, SteadyClock::time_poi
     // a server being promoted accepts only after draining its old primary's stream.
     const auto left =
         std::chrono::duration_cast<milliseconds>(deadline + timeout - SteadyClock::now());
-    Status st = sessions_.Connect(se.rank(), step_.clock, std::max(left, milliseconds(1000)),
-                                  /*retry_refused=*/false);
+    Status st = sessions_.Connect(se.rank(), step_.clock, std::max(left, milliseconds(1000)));
     if (st.ok()) st = WaitServing(se.rank());
     if (st.ok()) st = Resync(se.rank());
     if (!st.ok()) {

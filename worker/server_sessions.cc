@@ -106,8 +106,7 @@ Status ServerSessions::ApplyEntry(const control::ServerEntry& se, uint32_t serve
   return Status::OK();
 }
 
-Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::milliseconds timeout,
-                               bool retry_refused) {
+Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::milliseconds timeout) {
   ServerSession& s = servers_[server];
   s.ep.reset();
   ++s.gen;
@@ -115,7 +114,7 @@ Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::mil
   eo.endpoint_id = (static_cast<uint64_t>(s.gen) << 32) | s.rank;
   eo.send_depth = kSendDepth;
   eo.recv_depth = 4;
-  eo.retry_refused = retry_refused;
+  eo.retry_refused = false;
   eo.connect_timeout = timeout.count() > 0
                            ? timeout
                            : std::min(options_.setup_timeout, std::chrono::milliseconds(30000));

@@ -61,10 +61,11 @@ class ServerSessions {
   // leaves its session failed (AnyFailed()) for the caller to recover.
   Status ConnectAll(uint64_t clock);
   // Connects (a new endpoint generation) and says hello, within `timeout` (0: the setup bound).
-  // retry_refused: see transport::EndpointOptions (false for a server that was listening).
+  // A refused connection fails at once (transport::EndpointOptions::retry_refused = false):
+  // every server in a shard map was listening before the map was published, so refused means
+  // it died, and its group's failover (or loss) is the coordinator's to say.
   Status Connect(uint32_t server, uint64_t clock,
-                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0),
-                 bool retry_refused = true);
+                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Takes the shard map's entry of a session's group (a failover names another server).
   Status ApplyEntry(const control::ServerEntry& se, uint32_t server);
 
