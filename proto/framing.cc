@@ -127,6 +127,8 @@ const char* BodyName(const Envelope& e) {
       return "checkpoint";
     case Envelope::kHeartbeatAck:
       return "heartbeat_ack";
+    case Envelope::kReplicaSynced:
+      return "replica_synced";
     case Envelope::BODY_NOT_SET:
       return "none";
   }

@@ -79,6 +79,11 @@ class ChunkStore {
   // Checkpoints: the published state of a slot, and a restore of one (published in buffer 0).
   ChunkState Capture(uint32_t slot) const;
   Status Restore(uint32_t slot, const ChunkState& state, uint64_t clock);
+  // Re-replication (server/replica_handoff.h): a slot's VSGD history (version -> weights,
+  // oldest first), and replacing it.
+  using History = std::deque<std::pair<uint64_t, std::vector<float>>>;
+  const History& history(uint32_t slot) const { return chunks_[slot].history; }
+  void SetHistory(uint32_t slot, History h) { chunks_[slot].history = std::move(h); }
 
  private:
   struct DenseChunk {

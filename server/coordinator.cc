@@ -212,6 +212,13 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
       }
       HandleShardsReady(c, e.shards_ready());
       return;
+    case Envelope::kReplicaSynced:
+      if (c->member.role() != ROLE_SERVER) {
+        Close(c, "replica_synced from a non-server", true);
+        return;
+      }
+      HandleReplicaSynced(c, e.replica_synced());
+      return;
     case Envelope::kCheckpoint:
       if (c->member.role() != ROLE_WORKER) {
         Close(c, "checkpoint request from a non-worker", true);
@@ -257,6 +264,8 @@ std::string Coordinator::JoinRefusal(const JoinRequest& j) const {
     refuse = "wrong cluster token";
   } else if (j.role() != ROLE_SERVER && j.role() != ROLE_WORKER) {
     refuse = "join without a valid role";
+  } else if (j.spare() && j.role() != ROLE_SERVER) {
+    refuse = "only a server can be a spare";
   } else if (j.requested_rank() >= 65536) {
     refuse = "requested rank " + std::to_string(j.requested_rank()) + " is out of range";
   } else if (!options_.config.transport().empty() && !j.transport().empty() &&
@@ -367,9 +376,9 @@ void Coordinator::ResendServerOrders(Conn* c) {
   if (!shards_assigned_ || primary_of_.empty()) return;
   // A Promote or ReplicaTarget{none} queued before a coordinator crash may never have reached
   // it: both are idempotent, so send them again.
-  const uint32_t g = c->member.rank() % NumGroups();
-  if (primary_of_[g] != static_cast<int64_t>(c->member.rank())) return;
-  if (c->member.rank() >= NumGroups()) {
+  const uint32_t g = GroupOf(c->member.rank());
+  if (g >= primary_of_.size() || primary_of_[g] != static_cast<int64_t>(c->member.rank())) return;
+  if (c->member.rank() != g || reassigned_.count(c->member.rank())) {  // it was promoted
     Envelope e;
     e.mutable_promote()->set_group(g);
     e.mutable_promote()->set_epoch(epoch() + 1);
@@ -396,8 +405,11 @@ uint32_t Coordinator::PickRank(const JoinRequest& j) const {
     if (o->joined) mark(o->member);
   }
   for (auto& [id, p] : pending_) mark(p.member);
-  uint32_t rank = 0;
-  if (j.requested_rank() >= 0 &&
+  // A spare takes a rank past the job's server ranks (it serves whichever group needs it).
+  uint32_t rank = j.spare() ? NumServerRanks() : 0;
+  if (j.spare()) {
+    while (rank < used.size() && used[rank]) ++rank;
+  } else if (j.requested_rank() >= 0 &&
       (static_cast<size_t>(j.requested_rank()) >= used.size() || !used[j.requested_rank()])) {
     rank = static_cast<uint32_t>(j.requested_rank());
   } else {
@@ -426,6 +438,7 @@ void Coordinator::AdmitMember(Conn* c, const JoinRequest& j) {
   m.set_pid(j.pid());
   m.set_data_address(j.data_address());
   m.set_transport(j.transport());
+  m.set_spare(j.spare());
   *m.mutable_regions() = j.regions();
   {
     MutexLock l(&mu_);
@@ -438,16 +451,23 @@ void Coordinator::AdmitMember(Conn* c, const JoinRequest& j) {
   Publish("member " + std::to_string(m.member_id()) + " joined", 0);
   if (m.role() == ROLE_SERVER) {
     gone_before_assignment_.erase(rank);  // a replacement for a server that died
-    if (shards_assigned_) {
-      // Too late to be assigned anything: say so now rather than let it wait for an
-      // assignment that never comes (its setup timeout). Re-replication onto a new server (a
-      // spare becoming a group's backup) is not built yet.
+    if (m.spare()) {
+      LOG(INFO) << "coordinator: server rank " << rank
+                << " is a SPARE: it becomes the backup of the first group that needs one";
+    }
+    // A group that lost its backup takes this server as its new one (a spare, or a server
+    // started after the assignment, e.g. the restarted old primary).
+    MaybeReplaceBackups();
+    if (shards_assigned_ && !m.spare() && reassigned_.count(rank) == 0) {
+      // Too late to be assigned anything and no group needs a backup: say so now rather than
+      // let it wait for an assignment that never comes (its setup timeout).
       Envelope err;
       err.mutable_error()->set_message(
           "server rank " + std::to_string(rank) +
-          " joined after the shards were assigned: every group already has its servers (a "
-          "group whose server died was failed over to its backup); a new server cannot become "
-          "a group's backup yet (re-replication is not built), so it is not used");
+          " joined after the shards were assigned, and every group has its servers (a group "
+          "whose server dies is failed over to its backup, and a group without a backup takes "
+          "the next server that joins); it is not used (start it with --spare to keep it "
+          "waiting for a group that needs a backup)");
       Queue(c, err);
       LOG(WARNING) << "coordinator: " << err.error().message();
     }

@@ -71,6 +71,9 @@ struct CoordinatorCounters {
   uint64_t suspicions_cleared = 0;  // ... that spoke again before their lease ran out
   uint64_t unreachable = 0;         // suspected members whose host stopped acknowledging
   uint64_t coordinator_pauses = 0;  // times this loop was descheduled long enough to matter
+  // Re-replication (docs/fault-tolerance.md, "Redundancy restored").
+  uint64_t backups_assigned = 0;  // spares or replacements made a training group's backup
+  uint64_t backups_synced = 0;    // ... that copied the snapshot and follow the stream
 };
 
 class Coordinator {
@@ -125,6 +128,13 @@ class Coordinator {
   uint32_t NumGroups() const;
   uint32_t NumServerRanks() const;
   void MaybeSendReplicaTarget(uint32_t group);
+  // The group server rank `rank` serves: rank % num_servers, unless it was made another
+  // group's backup (a spare or a replacement; reassigned_).
+  uint32_t GroupOf(uint32_t rank) const;
+  // Re-replication: every group that has a live primary and no backup gets a free server (a
+  // spare, or a server that joined after the assignment) as its new backup.
+  void MaybeReplaceBackups();
+  void HandleReplicaSynced(Conn* c, const ReplicaSynced& r);
   void ServerDeparted(const Member& m);
   // After ServerDeparted: if that departure means the shard map can never be ready, tells every
   // worker why (server, group, reason) instead of letting them wait for their setup timeout.
@@ -179,6 +189,11 @@ class Coordinator {
   std::vector<int64_t> primary_of_;
   std::vector<int64_t> backup_of_;
   std::vector<bool> target_sent_;
+  // Per group: its backup holds the group's state (false for a new backup until ReplicaSynced):
+  // only such a backup is promoted.
+  std::vector<bool> backup_synced_;
+  std::map<uint32_t, uint32_t> reassigned_;  // server rank -> the group it backs (GroupOf)
+  std::map<uint32_t, std::chrono::steady_clock::time_point> assigned_at_;  // by group (logs)
   std::vector<uint32_t> has_model_ids_;
   // Members of the saved state that have not rejoined this (restarted) coordinator yet: they
   // stay in the membership until rejoin_grace passes.

@@ -163,6 +163,7 @@ void Coordinator::MaybeAssignShards() {
   primary_of_.assign(num_servers, -1);
   backup_of_.assign(num_servers, -1);
   target_sent_.assign(num_servers, false);
+  backup_synced_.assign(num_servers, true);  // start-up backups follow from the first record
   dirty_ = true;  // the assignment is saved before any of it is sent (write-ahead)
   for (uint32_t r = 0; r < NumServerRanks(); ++r) {
     if (ServerByRank(r) == nullptr) continue;  // died before the assignment
@@ -236,7 +237,7 @@ void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
   }
   ready_[c->member.rank()] = r;
   dirty_ = true;
-  MaybeSendReplicaTarget(c->member.rank() % NumGroups());
+  MaybeSendReplicaTarget(GroupOf(c->member.rank()));
   MaybePublishShardMap();
 }
 
@@ -251,6 +252,8 @@ void Coordinator::MaybeSendReplicaTarget(uint32_t g) {
   ReplicaTarget* t = e.mutable_replica_target();
   t->set_group(g);
   t->set_epoch(epoch());
+  // A new backup of a training group copies the primary's snapshot before it follows.
+  t->set_catch_up(g < backup_synced_.size() && !backup_synced_[g]);
   t->set_member_id(b->member.member_id());
   t->set_data_address(b->member.data_address());
   t->set_peer_key(
@@ -306,6 +309,8 @@ void Coordinator::ServerDeparted(const Member& m) {
   for (uint32_t g = 0; g < primary_of_.size(); ++g) {
     if (backup_of_[g] == static_cast<int64_t>(r)) {
       backup_of_[g] = -1;
+      backup_synced_[g] = true;  // the next backup's state is decided when it is assigned
+      target_sent_[g] = false;
       {
         MutexLock l(&mu_);
         ++counters_.backups_lost;
@@ -326,7 +331,15 @@ void Coordinator::ServerDeparted(const Member& m) {
     Conn* b = backup_of_[g] >= 0 ? ServerByRank(static_cast<uint32_t>(backup_of_[g])) : nullptr;
     // Before the shard map is out nothing has been trained or replicated: a backup that has
     // not reported its shards yet takes over as well (start-up is failover-capable).
-    if (b != nullptr && (ready_.count(static_cast<uint32_t>(backup_of_[g])) || !shard_map_ready_)) {
+    // A new backup still copying the primary's snapshot does not hold the group's state.
+    const bool synced = g >= backup_synced_.size() || backup_synced_[g];
+    if (b != nullptr && !synced) {
+      LOG(ERROR) << "coordinator: group " << g << ": its new backup, server rank "
+                 << backup_of_[g] << ", was still copying the primary's snapshot: it cannot "
+                 << "take over";
+    }
+    if (b != nullptr && synced &&
+        (ready_.count(static_cast<uint32_t>(backup_of_[g])) || !shard_map_ready_)) {
       const uint32_t br = static_cast<uint32_t>(backup_of_[g]);
       primary_of_[g] = br;
       backup_of_[g] = -1;
@@ -348,6 +361,7 @@ void Coordinator::ServerDeparted(const Member& m) {
       }
     } else {
       primary_of_[g] = -1;
+      backup_of_[g] = -1;
       {
         MutexLock l(&mu_);
         ++counters_.groups_lost;
@@ -361,6 +375,11 @@ void Coordinator::ServerDeparted(const Member& m) {
       }
     }
   }
+  reassigned_.erase(r);
+  ready_.erase(r);  // its regions died with it (a replacement with its rank reports its own)
+  dirty_ = true;
+  // A group left without a backup takes a spare, if there is one.
+  MaybeReplaceBackups();
 }
 
 void Coordinator::MaybePublishShardMap() {
@@ -396,6 +415,103 @@ void Coordinator::MaybePublishShardMap() {
   }
   awaiting_map_.clear();
   CrashPoint("coordinator.after_shard_map");
+}
+
+uint32_t Coordinator::GroupOf(uint32_t rank) const {
+  auto it = reassigned_.find(rank);
+  return it != reassigned_.end() ? it->second : rank % NumGroups();
+}
+
+void Coordinator::MaybeReplaceBackups() {
+  if (options_.config.replicas() < 2 || !shard_map_ready_ || !startup_failure_.empty()) return;
+  for (uint32_t g = 0; g < primary_of_.size(); ++g) {
+    if (primary_of_[g] < 0 || backup_of_[g] >= 0) continue;
+    if (ServerByRank(static_cast<uint32_t>(primary_of_[g])) == nullptr) continue;
+    // A free server: joined, not a primary or a backup of any group; spares first.
+    Conn* pick = nullptr;
+    for (auto& [fd, c] : conns_) {
+      if (!c->joined || c->closing || c->member.role() != ROLE_SERVER) continue;
+      const int64_t r = c->member.rank();
+      // Not serving a group, never given shards (ready_: it reported some), and not the
+      // unsynced backup of a group that was lost meanwhile (reassigned_).
+      if (std::find(primary_of_.begin(), primary_of_.end(), r) != primary_of_.end() ||
+          std::find(backup_of_.begin(), backup_of_.end(), r) != backup_of_.end() ||
+          ready_.count(static_cast<uint32_t>(r)) != 0 ||
+          reassigned_.count(static_cast<uint32_t>(r)) != 0) {
+        continue;
+      }
+      if (pick == nullptr || (c->member.spare() && !pick->member.spare())) pick = c.get();
+    }
+    if (pick == nullptr) return;
+    auto plan = PlanFromModel(model_, NumGroups(), options_.config.partition_bytes(),
+                              Capacity(options_.config));
+    if (!plan.ok()) return;
+    const uint32_t r = pick->member.rank();
+    backup_of_[g] = r;
+    backup_synced_[g] = false;
+    target_sent_[g] = false;
+    reassigned_[r] = g;
+    ready_.erase(r);  // a replacement's rank may be a dead server's: its regions are gone
+    assigned_at_[g] = std::chrono::steady_clock::now();
+    dirty_ = true;  // saved before the assignment leaves (write-ahead)
+    Envelope e;
+    AssignShards* a = e.mutable_assign_shards();
+    for (const auto& ch : plan->chunks) {
+      if (ch.server != g) continue;
+      a->add_chunk_ids(ch.chunk_id);
+      a->add_chunk_bytes(ch.bytes);
+    }
+    a->set_max_workers(shard_map_.max_workers());
+    a->set_plan_fingerprint(plan_fingerprint_);
+    a->set_group(g);
+    a->set_num_groups(NumGroups());
+    a->set_backup(true);
+    a->set_catch_up(true);
+    Queue(pick, e);
+    {
+      MutexLock l(&mu_);
+      ++counters_.backups_assigned;
+    }
+    LOG(WARNING) << "coordinator: group " << g << " has no backup: server rank " << r
+                 << (pick->member.spare() ? " (a spare)" : " (joined after the assignment)")
+                 << ", member " << pick->member.member_id()
+                 << ", becomes its NEW BACKUP; it copies primary server rank " << primary_of_[g]
+                 << "'s snapshot while training goes on";
+  }
+}
+
+void Coordinator::HandleReplicaSynced(Conn* c, const ReplicaSynced& r) {
+  const uint32_t g = r.group();
+  if (g >= backup_of_.size() || backup_of_[g] != static_cast<int64_t>(c->member.rank())) {
+    LOG(WARNING) << "coordinator: replica_synced for group " << g << " from server rank "
+                 << c->member.rank() << ", which is not its backup; ignored";
+    return;
+  }
+  if (backup_synced_[g]) return;  // repeated after a rejoin
+  backup_synced_[g] = true;
+  dirty_ = true;
+  {
+    MutexLock l(&mu_);
+    ++counters_.backups_synced;
+  }
+  auto at = assigned_at_.find(g);
+  const int64_t ms =
+      at == assigned_at_.end()
+          ? -1
+          : std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                  at->second)
+                .count();
+  LOG(WARNING) << "coordinator: group " << g << " is REPLICATED AGAIN: server rank "
+               << c->member.rank() << " copied " << r.snapshot_bytes() << " bytes in "
+               << r.copy_ms() << " ms (" << r.records_held() << " records held meanwhile)"
+               << (ms >= 0 ? "; " + std::to_string(ms) + " ms after it was assigned" : "");
+  if (primary_of_[g] >= 0) {
+    if (Conn* p = ServerByRank(static_cast<uint32_t>(primary_of_[g]))) {
+      Envelope e;
+      *e.mutable_replica_synced() = r;
+      Queue(p, e);  // the primary frees its snapshot
+    }
+  }
 }
 
 }  // namespace shardps::control

@@ -36,6 +36,11 @@ void Coordinator::SaveState() {
   for (int64_t p : primary_of_) st.add_primary_of(p);
   for (int64_t b : backup_of_) st.add_backup_of(b);
   for (bool t : target_sent_) st.add_target_sent(t);
+  for (bool y : backup_synced_) st.add_backup_synced(y);
+  for (const auto& [rank, group] : reassigned_) {
+    st.add_reassigned_rank(rank);
+    st.add_reassigned_group(group);
+  }
   for (const auto& [rank, r] : ready_) {
     st.add_ready_ranks(rank);
     *st.add_ready() = r;
@@ -115,6 +120,11 @@ Status Coordinator::LoadState() {
   primary_of_.assign(st.primary_of().begin(), st.primary_of().end());
   backup_of_.assign(st.backup_of().begin(), st.backup_of().end());
   target_sent_.assign(st.target_sent().begin(), st.target_sent().end());
+  backup_synced_.assign(st.backup_synced().begin(), st.backup_synced().end());
+  backup_synced_.resize(primary_of_.size(), true);  // an older state file: start-up backups
+  for (int i = 0; i < st.reassigned_rank_size() && i < st.reassigned_group_size(); ++i) {
+    reassigned_[st.reassigned_rank(i)] = st.reassigned_group(i);
+  }
   for (int i = 0; i < st.ready_ranks_size() && i < st.ready_size(); ++i) {
     ready_[st.ready_ranks(i)] = st.ready(i);
   }

@@ -44,6 +44,11 @@ class EndpointTable {
   size_t size() const { return endpoints_.size(); }
   // Whether endpoint `id` is open and healthy.
   bool Healthy(uint64_t id) const;
+  // Endpoint `id`, to post on (nullptr if closed or unknown). Valid until the table changes.
+  transport::Endpoint* Find(uint64_t id) const {
+    auto it = endpoints_.find(id);
+    return it == endpoints_.end() ? nullptr : it->second.get();
+  }
   // Closes endpoint `id` (the peer sees it fail). Its worker binding stays.
   void Close(uint64_t id) { endpoints_.erase(id); }
   // Closes every failed endpoint; returns their ids and why they failed.

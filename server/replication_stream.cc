@@ -42,7 +42,7 @@ uint64_t EncodeRecord(const ReplRecord& r, uint64_t seq, uint64_t epoch, char* d
 }
 
 uint64_t ReplicationStream::StagingBytes(const layout::ReplLayout& ring, uint32_t slots) {
-  return ring.entry_offset(1) * slots + layout::kAlign;
+  return ring.entry_offset(1) * slots + layout::kAlign + sizeof(layout::ReplHello);
 }
 
 ReplicationStream::ReplicationStream(transport::Fabric* fabric, transport::CompletionQueue* cq,
@@ -58,6 +58,7 @@ ReplicationStream::ReplicationStream(transport::Fabric* fabric, transport::Compl
       epoch_(std::move(epoch)),
       stride_(ring.entry_offset(1)),
       consumed_offset_(ring.entry_offset(1) * slots),
+      hello_offset_(consumed_offset_ + layout::kAlign),
       records_(slots) {}
 
 ReplicationStream::~ReplicationStream() = default;
@@ -74,18 +75,34 @@ transport::LocalSlice ReplicationStream::sum_payload(uint32_t slot, uint64_t byt
   return {staging_.get(), stride_ * slot + ring_.payload_offset(0), bytes};
 }
 
-Status ReplicationStream::Connect(const control::ReplicaTarget& t, const std::string& identity) {
+Status ReplicationStream::Connect(const control::ReplicaTarget& t, const std::string& identity,
+                                  const Snapshot* snapshot, bool wait_for_hello) {
+  backup_ring_ = transport::RegionDescriptor();
+  backup_consumed_ = transport::RegionDescriptor();
   for (const auto& r : t.regions()) {
     ASSIGN_OR_RETURN(transport::RegionDescriptor d,
                      transport::RegionDescriptor::Decode(r.encoded_descriptor()));
     if (r.name() == "repl_ring") backup_ring_ = d;
     if (r.name() == "repl_consumed") backup_consumed_ = d;
   }
-  if (backup_ring_.length < ring_.ring_bytes() || backup_consumed_.length < 8) {
+  if (backup_ring_.length < ring_.region_bytes() || backup_consumed_.length < 8) {
     return FailedPreconditionError("backup's replication regions are smaller than the ring");
   }
+  auto* hello = reinterpret_cast<layout::ReplHello*>(static_cast<char*>(staging_->data()) +
+                                                     hello_offset_);
+  std::memset(hello, 0, sizeof(*hello));
+  hello->magic = layout::kReplHelloMagic;
+  if (snapshot != nullptr) {
+    if (snapshot->descriptor.size() > layout::kReplHelloDescriptorMax) {
+      return InternalError("snapshot descriptor too long for the replication hello");
+    }
+    hello->snapshot_bytes = snapshot->bytes;
+    hello->snapshot_crc = snapshot->crc;
+    hello->descriptor_bytes = static_cast<uint32_t>(snapshot->descriptor.size());
+    std::memcpy(hello->descriptor, snapshot->descriptor.data(), snapshot->descriptor.size());
+  }
   transport::EndpointOptions eo;
-  eo.endpoint_id = kEndpointId;
+  eo.endpoint_id = kEndpointId | ++generation_;
   eo.send_depth = static_cast<int>(2 * ring_.entries() + 16);
   eo.recv_depth = 4;
   eo.connect_timeout = std::chrono::milliseconds(10000);
@@ -93,21 +110,29 @@ Status ReplicationStream::Connect(const control::ReplicaTarget& t, const std::st
   // with the key the coordinator gave this primary alone (ReplicaTarget.peer_key).
   eo.auth_identity = identity;
   eo.auth_key = t.peer_key();
+  endpoint_.reset();
   auto ep = fabric_->Connect(t.data_address(), cq_, eo);
   if (!ep.ok())
     return ep.status().WithContext("connecting to the backup of group " + std::to_string(group_));
   endpoint_ = std::move(*ep);
+  // A new stream: sequence numbers start again, the ring is empty.
+  next_seq_ = 1;
+  known_consumed_ = 0;
+  consumed_read_outstanding_ = false;
+  ring_wait_.clear();
+  for (auto& r : records_) r.reset();
   RETURN_IF_ERROR(endpoint_->PostWriteImm(
-      {staging_.get(), consumed_offset_, 8}, transport::AtOffset(backup_ring_, 0),
+      {staging_.get(), hello_offset_, sizeof(layout::ReplHello)},
+      transport::AtOffset(backup_ring_, ring_.hello_offset()),
       layout::MakeImm(layout::ImmKind::kReplHello, group_), ReplContext(kOpHello, 0)));
   // Wait for the hello to complete (nothing else is on this CQ yet).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(10000);
-  while (true) {
+  while (wait_for_hello) {
     transport::Completion wc[8];
     const int n = cq_->Wait(wc, 8, std::chrono::microseconds(2000));
     bool done = false;
     for (int i = 0; i < n; ++i) {
-      if (wc[i].endpoint_id != kEndpointId) continue;
+      if (wc[i].endpoint_id != (kEndpointId | generation_)) continue;
       if (!wc[i].ok()) return UnavailableError("backup refused the replication stream");
       done = true;
     }
@@ -194,6 +219,7 @@ void ReplicationStream::Post(uint32_t slot) {
 }
 
 std::optional<uint32_t> ReplicationStream::OnCompletion(const transport::Completion& wc) {
+  if (wc.endpoint_id != (kEndpointId | generation_)) return std::nullopt;  // an earlier backup's
   if (!wc.ok()) {
     Failed(UnavailableError(std::string("replication write failed: ") +
                             transport::WcStatusName(wc.status)));

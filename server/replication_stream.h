@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
@@ -57,7 +58,10 @@ inline bool RingHasSpace(uint64_t next_seq, uint64_t consumed, uint32_t entries)
 
 class ReplicationStream {
  public:
+  // Endpoint ids of the stream: kEndpointId | the connection's generation (a completion of an
+  // earlier backup's endpoint, still in the CQ, is told apart and ignored).
   static constexpr uint64_t kEndpointId = 1ull << 62;
+  static bool IsStreamEndpoint(uint64_t id) { return (id & kEndpointId) != 0; }
 
   // `staging` holds `slots` record stages of layout.stride bytes plus one aligned word.
   ReplicationStream(transport::Fabric* fabric, transport::CompletionQueue* cq,
@@ -72,10 +76,20 @@ class ReplicationStream {
   float* sum(uint32_t slot) const;
   transport::LocalSlice sum_payload(uint32_t slot, uint64_t bytes) const;
 
+  // A snapshot for a new backup to copy before it follows (server/replica_handoff.h).
+  struct Snapshot {
+    std::string descriptor;  // transport::RegionDescriptor::Encode() of the registered region
+    uint64_t bytes = 0;
+    uint32_t crc = 0;
+  };
   // Connects to the backup named by `t` as `identity` (control::IdentityString of this
-  // primary: the backup checks it with t.peer_key()) and says hello; blocks up to 10 s on the
-  // CQ (nothing else may be on it yet).
-  Status Connect(const control::ReplicaTarget& t, const std::string& identity);
+  // primary: the backup checks it with t.peer_key()) and says hello, naming `snapshot` if
+  // given. The stream starts anew (sequence 1). With wait_for_hello (start-up: nothing else may
+  // be on the CQ yet) it blocks up to 10 s until the hello completed; otherwise (a new backup
+  // while training) records may follow at once: they are placed after the hello, and a failed
+  // hello fails the stream like any failed write.
+  Status Connect(const control::ReplicaTarget& t, const std::string& identity,
+                 const Snapshot* snapshot, bool wait_for_hello);
   // The coordinator says there is no backup (at start, or after a failure).
   void NoBackup();
 
@@ -112,11 +126,13 @@ class ReplicationStream {
   std::function<uint64_t()> epoch_;
   uint64_t stride_;
   uint64_t consumed_offset_;
+  uint64_t hello_offset_;
 
   State state_ = State::kNone;
   uint32_t backup_member_ = 0;
   std::unique_ptr<transport::Endpoint> endpoint_;
   transport::RegionDescriptor backup_ring_, backup_consumed_;
+  uint64_t generation_ = 0;  // connections made so far
   uint64_t next_seq_ = 1;
   uint64_t known_consumed_ = 0;
   bool consumed_read_outstanding_ = false;

@@ -34,6 +34,9 @@ DEFINE_string(restore_from, "",
               "incomplete newer one is refused and reported)");
 DEFINE_bool(exit_when_done, false,
             "Exit once every expected worker has joined and all have left (batch jobs, mpirun)");
+DEFINE_bool(spare, false,
+            "Join as a spare: no shards at start; become the new backup of a group that lost one "
+            "(re-replication while training goes on; docs/fault-tolerance.md)");
 
 namespace {
 std::atomic<shardps::server::ShardServer*> g_server{nullptr};
@@ -88,6 +91,7 @@ int main(int argc, char** argv) {
   o.vsgd_lambda = static_cast<float>(FLAGS_vsgd_lambda);
   o.vsgd_history = FLAGS_vsgd_history;
   o.exit_when_workers_done = FLAGS_exit_when_done;
+  o.spare = FLAGS_spare;
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.restore_dir = FLAGS_restore_from;
   ShardServer server(o);

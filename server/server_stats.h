@@ -28,6 +28,8 @@ struct ShardServerCounters {
   uint64_t replication_stalls = 0;  // primary: ring full, waited for the backup to consume
   uint64_t promotions = 0;          // backup -> primary
   uint64_t lease_lapses = 0;        // replicated primary: lease ran out, fenced until renewed
+  uint64_t rereplications = 0;      // primary: new backups it started feeding (a snapshot each)
+  uint64_t catch_ups = 0;           // new backup: snapshots copied and restored
   uint64_t checkpoints_submitted = 0;
   uint64_t checkpoints_written = 0;
   uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on

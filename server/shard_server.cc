@@ -45,6 +45,11 @@ ShardServer::~ShardServer() = default;
 
 Status ShardServer::Run() {
   const Status setup = Setup();
+  if (setup.ok() && !layout_) {
+    // A spare the job never needed: it ended (every worker left) or this server was stopped.
+    if (control_) control_->Leave("spare not needed; the job is done").IgnoreError();
+    return Status::OK();
+  }
   if (!setup.ok()) {
     // Say why before going: the coordinator tells the workers (server, group, reason) at once
     // instead of letting them wait for their setup timeout.
@@ -90,6 +95,7 @@ Status ShardServer::Setup() {
   co.join.set_data_address(data_address);
   co.join.set_transport(fabric_->name());
   co.join.set_requested_rank(options_.requested_rank);
+  co.join.set_spare(options_.spare);
   co.connect_timeout = std::chrono::milliseconds(10000);
   // A restarted coordinator takes the server back; training goes on meanwhile.
   co.rejoin_window = std::chrono::milliseconds(300000);
@@ -108,18 +114,47 @@ Status ShardServer::Setup() {
             << control::ConsistencyMode_Name(config_.mode()) << " s=" << config_.staleness();
   CrashPoint("server.after_join");
 
-  ASSIGN_OR_RETURN(control::Envelope assign,
-                   control_->WaitMessage(control::Envelope::kAssignShards, options_.setup_timeout));
+  ASSIGN_OR_RETURN(control::Envelope assign, WaitForAssignment());
+  if (assign.body_case() != control::Envelope::kAssignShards) return Status::OK();  // unused
   const control::AssignShards& a = assign.assign_shards();
   if (a.chunk_ids_size() != a.chunk_bytes_size() || a.max_workers() == 0 ||
       a.max_workers() > 4096 || a.num_groups() == 0 || a.group() >= a.num_groups()) {
     return InvalidArgumentError("malformed shard assignment from the coordinator");
   }
   RETURN_IF_ERROR(SetupRegions(a));
+  if (a.catch_up()) {
+    awaiting_snapshot_ = true;
+    assigned_at_ = Clock::now();
+    LOG(WARNING) << "server rank " << rank_ << ": made the NEW BACKUP of group " << group_
+                 << " (training is under way): its primary's snapshot comes next";
+  }
   CrashPoint("server.before_shards_ready");
   RETURN_IF_ERROR(SendShardsReady(a));
   CrashPoint("server.after_shards_ready");
   return ConnectReplication();
+}
+
+StatusOr<control::Envelope> ShardServer::WaitForAssignment() {
+  if (!options_.spare) {
+    return control_->WaitMessage(control::Envelope::kAssignShards, options_.setup_timeout);
+  }
+  LOG(INFO) << "server rank " << rank_ << ": SPARE: waiting until a group needs a new backup";
+  size_t most_workers = 0;
+  while (!stop_.load()) {
+    auto a = control_->WaitMessage(control::Envelope::kAssignShards, std::chrono::milliseconds(200));
+    if (a.ok() || a.status().code() != StatusCode::kDeadlineExceeded) return a;
+    // A batch job's spare ends with the job: every expected worker came and all have left.
+    size_t workers = 0;
+    const control::Membership now = control_->membership();
+    for (const auto& m : now.members()) workers += m.role() == control::ROLE_WORKER;
+    most_workers = std::max(most_workers, workers);
+    if (options_.exit_when_workers_done && workers == 0 &&
+        most_workers >= std::max<size_t>(1, config_.num_workers())) {
+      LOG(INFO) << "server rank " << rank_ << ": the job is done and this spare was not needed";
+      break;
+    }
+  }
+  return control::Envelope();
 }
 
 Status ShardServer::SetupRegions(const control::AssignShards& a) {
@@ -164,7 +199,7 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
                                                 &stats_, [this] { return control_->epoch(); });
   if (backup_) {
     ASSIGN_OR_RETURN(ring_,
-                     fabric_->AllocateMemory(repl_layout_->ring_bytes(), Access::kRemoteWrite));
+                     fabric_->AllocateMemory(repl_layout_->region_bytes(), Access::kRemoteWrite));
     ASSIGN_OR_RETURN(consumed_, fabric_->AllocateMemory(layout::kAlign, Access::kRemoteRead));
     applier_ = std::make_unique<ReplicaApplier>(*repl_layout_, ring_->data(), consumed_->data(),
                                                 a.max_workers());
@@ -260,7 +295,7 @@ Status ShardServer::ConnectReplication() {
   const std::string identity = control::IdentityString(
       {control_->member_id(), static_cast<int>(control::ROLE_SERVER), rank_});
   for (;;) {
-    const Status st = stream_->Connect(t.replica_target(), identity);
+    const Status st = stream_->Connect(t.replica_target(), identity, nullptr, /*wait_for_hello=*/true);
     if (st.ok()) break;
     LOG(WARNING) << "server rank " << rank_ << ": cannot reach the backup of group " << group_
                  << " (member " << t.replica_target().member_id() << " at "
@@ -306,7 +341,20 @@ void ShardServer::PollControl() {
           if (gate_->in_flight(s)) FinishCommit(s);
         }
       }
+      handoff_.reset();
+    } else if (!rt.none()) {
+      ReplicateTo(rt);
     }
+  }
+  while (true) {
+    auto y = control_->WaitMessage(control::Envelope::kReplicaSynced, std::chrono::milliseconds(0));
+    if (!y.ok()) break;
+    const control::ReplicaSynced& rs = y->replica_synced();
+    if (backup_ || rs.group() != group_) continue;
+    LOG(INFO) << "server rank " << rank_ << ": the new backup of group " << group_
+              << " is in sync (copied " << rs.snapshot_bytes() << " bytes in " << rs.copy_ms()
+              << " ms, " << rs.records_held() << " records held meanwhile); snapshot freed";
+    handoff_.reset();
   }
   auto p = control_->WaitMessage(control::Envelope::kPromote, std::chrono::milliseconds(0));
   if (p.ok()) Promote(p->promote());
@@ -438,11 +486,14 @@ Status ShardServer::Serve() {
     }
     const int n = cq_->Wait(wc, 64, std::chrono::microseconds(2000));
     for (int i = 0; i < n; ++i) {
-      if (wc[i].endpoint_id == ReplicationStream::kEndpointId) {
+      if (ReplicationStream::IsStreamEndpoint(wc[i].endpoint_id)) {
         const std::optional<uint32_t> slot = stream_->OnCompletion(wc[i]);
         if (slot && gate_->in_flight(*slot)) FinishCommit(*slot);
       } else if (wc[i].op == OpType::kRecvImm && wc[i].ok()) {
         HandleRecvImm(wc[i]);
+      } else if (catch_up_ && wc[i].op == OpType::kRead &&
+                 wc[i].endpoint_id == catch_up_->endpoint_id) {
+        OnCatchUpRead(wc[i]);
       } else if (!wc[i].ok()) {
         stats_.Bump(&ShardServerCounters::endpoint_errors);
       }
@@ -492,6 +543,19 @@ bool ShardServer::LeaseLapsed() {
 bool ShardServer::Housekeeping(Status* fenced) {
   AcceptPending();
   RefreshMembership();
+  if (backup_ && awaiting_snapshot_ && Clock::now() - assigned_at_ > options_.setup_timeout) {
+    catch_up_error_ = DeadlineExceededError(
+        "the primary of group " + std::to_string(group_) + " did not start replicating to this "
+        "new backup within the setup timeout");
+  }
+  if (!catch_up_error_.ok()) {
+    // Leave, so that the coordinator drops this backup (and may pick another spare); the
+    // primary goes on meanwhile, unreplicated.
+    LOG(ERROR) << "server rank " << rank_ << ": " << catch_up_error_
+               << "; leaving the cluster (this server cannot back the group up)";
+    *fenced = catch_up_error_;
+    return false;
+  }
   // The primary may be dead without the coordinator knowing yet: it may be within its lease, or
   // a restarted coordinator may still be waiting for it to rejoin (proto/fault_timeouts.h).
   if (backup_ && applier_->broken() && control_->connected() &&
@@ -574,6 +638,13 @@ void ShardServer::Promote(const control::Promote& p) {
                  << " of group " << group_ << ")";
     return;
   }
+  if (catch_up_ || awaiting_snapshot_) {
+    // The coordinator promotes only a backup in sync (ReplicaSynced); this one is not.
+    catch_up_error_ = FailedPreconditionError(
+        "promoted while still copying group " + std::to_string(group_) +
+        "'s snapshot: this server does not hold the group's state");
+    return;
+  }
   const auto t0 = Clock::now();
   CrashPoint("server.promote_before_drain");
   // Every record the old primary saw complete is in this CQ: apply them all first. Wait
@@ -623,6 +694,11 @@ void ShardServer::Promote(const control::Promote& p) {
     DrainWork();
   }
   Reevaluate();
+  if (deferred_target_) {
+    const control::ReplicaTarget t = *deferred_target_;
+    deferred_target_.reset();
+    ReplicateTo(t);
+  }
 }
 
 }  // namespace shardps::server

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -82,10 +83,16 @@ struct ShardServerOptions {
   // restore the newest complete, valid checkpoint from at start ("" = start fresh).
   std::string checkpoint_dir;
   std::string restore_dir;
+  // A spare (docs/fault-tolerance.md, "Redundancy restored"): joins, gets no shards at start,
+  // and waits (without a setup timeout) until the coordinator makes it the new backup of a
+  // group that lost one; it then copies the primary's snapshot and follows its stream.
+  bool spare = false;
 };
 
 class ShardServer {
  public:
+  using Clock = std::chrono::steady_clock;
+
   explicit ShardServer(const ShardServerOptions& options);
   ~ShardServer();
   ShardServer(const ShardServer&) = delete;
@@ -122,6 +129,19 @@ class ShardServer {
   void PollControl();
   void RefreshMembership();
   void Promote(const control::Promote& p);
+  // Waits for the shard assignment (a spare: until it is used, or the job ends).
+  StatusOr<control::Envelope> WaitForAssignment();
+  // Re-replication, primary side: a new backup for a training group. Snapshots the group's
+  // state into a registered region (server/replica_handoff.h) and starts the stream to it in
+  // the same apply-thread step, so every later version reaches it as a record.
+  void ReplicateTo(const control::ReplicaTarget& t);
+  // Backup side: the primary's hello named a snapshot; copy it with one-sided reads (records
+  // that arrive meanwhile are held), restore it, apply the held records, report ReplicaSynced.
+  void StartCatchUp(uint64_t endpoint_id, const layout::ReplHello& hello);
+  void PostCatchUpReads();
+  void OnCatchUpRead(const transport::Completion& c);
+  void FinishCatchUp();
+  void ApplyRecord(uint32_t entry);  // one replication record, from ring entry `entry`
   Status EnsureCheckpointWriter(const std::string& dir);
   Status Restore(const std::string& dir, const std::string& fingerprint);
   void OnCheckpointRequest(const control::CheckpointRequest& r);
@@ -189,6 +209,27 @@ class ShardServer {
   bool backup_ = false;       // holds the group's backup copy, not serving workers yet
   uint64_t fence_epoch_ = 0;  // records and pushes of older epochs are refused
   std::vector<transport::Completion> early_;  // worker completions that reached a backup
+
+  // Re-replication. Primary: the snapshot a new backup copies (freed once it is in sync).
+  std::unique_ptr<transport::MemoryRegion> handoff_;
+  std::optional<control::ReplicaTarget> deferred_target_;  // came before this backup's promotion
+  // Backup new to a training group: the copy of the primary's snapshot in progress.
+  struct CatchUp {
+    uint64_t endpoint_id = 0;
+    std::unique_ptr<transport::MemoryRegion> local;
+    transport::RegionDescriptor remote;
+    uint64_t bytes = 0;
+    uint32_t crc = 0;
+    uint64_t posted = 0;     // bytes whose reads are posted
+    uint64_t completed = 0;  // bytes read
+    int outstanding = 0;
+    Clock::time_point started;
+    std::deque<uint32_t> held;  // ring entries of records that arrived during the copy
+  };
+  std::unique_ptr<CatchUp> catch_up_;
+  bool awaiting_snapshot_ = false;   // assigned as a new backup; the primary's hello not in yet
+  Clock::time_point assigned_at_{};  // when (the hello must come within the setup timeout)
+  Status catch_up_error_;            // the copy failed: this backup leaves
   std::string plan_fingerprint_;
 };
 

@@ -80,12 +80,32 @@ void ShardServer::HandleReplication(const Completion& c, layout::ImmKind kind, u
     applier_->set_primary_endpoint(c.endpoint_id);
     LOG(INFO) << "server rank " << rank_ << ": primary of group " << group_
               << " connected its replication stream (endpoint " << c.endpoint_id << ")";
+    layout::ReplHello hello;
+    std::memcpy(&hello, static_cast<const char*>(ring_->data()) + repl_layout_->hello_offset(),
+                sizeof(hello));
+    if (hello.magic == layout::kReplHelloMagic && hello.descriptor_bytes != 0) {
+      StartCatchUp(c.endpoint_id, hello);
+    } else if (awaiting_snapshot_) {
+      catch_up_error_ = FailedPreconditionError(
+          "the primary of group " + std::to_string(group_) +
+          " connected without a snapshot, but this new backup has none of the group's state");
+    }
     return;
   }
   if (c.endpoint_id != applier_->primary_endpoint()) {
     stats_.Bump(&ShardServerCounters::records_rejected);
     return;
   }
+  if (catch_up_ || awaiting_snapshot_) {
+    // The snapshot is being copied: the record waits in the ring (the primary sees the ring's
+    // space only once it is applied) and is applied after the snapshot is restored.
+    if (catch_up_) catch_up_->held.push_back(arg);
+    return;
+  }
+  ApplyRecord(arg);
+}
+
+void ShardServer::ApplyRecord(uint32_t arg) {
   Status st = applier_->Apply(arg, fence_epoch_, *chunks_, *workers_, *gate_, *ack_board_);
   if (!st.ok()) {
     LOG(ERROR) << "server rank " << rank_ << ": replication record in entry " << arg

@@ -142,12 +142,32 @@ class ReplLayout {
     return entry_offset(e) + sizeof(ReplHeader) + contrib_bytes_;
   }
   uint64_t contributors_bytes() const { return contrib_bytes_; }
+  // After the entries: the hello area (one ReplHello), which no record ever overwrites.
+  uint64_t hello_offset() const { return ring_bytes(); }
+  uint64_t region_bytes() const;
 
  private:
   uint32_t entries_;
   uint64_t contrib_bytes_;
   uint64_t stride_;
 };
+// What the primary's kReplHello write carries (into the backup's hello area). A backup new to
+// a training group (ReplicaTarget.catch_up) gets the descriptor of a snapshot of the group's
+// state (server/replica_handoff.h) to copy with one-sided reads; descriptor_bytes = 0: the
+// backup starts from nothing, as at start-up.
+constexpr uint32_t kReplHelloDescriptorMax = 960;
+struct alignas(kAlign) ReplHello {
+  uint64_t magic;  // kReplHelloMagic
+  uint64_t snapshot_bytes;
+  uint32_t snapshot_crc;  // crc32c of the snapshot's bytes
+  uint32_t descriptor_bytes;
+  uint64_t reserved[5];
+  char descriptor[kReplHelloDescriptorMax];  // transport::RegionDescriptor::Encode()
+};
+static_assert(sizeof(ReplHello) == 1024, "ReplHello is 1 KiB");
+constexpr uint64_t kReplHelloMagic = 0x5348505352484c4full;  // "SHPSRHLO"
+inline uint64_t ReplLayout::region_bytes() const { return ring_bytes() + sizeof(ReplHello); }
+
 inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
   return (static_cast<uint32_t>(k) << 28) | (arg & 0x0fffffffu);
 }

@@ -42,7 +42,7 @@ class ReplicationStreamTest : public ::testing::Test {
     ASSERT_TRUE(pcq.ok() && bcq.ok());
     pcq_ = std::move(*pcq);
     bcq_ = std::move(*bcq);
-    auto ring = backup_->AllocateMemory(ring_layout_.ring_bytes(), transport::Access::kRemoteWrite);
+    auto ring = backup_->AllocateMemory(ring_layout_.region_bytes(), transport::Access::kRemoteWrite);
     auto consumed = backup_->AllocateMemory(layout::kAlign, transport::Access::kRemoteRead);
     auto staging = primary_->AllocateMemory(ReplicationStream::StagingBytes(ring_layout_, kSlots),
                                             transport::Access::kLocalOnly);
@@ -68,7 +68,7 @@ class ReplicationStreamTest : public ::testing::Test {
     r->set_name("repl_consumed");
     r->set_encoded_descriptor(consumed_->descriptor().Encode());
     Status connected = InternalError("not run");
-    std::thread th([&] { connected = stream_->Connect(t, ""); });
+    std::thread th([&] { connected = stream_->Connect(t, "", nullptr, true); });
     transport::EndpointOptions eo;
     eo.endpoint_id = 1;
     auto ep = (*l)->Accept(bcq_.get(), eo, milliseconds(10000));
@@ -98,7 +98,7 @@ class ReplicationStreamTest : public ::testing::Test {
   int64_t NextPublishable() {
     int64_t slot = -1;
     PollUntil(pcq_.get(), [&](const transport::Completion& c) {
-      EXPECT_EQ(c.endpoint_id, ReplicationStream::kEndpointId);
+      EXPECT_TRUE(ReplicationStream::IsStreamEndpoint(c.endpoint_id));
       std::optional<uint32_t> s = stream_->OnCompletion(c);
       if (s) slot = *s;
       return s.has_value();
