@@ -246,15 +246,30 @@ class ProcessTestBase : public ::testing::Test {
       } else {
         unsetenv("SHARDPS_CRASH_POINT");
       }
-      servers_.push_back(
-          Spawn({SHARDPS_SERVER_BIN, "--coordinator=" + coordinator_address_,
-                 std::string("--cluster_token=") + kToken, "--transport=" + spec.transport,
-                 "--bind_ip=" + ServerIp(spec.transport), "--rank=" + std::to_string(i),
-                 "--optimizer=" + spec.optimizer, LrFlag(spec.lr),
-                 "--aggregation=" + spec.aggregation, "--restore_from=" + spec.restore_from},
-                "server" + std::to_string(i) + ".log"));
+      servers_.push_back(SpawnServer(spec, i, {}, "server" + std::to_string(i) + ".log"));
     }
     unsetenv("SHARDPS_CRASH_POINT");
+  }
+  // One shardps_server of this test's cluster, requesting `rank`, with `extra` flags (--spare).
+  ChildProcess* SpawnServer(const ClusterSpec& spec, int rank,
+                            const std::vector<std::string>& extra, const std::string& log_name) {
+    std::vector<std::string> argv = {
+        SHARDPS_SERVER_BIN,        "--coordinator=" + coordinator_address_,
+        std::string("--cluster_token=") + kToken, "--transport=" + spec.transport,
+        "--bind_ip=" + ServerIp(spec.transport),  "--rank=" + std::to_string(rank),
+        "--optimizer=" + spec.optimizer,          LrFlag(spec.lr),
+        "--aggregation=" + spec.aggregation,      "--restore_from=" + spec.restore_from};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Spawn(argv, log_name);
+  }
+  // Waits (bounded) until `c`'s log holds `text`; false if it never did.
+  static bool WaitForLog(ChildProcess* c, const std::string& text, milliseconds bound) {
+    const auto until = Clock::now() + bound;
+    while (c != nullptr && Clock::now() < until) {
+      if (c->LogTail(1 << 22).find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(milliseconds(2));
+    }
+    return false;
   }
 
   // The coordinator, then its servers; false if the coordinator did not come up.
