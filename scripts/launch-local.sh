@@ -8,6 +8,8 @@
 #   --servers N            shard server groups (default 2)
 #   --replicas R           1, or 2: every group also gets a backup server (N*R server processes;
 #                          docs/fault-tolerance.md) (default 1)
+#   --spares K             K spare servers (shardps_server --spare; needs --replicas 2): after a
+#                          failover, a spare becomes the group's new backup (default 0)
 #   --checkpoint-dir DIR   periodic checkpoints go here (with --checkpoint-every K clocks)
 #   --workers M            workers (default 2)
 #   --transport T          verbs, tcp, shm or auto (default $SHARDPS_TRANSPORT, else auto)
@@ -33,7 +35,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${SHARDPS_BUILD_DIR:-build}
 [[ $BUILD == /* ]] || BUILD="$ROOT/$BUILD"
 
-replicas=1 checkpoint_dir= checkpoint_every=
+replicas=1 spares=0 checkpoint_dir= checkpoint_every=
 servers=2 workers=2 transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0
 optimizer=momentum lr=0.2 partition_bytes="" bind_ip=127.0.0.1 server_bind_ip="" trainer="" run_dir=""
 timeout_s=300 quiet=0
@@ -43,6 +45,7 @@ while (($#)); do
   case $1 in
     --servers) servers=$2; shift 2 ;;
     --replicas) replicas=$2; shift 2 ;;
+    --spares) spares=$2; shift 2 ;;
     --checkpoint-dir) checkpoint_dir=$2; shift 2 ;;
     --checkpoint-every) checkpoint_every=$2; shift 2 ;;
     --workers) workers=$2; shift 2 ;;
@@ -67,6 +70,8 @@ while (($#)); do
 done
 [[ $servers =~ ^[1-9][0-9]*$ && $workers =~ ^[1-9][0-9]*$ ]] || die "--servers/--workers must be >= 1"
 [[ $replicas =~ ^[12]$ ]] || die "--replicas must be 1 or 2"
+[[ $spares =~ ^[0-9]+$ ]] || die "--spares must be a number"
+((spares == 0 || replicas == 2)) || die "--spares needs --replicas 2 (a spare becomes a backup)"
 [[ $timeout_s =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds"
 case $transport in verbs|tcp|shm|auto) ;; *) die "--transport must be verbs, tcp, shm or auto" ;; esac
 case $consistency in
@@ -119,7 +124,7 @@ show_logs() {  # the tail of every stderr log, for a failure report
   done
 }
 
-echo "launch-local: $servers server group(s) x $replicas replica(s), $workers worker(s)," \
+echo "launch-local: $servers server group(s) x $replicas replica(s), $spares spare(s), $workers worker(s)," \
      "transport $transport, consistency" \
      "$consistency$([[ $consistency == ssp || $consistency == vsgd ]] && echo "(s=$staleness)")," \
      "optimizer $optimizer lr $lr; logs in $run_dir"
@@ -154,6 +159,15 @@ for ((i = 0; i < servers * replicas; i++)); do
     --optimizer="$optimizer" --lr="$lr" --exit_when_done \
     ${server_extra[@]+"${server_extra[@]}"} >"$run_dir/server-$i.log" 2>&1 &
   server_pids+=($!)
+  pids+=($!)
+done
+
+spare_pids=()
+for ((i = 0; i < spares; i++)); do
+  "$SERVER" --coordinator="$addr" --transport="$transport" --bind_ip="${server_bind_ip:-$bind_ip}" \
+    --optimizer="$optimizer" --lr="$lr" --exit_when_done --spare \
+    ${server_extra[@]+"${server_extra[@]}"} >"$run_dir/spare-$i.log" 2>&1 &
+  spare_pids+=($!)
   pids+=($!)
 done
 
@@ -228,11 +242,13 @@ fi
 if [[ -z $failed ]]; then
   for _ in $(seq 150); do  # 15 s
     running=0
-    for p in "$coord_pid" "${server_pids[@]}"; do alive "$p" && running=1; done
+    for p in "$coord_pid" "${server_pids[@]}" ${spare_pids[@]+"${spare_pids[@]}"}; do
+      alive "$p" && running=1
+    done
     ((running)) || break
     sleep 0.1
   done
-  for p in "$coord_pid" "${server_pids[@]}"; do
+  for p in "$coord_pid" "${server_pids[@]}" ${spare_pids[@]+"${spare_pids[@]}"}; do
     alive "$p" && echo "launch-local: pid $p did not exit by itself; stopping it" >&2
   done
 fi

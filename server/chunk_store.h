@@ -83,6 +83,7 @@ class ChunkStore {
   // oldest first), and replacing it.
   using History = std::deque<std::pair<uint64_t, std::vector<float>>>;
   const History& history(uint32_t slot) const { return chunks_[slot].history; }
+  const ChunkOptimizer& optimizer(uint32_t slot) const { return *chunks_[slot].optimizer; }
   void SetHistory(uint32_t slot, History h) { chunks_[slot].history = std::move(h); }
 
  private:

@@ -99,24 +99,26 @@ uint64_t Write(const HandoffState& s, uint32_t group, char* dst, uint64_t capaci
   w.Put(HandoffHeader{kHandoffMagic, kFormat, group, slots,
                       static_cast<uint32_t>(s.workers->all().size())});
   for (uint32_t slot = 0; slot < slots; ++slot) {
+    // Straight from the store into dst: the snapshot is taken on the apply thread, so it
+    // copies the group's state once.
     const bool init = chunks.initialised(slot);
-    const ChunkState cs = init ? chunks.Capture(slot) : ChunkState{};
+    const ChunkOptimizer& opt = chunks.optimizer(slot);
     const ChunkStore::History& hist = chunks.history(slot);
     SlotHeader h{};
     h.chunk_id = chunks.chunk_id(slot);
     h.version = chunks.version(slot);
     h.min_clock_plus1 = init ? chunks.published_min_clock_plus1(slot) : 0;
     h.applied_through = s.gate->applied_through(slot);
-    h.optimizer_steps = cs.optimizer_steps;
+    h.optimizer_steps = init ? opt.steps() : 0;
     h.elems = init ? chunks.elems(slot) : 0;
-    h.state1 = cs.state1.size();
-    h.state2 = cs.state2.size();
+    h.state1 = init ? opt.state1().size() : 0;
+    h.state2 = init ? opt.state2().size() : 0;
     h.history = init ? hist.size() : 0;
     w.Put(h);
     if (!init) continue;
-    w.PutFloats(cs.weights.data(), cs.weights.size());
-    w.PutFloats(cs.state1.data(), cs.state1.size());
-    w.PutFloats(cs.state2.data(), cs.state2.size());
+    w.PutFloats(chunks.published(slot), chunks.elems(slot));
+    w.PutFloats(opt.state1().data(), opt.state1().size());
+    w.PutFloats(opt.state2().data(), opt.state2().size());
     for (const auto& [version, weights] : hist) {
       w.Put(version);
       w.PutFloats(weights.data(), weights.size());
