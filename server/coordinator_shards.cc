@@ -440,7 +440,11 @@ void Coordinator::MaybeReplaceBackups() {
           reassigned_.count(static_cast<uint32_t>(r)) != 0) {
         continue;
       }
-      if (pick == nullptr || (c->member.spare() && !pick->member.spare())) pick = c.get();
+      // Spares first, then the lowest rank (deterministic: the first spare started).
+      if (pick == nullptr || (c->member.spare() && !pick->member.spare()) ||
+          (c->member.spare() == pick->member.spare() && c->member.rank() < pick->member.rank())) {
+        pick = c.get();
+      }
     }
     if (pick == nullptr) return;
     auto plan = PlanFromModel(model_, NumGroups(), options_.config.partition_bytes(),

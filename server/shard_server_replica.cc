@@ -117,6 +117,7 @@ void ShardServer::StartCatchUp(uint64_t endpoint_id, const layout::ReplHello& he
     catch_up_.reset();
   };
   if (!awaiting_snapshot_ || catch_up_) return fail("a snapshot it was not waiting for");
+  CrashPoint("server.before_catch_up");
   const uint32_t dn = std::min<uint32_t>(hello.descriptor_bytes, layout::kReplHelloDescriptorMax);
   auto d = transport::RegionDescriptor::Decode(std::string_view(hello.descriptor, dn));
   if (!d.ok()) return fail("the snapshot's descriptor: " + d.status().ToString());
