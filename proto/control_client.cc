@@ -15,17 +15,39 @@ namespace shardps::control {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+
+// "a:p,b:p": the coordinators of an HA cluster (only the leader listens), or one address.
+std::vector<std::string> Addresses(const std::string& list) {
+  std::vector<std::string> out;
+  size_t p = 0;
+  while (p <= list.size()) {
+    size_t comma = list.find(',', p);
+    if (comma == std::string::npos) comma = list.size();
+    if (comma > p) out.push_back(list.substr(p, comma - p));
+    p = comma + 1;
+  }
+  if (out.empty()) out.push_back(list);
+  return out;
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClientOptions& options) {
   std::unique_ptr<ControlClient> c(new ControlClient());
   // Launchers (mpirun MPMD, ssh, schedulers) start members and the coordinator together, so a
-  // refused or unreachable coordinator is retried until connect_timeout, then reported.
+  // refused or unreachable coordinator is retried until connect_timeout, then reported. With
+  // several addresses (HA coordinators) each is tried in turn: only the leader listens.
+  const std::vector<std::string> addresses = Addresses(options.coordinator_address);
   const auto deadline = Clock::now() + options.connect_timeout;
   bool logged = false;
-  while (true) {
+  for (size_t attempt = 0;; ++attempt) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    StatusOr<UniqueFd> fd = net::ConnectTcp(options.coordinator_address, "",
-                                            std::max(left, std::chrono::milliseconds(1)));
+    const std::chrono::milliseconds bound =
+        addresses.size() > 1 ? std::min(left, std::chrono::milliseconds(1000)) : left;
+    StatusOr<UniqueFd> fd = net::ConnectTcp(addresses[attempt % addresses.size()], "",
+                                            std::max(bound, std::chrono::milliseconds(1)));
     if (fd.ok()) {
       MutexLock l(&c->send_mu_);
       c->fd_ = std::move(*fd);
@@ -41,7 +63,9 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
                 << options.connect_timeout.count() << " ms";
       logged = true;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if ((attempt + 1) % addresses.size() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
   }
   RETURN_IF_ERROR(SendMagic(c->LoopFd(), options.connect_timeout));
   Envelope e;
@@ -206,9 +230,11 @@ bool ControlClient::Rejoin(const Status& why) {
   }
   const auto deadline = Clock::now() + options_.rejoin_window;
   Status last = why;
-  while (!stop_.load() && Clock::now() < deadline) {
-    StatusOr<UniqueFd> fd =
-        net::ConnectTcp(options_.coordinator_address, "", std::chrono::milliseconds(1000));
+  // HA: the next leader may be any of the coordinators; try each in turn.
+  const std::vector<std::string> addresses = Addresses(options_.coordinator_address);
+  for (size_t attempt = 0; !stop_.load() && Clock::now() < deadline; ++attempt) {
+    StatusOr<UniqueFd> fd = net::ConnectTcp(addresses[attempt % addresses.size()], "",
+                                            std::chrono::milliseconds(1000));
     if (!fd.ok()) {
       last = fd.status();
       std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -38,7 +38,7 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   c->wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!c->wake_fd_.valid()) return ErrnoError("eventfd", errno);
   ASSIGN_OR_RETURN(c->credential_secret_, crypto::RandomBytes(32));
-  if (!options.state_file.empty()) RETURN_IF_ERROR(c->LoadState());
+  if (c->Persistent()) RETURN_IF_ERROR(c->LoadState());
   c->thread_ = std::thread([p = c.get()] { p->Loop(); });
   LOG(INFO) << "coordinator: listening on " << c->address_ << "; liveness: "
             << c->timeouts_.ToString();
@@ -113,7 +113,7 @@ void Coordinator::Loop() {
       it = it->second->closing ? conns_.erase(it) : std::next(it);
     }
     if (dirty_) {
-      if (options_.state_file.empty()) {
+      if (!Persistent()) {
         dirty_ = false;
       } else {
         SaveState();
@@ -524,7 +524,7 @@ void Coordinator::Queue(Conn* c, const Envelope& e) {
   // shard map, a membership) leaves only once that state is in the state file, so a coordinator
   // that dies in between never has told anyone what its successor will not know. The loop
   // flushes right after saving.
-  if (!dirty_ || options_.state_file.empty()) FlushOutput(c);
+  if (!dirty_ || !Persistent()) FlushOutput(c);
 }
 
 void Coordinator::FlushOutput(Conn* c) {

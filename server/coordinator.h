@@ -54,6 +54,12 @@ struct CoordinatorOptions {
   std::string state_file;
   // 0 = config.rejoin_grace_ms (itself derived from the lease when 0; proto/fault_timeouts.h).
   std::chrono::milliseconds rejoin_grace{0};
+  // HA (docs/control-protocol.md, "HA coordinator"): the state lives in etcd under
+  // etcd_state_key instead of state_file, and is written only while etcd_leader_key holds
+  // etcd_leader_value (this coordinator's leadership). A write refused because another
+  // coordinator leads ends this process at once: it must never act beside the leader.
+  std::string etcd_endpoints;
+  std::string etcd_leader_key, etcd_leader_value, etcd_state_key;
 };
 
 struct CoordinatorCounters {
@@ -143,8 +149,14 @@ class Coordinator {
   void FailStartUp(const std::string& why);
   void FillServerEntry(uint32_t group, uint32_t server_rank, ServerEntry* e);
   void BroadcastShardMap();
-  // Restart support.
+  // Restart support (a state file, or etcd for HA coordinators).
+  bool Persistent() const { return !options_.state_file.empty() || !options_.etcd_endpoints.empty(); }
   void SaveState();
+  StatusOr<std::string> ReadStateBytes(bool* found);
+  std::string StateSource() const {
+    return options_.etcd_endpoints.empty() ? options_.state_file
+                                           : "etcd " + options_.etcd_state_key;
+  }
   Status LoadState();
   bool IsPending(uint32_t member_id) const { return pending_.count(member_id) != 0; }
   // The secret credential of a member (docs/security.md): HMAC-SHA256 under

@@ -12,6 +12,8 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
+#include "proto/etcd_client.h"
+
 #include "server/coordinator.h"
 
 DEFINE_string(listen, "0.0.0.0:7070", "Control-plane listen address (host:port; port 0 picks)");
@@ -58,10 +60,65 @@ DEFINE_int32(rejoin_grace_ms, 0,
              "After a restart: members of the saved state that do not rejoin within this are "
              "declared departed (0: the lease; it may not be shorter)");
 DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
+DEFINE_string(etcd, "",
+              "HA: etcd client endpoints (host:port,...). Several coordinators with the same "
+              "--etcd and --etcd_prefix elect one leader; the state lives in etcd, and members "
+              "get every coordinator's address (--coordinator=a:p,b:p)");
+DEFINE_string(etcd_prefix, "/shardps/default", "HA: the cluster's key prefix in etcd");
+DEFINE_int32(etcd_lease_s, 3,
+             "HA: the leader's etcd lease (seconds): a dead leader is replaced after about this");
 
 namespace {
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
+
+// HA: campaigns until this coordinator holds the leader key (a standby waits here, not
+// listening, so members only ever reach the leader); returns the lease it holds it with.
+int64_t BecomeLeader(shardps::etcd::Client& etcd, const std::string& key,
+                     const std::string& value) {
+  std::string seen;
+  while (!g_stop) {
+    auto lease = etcd.GrantLease(FLAGS_etcd_lease_s);
+    if (lease.ok()) {
+      auto won = etcd.CreateIfAbsent(key, value, *lease);
+      if (won.ok() && *won) return *lease;
+      etcd.Revoke(*lease).IgnoreError();
+      auto leader = etcd.Get(key);
+      const std::string now = leader.ok() && leader->has_value() ? (*leader)->value : "";
+      if (now != seen) {
+        LOG(INFO) << "coordinator: STANDBY; the leader is " << (now.empty() ? "(none)" : now);
+        seen = now;
+      }
+    } else {
+      LOG_EVERY_N(WARNING, 10) << "coordinator: etcd: " << lease.status();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return 0;
+}
+
+// HA: keeps the leader's lease alive; ends this process the moment it may have lapsed (another
+// coordinator may lead from then on, and two must never act at once).
+void KeepLeadership(std::string endpoints, int64_t lease) {
+  auto etcd = shardps::etcd::Client::Create(endpoints, std::chrono::milliseconds(1000));
+  auto renewed = std::chrono::steady_clock::now();
+  const auto ttl = std::chrono::seconds(FLAGS_etcd_lease_s);
+  while (!g_stop) {
+    std::this_thread::sleep_for(ttl / 4);
+    auto left = etcd->KeepAlive(lease);
+    if (left.ok()) {
+      renewed = std::chrono::steady_clock::now();
+      continue;
+    }
+    // Not renewed for most of the TTL (or expired): stop before a successor can be elected.
+    if (left.status().code() == shardps::StatusCode::kNotFound ||
+        std::chrono::steady_clock::now() - renewed > ttl * 3 / 4) {
+      LOG(ERROR) << "coordinator: LOST LEADERSHIP (etcd lease: " << left.status()
+                 << "); exiting at once so that only the leader acts";
+      std::_Exit(3);
+    }
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,6 +179,39 @@ int main(int argc, char** argv) {
                  << " weights for --num_servers=" << FLAGS_num_servers;
       return 2;
     }
+  }
+  std::thread keeper;
+  if (!FLAGS_etcd.empty()) {
+    auto etcd = shardps::etcd::Client::Create(FLAGS_etcd);
+    if (!etcd.ok()) {
+      LOG(ERROR) << "--etcd: " << etcd.status();
+      return 2;
+    }
+    if (FLAGS_listen.find(":0") == FLAGS_listen.size() - 2 || FLAGS_etcd_lease_s < 1) {
+      LOG(ERROR) << "--etcd needs a fixed --listen port (members are given every "
+                    "coordinator's address) and --etcd_lease_s >= 1";
+      return 2;
+    }
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    o.etcd_endpoints = FLAGS_etcd;
+    o.etcd_leader_key = FLAGS_etcd_prefix + "/leader";
+    o.etcd_state_key = FLAGS_etcd_prefix + "/state";
+    o.etcd_leader_value = FLAGS_listen + " " + host + "/" + std::to_string(getpid());
+    if (!o.state_file.empty()) {
+      LOG(WARNING) << "--state_file is ignored with --etcd (the state lives in etcd)";
+      o.state_file.clear();
+    }
+    LOG(INFO) << "coordinator: HA via etcd " << FLAGS_etcd << " (" << FLAGS_etcd_prefix
+              << "); campaigning as " << o.etcd_leader_value;
+    signal(SIGINT, OnSignal);
+    signal(SIGTERM, OnSignal);
+    const int64_t lease = BecomeLeader(*etcd, o.etcd_leader_key, o.etcd_leader_value);
+    if (g_stop) return 0;
+    LOG(WARNING) << "coordinator: ELECTED leader (etcd lease " << lease << ", "
+                 << FLAGS_etcd_lease_s << " s); loading the cluster's state from etcd";
+    keeper = std::thread(KeepLeadership, FLAGS_etcd, lease);
+    keeper.detach();
   }
   auto c = Coordinator::Start(o);
   if (!c.ok()) {

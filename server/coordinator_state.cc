@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <cerrno>
 #include <string>
 
@@ -12,6 +14,7 @@
 
 #include "common/fd.h"
 #include "proto/credentials.h"
+#include "proto/etcd_client.h"
 #include "server/coordinator.h"
 #include "server/coordinator_conn.h"
 
@@ -51,6 +54,25 @@ void Coordinator::SaveState() {
     LOG(ERROR) << "coordinator: cannot serialise its state";
     return;
   }
+  if (!options_.etcd_endpoints.empty()) {
+    // HA: written only while this coordinator still leads (a transaction guarded by the
+    // leader key). Refused means another coordinator leads: stop now, never act beside it.
+    auto etcd = etcd::Client::Create(options_.etcd_endpoints);
+    StatusOr<bool> put = etcd.ok() ? etcd->PutIf(options_.etcd_leader_key, options_.etcd_leader_value,
+                                                 options_.etcd_state_key, bytes)
+                                   : StatusOr<bool>(etcd.status());
+    if (put.ok() && !*put) {
+      LOG(ERROR) << "coordinator: LOST LEADERSHIP (" << options_.etcd_leader_key
+                 << " no longer names this coordinator); exiting at once so that only the "
+                    "leader acts";
+      std::_Exit(3);
+    }
+    if (!put.ok()) {
+      LOG(ERROR) << "coordinator: cannot save its state to etcd: " << put.status()
+                 << " (a successor would not know the latest change)";
+    }
+    return;
+  }
   const std::string tmp = options_.state_file + ".tmp";
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   bool ok = fd.valid() && fdio::WriteAll(fd.get(), bytes.data(), bytes.size()).ok();
@@ -83,12 +105,21 @@ Envelope Coordinator::ShardMapFor(const Member& worker) const {
   return e;
 }
 
-Status Coordinator::LoadState() {
+StatusOr<std::string> Coordinator::ReadStateBytes(bool* found) {
+  *found = false;
+  if (!options_.etcd_endpoints.empty()) {
+    ASSIGN_OR_RETURN(etcd::Client etcd, etcd::Client::Create(options_.etcd_endpoints));
+    ASSIGN_OR_RETURN(std::optional<etcd::KeyValue> kv, etcd.Get(options_.etcd_state_key));
+    if (!kv) return std::string();
+    *found = true;
+    return kv->value;
+  }
   UniqueFd fd(open(options_.state_file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) {
-    if (errno == ENOENT) return Status::OK();  // a fresh cluster
+    if (errno == ENOENT) return std::string();  // a fresh cluster
     return ErrnoError("open " + options_.state_file, errno);
   }
+  *found = true;
   std::string bytes;
   char buf[1 << 16];
   while (true) {
@@ -99,15 +130,22 @@ Status Coordinator::LoadState() {
     bytes.append(buf, static_cast<size_t>(k));
     if (bytes.size() > (256u << 20)) return DataLossError(options_.state_file + ": too large");
   }
+  return bytes;
+}
+
+Status Coordinator::LoadState() {
+  bool found = false;
+  ASSIGN_OR_RETURN(std::string bytes, ReadStateBytes(&found));
+  if (!found) return Status::OK();  // a fresh cluster
   CoordinatorState st;
   if (!st.ParseFromString(bytes)) {
-    return DataLossError(options_.state_file + ": not a coordinator state (corrupt?)");
+    return DataLossError(StateSource() + ": not a coordinator state (corrupt?)");
   }
   next_member_id_ = std::max<uint32_t>(st.next_member_id(), 1);
   if (st.credential_secret().size() == 32) {
     credential_secret_ = st.credential_secret();
   } else if (!st.members().empty()) {
-    LOG(WARNING) << "coordinator: " << options_.state_file
+    LOG(WARNING) << "coordinator: " << StateSource()
                  << " has no credential secret (an older version wrote it): its members cannot "
                     "prove who they are and must join anew";
   }
@@ -136,7 +174,7 @@ Status Coordinator::LoadState() {
     membership_.set_epoch(st.epoch());
     *membership_.mutable_members() = st.members();
   }
-  LOG(WARNING) << "coordinator: restarted from " << options_.state_file << " at epoch "
+  LOG(WARNING) << "coordinator: restarted from " << StateSource() << " at epoch "
                << st.epoch() << "; expecting " << pending_.size() << " members back within "
                << options_.rejoin_grace.count() << " ms";
   return Status::OK();

@@ -18,79 +18,31 @@
 
 #include "common/net.h"
 #include "tests/integration/child_process.h"
+#include "tests/integration/etcd_cluster.h"
 
 namespace shardps {
 namespace {
 
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
-using testing_util::ChildProcess;
-
-constexpr const char* kEtcd = "/usr/bin/etcd";
-
-// A free loopback port (bound, then released: the etcd member binds it next).
-uint16_t FreePort() {
-  std::string bound;
-  auto fd = net::ListenTcp("127.0.0.1:0", &bound);
-  if (!fd.ok()) return 0;
-  return static_cast<uint16_t>(std::stoi(bound.substr(bound.rfind(':') + 1)));
-}
 
 class EtcdClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (access(kEtcd, X_OK) != 0) GTEST_SKIP() << kEtcd << " is not installed (etcd-server)";
     std::string tmpl = ::testing::TempDir() + "shardps-etcd-XXXXXX";
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
-    std::string cluster;
-    for (int i = 0; i < 3; ++i) {
-      client_port_[i] = FreePort();
-      peer_port_[i] = FreePort();
-      cluster += (i ? "," : "") + Name(i) + "=http://127.0.0.1:" + std::to_string(peer_port_[i]);
-    }
-    for (int i = 0; i < 3; ++i) {
-      const std::string c = "http://127.0.0.1:" + std::to_string(client_port_[i]);
-      const std::string p = "http://127.0.0.1:" + std::to_string(peer_port_[i]);
-      auto m = ChildProcess::Spawn(
-          {kEtcd, "--name=" + Name(i), "--data-dir=" + dir_ + "/" + Name(i),
-           "--listen-client-urls=" + c, "--advertise-client-urls=" + c, "--listen-peer-urls=" + p,
-           "--initial-advertise-peer-urls=" + p, "--initial-cluster=" + cluster,
-           "--initial-cluster-state=new", "--initial-cluster-token=shardps-etcd-test",
-           "--heartbeat-interval=50", "--election-timeout=500"},
-          dir_ + "/" + Name(i) + ".log");
-      ASSERT_TRUE(m.ok()) << m.status();
-      members_.push_back(std::move(*m));
-    }
-    // Healthy once a write goes through (bounded).
-    auto c = etcd::Client::Create(Endpoints());
-    ASSERT_TRUE(c.ok()) << c.status();
-    const auto until = Clock::now() + milliseconds(30000);
-    Status st = UnavailableError("not tried");
-    while (Clock::now() < until && !(st = c->Put("/shardps-test/up", "1")).ok()) {
-      std::this_thread::sleep_for(milliseconds(100));
-    }
-    ASSERT_TRUE(st.ok()) << "etcd cluster did not come up: " << st << "\n"
-                         << members_[0]->LogTail();
+    const std::string why = cluster_.Start(dir_);
+    if (why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
+    ASSERT_EQ(why, "");
   }
   void TearDown() override {
-    for (auto& m : members_) m->Kill();
-    members_.clear();
     if (!dir_.empty() && !HasFailure()) std::filesystem::remove_all(dir_);
   }
-  static std::string Name(int i) { return "m" + std::to_string(i); }
-  std::string Endpoints() const {
-    std::string e;
-    for (int i = 0; i < 3; ++i) {
-      e += (i ? "," : "") + std::string("http://127.0.0.1:") + std::to_string(client_port_[i]);
-    }
-    return e;
-  }
+  std::string Endpoints() const { return cluster_.Endpoints(); }
 
   std::string dir_;
-  uint16_t client_port_[3] = {0, 0, 0};
-  uint16_t peer_port_[3] = {0, 0, 0};
-  std::vector<std::unique_ptr<ChildProcess>> members_;
+  testing_util::EtcdCluster cluster_;
 };
 
 TEST(EtcdBase64Test, RoundTripsEveryByte) {
@@ -163,7 +115,7 @@ TEST_F(EtcdClusterTest, AnExpiredLeaseTakesItsKeysAndCannotBeRenewed) {
 TEST_F(EtcdClusterTest, TheClientGoesOnWhenTheMemberItUsedDies) {
   auto c = *etcd::Client::Create(Endpoints(), milliseconds(8000));
   ASSERT_TRUE(c.Put("/shardps-test/k", "1").ok());
-  members_[0]->Kill();  // the first endpoint, the one the client answered from
+  cluster_.member(0)->Kill();  // the first endpoint, the one the client answered from
   const auto until = Clock::now() + milliseconds(15000);
   Status st;
   while (Clock::now() < until && !(st = c.Put("/shardps-test/k", "2")).ok()) {

@@ -195,8 +195,20 @@ class ProcessTestBase : public ::testing::Test {
     const std::string addr_file = Path("coordinator.addr");
     std::error_code ec;
     std::filesystem::remove(addr_file, ec);  // a restarted cluster must not read the old one
-    coordinator_ =
-        Spawn({SHARDPS_COORDINATOR_BIN, "--listen=" + spec.listen, "--address_file=" + addr_file,
+    coordinator_ = Spawn(CoordinatorArgs(spec, spec.listen, addr_file), "coordinator.log");
+    if (coordinator_ == nullptr) return "";
+    auto addr = WaitForFile(addr_file, milliseconds(10000), coordinator_);
+    EXPECT_TRUE(addr.ok()) << addr.status();
+    if (!addr.ok()) return "";
+    std::string a = *addr;
+    a.erase(a.find_last_not_of("\n ") + 1);
+    coordinator_address_ = a;
+    return a;
+  }
+  // shardps_coordinator's command line for `spec`, listening on `listen`.
+  std::vector<std::string> CoordinatorArgs(const ClusterSpec& spec, const std::string& listen,
+                                           const std::string& addr_file) const {
+    return {SHARDPS_COORDINATOR_BIN, "--listen=" + listen, "--address_file=" + addr_file,
                "--state_file=" + spec.state_file,
                // At least the lease (checked at start), and long enough for slow restarts.
                "--rejoin_grace_ms=" +
@@ -214,16 +226,7 @@ class ProcessTestBase : public ::testing::Test {
                "--replicas=" + std::to_string(spec.replicas),
                "--max_workers=" + std::to_string(spec.max_workers), "--failover_timeout_ms=0",
                "--checkpoint_dir=" + spec.checkpoint_dir,
-               "--checkpoint_every=" + std::to_string(spec.checkpoint_every)},
-              "coordinator.log");
-    if (coordinator_ == nullptr) return "";
-    auto addr = WaitForFile(addr_file, milliseconds(10000), coordinator_);
-    EXPECT_TRUE(addr.ok()) << addr.status();
-    if (!addr.ok()) return "";
-    std::string a = *addr;
-    a.erase(a.find_last_not_of("\n ") + 1);
-    coordinator_address_ = a;
-    return a;
+               "--checkpoint_every=" + std::to_string(spec.checkpoint_every)};
   }
 
   std::string ServerIp(const std::string& transport) const {

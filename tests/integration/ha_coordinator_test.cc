@@ -1,0 +1,104 @@
+// HA coordinators (docs/control-protocol.md, "HA coordinator"): two shardps_coordinator
+// processes share a 3-member etcd cluster on loopback (started by the test); one is elected
+// leader and keeps the cluster's state in etcd, the other waits as a standby without listening.
+// Members are given both addresses. kill -9 of the leader mid-training, and together with a
+// primary (during a failover): the standby is elected, loads the state, the members rejoin it,
+// and the BSP run ends BIT-IDENTICAL to the one-process reference. Part of process_cluster_test
+// (tcp and shm: the control plane does not depend on the data path).
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/integration/child_process.h"
+#include "tests/integration/etcd_cluster.h"
+#include "tests/integration/process_test_base.h"
+
+namespace shardps {
+namespace {
+
+using namespace proc_test;  // NOLINT(build/namespaces): the shared fixtures
+
+class HaCoordinatorTest : public ProcessClusterTest {
+ protected:
+  // The etcd cluster, then coordinator A (elected) and B (standby); members get both.
+  void StartHa(const ClusterSpec& spec) {
+    const std::string why = etcd_.Start(dir_);
+    if (why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
+    ASSERT_EQ(why, "");
+    const std::string prefix = "/shardps/ha-test-" + std::to_string(getpid());
+    for (int i = 0; i < 2; ++i) {
+      const std::string listen = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+      std::vector<std::string> argv =
+          CoordinatorArgs(spec, listen, Path("coordinator" + std::to_string(i) + ".addr"));
+      argv.push_back("--etcd=" + etcd_.Endpoints());
+      argv.push_back("--etcd_prefix=" + prefix);
+      argv.push_back("--etcd_lease_s=2");
+      argv.push_back("--rejoin_grace_ms=5000");
+      coordinators_[i] = Spawn(argv, "coordinator" + std::to_string(i) + ".log");
+      ASSERT_NE(coordinators_[i], nullptr);
+      ASSERT_TRUE(WaitForLog(coordinators_[i], i == 0 ? "ELECTED" : "STANDBY", ProcessBound()))
+          << Tail(coordinators_[i]);
+      coordinator_address_ += (i ? "," : "") + listen;
+    }
+    coordinator_ = coordinators_[0];
+    StartServers(spec);
+  }
+
+  testing_util::EtcdCluster etcd_;
+  ChildProcess* coordinators_[2] = {nullptr, nullptr};
+};
+
+TEST_P(HaCoordinatorTest, KillingTheLeaderMidTrainingIsBitIdentical) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  // Long enough (~5 s) that the standby is elected (the leader's 2 s etcd lease) mid-run.
+  const int kSteps = 150;
+  ASSERT_NO_FATAL_FAILURE(StartHa(spec));
+  if (IsSkipped()) return;
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
+                                                           "--step_delay_ms=30"});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  coordinators_[0]->Kill();
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(WaitForLog(coordinators_[1], "ELECTED", ProcessBound())) << Tail(coordinators_[1]);
+  const auto elected = std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count();
+  ASSERT_LT(WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr), kSteps)
+      << "training ended before the new leader was elected";
+  ExpectWorkersMatchReference(spec, workers, standalone, kSteps, /*failovers=*/0, ProcessBound());
+  EXPECT_NE(coordinators_[1]->LogTail(1 << 22).find("rejoined"), std::string::npos);
+  std::cerr << "[ info ] " << GetParam() << ": leader killed; standby elected " << elected
+            << " ms later; training went on, weights bit-identical\n";
+}
+
+TEST_P(HaCoordinatorTest, KillingTheLeaderWithAPrimaryFailsOverUnderTheNewLeader) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const int kSteps = 60;
+  ASSERT_NO_FATAL_FAILURE(StartHa(spec));
+  if (IsSkipped()) return;
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
+                                                           "--step_delay_ms=15"});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  coordinators_[0]->Kill();
+  servers_[0]->Kill();
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(WaitForLog(servers_[2], "PROMOTED", ProcessBound())) << Tail(servers_[2]);
+  const auto promoted = std::chrono::duration_cast<milliseconds>(Clock::now() - t0).count();
+  ExpectWorkersMatchReference(spec, workers, standalone, kSteps, /*failovers=*/1, ProcessBound());
+  std::cerr << "[ info ] " << GetParam() << ": leader and primary 0 killed together; the new "
+            << "leader promoted the backup " << promoted << " ms later; bit-identical\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, HaCoordinatorTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace shardps
