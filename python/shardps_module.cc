@@ -235,13 +235,15 @@ PYBIND11_MODULE(_shardps, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
                     const std::string&, const std::string&, int, int64_t, int64_t, uint64_t>(),
-           py::arg("coordinator"), py::arg("cluster_token") = "", py::arg("rank") = -1,
+           py::arg("coordinator") = "", py::arg("cluster_token") = "", py::arg("rank") = -1,
            py::arg("transport") = "auto", py::arg("bind_ip") = "", py::arg("rdma_device") = "",
            py::arg("rdma_gid_index") = -1,
            py::arg("setup_timeout_ms") = static_cast<int64_t>(d.setup_timeout.count()),
            py::arg("wait_timeout_ms") = static_cast<int64_t>(d.wait_timeout.count()),
            py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes,
-           "Joins the cluster at coordinator (host:port).")
+           "Joins the cluster at coordinator (host:port). Unset settings come from the "
+           "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, and the "
+           "rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
       .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
       .def("start", &PyClient::Start)

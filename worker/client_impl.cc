@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -13,7 +14,46 @@
 
 namespace shardps {
 
-StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
+  std::string from;
+  auto take = [&](std::string* field, const char* var, const char* what) {
+    const char* v = getenv(var);
+    if (v == nullptr || *v == '\0') return false;
+    *field = v;
+    from += std::string(from.empty() ? "" : ", ") + what + " from " + var;
+    return true;
+  };
+  if (o.coordinator.empty()) take(&o.coordinator, "SHARDPS_COORDINATOR", "coordinator");
+  if (o.cluster_token.empty()) take(&o.cluster_token, "SHARDPS_CLUSTER_TOKEN", "cluster token");
+  if (o.transport.empty() || o.transport == "auto") {
+    take(&o.transport, "SHARDPS_TRANSPORT", "transport");
+  }
+  if (o.requested_rank < 0) {
+    for (const char* var :
+         {"SHARDPS_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK"}) {
+      const char* v = getenv(var);
+      if (v == nullptr || *v == '\0') continue;
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (*end != '\0' || r < 0 || r > 65535) continue;
+      o.requested_rank = static_cast<int>(r);
+      from += std::string(from.empty() ? "" : ", ") + "rank " + std::to_string(r) + " from " + var;
+      break;
+    }
+  }
+  if (sources != nullptr) *sources = from;
+  return o;
+}
+
+StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
+  std::string sources;
+  const ClientOptions options = WithEnvironmentDefaults(given, &sources);
+  if (options.coordinator.empty()) {
+    return InvalidArgumentError(
+        "no coordinator: set ClientOptions.coordinator (Python: Client(coordinator=...)) or "
+        "SHARDPS_COORDINATOR");
+  }
+  if (!sources.empty()) LOG(INFO) << "client settings from the environment: " << sources;
   auto c = std::make_unique<worker::ClientImpl>(options);
   RETURN_IF_ERROR(c->Init());
   return std::unique_ptr<Client>(std::move(c));
@@ -58,7 +98,7 @@ transport::FabricOptions ClientFabricOptions(const ClientOptions& options) {
 StatusOr<std::unique_ptr<Client>> ConnectOverFabric(const ClientOptions& options,
                                                     std::unique_ptr<transport::Fabric> fabric) {
   if (fabric == nullptr) return InvalidArgumentError("ConnectOverFabric: null fabric");
-  auto c = std::make_unique<ClientImpl>(options);
+  auto c = std::make_unique<ClientImpl>(WithEnvironmentDefaults(options));
   RETURN_IF_ERROR(c->Init(std::move(fabric)));
   return std::unique_ptr<Client>(std::move(c));
 }

@@ -74,6 +74,17 @@ struct ClientOptions {
   uint64_t cuda_pipeline_bytes = 1u << 20;
 };
 
+// Fills in what `options` leaves unset from the environment, as launchers set it (shardps.run,
+// torchrun, mpirun, Slurm), so a trainer needs no flags of its own:
+//   coordinator     ""     <- SHARDPS_COORDINATOR ("host:port", or a comma list of HA coordinators)
+//   cluster_token   ""     <- SHARDPS_CLUSTER_TOKEN
+//   requested_rank  < 0    <- the first set of SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK,
+//                             SLURM_PROCID, RANK (a non-negative integer)
+//   transport       "auto" <- SHARDPS_TRANSPORT
+// What the caller set always wins. `sources`, if given, gets "field from VARIABLE" for each
+// value taken. Client::Connect applies it (and logs the sources).
+ClientOptions WithEnvironmentDefaults(ClientOptions options, std::string* sources = nullptr);
+
 // How a registered tensor's memory reaches the network (logged at RegisterTensor).
 enum class TensorPath {
   kHost = 0,        // host memory, registered as it is
