@@ -7,8 +7,10 @@
     ... c.step() ...            # push gw, clock, pull into w
 
 shardps.torch.DistributedOptimizer wraps a PyTorch model; shardps.launch.LocalCluster starts a
-coordinator and servers on this host.
+coordinator and servers on this host; `python -m shardps.run -- TRAINER...` starts a cluster and
+N copies of any trainer, which find it through the environment (Client() needs no arguments).
 """
 from ._shardps import Client, Error  # noqa: F401
+from ._build_info import VERSION as __version__  # noqa: F401
 
-__all__ = ["Client", "Error"]
+__all__ = ["Client", "Error", "__version__"]

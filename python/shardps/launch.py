@@ -19,7 +19,7 @@ from . import _build_info
 class LocalCluster:
     def __init__(self, servers=2, workers=1, consistency="bsp", staleness=0, optimizer="sgd",
                  lr=0.1, transport="tcp", partition_bytes=None, build_dir=None, run_dir=None,
-                 extra_server_args=(), timeout=20.0, grace=5.0):
+                 extra_server_args=(), timeout=20.0, grace=5.0, replicas=1, spares=0):
         self.build_dir = build_dir or os.environ.get("SHARDPS_BUILD_DIR") or _build_info.BUILD_DIR
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="shardps-local-")
         self.token = secrets.token_hex(16)
@@ -35,7 +35,8 @@ class LocalCluster:
         env = dict(os.environ, SHARDPS_CLUSTER_TOKEN=self.token)
         args = [coord, "--listen=127.0.0.1:0", f"--address_file={addr_file}",
                 f"--consistency={consistency}", f"--staleness={staleness}",
-                f"--num_servers={servers}", f"--num_workers={workers}", "--exit_when_done"]
+                f"--num_servers={servers}", f"--num_workers={workers}", "--exit_when_done",
+                f"--replicas={replicas}"]
         if transport != "auto":
             args.append(f"--data_transport={transport}")
         if partition_bytes:
@@ -51,11 +52,15 @@ class LocalCluster:
                 time.sleep(0.05)
             with open(addr_file) as f:
                 self.address = f.read().strip()
-            for i in range(servers):
+            # Ranks servers..2*servers-1 are the backups (replicas=2); spares wait for a group
+            # that loses its backup (docs/fault-tolerance.md).
+            for i in range(servers * replicas + spares):
+                spare = i >= servers * replicas
                 self._spawn([server, f"--coordinator={self.address}", f"--transport={transport}",
-                             "--bind_ip=127.0.0.1", f"--rank={i}", f"--optimizer={optimizer}",
-                             f"--lr={lr!r}", "--exit_when_done", *extra_server_args],
-                            f"server-{i}.log", env)
+                             "--bind_ip=127.0.0.1", f"--rank={-1 if spare else i}",
+                             f"--optimizer={optimizer}", f"--lr={lr!r}", "--exit_when_done",
+                             *(["--spare"] if spare else []), *extra_server_args],
+                            f"spare-{i}.log" if spare else f"server-{i}.log", env)
         except BaseException:
             self.close()
             raise

@@ -1,6 +1,10 @@
 """Tests of the Python module shardps on real local clusters (shardps.launch.LocalCluster: a
 coordinator and servers as processes, tcp). Run by ctest (label python) with PYTHONPATH at
 BUILD/python: /usr/bin/python3 -m pytest tests/python (or -m unittest)."""
+import os
+import subprocess
+import sys
+import tempfile
 import unittest
 
 import numpy as np
@@ -294,3 +298,54 @@ class CudaTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+TRAINER = r"""
+import os, numpy as np, shardps
+c = shardps.Client(bind_ip="127.0.0.1", setup_timeout_ms=20000, wait_timeout_ms=10000)
+w = np.zeros(16, dtype=np.float32)
+g = np.ones(16, dtype=np.float32)
+c.register("w", w, g)
+c.start()
+for _ in range(5):
+    c.step()
+print("rank", c.rank, "of", os.environ["SHARDPS_NUM_WORKERS"], "w0", repr(float(w[0])), flush=True)
+c.close()
+"""
+
+
+class RunLauncherTest(unittest.TestCase):
+    """python -m shardps.run starts a cluster and N copies of a trainer that takes every setting
+    from the environment (no flags, no expected output)."""
+
+    def test_any_trainer_gets_its_settings_from_the_environment(self):
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "trainer.py")
+            with open(script, "w") as f:
+                f.write(TRAINER)
+            env = dict(os.environ)
+            for v in ("SHARDPS_COORDINATOR", "SHARDPS_CLUSTER_TOKEN", "SHARDPS_RANK"):
+                env.pop(v, None)
+            r = subprocess.run([sys.executable, "-m", "shardps.run", "--servers", "2",
+                                "--workers", "2", "--lr", "0.5", "--timeout", "90",
+                                "--run-dir", d, "--", sys.executable, script],
+                               env=env, capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            # BSP average of two gradients of ones, lr 0.5, five steps, in float32.
+            want = np.float32(0)
+            for _ in range(5):
+                want = np.float32(want - np.float32(0.5) * np.float32(1.0))
+            self.assertIn("rank 0 of 2 w0 %r" % float(want), r.stdout)
+            with open(os.path.join(d, "worker-1.log")) as f:
+                self.assertIn("rank 1 of 2 w0 %r" % float(want), f.read())
+
+    def test_a_failing_trainer_fails_the_run(self):
+        r = subprocess.run([sys.executable, "-m", "shardps.run", "--servers", "1", "--workers",
+                            "2", "--timeout", "60", "--", sys.executable, "-c",
+                            "import os, sys; sys.exit(3 if os.environ['SHARDPS_RANK'] == '1' else 0)"],
+                           capture_output=True, text=True, timeout=90)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("worker 1 exited with 3", r.stderr)
+
+    def test_version(self):
+        self.assertRegex(shardps.__version__, r"^\d+\.\d+\.\d+$")
