@@ -51,9 +51,9 @@ class DistributedOptimizer:
         if not named:
             raise ValueError("no parameters to train")
         if client is None:
-            if coordinator is None:
-                raise ValueError("give a shardps.Client or coordinator=")
-            client = Client(coordinator, cluster_token=cluster_token, **client_kwargs)
+            # No coordinator given: the client takes it (and the token, rank, transport) from
+            # the environment a launcher set (SHARDPS_COORDINATOR ...; python -m shardps.run).
+            client = Client(coordinator or "", cluster_token=cluster_token, **client_kwargs)
         self.client = client
         self._params = []
         for name, p in named:
