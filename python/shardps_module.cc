@@ -131,6 +131,9 @@ class PyClient {
     Blocking([](shardps::Client& c) { return c.Step(); });
   }
   void Clock() { Check(Live().Clock()); }
+  void SetLearningRate(const std::string& name, float lr) {
+    Check(Live().SetLearningRate(name, lr));
+  }
   uint64_t RequestCheckpoint(const std::string& dir) {
     shardps::Client& c = Live();
     shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
@@ -252,6 +255,9 @@ PYBIND11_MODULE(_shardps, m) {
       .def("pull", &PyClient::Pull, py::arg("name"))
       .def("wait", &PyClient::Wait, py::arg("handle"))
       .def("clock", &PyClient::Clock)
+      .def("set_lr", &PyClient::SetLearningRate, py::arg("name"), py::arg("lr"),
+           "The learning rate the servers apply to this worker's next pushes of tensor `name` "
+           "('' = every tensor; 0 = the servers' --lr); it travels with the pushes.")
       .def("request_checkpoint", &PyClient::RequestCheckpoint, py::arg("dir") = "",
            "Asks every server for a checkpoint at the next clock; returns that clock.")
       .def("close", &PyClient::Close)

@@ -58,11 +58,12 @@ uint32_t ChunkStore::Init(uint32_t slot, const float* src) {
   return 0;
 }
 
-uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale) {
+uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
+                             float lr) {
   DenseChunk& c = chunks_[slot];
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
-  c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target]);
+  c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target], lr);
   return target;
 }
 

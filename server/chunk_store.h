@@ -66,7 +66,9 @@ class ChunkStore {
   // Copies the initial weights into buffer 0; returns the buffer (0).
   uint32_t Init(uint32_t slot, const float* src);
   // Computes the next version from the published one into the other buffer; returns it.
-  uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale);
+  // `lr` > 0: the rate the trainer's push carried (else the configured one).
+  uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
+                   float lr = 0.0f);
   // VSGD: the learning-rate scale for a gradient computed on `base_version` (1 when current).
   float ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const;
   // Makes the version in `buffer` (the next version number) visible to pulls.

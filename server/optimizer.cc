@@ -22,9 +22,9 @@ ChunkOptimizer::ChunkOptimizer(const OptimizerConfig& config, size_t elements)
 }
 
 void ChunkOptimizer::Apply(const float* src, const float* grad, float scale, float lr_scale,
-                           float* dst) {
+                           float* dst, float lr_override) {
   ++steps_;
-  const float lr = config_.lr * lr_scale;
+  const float lr = (lr_override > 0.0f ? lr_override : config_.lr) * lr_scale;
   const float wd = config_.weight_decay;
   switch (config_.kind) {
     case OptimizerKind::kSgd:

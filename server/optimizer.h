@@ -43,8 +43,10 @@ class ChunkOptimizer {
   ChunkOptimizer(const OptimizerConfig& config, size_t elements);
 
   // dst = update(src, grad). dst and src must not overlap; grad may be summed gradients
-  // (scale = 1/count averages them).
-  void Apply(const float* src, const float* grad, float scale, float lr_scale, float* dst);
+  // (scale = 1/count averages them). `lr` > 0 replaces the configured rate (a trainer's LR
+  // schedule, carried by its pushes); lr_scale multiplies whichever applies (VSGD).
+  void Apply(const float* src, const float* grad, float scale, float lr_scale, float* dst,
+             float lr = 0.0f);
 
   uint64_t steps() const { return steps_; }
   // Optimizer state, for replication and checkpoints: momentum (or Adam's m) then Adam's v.

@@ -58,7 +58,10 @@ struct alignas(kAlign) PushHeader {
   uint64_t bytes;         // gradient bytes, checked against the chunk
   uint64_t epoch;         // membership epoch the worker was in (fencing)
   uint64_t magic;         // kPushMagic
-  uint64_t reserved;
+  // The learning rate to apply this gradient with (the trainer's LR schedule travels with its
+  // pushes: no control message); 0: the server's --lr. BSP: the lowest rank's of the clock.
+  float lr;
+  uint32_t reserved;
 };
 static_assert(sizeof(PushHeader) == kAlign, "PushHeader is one cache line");
 constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
@@ -108,7 +111,7 @@ struct alignas(kAlign) ReplHeader {
   float scale;
   float lr_scale;
   uint32_t contributors;
-  uint32_t reserved0;
+  float lr;        // the learning rate the version was computed with (0: the server's --lr)
   uint64_t bytes;  // payload bytes
   uint64_t epoch;  // the primary's membership epoch (fencing)
   uint64_t magic;  // kReplMagic

@@ -195,6 +195,14 @@ int shardps_client_clock(shardps_client* c, shardps_error* err) {
   });
 }
 
+int shardps_client_set_learning_rate(shardps_client* c, const char* name, float lr,
+                                     shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    return c->impl->SetLearningRate(name == nullptr ? "" : name, lr);
+  });
+}
+
 int shardps_client_step(shardps_client* c, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));

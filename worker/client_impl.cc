@@ -494,6 +494,20 @@ Status ClientImpl::WaitTimedOut(const HandleState& hs) const {
                                " chunks outstanding" + who);
 }
 
+Status ClientImpl::SetLearningRate(const std::string& tensor, float lr) {
+  if (!(lr >= 0.0f && lr < 1e6f)) {
+    return InvalidArgumentError("learning rate " + std::to_string(lr) + " is out of [0, 1e6)");
+  }
+  if (tensor.empty()) {
+    for (Tensor& t : tensors_) t.lr = lr;
+    return Status::OK();
+  }
+  auto it = tensor_index_.find(tensor);
+  if (it == tensor_index_.end()) return NotFoundError("no tensor '" + tensor + "' registered");
+  tensors_[it->second].lr = lr;
+  return Status::OK();
+}
+
 Status ClientImpl::Clock() {
   RETURN_IF_ERROR(lifecycle_.Require("Clock()", {ClientState::kRunning}));
   ++step_.clock;

@@ -58,6 +58,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status Clock() override;
   Status Step() override;
   StatusOr<uint64_t> RequestCheckpoint(const std::string& dir) override;
+  Status SetLearningRate(const std::string& tensor, float lr) override;
   uint32_t rank() const override { return rank_; }
   uint32_t num_workers() const override;
   uint64_t clock() const override { return step_.clock; }

@@ -54,6 +54,7 @@ struct Tensor {
   TensorPath path = TensorPath::kHost;
   std::unique_ptr<CudaStaging> staging;  // kCudaStaged only
   uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
+  float lr = 0.0f;  // the learning rate its pushes carry (Client::SetLearningRate; 0: servers')
 };
 
 // Where a chunk lives: fixed by the shard map at Start (a failover changes the server process

@@ -39,17 +39,47 @@ def parse_consistency(text):
     return m.group(1), int(m.group(2) or 0)
 
 
-class DistributedOptimizer:
-    """Pushes gradients and pulls parameters through a shardps.Client every step()."""
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Pushes gradients and pulls parameters through a shardps.Client every step().
 
-    def __init__(self, model_or_named_params, client=None, *, consistency=None, staleness=0,
-                 coordinator=None, cluster_token="", **client_kwargs):
+    A torch.optim.Optimizer: LR schedulers (StepLR, LambdaLR, OneCycleLR, ...) drive it, and each
+    parameter group's "lr" is the rate the servers apply to that group's next pushes (it travels
+    in the push headers: no control message per step). lr=None keeps the servers' --lr (a
+    schedule then has nothing to scale). The update rule itself (sgd, momentum, adam and their
+    other hyper-parameters) is the servers' --optimizer; state_dict() holds the param groups
+    only (the optimizer state lives on the servers, see docs/python.md).
+
+    `param_groups`: optional list of {"params": [tensors of the model], "lr": x}, as for
+    torch.optim; parameters in no group form a group with the default lr.
+    """
+
+    def __init__(self, model_or_named_params, client=None, *, lr=None, param_groups=None,
+                 consistency=None, staleness=0, coordinator=None, cluster_token="",
+                 **client_kwargs):
         if isinstance(model_or_named_params, torch.nn.Module):
             named = list(model_or_named_params.named_parameters())
         else:
             named = list(model_or_named_params)
         if not named:
             raise ValueError("no parameters to train")
+        name_of = {id(p): n for n, p in named}
+        groups, grouped = [], set()
+        for g in param_groups or []:
+            g = dict(g)
+            ps = list(g["params"])
+            for p in ps:
+                if id(p) not in name_of:
+                    raise ValueError("a param group names a tensor that is not a parameter of "
+                                     "the model")
+                grouped.add(id(p))
+            g["params"] = ps
+            groups.append(g)
+        rest = [p for _, p in named if id(p) not in grouped]
+        if rest:
+            groups.append({"params": rest})
+        super().__init__(groups, {"lr": 0.0 if lr is None else float(lr)})
+        self._name_of = name_of
+        self._sent_lr = {}
         if client is None:
             # No coordinator given: the client takes it (and the token, rank, transport) from
             # the environment a launcher set (SHARDPS_COORDINATOR ...; python -m shardps.run).
@@ -90,9 +120,9 @@ class DistributedOptimizer:
     def num_workers(self):
         return self.client.num_workers
 
-    def zero_grad(self, set_to_none=False):
-        """Zeroes the registered gradient buffers in place (set_to_none is not honoured: the
-        registered memory must stay the gradient)."""
+    def zero_grad(self, set_to_none=True):
+        """Zeroes the registered gradient buffers in place. set_to_none is accepted and not
+        honoured: the registered memory must stay the gradient (zeros push the same as none)."""
         for _, p, g in self._params:
             g.zero_()
             if p.grad is not g:
@@ -120,10 +150,24 @@ class DistributedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._gather_grads()
+        self._send_lr()
         if self._cuda:
             torch.cuda.synchronize()  # the gradients must be complete before they are copied
         self.client.step()
         return loss
+
+    def _send_lr(self):
+        # Each group's current rate (a scheduler may have changed it) goes with the next pushes
+        # of its parameters; only changes touch the client.
+        for g in self.param_groups:
+            lr = float(g["lr"])
+            if lr < 0:
+                raise ValueError(f"negative learning rate {lr}")
+            for p in g["params"]:
+                name = self._name_of[id(p)]
+                if self._sent_lr.get(name) != lr:
+                    self.client.set_lr(name, lr)
+                    self._sent_lr[name] = lr
 
     def close(self):
         self.client.close()

@@ -19,6 +19,32 @@ TEST(OptimizerTest, SgdAveragesAndSteps) {
   EXPECT_EQ(o.steps(), 1u);
 }
 
+// A push's learning rate (a trainer's LR schedule) replaces the configured one exactly: the
+// result equals an optimizer configured with that rate, bit for bit, for every kind that uses a
+// rate, and lr 0 keeps the configured one.
+TEST(OptimizerTest, APushedLearningRateReplacesTheConfiguredOne) {
+  for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kMomentum, OptimizerKind::kAdam}) {
+    OptimizerConfig base;
+    base.kind = kind;
+    base.lr = 0.5f;
+    OptimizerConfig scheduled = base;
+    scheduled.lr = 0.0375f;
+    ChunkOptimizer pushed(base, 3), configured(scheduled, 3), plain(base, 3);
+    const float w[3] = {1.0f, -2.0f, 0.25f};
+    const float g[3] = {0.3f, 0.1f, -0.7f};
+    float a[3], b[3], c[3];
+    for (int step = 0; step < 3; ++step) {
+      pushed.Apply(w, g, 0.5f, 1.0f, a, 0.0375f);
+      configured.Apply(w, g, 0.5f, 1.0f, b);
+      plain.Apply(w, g, 0.5f, 1.0f, c, 0.0f);
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(a[i], b[i]) << static_cast<int>(kind) << " step " << step << " elem " << i;
+      }
+    }
+    EXPECT_NE(a[0], c[0]) << "lr 0 must keep the configured rate";
+  }
+}
+
 TEST(OptimizerTest, StoreKeepsThePushedValue) {
   ASSERT_TRUE(ParseOptimizerKind("store").ok());
   OptimizerConfig c;

@@ -126,6 +126,11 @@ int shardps_client_wait(shardps_client* client, uint64_t handle, shardps_error* 
 int shardps_client_clock(shardps_client* client, shardps_error* err);
 /* Push every tensor, wait, clock, pull every tensor, wait. */
 int shardps_client_step(shardps_client* client, shardps_error* err);
+/* The learning rate the servers apply to this worker's next pushes of tensor `name` (NULL or
+ * "": every tensor; lr 0: the servers' --lr); it travels with the pushes (Client::
+ * SetLearningRate). */
+int shardps_client_set_learning_rate(shardps_client* client, const char* name, float lr,
+                                     shardps_error* err);
 /* Asks every server for a checkpoint at the next clock, into the cluster's checkpoint
  * directory or dir (NULL or "": the cluster's); *clock receives that clock (may be NULL). */
 int shardps_client_request_checkpoint(shardps_client* client, const char* dir, uint64_t* clock,

@@ -147,6 +147,11 @@ class Client {
   // BSP): written to the cluster's checkpoint directory, or `dir` if given. Returns the clock.
   // One control message; the write itself happens on the servers' writer threads.
   virtual StatusOr<uint64_t> RequestCheckpoint(const std::string& dir = "") = 0;
+  // The learning rate the servers apply to this worker's next pushes of `tensor` ("" = every
+  // registered tensor); 0 = the servers' --lr. It travels in each push's header, so an LR
+  // schedule costs no control message. In BSP a clock is applied with its lowest rank's rate:
+  // give every worker the same schedule. Range [0, 1e6).
+  virtual Status SetLearningRate(const std::string& tensor, float lr) = 0;
 
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
