@@ -40,6 +40,10 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
   // several addresses (HA coordinators) each is tried in turn: only the leader listens.
   const std::vector<std::string> addresses = Addresses(options.coordinator_address);
   const auto deadline = Clock::now() + options.connect_timeout;
+  Envelope join;
+  *join.mutable_join() = options.join;
+  join.mutable_join()->set_cluster_token(options.cluster_token);
+  Envelope r;
   bool logged = false;
   for (size_t attempt = 0;; ++attempt) {
     const auto left =
@@ -48,31 +52,45 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
         addresses.size() > 1 ? std::min(left, std::chrono::milliseconds(1000)) : left;
     StatusOr<UniqueFd> fd = net::ConnectTcp(addresses[attempt % addresses.size()], "",
                                             std::max(bound, std::chrono::milliseconds(1)));
+    Status st = fd.status();
     if (fd.ok()) {
+      {
+        MutexLock l(&c->send_mu_);
+        c->fd_ = std::move(*fd);
+      }
+      c->decoder_ = FrameDecoder();
+      st = SendMagic(c->LoopFd(), options.connect_timeout);
+      if (st.ok()) st = c->Send(join, std::chrono::milliseconds(0));
+      if (st.ok()) {
+        const auto rest = std::max(std::chrono::milliseconds(1),
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       deadline - Clock::now()));
+        StatusOr<Envelope> got = ReceiveEnvelope(c->LoopFd(), &c->decoder_, rest);
+        if (got.ok()) {
+          r = std::move(*got);
+          break;
+        }
+        st = got.status();
+      }
+      // The coordinator went away during the handshake (it died or is restarting before it
+      // answered): nothing was granted, so the join is tried again while time remains.
       MutexLock l(&c->send_mu_);
-      c->fd_ = std::move(*fd);
-      break;
+      c->fd_.reset();
     }
-    if (fd.status().code() != StatusCode::kUnavailable ||
+    if (st.code() != StatusCode::kUnavailable ||
         Clock::now() + std::chrono::milliseconds(200) >= deadline) {
-      return fd.status();
+      return st;
     }
     if (!logged) {
       LOG(INFO) << "coordinator " << options.coordinator_address << " not reachable yet ("
-                << fd.status().message() << "); retrying for up to "
-                << options.connect_timeout.count() << " ms";
+                << st.message() << "); retrying for up to " << options.connect_timeout.count()
+                << " ms";
       logged = true;
     }
     if ((attempt + 1) % addresses.size() == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   }
-  RETURN_IF_ERROR(SendMagic(c->LoopFd(), options.connect_timeout));
-  Envelope e;
-  *e.mutable_join() = options.join;
-  e.mutable_join()->set_cluster_token(options.cluster_token);
-  RETURN_IF_ERROR(c->Send(e));
-  ASSIGN_OR_RETURN(Envelope r, ReceiveEnvelope(c->LoopFd(), &c->decoder_, options.connect_timeout));
   if (r.body_case() != Envelope::kJoinReply) {
     return InternalError(std::string("coordinator answered the join with ") + BodyName(r));
   }
@@ -96,11 +114,22 @@ ControlClient::~ControlClient() {
 
 Status ControlClient::Send(const Envelope& e, std::chrono::milliseconds wait_for_rejoin) {
   const auto deadline = Clock::now() + wait_for_rejoin;
+  uint64_t failed_generation = ~uint64_t{0};  // the connection a send broke on
   while (true) {
     {
       MutexLock l(&send_mu_);
-      if (fd_.valid()) {
-        RETURN_IF_ERROR(SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000)));
+      if (fd_.valid() && generation_ != failed_generation) {
+        const Status sent = SendEnvelope(fd_.get(), e, std::chrono::milliseconds(5000));
+        if (!sent.ok()) {
+          // The connection broke under this send (the coordinator died) before the loop thread
+          // noticed: wait for its rejoin and send again, as for a connection already broken.
+          if (sent.code() != StatusCode::kUnavailable || wait_for_rejoin.count() <= 0 ||
+              options_.rejoin_window.count() <= 0) {
+            return sent;
+          }
+          failed_generation = generation_;
+          continue;
+        }
         MutexLock l2(&mu_);
         if (e.body_case() == Envelope::kHeartbeat) {
           ++counters_.heartbeats_sent;
@@ -273,6 +302,7 @@ bool ControlClient::Rejoin(const Status& why) {
     {
       MutexLock l(&send_mu_);
       fd_ = std::move(*fd);
+      ++generation_;
       decoder_ = std::move(decoder);
       repeat = repeat_;
     }

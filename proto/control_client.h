@@ -109,6 +109,7 @@ class ControlClient {
   // The socket: replaced (Rejoin) and closed (Leave) under send_mu_; Send writes to it under
   // send_mu_; the loop thread reads it through LoopFd().
   UniqueFd fd_ GUARDED_BY(send_mu_);
+  uint64_t generation_ GUARDED_BY(send_mu_) = 0;  // connections made (Rejoin counts them)
   JoinReply reply_;
   FrameDecoder decoder_;  // loop thread (Create before it starts)
   std::thread thread_;

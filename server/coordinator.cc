@@ -427,6 +427,10 @@ uint32_t Coordinator::PickRank(const JoinRequest& j) const {
 }
 
 void Coordinator::AdmitMember(Conn* c, const JoinRequest& j) {
+  // An admission is a state change (a member id, a rank): write-ahead like every other, so
+  // the JoinReply leaves only once the state holds the member. A coordinator that dies in
+  // between never told anyone an id its successor does not know; the member's Join retries.
+  dirty_ = true;
   const uint32_t rank = PickRank(j);
   c->joined = true;
   c->peer = j.hostname() + "/" + std::to_string(j.pid());
