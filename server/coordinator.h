@@ -38,6 +38,7 @@
 #include "proto/control.pb.h"
 #include "proto/fault_timeouts.h"
 #include "proto/framing.h"
+#include "proto/shard_plan.h"
 
 namespace shardps::control {
 
@@ -134,6 +135,9 @@ class Coordinator {
   uint32_t NumGroups() const;
   uint32_t NumServerRanks() const;
   void MaybeSendReplicaTarget(uint32_t group);
+  // The AssignShards of group `g` under the current plan (chunks in slot order).
+  Envelope AssignmentFor(const ShardPlan& plan, uint32_t g, uint32_t max_workers, bool backup,
+                         bool catch_up) const;
   // The group server rank `rank` serves: rank % num_servers, unless it was made another
   // group's backup (a spare or a replacement; reassigned_).
   uint32_t GroupOf(uint32_t rank) const;

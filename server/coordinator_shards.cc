@@ -171,19 +171,7 @@ void Coordinator::MaybeAssignShards() {
     // The group's first live rank is its primary (rank g, or its backup's rank if g died).
     const bool backup = primary_of_[g] >= 0;
     (backup ? backup_of_ : primary_of_)[g] = r;
-    Envelope e;
-    AssignShards* a = e.mutable_assign_shards();
-    for (const auto& ch : plan->chunks) {
-      if (ch.server != g) continue;
-      a->add_chunk_ids(ch.chunk_id);
-      a->add_chunk_bytes(ch.bytes);
-    }
-    a->set_max_workers(max_workers);
-    a->set_plan_fingerprint(plan_fingerprint_);
-    a->set_group(g);
-    a->set_num_groups(num_servers);
-    a->set_backup(backup);
-    Queue(ServerByRank(r), e);
+    Queue(ServerByRank(r), AssignmentFor(*plan, g, max_workers, backup, /*catch_up=*/false));
   }
   shards_assigned_ = true;
   CrashPoint("coordinator.after_assign_shards");  // before the state file is saved
@@ -239,6 +227,24 @@ void Coordinator::HandleShardsReady(Conn* c, const ShardsReady& r) {
   dirty_ = true;
   MaybeSendReplicaTarget(GroupOf(c->member.rank()));
   MaybePublishShardMap();
+}
+
+Envelope Coordinator::AssignmentFor(const ShardPlan& plan, uint32_t g, uint32_t max_workers,
+                                    bool backup, bool catch_up) const {
+  Envelope e;
+  AssignShards* a = e.mutable_assign_shards();
+  for (const auto& ch : plan.chunks) {
+    if (ch.server != g) continue;
+    a->add_chunk_ids(ch.chunk_id);
+    a->add_chunk_bytes(ch.bytes);
+  }
+  a->set_max_workers(max_workers);
+  a->set_plan_fingerprint(plan_fingerprint_);
+  a->set_group(g);
+  a->set_num_groups(NumGroups());
+  a->set_backup(backup);
+  a->set_catch_up(catch_up);
+  return e;
 }
 
 void Coordinator::MaybeSendReplicaTarget(uint32_t g) {
@@ -458,20 +464,8 @@ void Coordinator::MaybeReplaceBackups() {
     ready_.erase(r);  // a replacement's rank may be a dead server's: its regions are gone
     assigned_at_[g] = std::chrono::steady_clock::now();
     dirty_ = true;  // saved before the assignment leaves (write-ahead)
-    Envelope e;
-    AssignShards* a = e.mutable_assign_shards();
-    for (const auto& ch : plan->chunks) {
-      if (ch.server != g) continue;
-      a->add_chunk_ids(ch.chunk_id);
-      a->add_chunk_bytes(ch.bytes);
-    }
-    a->set_max_workers(shard_map_.max_workers());
-    a->set_plan_fingerprint(plan_fingerprint_);
-    a->set_group(g);
-    a->set_num_groups(NumGroups());
-    a->set_backup(true);
-    a->set_catch_up(true);
-    Queue(pick, e);
+    Queue(pick, AssignmentFor(*plan, g, shard_map_.max_workers(), /*backup=*/true,
+                              /*catch_up=*/true));
     {
       MutexLock l(&mu_);
       ++counters_.backups_assigned;

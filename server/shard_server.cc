@@ -335,12 +335,7 @@ void ShardServer::PollControl() {
     if (rt.none() && stream_->has_backup()) {
       LOG(WARNING) << "server rank " << rank_ << ": the backup of group " << group_
                    << " is gone (epoch " << rt.epoch() << "); going on without replication";
-      if (stream_->OnBackupGone()) {
-        // Versions that waited for the backup are published now.
-        for (uint32_t s = 0; s < chunks_->slots(); ++s) {
-          if (gate_->in_flight(s)) FinishCommit(s);
-        }
-      }
+      DropBackup();
       handoff_.reset();
     } else if (!rt.none()) {
       ReplicateTo(rt);
@@ -361,6 +356,14 @@ void ShardServer::PollControl() {
   auto k = control_->WaitMessage(control::Envelope::kCheckpoint, std::chrono::milliseconds(0));
   if (k.ok()) OnCheckpointRequest(k->checkpoint());
   DrainWork();
+}
+
+void ShardServer::DropBackup() {
+  if (!stream_->OnBackupGone()) return;
+  // Versions that waited for the backup are published now.
+  for (uint32_t s = 0; s < chunks_->slots(); ++s) {
+    if (gate_->in_flight(s)) FinishCommit(s);
+  }
 }
 
 void ShardServer::OnCheckpointRequest(const control::CheckpointRequest& r) {

@@ -129,6 +129,8 @@ class ShardServer {
   void PollControl();
   void RefreshMembership();
   void Promote(const control::Promote& p);
+  // The backup is gone: publish every version that waited for its record.
+  void DropBackup();
   // Waits for the shard assignment (a spare: until it is used, or the job ends).
   StatusOr<control::Envelope> WaitForAssignment();
   // Re-replication, primary side: a new backup for a training group. Snapshots the group's

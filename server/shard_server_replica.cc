@@ -48,12 +48,7 @@ void ShardServer::ReplicateTo(const control::ReplicaTarget& t) {
     return;
   }
   if (stream_->has_backup() && (stream_->connected() || stream_->failed())) {
-    // A new backup replaces one the coordinator gave up on: the old one is gone.
-    if (stream_->OnBackupGone()) {
-      for (uint32_t s = 0; s < chunks_->slots(); ++s) {
-        if (gate_->in_flight(s)) FinishCommit(s);
-      }
-    }
+    DropBackup();  // a new backup replaces one the coordinator gave up on
   }
   const auto t0 = Clock::now();
   ReplicationStream::Snapshot snap;
