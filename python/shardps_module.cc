@@ -134,6 +134,32 @@ class PyClient {
   void SetLearningRate(const std::string& name, float lr) {
     Check(Live().SetLearningRate(name, lr));
   }
+  void SetUpdateRule(const std::string& name, const std::string& kind, float lr, float momentum,
+                     float dampening, bool nesterov, float weight_decay, float beta1,
+                     float beta2, float eps) {
+    shardps::UpdateRule r;
+    if (kind == "server") {
+      r.kind = shardps::UpdateRule::Kind::kServer;
+    } else if (kind == "sgd") {
+      r.kind = shardps::UpdateRule::Kind::kSgd;
+    } else if (kind == "adam") {
+      r.kind = shardps::UpdateRule::Kind::kAdam;
+    } else if (kind == "adamw") {
+      r.kind = shardps::UpdateRule::Kind::kAdamW;
+    } else {
+      Check(shardps::InvalidArgumentError("unknown update rule '" + kind +
+                                          "' (server, sgd, adam, adamw)"));
+    }
+    r.lr = lr;
+    r.momentum = momentum;
+    r.dampening = dampening;
+    r.nesterov = nesterov;
+    r.weight_decay = weight_decay;
+    r.beta1 = beta1;
+    r.beta2 = beta2;
+    r.eps = eps;
+    Check(Live().SetUpdateRule(name, r));
+  }
   uint64_t RequestCheckpoint(const std::string& dir) {
     shardps::Client& c = Live();
     shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
@@ -258,6 +284,13 @@ PYBIND11_MODULE(_shardps, m) {
       .def("set_lr", &PyClient::SetLearningRate, py::arg("name"), py::arg("lr"),
            "The learning rate the servers apply to this worker's next pushes of tensor `name` "
            "('' = every tensor; 0 = the servers' --lr); it travels with the pushes.")
+      .def("set_rule", &PyClient::SetUpdateRule, py::arg("name"), py::arg("kind"),
+           py::arg("lr"), py::arg("momentum") = 0.0f, py::arg("dampening") = 0.0f,
+           py::arg("nesterov") = false, py::arg("weight_decay") = 0.0f,
+           py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
+           "The update rule ('server', 'sgd', 'adam', 'adamw') and hyper-parameters the "
+           "servers apply to this worker's next pushes of tensor `name` ('' = every tensor), "
+           "with torch.optim's semantics; it travels with the pushes.")
       .def("request_checkpoint", &PyClient::RequestCheckpoint, py::arg("dir") = "",
            "Asks every server for a checkpoint at the next clock; returns that clock.")
       .def("close", &PyClient::Close)

@@ -59,11 +59,11 @@ uint32_t ChunkStore::Init(uint32_t slot, const float* src) {
 }
 
 uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
-                             float lr) {
+                             const layout::UpdateRule& rule) {
   DenseChunk& c = chunks_[slot];
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
-  c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target], lr);
+  c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target], rule);
   return target;
 }
 

@@ -66,9 +66,9 @@ class ChunkStore {
   // Copies the initial weights into buffer 0; returns the buffer (0).
   uint32_t Init(uint32_t slot, const float* src);
   // Computes the next version from the published one into the other buffer; returns it.
-  // `lr` > 0: the rate the trainer's push carried (else the configured one).
+  // `rule`: what the trainer's push carried (kind 0: the configured optimizer).
   uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
-                   float lr = 0.0f);
+                   const layout::UpdateRule& rule = layout::UpdateRule{});
   // VSGD: the learning-rate scale for a gradient computed on `base_version` (1 when current).
   float ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const;
   // Makes the version in `buffer` (the next version number) visible to pulls.

@@ -9,6 +9,16 @@
 //   Store:    w' = grad (benchmarks; scale and lr ignored)
 //   lr_t   = lr * lr_scale                       (lr_scale from VSGD, else 1)
 //
+// Those are the server's own rule (--optimizer, --lr ...): layout::UpdateRule kind 0. A push
+// may carry a rule of its own (kind 1-3: a trainer's torch.optim param group), applied with
+// torch.optim's semantics and operation order, in float32 (bias corrections in double):
+//   SGD:   d = g + wd*w;  if mu: v = (first ? d : mu*v + (1-dampening)*d);
+//          d = nesterov ? d + mu*v : v;                         w' = w - lr_t*d
+//   Adam:  d = g + wd*w;  m = b1*m + (1-b1)*d;  v = b2*v + (1-b2)*d*d;
+//          w' = w - (lr_t/(1-b1^t)) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+//   AdamW: as Adam with d = g, after w <- w*(1 - lr_t*wd)
+// t counts this chunk's updates; the state buffers are allocated on first use.
+//
 // Thread safety: a ChunkOptimizer belongs to the apply thread of its shard.
 #ifndef SHARDPS_SERVER_OPTIMIZER_H_
 #define SHARDPS_SERVER_OPTIMIZER_H_
@@ -19,6 +29,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "wire/region_layout.h"
 
 namespace shardps::server {
 
@@ -43,10 +54,11 @@ class ChunkOptimizer {
   ChunkOptimizer(const OptimizerConfig& config, size_t elements);
 
   // dst = update(src, grad). dst and src must not overlap; grad may be summed gradients
-  // (scale = 1/count averages them). `lr` > 0 replaces the configured rate (a trainer's LR
-  // schedule, carried by its pushes); lr_scale multiplies whichever applies (VSGD).
+  // (scale = 1/count averages them). `rule` is the one the push carried (kind 0: this
+  // optimizer's config, its lr replacing the configured rate when > 0); lr_scale multiplies the
+  // rate (VSGD). The rule must have passed layout::CheckUpdateRule.
   void Apply(const float* src, const float* grad, float scale, float lr_scale, float* dst,
-             float lr = 0.0f);
+             const layout::UpdateRule& rule = layout::UpdateRule{});
 
   uint64_t steps() const { return steps_; }
   // Optimizer state, for replication and checkpoints: momentum (or Adam's m) then Adam's v.
@@ -55,6 +67,12 @@ class ChunkOptimizer {
   void RestoreState(uint64_t steps, std::vector<float> s1, std::vector<float> s2);
 
  private:
+  void ApplyServerRule(const float* src, const float* grad, float scale, float lr, float* dst);
+  void ApplySgd(const float* src, const float* grad, float scale, float lr,
+                const layout::UpdateRule& rule, bool first, float* dst);
+  void ApplyAdam(const float* src, const float* grad, float scale, float lr,
+                 const layout::UpdateRule& rule, float* dst);
+
   const OptimizerConfig config_;
   const size_t n_;
   uint64_t steps_ = 0;

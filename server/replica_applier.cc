@@ -26,6 +26,7 @@ Status CheckRecord(const layout::ReplHeader& h, uint64_t expected_seq, uint64_t 
     if (version != 0) return FailedPreconditionError("init of an initialised chunk");
   } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kApply)) {
     if (version == 0) return FailedPreconditionError("update of an uninitialised chunk");
+    if (const char* bad = layout::CheckUpdateRule(h.rule)) return InvalidArgumentError(bad);
   } else {
     return InvalidArgumentError("unknown kind");
   }
@@ -44,7 +45,7 @@ Status ReplicaApplier::Apply(uint32_t entry, uint64_t fence_epoch, ChunkStore& c
         reinterpret_cast<const float*>(ring_memory_ + ring_.payload_offset(entry));
     const uint32_t target = h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)
                                 ? chunks.Init(h.slot, payload)
-                                : chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.lr);
+                                : chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.rule);
     const auto* k =
         reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
     for (uint32_t i = 0; i < h.contributors; ++i) {

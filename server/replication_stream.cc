@@ -29,7 +29,7 @@ uint64_t EncodeRecord(const ReplRecord& r, uint64_t seq, uint64_t epoch, char* d
   h->min_clock_plus1 = r.min_clock_plus1;
   h->scale = r.scale;
   h->lr_scale = r.lr_scale;
-  h->lr = r.lr;
+  h->rule = r.rule;
   h->contributors = static_cast<uint32_t>(r.contributors.size());
   h->bytes = r.bytes;
   h->epoch = epoch;

@@ -41,7 +41,7 @@ struct ReplRecord {
   uint64_t min_clock_plus1 = 0;
   float scale = 1.0f;
   float lr_scale = 1.0f;
-  float lr = 0.0f;  // the pushes' learning rate (0: the server's)
+  layout::UpdateRule rule{};  // the pushes' update rule (kind 0: the server's)
   uint64_t bytes = 0;
   transport::LocalSlice payload;  // registered memory holding `bytes` of payload
   std::vector<Contributor> contributors;

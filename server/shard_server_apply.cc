@@ -187,7 +187,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   // gate (clock - 1, clock + 1 as int64) well defined whatever a peer writes.
   if (h.clock >= (uint64_t{1} << 40)) return reject("clock out of range");
   if (h.epoch < fence_epoch_) return reject("push from an epoch before this server's promotion");
-  if (!(h.lr >= 0.0f && h.lr < 1e6f)) return reject("learning rate out of range");
+  if (const char* bad = layout::CheckUpdateRule(h.rule)) return reject(bad);
   if (workers_->IsDuplicate(worker, slot, h.seq)) {
     stats_.Bump(&ShardServerCounters::duplicate_pushes);
     return true;  // applied already: exactly once
@@ -226,10 +226,10 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     r.lr_scale = chunks_->ValueStalenessScale(slot, h.base_version, options_.vsgd_lambda);
   }
   r.bytes = chunks_->bytes(slot);
-  r.lr = h.lr;
+  r.rule = h.rule;
   r.payload = {inbox_.get(), layout_->push_data_offset(worker, slot, parity), r.bytes};
   const uint32_t buffer = chunks_->Compute(
-      slot, reinterpret_cast<const float*>(base + r.payload.offset), r.scale, r.lr_scale, r.lr);
+      slot, reinterpret_cast<const float*>(base + r.payload.offset), r.scale, r.lr_scale, r.rule);
   workers_->Consume(worker, slot, h.seq, clock);
   stats_.Bump(&ShardServerCounters::pushes_applied);
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
@@ -284,15 +284,16 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   r.payload = stream_->sum_payload(slot, r.bytes);
   r.min_clock_plus1 = static_cast<uint64_t>(a->clock) + 1;
   if (!a->contributors.empty()) {
-    // The clock's learning rate: its lowest rank's push carried it (every worker of one LR
-    // schedule carries the same; the inbox slot stays until the version is acknowledged).
+    // The clock's update rule and rate: its lowest rank's push carried them (every worker of
+    // one LR schedule carries the same; the inbox slot stays until the version is
+    // acknowledged; it was checked when the push was taken).
     const Contributor& k = a->contributors.front();
     layout::PushHeader ph;
     std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
-    r.lr = ph.lr;
+    r.rule = ph.rule;
   }
   r.contributors = std::move(a->contributors);
-  Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.lr), std::move(r));
+  Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.rule), std::move(r));
 }
 
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {

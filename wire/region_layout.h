@@ -48,6 +48,60 @@ struct alignas(kAlign) ChunkHeader {
 static_assert(sizeof(ChunkHeader) == kAlign, "ChunkHeader is one cache line");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "lock-free 64-bit atomics required");
 
+// The update rule a push asks the server to apply to its gradient, per tensor (a trainer's
+// torch.optim param group: rule and hyper-parameters, changed by its schedulers, travel with
+// the pushes: no control message). torch.optim semantics, exactly (server/optimizer.h):
+//   kind 0: the server's own --optimizer and flags, with `lr` replacing --lr when > 0.
+//   kind 1 (SGD): momentum, dampening, nesterov, weight_decay (L2 added to the gradient).
+//   kind 2 (Adam): beta1, beta2, eps, weight_decay (L2).  kind 3 (AdamW): decoupled decay.
+enum class RuleKind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3 };
+constexpr uint32_t kRuleKindMask = 0xff;
+constexpr uint32_t kRuleNesterov = 1u << 8;
+// Plain data: value-initialised ({}), it is kind 0 with lr 0 (the server's rule and rate).
+struct UpdateRule {
+  uint32_t kind_flags;  // RuleKind | kRuleNesterov
+  float lr;             // kind 0: 0 = the server's --lr; kinds 1-3: the rate itself
+  float momentum;
+  float dampening;
+  float weight_decay;
+  float beta1;
+  float beta2;
+  float eps;
+  RuleKind kind() const { return static_cast<RuleKind>(kind_flags & kRuleKindMask); }
+  bool nesterov() const { return (kind_flags & kRuleNesterov) != 0; }
+};
+static_assert(sizeof(UpdateRule) == 32, "UpdateRule is 32 bytes");
+
+// nullptr if `r` is a rule a server applies, else why not. Checked by the client before it
+// sends a rule and by the server on every push (a peer may write anything there).
+inline const char* CheckUpdateRule(const UpdateRule& r) {
+  auto in = [](float x, float lo, float hi) { return x >= lo && x < hi; };  // false for NaN
+  if ((r.kind_flags & ~(kRuleKindMask | kRuleNesterov)) != 0 ||
+      (r.kind_flags & kRuleKindMask) > static_cast<uint32_t>(RuleKind::kAdamW)) {
+    return "unknown update rule";
+  }
+  if (!in(r.lr, 0.0f, 1e6f)) return "learning rate out of [0, 1e6)";
+  if (r.kind() == RuleKind::kServer) return nullptr;  // the other fields are not used
+  if (!in(r.weight_decay, 0.0f, 1e6f)) return "weight decay out of [0, 1e6)";
+  if (r.kind() == RuleKind::kSgd) {
+    if (!in(r.momentum, 0.0f, 1e6f)) return "momentum out of [0, 1e6)";
+    if (!in(r.dampening, 0.0f, 1.0f + 1e-6f)) return "dampening out of [0, 1]";
+    if (r.nesterov() && (r.momentum <= 0.0f || r.dampening != 0.0f)) {
+      return "nesterov momentum requires a momentum and zero dampening";
+    }
+    return nullptr;
+  }
+  if (r.nesterov()) return "nesterov is an SGD option";
+  if (!in(r.beta1, 0.0f, 1.0f) || !in(r.beta2, 0.0f, 1.0f)) return "betas out of [0, 1)";
+  if (!in(r.eps, 0.0f, 1e6f)) return "eps out of [0, 1e6)";
+  return nullptr;
+}
+
+// Element types on the wire (TensorSpecProto.dtype): gradients pushed and weights pulled in
+// the trainer's type; the server keeps float32 master weights and optimizer state.
+enum class DType : uint32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+inline uint32_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
 // Written by a worker after the gradient bytes, on the same endpoint, with the immediate.
 struct alignas(kAlign) PushHeader {
   uint64_t seq;           // per (worker, chunk), starts at 1, +1 per push: duplicates show
@@ -58,12 +112,13 @@ struct alignas(kAlign) PushHeader {
   uint64_t bytes;         // gradient bytes, checked against the chunk
   uint64_t epoch;         // membership epoch the worker was in (fencing)
   uint64_t magic;         // kPushMagic
-  // The learning rate to apply this gradient with (the trainer's LR schedule travels with its
-  // pushes: no control message); 0: the server's --lr. BSP: the lowest rank's of the clock.
-  float lr;
-  uint32_t reserved;
+  uint32_t reserved0;
+  uint32_t reserved1;
+  // How to apply this gradient (BSP: the lowest rank's of the clock is applied).
+  UpdateRule rule;
+  uint64_t reserved[4];
 };
-static_assert(sizeof(PushHeader) == kAlign, "PushHeader is one cache line");
+static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines");
 constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
 
 // The 32-bit immediate of a worker's write-with-immediate to a server.
@@ -111,11 +166,12 @@ struct alignas(kAlign) ReplHeader {
   float scale;
   float lr_scale;
   uint32_t contributors;
-  float lr;        // the learning rate the version was computed with (0: the server's --lr)
+  uint32_t reserved0;
   uint64_t bytes;  // payload bytes
   uint64_t epoch;  // the primary's membership epoch (fencing)
   uint64_t magic;  // kReplMagic
-  uint64_t reserved[7];
+  UpdateRule rule;  // the rule the version was computed with (kApply)
+  uint64_t reserved[3];
 };
 static_assert(sizeof(ReplHeader) == 2 * kAlign, "ReplHeader is two cache lines");
 constexpr uint64_t kReplMagic = 0x534850535245504cull;  // "SHPSREPL"
@@ -195,10 +251,10 @@ class ServerLayout {
   uint64_t inbox_bytes() const { return inbox_stride_ * max_workers_; }
   uint64_t push_header_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
     return worker * inbox_stride_ + inbox_off_[slot] +
-           parity * (kAlign + AlignUp(chunk_bytes_[slot]));
+           parity * (sizeof(PushHeader) + AlignUp(chunk_bytes_[slot]));
   }
   uint64_t push_data_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
-    return push_header_offset(worker, slot, parity) + kAlign;
+    return push_header_offset(worker, slot, parity) + sizeof(PushHeader);
   }
 
   uint64_t acks_bytes() const { return AlignUp(sizeof(uint64_t) * slots()) * max_workers_; }
@@ -226,7 +282,7 @@ inline ServerLayout::ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t ma
     weights_off_.push_back(weights_total_);
     weights_total_ += kAlign + 2 * AlignUp(b);
     inbox_off_.push_back(inbox_stride_);
-    inbox_stride_ += 2 * (kAlign + AlignUp(b));
+    inbox_stride_ += 2 * (sizeof(PushHeader) + AlignUp(b));
   }
   if (weights_total_ == 0) weights_total_ = kAlign;
   if (inbox_stride_ == 0) inbox_stride_ = kAlign;

@@ -203,6 +203,26 @@ int shardps_client_set_learning_rate(shardps_client* c, const char* name, float 
   });
 }
 
+int shardps_client_set_update_rule(shardps_client* c, const char* name,
+                                   const shardps_update_rule* r, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (r == nullptr) return shardps::InvalidArgumentError("rule is NULL");
+    if (r->kind > 3) return shardps::InvalidArgumentError("unknown update rule kind");
+    shardps::UpdateRule u;
+    u.kind = static_cast<shardps::UpdateRule::Kind>(r->kind);
+    u.lr = r->lr;
+    u.momentum = r->momentum;
+    u.dampening = r->dampening;
+    u.nesterov = r->nesterov != 0;
+    u.weight_decay = r->weight_decay;
+    u.beta1 = r->beta1;
+    u.beta2 = r->beta2;
+    u.eps = r->eps;
+    return c->impl->SetUpdateRule(name == nullptr ? "" : name, u);
+  });
+}
+
 int shardps_client_step(shardps_client* c, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));

@@ -499,12 +499,35 @@ Status ClientImpl::SetLearningRate(const std::string& tensor, float lr) {
     return InvalidArgumentError("learning rate " + std::to_string(lr) + " is out of [0, 1e6)");
   }
   if (tensor.empty()) {
-    for (Tensor& t : tensors_) t.lr = lr;
+    for (Tensor& t : tensors_) t.rule.lr = lr;
     return Status::OK();
   }
   auto it = tensor_index_.find(tensor);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + tensor + "' registered");
-  tensors_[it->second].lr = lr;
+  tensors_[it->second].rule.lr = lr;
+  return Status::OK();
+}
+
+Status ClientImpl::SetUpdateRule(const std::string& tensor, const UpdateRule& rule) {
+  layout::UpdateRule w;
+  w.kind_flags = static_cast<uint32_t>(rule.kind) | (rule.nesterov ? layout::kRuleNesterov : 0);
+  w.lr = rule.lr;
+  w.momentum = rule.momentum;
+  w.dampening = rule.dampening;
+  w.weight_decay = rule.weight_decay;
+  w.beta1 = rule.beta1;
+  w.beta2 = rule.beta2;
+  w.eps = rule.eps;
+  if (const char* bad = layout::CheckUpdateRule(w)) {
+    return InvalidArgumentError(std::string("update rule for '") + tensor + "': " + bad);
+  }
+  if (tensor.empty()) {
+    for (Tensor& t : tensors_) t.rule = w;
+    return Status::OK();
+  }
+  auto it = tensor_index_.find(tensor);
+  if (it == tensor_index_.end()) return NotFoundError("no tensor '" + tensor + "' registered");
+  tensors_[it->second].rule = w;
   return Status::OK();
 }
 

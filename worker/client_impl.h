@@ -59,6 +59,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status Step() override;
   StatusOr<uint64_t> RequestCheckpoint(const std::string& dir) override;
   Status SetLearningRate(const std::string& tensor, float lr) override;
+  Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
   uint32_t rank() const override { return rank_; }
   uint32_t num_workers() const override;
   uint64_t clock() const override { return step_.clock; }

@@ -22,8 +22,10 @@ namespace shardps::worker {
 
 // Send queue depth of every endpoint to a server.
 constexpr int kSendDepth = 512;
-// Staging bytes per chunk: 2 push headers (one per inbox parity) + 2 header reads of a pull.
-constexpr uint32_t kStagingPerChunk = 4 * layout::kAlign;
+// Staging per chunk: 4 slots of kStagingSlot bytes: 2 push headers (one per inbox parity) + 2
+// chunk-header reads of a pull.
+constexpr uint32_t kStagingSlot = sizeof(layout::PushHeader);
+constexpr uint32_t kStagingPerChunk = 4 * kStagingSlot;
 // A push of a chunk up to this size is one WRITE_WITH_IMM of [PushHeader | data] (the inbox
 // keeps them adjacent) from staging, after copying the gradient there: one operation on the
 // wire instead of two, which on tcp saves a sendmsg and a receive round per push (a 16 KiB
@@ -54,7 +56,7 @@ struct Tensor {
   TensorPath path = TensorPath::kHost;
   std::unique_ptr<CudaStaging> staging;  // kCudaStaged only
   uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
-  float lr = 0.0f;  // the learning rate its pushes carry (Client::SetLearningRate; 0: servers')
+  layout::UpdateRule rule{};  // what its pushes ask the servers to apply (Client::SetUpdateRule)
 };
 
 // Where a chunk lives: fixed by the shard map at Start (a failover changes the server process

@@ -29,7 +29,7 @@ PushPipeline::PushPipeline(const ClientOptions& options, const control::ClusterC
 uint64_t PushPipeline::SmallStagingBytes() const {
   uint64_t bytes = 0;
   for (const ChunkPlacement& c : chunks_) {
-    if (c.bytes <= kSmallPushBytes) bytes += 2 * (layout::kAlign + layout::AlignUp(c.bytes));
+    if (c.bytes <= kSmallPushBytes) bytes += 2 * (sizeof(layout::PushHeader) + layout::AlignUp(c.bytes));
   }
   return bytes;
 }
@@ -38,7 +38,7 @@ void PushPipeline::PlaceSmallStaging(uint64_t base) {
   for (const ChunkPlacement& c : chunks_) {
     if (c.bytes > kSmallPushBytes) continue;
     push_[c.id].small_staging = base;
-    base += 2 * (layout::kAlign + layout::AlignUp(c.bytes));
+    base += 2 * (sizeof(layout::PushHeader) + layout::AlignUp(c.bytes));
   }
 }
 
@@ -78,7 +78,7 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.seq = seq;
   c.last_clock = step_.clock;
   c.last_base = pull_.pulled_version(id);
-  c.last_lr = tensors_[chunks_[id].tensor].lr;
+  c.last_rule = tensors_[chunks_[id].tensor].rule;
   c.step = step_.in_step ? step_.step_id : 0;
   c.handle[parity] = h;
   c.seq_of[parity] = seq;
@@ -179,19 +179,19 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   ph->bytes = p.bytes;
   ph->epoch = std::max(control_.epoch(), sessions_.map_epoch());
   ph->magic = layout::kPushMagic;
-  ph->lr = c.last_lr;
+  ph->rule = c.last_rule;
   const transport::RemoteSlice header_dst =
       transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
   const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);
   if (c.small_staging != 0 && t.staging == nullptr) {
     // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
     // which the server has consumed (EnsureAcked).
-    const uint64_t off = c.small_staging + parity * (layout::kAlign + layout::AlignUp(p.bytes));
+    const uint64_t off = c.small_staging + parity * (sizeof(layout::PushHeader) + layout::AlignUp(p.bytes));
     char* q = sessions_.StagingAt(off);
     std::memcpy(q, ph, sizeof(*ph));
-    std::memcpy(q + layout::kAlign, reinterpret_cast<const char*>(t.grads) + p.offset, p.bytes);
+    std::memcpy(q + sizeof(layout::PushHeader), reinterpret_cast<const char*>(t.grads) + p.offset, p.bytes);
     return sessions_.PostWithCredit([&] {
-      return s.ep->PostWriteImm({sessions_.staging(), off, layout::kAlign + p.bytes}, header_dst,
+      return s.ep->PostWriteImm({sessions_.staging(), off, sizeof(layout::PushHeader) + p.bytes}, header_dst,
                                 imm, MakeContext(kOpPush, id, h));
     });
   }

@@ -63,7 +63,7 @@ class PushPipeline {
     // The latest push, to send it again after a failover (from the caller's grads buffer).
     uint64_t last_clock = 0;
     uint64_t last_base = 0;
-    float last_lr = 0.0f;  // the rate it carries (the same when resent)
+    layout::UpdateRule last_rule{};  // the rule it carries (the same when resent)
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;

@@ -87,7 +87,7 @@ class ServerSessions {
   transport::MemoryRegion* staging() const { return staging_.get(); }
   char* StagingAt(uint64_t offset) const { return static_cast<char*>(staging_->data()) + offset; }
   uint64_t ChunkStagingOffset(uint32_t chunk, int which) const {
-    return static_cast<uint64_t>(chunk) * kStagingPerChunk + which * layout::kAlign;
+    return static_cast<uint64_t>(chunk) * kStagingPerChunk + which * kStagingSlot;
   }
   char* ChunkStaging(uint32_t chunk, int which) const {
     return StagingAt(ChunkStagingOffset(chunk, which));

@@ -39,23 +39,79 @@ def parse_consistency(text):
     return m.group(1), int(m.group(2) or 0)
 
 
+# torch.optim classes the servers apply, exactly (server/optimizer.h), and their group keys.
+_RULES = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+
+
+def _rule_of(kind, group):
+    """The wire rule of one param group: (kind, lr, momentum, dampening, nesterov, wd, b1, b2,
+    eps), refusing what the servers do not apply rather than training something else."""
+    if kind == "server":
+        return ("server", float(group["lr"]), 0.0, 0.0, False, 0.0, 0.9, 0.999, 1e-8)
+    for key in ("maximize", "amsgrad", "differentiable", "capturable"):
+        if group.get(key):
+            raise ValueError(f"shardps: {key}=True is not applied by the servers (supported: "
+                             "SGD with momentum/dampening/nesterov/weight_decay, Adam and AdamW "
+                             "with betas/eps/weight_decay)")
+    lr = float(group["lr"])
+    if kind == "sgd":
+        return ("sgd", lr, float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0)),
+                bool(group.get("nesterov", False)), float(group.get("weight_decay", 0.0)),
+                0.9, 0.999, 1e-8)
+    b1, b2 = group.get("betas", (0.9, 0.999))
+    return (kind, lr, 0.0, 0.0, False, float(group.get("weight_decay", 0.0)), float(b1),
+            float(b2), float(group.get("eps", 1e-8)))
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Pushes gradients and pulls parameters through a shardps.Client every step().
 
-    A torch.optim.Optimizer: LR schedulers (StepLR, LambdaLR, OneCycleLR, ...) drive it, and each
-    parameter group's "lr" is the rate the servers apply to that group's next pushes (it travels
-    in the push headers: no control message per step). lr=None keeps the servers' --lr (a
-    schedule then has nothing to scale). The update rule itself (sgd, momentum, adam and their
-    other hyper-parameters) is the servers' --optimizer; state_dict() holds the param groups
-    only (the optimizer state lives on the servers, see docs/python.md).
+    Two forms:
 
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   model)          # wrap a torch optimizer (SGD, Adam, AdamW)
+        opt = DistributedOptimizer(model, lr=0.1)  # the servers' own --optimizer, this rate
+
+    Wrapping: the servers apply the wrapped optimizer's rule to each param group, with its own
+    lr, momentum, dampening, nesterov, weight_decay, betas and eps, with torch.optim's exact
+    semantics, keeping the optimizer state (momentum buffers, Adam moments) per chunk. This
+    optimizer shares the wrapped one's param_groups, so a scheduler attached to either (StepLR,
+    OneCycleLR with cycle_momentum, CosineAnnealingLR, ...) changes what the servers apply from
+    the next step: the rule travels in the push headers, no control message per step.
+    Unsupported options (maximize, amsgrad, other optimizer classes) are refused here.
+
+    The other form: the update rule is the servers' --optimizer; each group's "lr" is the rate
+    they apply (lr=None keeps the servers' --lr; a schedule then has nothing to scale).
     `param_groups`: optional list of {"params": [tensors of the model], "lr": x}, as for
     torch.optim; parameters in no group form a group with the default lr.
+
+    state_dict() holds the param groups (the optimizer state lives on the servers, see
+    docs/python.md).
     """
 
-    def __init__(self, model_or_named_params, client=None, *, lr=None, param_groups=None,
+    def __init__(self, model_or_named_params, model=None, *, client=None, lr=None,
+                 param_groups=None,
                  consistency=None, staleness=0, coordinator=None, cluster_token="",
-                 **client_kwargs):
+                 named_parameters=None, **client_kwargs):
+        inner = None
+        if isinstance(model, Client):  # the older positional form (model, client)
+            model, client = None, model
+        if isinstance(model_or_named_params, torch.optim.Optimizer):
+            # Horovod's form: DistributedOptimizer(optimizer, model) or named_parameters=.
+            inner = model_or_named_params
+            if type(inner) not in _RULES:
+                names = ", ".join(c.__name__ for c in _RULES)
+                raise TypeError(f"shardps: the servers apply {names}; not "
+                                f"{type(inner).__name__}")
+            src = model if named_parameters is None else named_parameters
+            if src is None:
+                raise ValueError("shardps: wrapping an optimizer needs the model (or "
+                                 "named_parameters=) for the parameters' names")
+            model_or_named_params = src
+            if lr is not None or param_groups is not None:
+                raise ValueError("lr= and param_groups= come from the wrapped optimizer")
+        elif model is not None:
+            raise TypeError("the second argument is the model, for a wrapped torch optimizer")
         if isinstance(model_or_named_params, torch.nn.Module):
             named = list(model_or_named_params.named_parameters())
         else:
@@ -63,23 +119,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not named:
             raise ValueError("no parameters to train")
         name_of = {id(p): n for n, p in named}
-        groups, grouped = [], set()
-        for g in param_groups or []:
-            g = dict(g)
-            ps = list(g["params"])
-            for p in ps:
-                if id(p) not in name_of:
-                    raise ValueError("a param group names a tensor that is not a parameter of "
-                                     "the model")
-                grouped.add(id(p))
-            g["params"] = ps
-            groups.append(g)
-        rest = [p for _, p in named if id(p) not in grouped]
-        if rest:
-            groups.append({"params": rest})
-        super().__init__(groups, {"lr": 0.0 if lr is None else float(lr)})
+        if inner is not None:
+            trained = {id(p) for g in inner.param_groups for p in g["params"]}
+            missing = [n for n, p in named if id(p) not in trained]
+            if any(id(p) not in name_of for g in inner.param_groups for p in g["params"]):
+                raise ValueError("the wrapped optimizer holds a tensor that is not a parameter "
+                                 "of the model")
+            named = [(n, p) for n, p in named if id(p) in trained]
+            if missing:
+                log.info("shardps: %d parameter(s) not in the optimizer are not trained: %s",
+                         len(missing), ", ".join(missing[:5]))
+            super().__init__([{"params": list(g["params"])} for g in inner.param_groups],
+                             dict(inner.defaults))
+            # The same group dicts: a scheduler on either optimizer drives both.
+            self.param_groups = inner.param_groups
+            self._kind = _RULES[type(inner)]
+        else:
+            groups, grouped = [], set()
+            for g in param_groups or []:
+                g = dict(g)
+                ps = list(g["params"])
+                for p in ps:
+                    if id(p) not in name_of:
+                        raise ValueError("a param group names a tensor that is not a parameter "
+                                         "of the model")
+                    grouped.add(id(p))
+                g["params"] = ps
+                groups.append(g)
+            rest = [p for _, p in named if id(p) not in grouped]
+            if rest:
+                groups.append({"params": rest})
+            super().__init__(groups, {"lr": 0.0 if lr is None else float(lr)})
+            self._kind = "server"
+        self.wrapped = inner
         self._name_of = name_of
-        self._sent_lr = {}
+        self._sent_rule = {}
+        for g in self.param_groups:
+            _rule_of(self._kind, g)  # refuse unsupported options before connecting
         if client is None:
             # No coordinator given: the client takes it (and the token, rank, transport) from
             # the environment a launcher set (SHARDPS_COORDINATOR ...; python -m shardps.run).
@@ -157,17 +233,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _send_lr(self):
-        # Each group's current rate (a scheduler may have changed it) goes with the next pushes
-        # of its parameters; only changes touch the client.
+        # Each group's current rule (a scheduler may have changed its lr, momentum or betas)
+        # goes with the next pushes of its parameters; only changes touch the client.
         for g in self.param_groups:
-            lr = float(g["lr"])
-            if lr < 0:
-                raise ValueError(f"negative learning rate {lr}")
+            rule = _rule_of(self._kind, g)
+            if rule[1] < 0:
+                raise ValueError(f"negative learning rate {rule[1]}")
             for p in g["params"]:
-                name = self._name_of[id(p)]
-                if self._sent_lr.get(name) != lr:
-                    self.client.set_lr(name, lr)
-                    self._sent_lr[name] = lr
+                name = self._name_of.get(id(p))
+                if name is None or self._sent_rule.get(name) == rule:
+                    continue
+                if self._kind == "server":
+                    self.client.set_lr(name, rule[1])
+                else:
+                    self.client.set_rule(name, *rule)
+                self._sent_rule[name] = rule
 
     def close(self):
         self.client.close()

@@ -247,6 +247,84 @@ class TorchOptimizerSemanticsTest(unittest.TestCase):
             opt.close()
 
 
+class WrappedTorchOptimizerTest(unittest.TestCase):
+    """DistributedOptimizer(torch_optimizer, model): the servers apply the wrapped optimizer's
+    rule per param group (SGD momentum/dampening/nesterov/weight decay, Adam, AdamW), driven by
+    schedulers that change lr, momentum and betas. Compared step by step with the same script
+    on the plain torch optimizer in this process. Tolerance: one worker, so the servers compute
+    on the same float32 values with torch's operation order (server/optimizer.h); what remains
+    is a rounding difference of about one ulp per operation where torch's vectorised kernels
+    round differently (Adam's betas are float64 in torch, float32 on the wire: 1 - b1 differs
+    by ~4e-8 relative): losses within 1e-5 relative and weights within 1e-5 after 200 steps,
+    Adam and AdamW included (measured: they pass at this bound)."""
+
+    def run_both(self, make_opt, make_sched=None, steps=200, tol=1e-5):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        ref.load_state_dict(model.state_dict())
+        data = [(torch.randn(16, 8), torch.randn(16, 3)) for _ in range(20)]
+        with cluster(servers=2, lr=0.5, optimizer="sgd") as cl:
+            opt = spt.DistributedOptimizer(make_opt(model), model, client=connect(cl))
+            ref_opt = make_opt(ref)
+            self.assertIsInstance(opt, torch.optim.Optimizer)
+            scheds = [make_sched(o) if make_sched else None for o in (opt, ref_opt)]
+            for step in range(steps):
+                x, y = data[step % len(data)]
+                losses = []
+                for m, o, s in ((model, opt, scheds[0]), (ref, ref_opt, scheds[1])):
+                    o.zero_grad(set_to_none=True)
+                    loss = torch.nn.functional.mse_loss(m(x), y)
+                    loss.backward()
+                    o.step()
+                    if s is not None:
+                        s.step()
+                    losses.append(loss.item())
+                self.assertAlmostEqual(losses[0], losses[1],
+                                       delta=tol * max(1.0, abs(losses[1])), msg=f"step {step}")
+            for p, q in zip(model.parameters(), ref.parameters()):
+                self.assertTrue(torch.allclose(p, q, rtol=tol, atol=tol), (p - q).abs().max())
+            opt.close()
+            return opt, ref_opt
+
+    def test_sgd_momentum_nesterov_weight_decay_per_group(self):
+        def make(m):
+            return torch.optim.SGD([
+                {"params": m[0].parameters(), "lr": 0.05, "momentum": 0.9, "nesterov": True,
+                 "weight_decay": 0.01},
+                {"params": m[2].parameters(), "momentum": 0.5, "dampening": 0.3}], lr=0.1)
+        self.run_both(make, lambda o: torch.optim.lr_scheduler.StepLR(o, 60, gamma=0.5))
+
+    def test_one_cycle_changes_lr_and_momentum(self):
+        def make(m):
+            return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        opt, ref_opt = self.run_both(make, lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=0.2, total_steps=200))
+        self.assertEqual(opt.param_groups[0]["momentum"], ref_opt.param_groups[0]["momentum"])
+        self.assertNotEqual(opt.param_groups[0]["momentum"], 0.9)  # it did cycle
+
+    def test_adam_per_group_betas_and_cosine_schedule(self):
+        def make(m):
+            return torch.optim.Adam([
+                {"params": m[0].parameters(), "betas": (0.8, 0.99), "weight_decay": 0.02},
+                {"params": m[2].parameters(), "eps": 1e-6}], lr=0.01)
+        self.run_both(make, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 200),
+                      tol=1e-5)
+
+    def test_adamw_decoupled_weight_decay(self):
+        self.run_both(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+                      tol=1e-5)
+
+    def test_unsupported_options_are_refused_before_connecting(self):
+        m = torch.nn.Linear(2, 2)
+        for bad in (torch.optim.Adam(m.parameters(), amsgrad=True),
+                    torch.optim.SGD(m.parameters(), lr=0.1, maximize=True),
+                    torch.optim.RMSprop(m.parameters())):
+            with self.subTest(opt=type(bad).__name__):
+                with self.assertRaises((ValueError, TypeError)):
+                    spt.DistributedOptimizer(bad, m, coordinator="127.0.0.1:1")
+
+
 class LifecycleTest(unittest.TestCase):
     """Every method in every state of the client (shardps/client.h, "Lifecycle"): it works, or
     raises shardps.Error with code FAILED_PRECONDITION naming the call and the state; none

@@ -34,15 +34,99 @@ TEST(OptimizerTest, APushedLearningRateReplacesTheConfiguredOne) {
     const float g[3] = {0.3f, 0.1f, -0.7f};
     float a[3], b[3], c[3];
     for (int step = 0; step < 3; ++step) {
-      pushed.Apply(w, g, 0.5f, 1.0f, a, 0.0375f);
+      layout::UpdateRule rate{}, none{};
+      rate.lr = 0.0375f;
+      pushed.Apply(w, g, 0.5f, 1.0f, a, rate);
       configured.Apply(w, g, 0.5f, 1.0f, b);
-      plain.Apply(w, g, 0.5f, 1.0f, c, 0.0f);
+      plain.Apply(w, g, 0.5f, 1.0f, c, none);
       for (int i = 0; i < 3; ++i) {
         EXPECT_EQ(a[i], b[i]) << static_cast<int>(kind) << " step " << step << " elem " << i;
       }
     }
     EXPECT_NE(a[0], c[0]) << "lr 0 must keep the configured rate";
   }
+}
+
+// What a peer may write into a push's rule: anything that is not a rule the server applies
+// is refused (NaN and infinities included), so no push can poison the weights through it.
+TEST(OptimizerTest, UpdateRuleChecksRefuseWhatCannotBeApplied) {
+  layout::UpdateRule ok{};
+  EXPECT_EQ(layout::CheckUpdateRule(ok), nullptr);
+  ok.kind_flags = static_cast<uint32_t>(layout::RuleKind::kSgd) | layout::kRuleNesterov;
+  ok.lr = 0.1f;
+  ok.momentum = 0.9f;
+  EXPECT_EQ(layout::CheckUpdateRule(ok), nullptr);
+  auto bad = [&](auto mutate) {
+    layout::UpdateRule r = ok;
+    mutate(r);
+    return layout::CheckUpdateRule(r) != nullptr;
+  };
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags = 4; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags |= 1u << 9; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = std::nanf(""); }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = -0.1f; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = INFINITY; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.momentum = std::nanf(""); }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.dampening = 0.5f; }));  // with nesterov
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.weight_decay = -1.0f; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) {
+    r.kind_flags = static_cast<uint32_t>(layout::RuleKind::kAdam);
+    r.beta2 = 1.0f;
+  }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) {
+    r.kind_flags = static_cast<uint32_t>(layout::RuleKind::kAdamW) | layout::kRuleNesterov;
+  }));
+  EXPECT_FALSE(bad([](layout::UpdateRule& r) { r.lr = 0.0f; }));  // a warm-up's first step
+}
+
+// torch.optim.SGD creates the momentum buffer from the first gradient: with dampening the
+// first step is NOT mu*0 + (1-dampening)*g. Nesterov adds mu*v to the gradient.
+TEST(OptimizerTest, SgdRuleFollowsTorchFirstStepAndNesterov) {
+  layout::UpdateRule r{};
+  r.kind_flags = static_cast<uint32_t>(layout::RuleKind::kSgd);
+  r.lr = 0.1f;
+  r.momentum = 0.5f;
+  r.dampening = 0.5f;
+  ChunkOptimizer o(OptimizerConfig{}, 1);
+  float w = 1.0f, next;
+  const float g = 2.0f;
+  o.Apply(&w, &g, 1.0f, 1.0f, &next, r);  // v = 2 (not 1), w = 1 - 0.2
+  EXPECT_FLOAT_EQ(o.state1()[0], 2.0f);
+  EXPECT_FLOAT_EQ(next, 0.8f);
+  w = next;
+  o.Apply(&w, &g, 1.0f, 1.0f, &next, r);  // v = 0.5*2 + 0.5*2 = 2, w = 0.8 - 0.2
+  EXPECT_FLOAT_EQ(next, 0.6f);
+  layout::UpdateRule n = r;
+  n.dampening = 0.0f;
+  n.kind_flags |= layout::kRuleNesterov;
+  ChunkOptimizer q(OptimizerConfig{}, 1);
+  w = 1.0f;
+  q.Apply(&w, &g, 1.0f, 1.0f, &next, n);  // v = 2, d = 2 + 0.5*2 = 3, w = 1 - 0.3
+  EXPECT_FLOAT_EQ(next, 0.7f);
+  EXPECT_TRUE(ChunkOptimizer(OptimizerConfig{}, 1).state2().empty());
+}
+
+// AdamW decays the weight before the Adam step (decoupled); Adam adds wd*w to the gradient.
+TEST(OptimizerTest, AdamWDecaysTheWeightAdamDecaysTheGradient) {
+  layout::UpdateRule r{};
+  r.kind_flags = static_cast<uint32_t>(layout::RuleKind::kAdamW);
+  r.lr = 0.01f;
+  r.beta1 = 0.9f;
+  r.beta2 = 0.999f;
+  r.eps = 1e-8f;
+  r.weight_decay = 0.5f;
+  ChunkOptimizer o(OptimizerConfig{}, 1);
+  const float w = 2.0f, g = 0.3f;
+  float next;
+  o.Apply(&w, &g, 1.0f, 1.0f, &next, r);  // w*(1-0.005) - 0.01*sign(g)
+  EXPECT_NEAR(next, 2.0f * 0.995f - 0.01f, 1e-6);
+  r.kind_flags = static_cast<uint32_t>(layout::RuleKind::kAdam);
+  ChunkOptimizer a(OptimizerConfig{}, 1);
+  a.Apply(&w, &g, 1.0f, 1.0f, &next, r);  // d = 0.3 + 1.0 > 0: first step moves by lr
+  EXPECT_NEAR(next, 2.0f - 0.01f, 1e-6);
+  EXPECT_EQ(a.state1().size(), 1u);
+  EXPECT_EQ(a.state2().size(), 1u);
+  EXPECT_EQ(a.steps(), 1u);
 }
 
 TEST(OptimizerTest, StoreKeepsThePushedValue) {

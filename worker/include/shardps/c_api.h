@@ -131,6 +131,17 @@ int shardps_client_step(shardps_client* client, shardps_error* err);
  * SetLearningRate). */
 int shardps_client_set_learning_rate(shardps_client* client, const char* name, float lr,
                                      shardps_error* err);
+/* The update rule the servers apply to tensor `name`'s next pushes (NULL or "": every tensor),
+ * torch.optim semantics (Client::SetUpdateRule). kind: 0 the servers' --optimizer, 1 SGD,
+ * 2 Adam, 3 AdamW. */
+typedef struct shardps_update_rule {
+  uint32_t kind;
+  float lr, momentum, dampening;
+  int nesterov;
+  float weight_decay, beta1, beta2, eps;
+} shardps_update_rule;
+int shardps_client_set_update_rule(shardps_client* client, const char* name,
+                                   const shardps_update_rule* rule, shardps_error* err);
 /* Asks every server for a checkpoint at the next clock, into the cluster's checkpoint
  * directory or dir (NULL or "": the cluster's); *clock receives that clock (may be NULL). */
 int shardps_client_request_checkpoint(shardps_client* client, const char* dir, uint64_t* clock,

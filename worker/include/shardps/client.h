@@ -109,6 +109,21 @@ struct ClientCounters {
 };
 
 // Handle of an asynchronous Push or Pull.
+// How the servers apply a tensor's gradients (Client::SetUpdateRule). The semantics and
+// operation order are torch.optim's (1.13), in float32 with float64 bias corrections.
+struct UpdateRule {
+  enum class Kind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3 };
+  Kind kind = Kind::kServer;  // kServer: the servers' --optimizer; `lr` replaces --lr if > 0
+  float lr = 0.0f;
+  float momentum = 0.0f;   // SGD
+  float dampening = 0.0f;  // SGD
+  bool nesterov = false;   // SGD
+  float weight_decay = 0.0f;  // SGD and Adam: L2 added to the gradient; AdamW: decoupled
+  float beta1 = 0.9f;      // Adam, AdamW
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+};
+
 struct Handle {
   uint64_t id = 0;
 };
@@ -152,6 +167,12 @@ class Client {
   // schedule costs no control message. In BSP a clock is applied with its lowest rank's rate:
   // give every worker the same schedule. Range [0, 1e6).
   virtual Status SetLearningRate(const std::string& tensor, float lr) = 0;
+  // The update rule the servers apply to this worker's next pushes of `tensor` ("" = every
+  // registered tensor): torch.optim's SGD (momentum, dampening, nesterov, weight decay), Adam
+  // or AdamW, with their exact semantics (docs/python.md), state kept per chunk on the
+  // servers. Like the rate, it travels in the push headers (no control message), so schedulers
+  // may change any field every step. kServer: the servers' own --optimizer (the default).
+  virtual Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) = 0;
 
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
