@@ -10,6 +10,8 @@ namespace shardps {
 size_t DTypeSize(DType t) {
   switch (t) {
     case DType::kFloat32: return 4;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
   }
   return 0;
 }

@@ -14,7 +14,10 @@
 
 namespace shardps {
 
-enum class DType : uint32_t { kFloat32 = 0 };
+// The element type of a tensor (TensorSpecProto.dtype; the same numbers as layout::DType).
+// 16-bit tensors travel as they are; the servers keep float32 master weights.
+enum class DType : uint32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+inline bool ValidDType(uint32_t d) { return d <= 2; }
 size_t DTypeSize(DType t);
 
 struct TensorSpec {

@@ -42,7 +42,8 @@ void Check(const shardps::Status& s) {
 
 // A buffer of a Python object, described without copying it.
 struct Buffer {
-  float* data = nullptr;
+  void* data = nullptr;
+  shardps::TensorDType dtype = shardps::TensorDType::kFloat32;
   std::vector<int64_t> shape;
   bool cuda = false;
 };
@@ -51,15 +52,17 @@ Buffer Describe(const py::object& obj, const std::string& what) {
   Buffer b;
   if (py::isinstance<py::array>(obj)) {
     py::array a = py::reinterpret_borrow<py::array>(obj);
-    if (!a.dtype().is(py::dtype::of<float>())) {
-      throw py::type_error(what + ": numpy array must be float32, not " +
+    if (a.dtype().is(py::dtype("float16"))) {
+      b.dtype = shardps::TensorDType::kFloat16;
+    } else if (!a.dtype().is(py::dtype::of<float>())) {
+      throw py::type_error(what + ": numpy array must be float32 or float16, not " +
                            std::string(py::str(a.dtype())) + " (a conversion would copy)");
     }
     if (!(a.flags() & py::array::c_style)) {
       throw py::value_error(what + ": numpy array must be C-contiguous (a copy would be needed)");
     }
     if (!a.writeable()) throw py::value_error(what + ": numpy array must be writeable");
-    b.data = static_cast<float*>(a.mutable_data());
+    b.data = a.mutable_data();
     for (py::ssize_t i = 0; i < a.ndim(); ++i) b.shape.push_back(a.shape(i));
     if (b.shape.empty()) b.shape.push_back(1);
     return b;
@@ -67,13 +70,18 @@ Buffer Describe(const py::object& obj, const std::string& what) {
   if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "is_contiguous") &&
       py::hasattr(obj, "dtype")) {  // a torch.Tensor (torch is not linked: duck-typed)
     const std::string dtype = py::str(obj.attr("dtype"));
-    if (dtype != "torch.float32") {
-      throw py::type_error(what + ": torch tensor must be torch.float32, not " + dtype);
+    if (dtype == "torch.float16") {
+      b.dtype = shardps::TensorDType::kFloat16;
+    } else if (dtype == "torch.bfloat16") {
+      b.dtype = shardps::TensorDType::kBFloat16;
+    } else if (dtype != "torch.float32") {
+      throw py::type_error(what + ": torch tensor must be torch.float32, float16 or bfloat16, "
+                           "not " + dtype);
     }
     if (!obj.attr("is_contiguous")().cast<bool>()) {
       throw py::value_error(what + ": torch tensor must be contiguous (a copy would be needed)");
     }
-    b.data = reinterpret_cast<float*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    b.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
     b.cuda = obj.attr("is_cuda").cast<bool>();
     for (auto d : obj.attr("shape")) b.shape.push_back(d.cast<int64_t>());
     if (b.shape.empty()) b.shape.push_back(1);
@@ -119,7 +127,10 @@ class PyClient {
       throw py::value_error("'" + name + "': weights and grads must be on the same device");
     }
     if (w.data == g.data) throw py::value_error("'" + name + "': weights and grads are one buffer");
-    Check(c.RegisterTensor(name, w.data, g.data, w.shape));
+    if (w.dtype != g.dtype) {
+      throw py::type_error("'" + name + "': weights and grads differ in dtype");
+    }
+    Check(c.RegisterTensor(name, w.data, g.data, w.shape, w.dtype));
     // Held for the client's life: the registered memory must not be freed under it.
     tensors_[name] = Held{weights, grads, w.data, g.data};
   }
@@ -220,8 +231,8 @@ class PyClient {
  private:
   struct Held {
     py::object weights, grads;
-    float* w;
-    float* g;
+    void* w;
+    void* g;
   };
   shardps::Client& Live() {
     if (client_ == nullptr) Raise(shardps::FailedPreconditionError("client is closed"));

@@ -5,6 +5,8 @@
 #include <new>
 #include <string>
 
+#include "common/half.h"
+
 namespace shardps::server {
 
 void BeginOverwrite(layout::ChunkHeader* header, uint32_t buffer) {
@@ -20,24 +22,33 @@ void PublishHeader(layout::ChunkHeader* header, uint32_t buffer, uint64_t versio
 
 ChunkStore::ChunkStore(const Options& options, const layout::ServerLayout& layout, void* weights,
                        const std::vector<uint32_t>& chunk_ids,
-                       const std::vector<uint64_t>& chunk_bytes)
+                       const std::vector<uint64_t>& chunk_bytes,
+                       const std::vector<uint32_t>& chunk_dtypes)
     : options_(options), chunks_(layout.slots()) {
   auto* base = static_cast<char*>(weights);
   for (uint32_t s = 0; s < layout.slots(); ++s) {
     DenseChunk& c = chunks_[s];
     c.chunk_id = chunk_ids[s];
     c.bytes = chunk_bytes[s];
-    c.elems = chunk_bytes[s] / sizeof(float);
+    c.dtype = s < chunk_dtypes.size() ? static_cast<layout::DType>(chunk_dtypes[s])
+                                      : layout::DType::kF32;
+    c.elems = chunk_bytes[s] / layout::DTypeBytes(c.dtype);
     c.header = new (base + layout.header_offset(s)) layout::ChunkHeader();
     for (int b = 0; b < 2; ++b) {
-      c.buf[b] = reinterpret_cast<float*>(base + layout.buffer_offset(s, b));
+      c.buf[b] = base + layout.buffer_offset(s, b);
+      if (c.dtype == layout::DType::kF32) {
+        c.val[b] = static_cast<float*>(c.buf[b]);
+      } else {
+        c.master[b].assign(c.elems, 0.0f);
+        c.val[b] = c.master[b].data();
+      }
     }
     c.optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, c.elems);
   }
 }
 
 const float* ChunkStore::published(uint32_t slot) const {
-  return chunks_[slot].buf[chunks_[slot].published];
+  return chunks_[slot].val[chunks_[slot].published];
 }
 
 uint64_t ChunkStore::published_min_clock_plus1(uint32_t slot) const {
@@ -51,11 +62,38 @@ uint64_t ChunkStore::max_published_min_clock_plus1() const {
   return m;
 }
 
-uint32_t ChunkStore::Init(uint32_t slot, const float* src) {
+uint32_t ChunkStore::Init(uint32_t slot, const void* src) {
   DenseChunk& c = chunks_[slot];
   BeginOverwrite(c.header, 0);
-  std::memcpy(c.buf[0], src, c.bytes);
+  std::memmove(c.buf[0], src, c.bytes);  // src may be buffer 0 itself (a backup's restore)
+  if (c.dtype != layout::DType::kF32) {
+    DecodeHalf(static_cast<uint32_t>(c.dtype), static_cast<const uint16_t*>(c.buf[0]),
+               c.val[0], c.elems);
+  }
   return 0;
+}
+
+void ChunkStore::DecodeGradient(uint32_t slot, const void* src, float* dst, bool add) const {
+  const DenseChunk& c = chunks_[slot];
+  if (c.dtype == layout::DType::kF32) {
+    const auto* g = static_cast<const float*>(src);
+    if (add) {
+      for (size_t i = 0; i < c.elems; ++i) dst[i] += g[i];
+    } else {
+      std::memcpy(dst, g, c.bytes);
+    }
+  } else if (add) {
+    AddDecodedHalf(static_cast<uint32_t>(c.dtype), static_cast<const uint16_t*>(src), dst,
+                   c.elems);
+  } else {
+    DecodeHalf(static_cast<uint32_t>(c.dtype), static_cast<const uint16_t*>(src), dst, c.elems);
+  }
+}
+
+void ChunkStore::Encode(DenseChunk& c, uint32_t b) {
+  if (c.dtype == layout::DType::kF32) return;
+  EncodeHalf(static_cast<uint32_t>(c.dtype), c.val[b], static_cast<uint16_t*>(c.buf[b]),
+             c.elems);
 }
 
 uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
@@ -63,7 +101,8 @@ uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, floa
   DenseChunk& c = chunks_[slot];
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
-  c.optimizer->Apply(c.buf[c.published], grad, scale, lr_scale, c.buf[target], rule);
+  c.optimizer->Apply(c.val[c.published], grad, scale, lr_scale, c.val[target], rule);
+  Encode(c, target);
   return target;
 }
 
@@ -71,7 +110,7 @@ float ChunkStore::ValueStalenessScale(uint32_t slot, uint64_t base_version, floa
   const DenseChunk& c = chunks_[slot];
   if (base_version >= c.version) return 1.0f;
   for (const auto& [v, w] : c.history) {
-    if (v == base_version) return VsgdScale(c.buf[c.published], w.data(), c.elems, lambda);
+    if (v == base_version) return VsgdScale(c.val[c.published], w.data(), c.elems, lambda);
   }
   // Older than the history: treat as maximally stale (relative drift 1).
   return 1.0f / (1.0f + lambda);
@@ -84,7 +123,7 @@ void ChunkStore::Publish(uint32_t slot, uint32_t buffer, uint64_t min_clock_plus
   c.version = v;
   c.published = buffer;
   if (options_.history > 0) {
-    c.history.emplace_back(v, std::vector<float>(c.buf[buffer], c.buf[buffer] + c.elems));
+    c.history.emplace_back(v, std::vector<float>(c.val[buffer], c.val[buffer] + c.elems));
     while (c.history.size() > static_cast<size_t>(options_.history)) c.history.pop_front();
   }
 }
@@ -106,7 +145,7 @@ ChunkState ChunkStore::Capture(uint32_t slot) const {
   ChunkState cs;
   cs.chunk_id = c.chunk_id;
   cs.version = c.version;
-  cs.weights.assign(c.buf[c.published], c.buf[c.published] + c.elems);
+  cs.weights.assign(c.val[c.published], c.val[c.published] + c.elems);
   cs.optimizer_steps = c.optimizer->steps();
   cs.state1 = c.optimizer->state1();
   cs.state2 = c.optimizer->state2();
@@ -118,7 +157,9 @@ Status ChunkStore::Restore(uint32_t slot, const ChunkState& cs, uint64_t clock) 
   if (cs.chunk_id != c.chunk_id || cs.weights.size() != c.elems || cs.version == 0) {
     return FailedPreconditionError("chunk " + std::to_string(slot) + " does not match the plan");
   }
-  std::memcpy(c.buf[0], cs.weights.data(), c.bytes);
+  BeginOverwrite(c.header, 0);
+  std::memcpy(c.val[0], cs.weights.data(), c.elems * sizeof(float));
+  Encode(c, 0);
   c.optimizer->RestoreState(cs.optimizer_steps, cs.state1, cs.state2);
   c.version = cs.version;
   c.published = 0;

@@ -12,6 +12,13 @@
 // A second kind of table (row-sparse embeddings) sits beside this one as another store over
 // its own slots, publishing through the same two functions.
 //
+// 16-bit chunks (float16, bfloat16: a trainer's mixed-precision tensors): the registered
+// buffers hold the 16-bit weights workers pull; the store keeps float32 master weights in two
+// private buffers beside them. Every value interface below (published(), Compute's gradient,
+// Capture/Restore, the VSGD history) is float32 master; Init takes the wire bytes. Compute
+// updates the master and encodes it into the registered buffer (round to nearest even, as
+// torch's .to(dtype)).
+//
 // Computing a version and publishing it are separate steps: Compute()/Init() write the
 // unpublished buffer and return it; Publish() makes it visible. In between (a version waiting
 // for its replication record) pulls keep reading the published buffer.
@@ -21,6 +28,7 @@
 #ifndef SHARDPS_SERVER_CHUNK_STORE_H_
 #define SHARDPS_SERVER_CHUNK_STORE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -46,15 +54,20 @@ class ChunkStore {
   };
   // `weights` is the registered weights region of `layout` (at least weights_bytes()); the
   // headers are constructed in it. `chunk_ids` per slot.
+  // `chunk_dtypes` per slot (layout::DType; empty: all float32); chunk_bytes are wire bytes.
   ChunkStore(const Options& options, const layout::ServerLayout& layout, void* weights,
-             const std::vector<uint32_t>& chunk_ids, const std::vector<uint64_t>& chunk_bytes);
+             const std::vector<uint32_t>& chunk_ids, const std::vector<uint64_t>& chunk_bytes,
+             const std::vector<uint32_t>& chunk_dtypes = {});
   ChunkStore(const ChunkStore&) = delete;
   ChunkStore& operator=(const ChunkStore&) = delete;
 
   uint32_t slots() const { return static_cast<uint32_t>(chunks_.size()); }
   uint32_t chunk_id(uint32_t slot) const { return chunks_[slot].chunk_id; }
-  uint64_t bytes(uint32_t slot) const { return chunks_[slot].bytes; }
+  uint64_t bytes(uint32_t slot) const { return chunks_[slot].bytes; }  // on the wire
   size_t elems(uint32_t slot) const { return chunks_[slot].elems; }
+  // float32 bytes of the values (a gradient decoded, a replication payload): elems x 4.
+  uint64_t value_bytes(uint32_t slot) const { return chunks_[slot].elems * sizeof(float); }
+  layout::DType dtype(uint32_t slot) const { return chunks_[slot].dtype; }
   uint64_t version(uint32_t slot) const { return chunks_[slot].version; }
   bool initialised(uint32_t slot) const { return chunks_[slot].version > 0; }
   uint32_t published_buffer(uint32_t slot) const { return chunks_[slot].published; }
@@ -63,8 +76,10 @@ class ChunkStore {
   // The highest min clock (+1) any chunk has published.
   uint64_t max_published_min_clock_plus1() const;
 
-  // Copies the initial weights into buffer 0; returns the buffer (0).
-  uint32_t Init(uint32_t slot, const float* src);
+  // Copies the initial weights (wire bytes: the slot's dtype) into buffer 0; returns it (0).
+  uint32_t Init(uint32_t slot, const void* src);
+  // Decodes a pushed 16-bit gradient into float32 (`add`: adds it to dst). float32: copies.
+  void DecodeGradient(uint32_t slot, const void* src, float* dst, bool add) const;
   // Computes the next version from the published one into the other buffer; returns it.
   // `rule`: what the trainer's push carried (kind 0: the configured optimizer).
   uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
@@ -93,13 +108,19 @@ class ChunkStore {
     uint32_t chunk_id = 0;
     uint64_t bytes = 0;
     size_t elems = 0;
+    layout::DType dtype = layout::DType::kF32;
     layout::ChunkHeader* header = nullptr;
-    float* buf[2] = {nullptr, nullptr};
+    void* buf[2] = {nullptr, nullptr};  // registered: what workers pull
+    // The float32 values: buf itself (float32) or the master copies (16-bit).
+    float* val[2] = {nullptr, nullptr};
+    std::vector<float> master[2];
     std::unique_ptr<ChunkOptimizer> optimizer;
     uint64_t version = 0;  // published
     uint32_t published = 0;
     std::deque<std::pair<uint64_t, std::vector<float>>> history;  // version -> weights
   };
+  // 16-bit chunks: the registered buffer b from the master values (float32: nothing to do).
+  static void Encode(DenseChunk& c, uint32_t b);
   Options options_;
   std::vector<DenseChunk> chunks_;  // by slot
 };

@@ -23,9 +23,13 @@ StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
                                   const std::vector<double>& capacity = {}) {
   std::vector<TensorSpec> specs;
   for (const auto& t : m.tensors()) {
-    if (t.dtype() != 0) return InvalidArgumentError("tensor '" + t.name() + "': only float32");
+    if (!ValidDType(t.dtype())) {
+      return InvalidArgumentError("tensor '" + t.name() + "': unknown dtype " +
+                                  std::to_string(t.dtype()) + " (float32, float16, bfloat16)");
+    }
     TensorSpec s;
     s.name = t.name();
+    s.dtype = static_cast<DType>(t.dtype());
     s.shape.assign(t.shape().begin(), t.shape().end());
     specs.push_back(std::move(s));
   }
@@ -180,7 +184,7 @@ void Coordinator::MaybeAssignShards() {
   for (const auto& t : plan->tensors) {
     TensorSpecProto* p = shard_map_.add_tensors();
     p->set_name(t.name);
-    p->set_dtype(0);
+    p->set_dtype(static_cast<uint32_t>(t.dtype));
     for (auto d : t.shape) p->add_shape(d);
   }
   for (const auto& ch : plan->chunks) {
@@ -237,6 +241,7 @@ Envelope Coordinator::AssignmentFor(const ShardPlan& plan, uint32_t g, uint32_t 
     if (ch.server != g) continue;
     a->add_chunk_ids(ch.chunk_id);
     a->add_chunk_bytes(ch.bytes);
+    a->add_chunk_dtypes(static_cast<uint32_t>(plan.tensors[ch.tensor].dtype));
   }
   a->set_max_workers(max_workers);
   a->set_plan_fingerprint(plan_fingerprint_);

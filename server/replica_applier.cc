@@ -14,7 +14,10 @@ Status CheckRecord(const layout::ReplHeader& h, uint64_t expected_seq, uint64_t 
   }
   if (h.epoch < fence_epoch) return FailedPreconditionError("from an epoch before the fence");
   if (h.slot >= chunks.slots()) return InvalidArgumentError("slot out of range");
-  if (h.bytes != chunks.bytes(h.slot) || h.contributors > max_workers) {
+  // An init carries the wire bytes, an update the float32 values.
+  const bool init = h.kind == static_cast<uint32_t>(layout::ReplKind::kInit);
+  if (h.bytes != (init ? chunks.bytes(h.slot) : chunks.value_bytes(h.slot)) ||
+      h.contributors > max_workers) {
     return InvalidArgumentError("size fields do not match the slot");
   }
   const uint64_t version = chunks.version(h.slot);

@@ -162,12 +162,20 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   num_groups_ = a.num_groups();
   backup_ = a.backup();
   std::vector<uint64_t> bytes(a.chunk_bytes().begin(), a.chunk_bytes().end());
+  dtypes_.assign(a.chunk_dtypes().begin(), a.chunk_dtypes().end());
+  if (!dtypes_.empty() && dtypes_.size() != bytes.size()) {
+    return InvalidArgumentError("chunk_dtypes does not match chunk_bytes");
+  }
+  // The ring and the records' staging hold float32 values (a 16-bit chunk's are twice its
+  // wire bytes).
   uint64_t max_chunk = layout::kAlign;
-  for (uint64_t b : bytes) {
-    if (b == 0 || b % sizeof(float) != 0 || b > (1ull << 40)) {
-      return InvalidArgumentError("bad chunk size");
-    }
-    max_chunk = std::max(max_chunk, b);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const uint32_t d = dtypes_.empty() ? 0 : dtypes_[i];
+    if (d > static_cast<uint32_t>(layout::DType::kBF16)) return InvalidArgumentError("bad dtype");
+    const uint64_t esize = layout::DTypeBytes(static_cast<layout::DType>(d));
+    const uint64_t b = bytes[i];
+    if (b == 0 || b % esize != 0 || b > (1ull << 40)) return InvalidArgumentError("bad chunk size");
+    max_chunk = std::max(max_chunk, b / esize * sizeof(float));
   }
   layout_ = std::make_unique<layout::ServerLayout>(bytes, a.max_workers());
   ASSIGN_OR_RETURN(weights_, fabric_->AllocateMemory(AtLeastAligned(layout_->weights_bytes()),
@@ -227,7 +235,7 @@ Status ShardServer::SetupComponents(const control::AssignShards& a,
   co.optimizer = options_.optimizer;
   co.history = gate_->value_staleness() ? options_.vsgd_history : 0;
   std::vector<uint32_t> ids(a.chunk_ids().begin(), a.chunk_ids().end());
-  chunks_ = std::make_unique<ChunkStore>(co, *layout_, weights_->data(), ids, bytes);
+  chunks_ = std::make_unique<ChunkStore>(co, *layout_, weights_->data(), ids, bytes, dtypes_);
   if (!backup_) chunks_->SetServingEpoch(1);
   workers_ = std::make_unique<WorkerTable>(layout_->slots());
   ack_board_ = std::make_unique<AckBoard>(acks_->data(), *layout_);

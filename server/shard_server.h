@@ -233,6 +233,7 @@ class ShardServer {
   Clock::time_point assigned_at_{};  // when (the hello must come within the setup timeout)
   Status catch_up_error_;            // the copy failed: this backup leaves
   std::string plan_fingerprint_;
+  std::vector<uint32_t> dtypes_;  // per slot (layout::DType); empty: all float32
 };
 
 }  // namespace shardps::server

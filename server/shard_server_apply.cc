@@ -161,7 +161,7 @@ void ShardServer::HandleInit(uint32_t worker, uint32_t slot) {
   r.kind = layout::ReplKind::kInit;
   r.bytes = chunks_->bytes(slot);
   r.payload = {weights_.get(), layout_->buffer_offset(slot, 0), r.bytes};
-  Commit(chunks_->Init(slot, reinterpret_cast<const float*>(src)), std::move(r));
+  Commit(chunks_->Init(slot, src), std::move(r));
 }
 
 bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue) {
@@ -225,11 +225,21 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   if (gate_->value_staleness()) {
     r.lr_scale = chunks_->ValueStalenessScale(slot, h.base_version, options_.vsgd_lambda);
   }
-  r.bytes = chunks_->bytes(slot);
   r.rule = h.rule;
-  r.payload = {inbox_.get(), layout_->push_data_offset(worker, slot, parity), r.bytes};
-  const uint32_t buffer = chunks_->Compute(
-      slot, reinterpret_cast<const float*>(base + r.payload.offset), r.scale, r.lr_scale, r.rule);
+  const uint64_t data = layout_->push_data_offset(worker, slot, parity);
+  const float* grad;
+  if (chunks_->dtype(slot) == layout::DType::kF32) {
+    r.bytes = chunks_->bytes(slot);
+    r.payload = {inbox_.get(), data, r.bytes};
+    grad = reinterpret_cast<const float*>(base + data);
+  } else {
+    // A 16-bit gradient: decoded once into the record's staging, which the backup applies.
+    r.bytes = chunks_->value_bytes(slot);
+    r.payload = stream_->sum_payload(slot, r.bytes);
+    chunks_->DecodeGradient(slot, base + data, stream_->sum(slot), false);
+    grad = stream_->sum(slot);
+  }
+  const uint32_t buffer = chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule);
   workers_->Consume(worker, slot, h.seq, clock);
   stats_.Bump(&ShardServerCounters::pushes_applied);
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
@@ -262,25 +272,20 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   // Sum in worker-rank order, straight from the inbox slots (a worker reuses an inbox slot
   // only after its push is acknowledged, which happens at publication), so the sum does not
   // depend on arrival order: runs are reproducible bit for bit, failovers included.
+  // 16-bit gradients are decoded into the float32 sum.
   const char* base = static_cast<const char*>(inbox_->data());
-  const size_t elems = chunks_->elems(slot);
   float* sum = stream_->sum(slot);
   bool first = true;
   for (const Contributor& k : a->contributors) {
-    const auto* g =
-        reinterpret_cast<const float*>(base + layout_->push_data_offset(k.worker, slot, k.parity));
-    if (first) {
-      std::memcpy(sum, g, chunks_->bytes(slot));
-      first = false;
-    } else {
-      for (size_t i = 0; i < elems; ++i) sum[i] += g[i];
-    }
+    chunks_->DecodeGradient(slot, base + layout_->push_data_offset(k.worker, slot, k.parity), sum,
+                            !first);
+    first = false;
   }
   const size_t n = std::max<size_t>(1, a->contributors.size());
   ReplRecord r;
   r.slot = slot;
   r.scale = options_.average ? 1.0f / n : 1.0f;
-  r.bytes = chunks_->bytes(slot);
+  r.bytes = chunks_->value_bytes(slot);
   r.payload = stream_->sum_payload(slot, r.bytes);
   r.min_clock_plus1 = static_cast<uint64_t>(a->clock) + 1;
   if (!a->contributors.empty()) {

@@ -150,6 +150,21 @@ int shardps_client_register_tensor(shardps_client* c, const char* name, float* w
   });
 }
 
+int shardps_client_register_tensor_typed(shardps_client* c, const char* name, void* weights,
+                                         void* grads, const int64_t* shape, size_t ndim,
+                                         uint32_t dtype, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    if (shape == nullptr && ndim > 0) return Null("shape");
+    if (ndim == 0) return shardps::InvalidArgumentError("a tensor needs ndim >= 1");
+    if (dtype > 2) return shardps::InvalidArgumentError("unknown dtype (0, 1, 2)");
+    std::vector<int64_t> dims(shape, shape + ndim);
+    return c->impl->RegisterTensor(name, weights, grads, dims,
+                                   static_cast<shardps::TensorDType>(dtype));
+  });
+}
+
 int shardps_client_start(shardps_client* c, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));

@@ -131,7 +131,16 @@ Status ClientImpl::Init(std::unique_ptr<transport::Fabric> fabric) {
 
 Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float* grads,
                                   const std::vector<int64_t>& shape) {
+  return RegisterTensor(name, static_cast<void*>(weights), static_cast<void*>(grads), shape,
+                        TensorDType::kFloat32);
+}
+
+Status ClientImpl::RegisterTensor(const std::string& name, void* weights, void* grads,
+                                  const std::vector<int64_t>& shape, TensorDType dtype) {
   RETURN_IF_ERROR(lifecycle_.Require("RegisterTensor()", {ClientState::kJoined}));
+  if (static_cast<uint32_t>(dtype) > static_cast<uint32_t>(TensorDType::kBFloat16)) {
+    return InvalidArgumentError("tensor '" + name + "': unknown dtype");
+  }
   if (tensor_index_.count(name))
     return AlreadyExistsError("tensor '" + name + "' registered twice");
   if (weights == nullptr || grads == nullptr) return InvalidArgumentError("null tensor buffer");
@@ -140,12 +149,13 @@ Status ClientImpl::RegisterTensor(const std::string& name, float* weights, float
   t.weights = weights;
   t.grads = grads;
   t.shape = shape;
+  t.dtype = dtype;
   uint64_t n = 1;
   for (int64_t d : shape) {
     if (d <= 0) return InvalidArgumentError("tensor '" + name + "' has a dimension <= 0");
     n *= static_cast<uint64_t>(d);
   }
-  t.bytes = n * sizeof(float);
+  t.bytes = n * (dtype == TensorDType::kFloat32 ? 4 : 2);
   const bool dw = IsCudaDevicePointer(weights);
   const bool dg = IsCudaDevicePointer(grads);
   if (dw != dg) {
@@ -191,7 +201,8 @@ Status ClientImpl::RegisterDeviceTensor(Tensor& t) {
     return InvalidArgumentError("cuda_pipeline_bytes must be > 0");
   }
   ASSIGN_OR_RETURN(t.staging,
-                   CudaStaging::Create(t.weights, t.grads, t.bytes, options_.cuda_pipeline_bytes));
+                   CudaStaging::Create(static_cast<float*>(t.weights), static_cast<float*>(t.grads),
+                                       t.bytes, options_.cuda_pipeline_bytes));
   ASSIGN_OR_RETURN(t.wmr,
                    fabric_->RegisterMemory(t.staging->host_weights(), t.bytes, Access::kLocalOnly,
                                            transport::MemoryKind::kHost));
@@ -299,7 +310,7 @@ StatusOr<control::ShardMap> ClientImpl::RegisterModel() {
   for (const Tensor& t : tensors_) {
     control::TensorSpecProto* p = reg.mutable_register_model()->add_tensors();
     p->set_name(t.name);
-    p->set_dtype(0);
+    p->set_dtype(static_cast<uint32_t>(t.dtype));
     for (int64_t d : t.shape) p->add_shape(d);
   }
   // Again after every rejoin until the map arrives: a coordinator that died before saving the
@@ -334,7 +345,8 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
     // (a slot beyond the chunk count, or an offset + bytes that wraps, would index out of bounds).
     if (ce.chunk_id() >= chunks_.size() || ce.tensor() >= tensors_.size() ||
         ce.server_rank() >= num_servers || ce.slot() >= chunks_.size() || ce.bytes() == 0 ||
-        ce.bytes() % sizeof(float) != 0 || ce.offset() > tensors_[ce.tensor()].bytes ||
+        ce.bytes() % (tensors_[ce.tensor()].dtype == TensorDType::kFloat32 ? 4 : 2) != 0 ||
+        ce.offset() > tensors_[ce.tensor()].bytes ||
         ce.bytes() > tensors_[ce.tensor()].bytes - ce.offset()) {
       return InvalidArgumentError("shard map: chunk out of range");
     }

@@ -51,6 +51,8 @@ class ClientImpl final : public Client, private CompletionSink {
 
   Status RegisterTensor(const std::string& name, float* weights, float* grads,
                         const std::vector<int64_t>& shape) override;
+  Status RegisterTensor(const std::string& name, void* weights, void* grads,
+                        const std::vector<int64_t>& shape, TensorDType dtype) override;
   Status Start() override;
   StatusOr<Handle> Push(const std::string& name) override;
   StatusOr<Handle> Pull(const std::string& name) override;

@@ -44,8 +44,9 @@ inline uint64_t ContextHandle(uint64_t c) { return c & 0xffffffffull; }
 
 struct Tensor {
   std::string name;
-  float* weights = nullptr;
-  float* grads = nullptr;
+  void* weights = nullptr;
+  void* grads = nullptr;
+  TensorDType dtype = TensorDType::kFloat32;
   std::vector<int64_t> shape;
   uint64_t bytes = 0;
   // Regions the network reads and writes: the tensor itself (host, kCudaDirect) or the

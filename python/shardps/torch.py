@@ -163,8 +163,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.client = client
         self._params = []
         for name, p in named:
-            if p.dtype != torch.float32:
-                raise TypeError(f"parameter '{name}' is {p.dtype}; ShardPS trains float32")
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"parameter '{name}' is {p.dtype}; ShardPS trains float32, "
+                                "float16 and bfloat16 tensors")
             if not p.is_contiguous():
                 raise ValueError(f"parameter '{name}' is not contiguous")
             if p.grad is None:

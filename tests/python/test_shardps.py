@@ -325,6 +325,112 @@ class WrappedTorchOptimizerTest(unittest.TestCase):
                     spt.DistributedOptimizer(bad, m, coordinator="127.0.0.1:1")
 
 
+class MixedPrecisionTest(unittest.TestCase):
+    """16-bit tensors on the wire, float32 master weights on the servers. Exact: a worker pulls
+    the servers' float32 master rounded to its dtype (round to nearest even, as numpy's and
+    torch's casts), so the expected weights are computed here in float32 and cast."""
+
+    def test_float16_numpy_pulls_the_rounded_float32_master(self):
+        with cluster(servers=2) as cl, connect(cl) as c:
+            w = np.linspace(-3, 3, 300, dtype=np.float32).astype(np.float16)
+            g = np.zeros_like(w)
+            c.register("w", w, g)
+            c.start()
+            master = w.astype(np.float32)
+            rng = np.random.default_rng(5)
+            for step in range(20):
+                # Small gradients: steps below half a float16 ulp of many weights, which a
+                # float16 master would lose and the float32 master keeps.
+                g[...] = (rng.standard_normal(300) * 1e-3).astype(np.float16)
+                master = master - np.float32(LR) * g.astype(np.float32)
+                c.step()
+                np.testing.assert_array_equal(w, master.astype(np.float16), f"step {step}")
+            self.assertFalse(np.array_equal(master.astype(np.float16),
+                                            (np.linspace(-3, 3, 300, dtype=np.float32)
+                                             .astype(np.float16))))
+
+    def test_float16_failover_keeps_the_float32_master(self):
+        # The backup applies the primary's records: float32 values decoded from the pushed
+        # float16 gradients. After the primary of group 0 is killed mid-run the promoted
+        # backup's master must be the primary's, bit for bit, or the pulls stop matching.
+        with cluster(servers=2, replicas=2) as cl, connect(cl) as c:
+            w = np.linspace(-3, 3, 300, dtype=np.float32).astype(np.float16)
+            g = np.zeros_like(w)
+            c.register("w", w, g)
+            c.start()
+            master = w.astype(np.float32)
+            rng = np.random.default_rng(6)
+            for step in range(30):
+                if step == 12:
+                    primary = cl._procs[1]  # server rank 0: group 0's primary
+                    primary.kill()
+                    primary.wait()
+                g[...] = (rng.standard_normal(300) * 1e-3).astype(np.float16)
+                master = master - np.float32(LR) * g.astype(np.float32)
+                c.step()
+                np.testing.assert_array_equal(w, master.astype(np.float16), f"step {step}")
+            self.assertGreaterEqual(c.counters()["failovers"], 1)
+
+    def test_bfloat16_model_matches_float32_master_reference(self):
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 3)).to(torch.bfloat16)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                  torch.nn.Linear(16, 3)).to(torch.bfloat16)
+        ref.load_state_dict(model.state_dict())
+        master = [p.detach().float().clone() for p in ref.parameters()]
+        data = [(torch.randn(16, 8).to(torch.bfloat16), torch.randn(16, 3).to(torch.bfloat16))
+                for _ in range(10)]
+        with cluster(servers=2, lr=0.5) as cl:
+            opt = spt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
+                                                           momentum=0.9), model,
+                                           client=connect(cl))
+            ref_opt = torch.optim.SGD(master, lr=0.05, momentum=0.9)
+            for step in range(60):
+                x, y = data[step % len(data)]
+                opt.zero_grad()
+                loss = ((model(x).float() - y.float()) ** 2).mean()  # no bfloat16 mse on CPU
+                loss.backward()
+                opt.step()
+                ref_opt.zero_grad()
+                ref.zero_grad()
+                ref_loss = ((ref(x).float() - y.float()) ** 2).mean()
+                ref_loss.backward()
+                for m, p in zip(master, ref.parameters()):
+                    m.grad = p.grad.float()
+                ref_opt.step()
+                with torch.no_grad():
+                    for m, p in zip(master, ref.parameters()):
+                        p.copy_(m)  # the float32 master rounded to bfloat16
+                self.assertEqual(loss.item(), ref_loss.item(), f"step {step}")
+            for p, q in zip(model.parameters(), ref.parameters()):
+                self.assertEqual(p.dtype, torch.bfloat16)
+                self.assertTrue(torch.equal(p, q), (p.float() - q.float()).abs().max())
+            opt.close()
+
+    def test_bytes_per_step_halve(self):
+        sizes = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            model = torch.nn.Linear(256, 128).to(dtype)
+            with cluster(servers=2, partition_bytes=16384) as cl:
+                opt = spt.DistributedOptimizer(model, client=connect(cl), lr=0.01)
+                before = opt.client.counters()
+                for step in range(5):
+                    opt.zero_grad()
+                    for p in model.parameters():  # (torch 1.13 has no float16 matmul on CPU)
+                        p.grad.fill_(0.001 * step)
+                    opt.step()
+                after = opt.client.counters()
+                sizes[dtype] = (after["bytes_pushed"] - before["bytes_pushed"],
+                                after["bytes_pulled"] - before["bytes_pulled"])
+                opt.close()
+        f32 = sizes[torch.float32]
+        for dtype in (torch.bfloat16, torch.float16):
+            self.assertEqual(sizes[dtype][0] * 2, f32[0], dtype)
+            self.assertEqual(sizes[dtype][1] * 2, f32[1], dtype)
+        self.assertEqual(f32[0], 5 * 4 * (256 * 128 + 128))
+
+
 class LifecycleTest(unittest.TestCase):
     """Every method in every state of the client (shardps/client.h, "Lifecycle"): it works, or
     raises shardps.Error with code FAILED_PRECONDITION naming the call and the state; none

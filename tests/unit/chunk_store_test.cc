@@ -1,8 +1,11 @@
 #include "server/chunk_store.h"
 
+#include <cmath>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "common/half.h"
 
 namespace shardps::server {
 namespace {
@@ -102,6 +105,79 @@ TEST_F(ChunkStoreTest, CaptureAndRestoreRoundTrip) {
   EXPECT_EQ(restored.published(1)[1], 4.0f);
   cs.chunk_id = 8;
   EXPECT_FALSE(restored.Restore(1, cs, 6).ok());
+}
+
+// A bfloat16 chunk: the registered buffers hold what workers pull (the float32 master rounded
+// to nearest even); the master keeps what bfloat16 cannot (a step smaller than half an ulp);
+// Capture/Restore carry the master.
+TEST(ChunkStore16Test, Bfloat16ChunkKeepsAFloat32MasterAndPublishesItRounded) {
+  struct alignas(64) Line {
+    char bytes[64];
+  };
+  layout::ServerLayout layout({8}, 1);  // 4 bfloat16 elements
+  std::vector<Line> memory(layout.weights_bytes() / 64 + 1);
+  ChunkStore::Options o;
+  o.optimizer.lr = 1.0f;
+  ChunkStore store(o, layout, memory.data(), {3}, {8},
+                   {static_cast<uint32_t>(layout::DType::kBF16)});
+  EXPECT_EQ(store.elems(0), 4u);
+  EXPECT_EQ(store.value_bytes(0), 16u);
+  const uint16_t init[4] = {FloatToBF16(1.0f), FloatToBF16(-2.0f), FloatToBF16(256.0f),
+                            FloatToBF16(0.5f)};
+  store.Publish(0, store.Init(0, init), 1);
+  EXPECT_EQ(store.published(0)[2], 256.0f);
+  // A push of bfloat16 gradients, decoded and applied to the master.
+  const uint16_t g16[4] = {FloatToBF16(0.25f), FloatToBF16(0.0f), FloatToBF16(0.5f),
+                           FloatToBF16(-0.125f)};
+  float g[4];
+  store.DecodeGradient(0, g16, g, false);
+  EXPECT_EQ(g[3], -0.125f);
+  for (int step = 0; step < 3; ++step) store.Publish(0, store.Compute(0, g, 1.0f, 1.0f), 2);
+  const float* master = store.published(0);
+  EXPECT_EQ(master[0], 0.25f);
+  EXPECT_EQ(master[2], 254.5f);  // 256 - 3 * 0.5: not a bfloat16 (its ulp at 256 is 2)
+  const auto* pulled = reinterpret_cast<const uint16_t*>(
+      reinterpret_cast<const char*>(memory.data()) + layout.buffer_offset(0, 1));
+  EXPECT_EQ(pulled[0], FloatToBF16(0.25f));
+  EXPECT_EQ(BF16ToFloat(pulled[2]), 254.0f);  // 254.5 rounds to even: 254
+  EXPECT_EQ(pulled[3], FloatToBF16(0.875f));
+  const ChunkState cs = store.Capture(0);
+  ASSERT_EQ(cs.weights.size(), 4u);
+  EXPECT_EQ(cs.weights[2], 254.5f);
+  ChunkStore other(o, layout, memory.data(), {3}, {8},
+                   {static_cast<uint32_t>(layout::DType::kBF16)});
+  ASSERT_TRUE(other.Restore(0, cs, 5).ok());
+  EXPECT_EQ(other.published(0)[2], 254.5f);
+  const auto* restored = reinterpret_cast<const uint16_t*>(
+      reinterpret_cast<const char*>(memory.data()) + layout.buffer_offset(0, 0));
+  EXPECT_EQ(BF16ToFloat(restored[2]), 254.0f);
+}
+
+// The conversions are torch's: every float16 value survives float32 and back; ties round to
+// even; overflow is infinity; NaN stays NaN; subnormals are kept.
+TEST(HalfTest, ConversionsRoundToNearestEven) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = F16ToFloat(static_cast<uint16_t>(h));
+    if (f != f) {
+      EXPECT_NE(FloatToF16(f) & 0x3ff, 0) << h;  // NaN stays NaN
+      continue;
+    }
+    ASSERT_EQ(FloatToF16(f), h) << h;
+    ASSERT_EQ(FloatToBF16(BF16ToFloat(static_cast<uint16_t>(h))), h & 0xffff) << h;
+  }
+  EXPECT_EQ(F16ToFloat(0x0001), 5.9604644775390625e-08f);  // the smallest subnormal
+  EXPECT_EQ(F16ToFloat(0x7bff), 65504.0f);
+  EXPECT_EQ(FloatToF16(65520.0f), 0x7c00);  // rounds to infinity
+  EXPECT_EQ(FloatToF16(65519.0f), 0x7bff);
+  EXPECT_EQ(FloatToF16(1.0f + 1.0f / 2048), 0x3c00);  // a tie: to even (down)
+  EXPECT_EQ(FloatToF16(1.0f + 3.0f / 2048), 0x3c02);  // a tie: to even (up)
+  EXPECT_EQ(FloatToF16(2.9802322387695312e-08f), 0x0000);  // half the smallest: to even (0)
+  EXPECT_EQ(FloatToF16(4.4703483581542969e-08f), 0x0001);  // 0.75 of it: up
+  EXPECT_EQ(FloatToBF16(1.0f + 1.0f / 256), 0x3f80);  // a tie: to even (down)
+  EXPECT_EQ(FloatToBF16(1.0f + 3.0f / 256), 0x3f82);  // a tie: to even (up)
+  EXPECT_EQ(FloatToBF16(3.4e38f), 0x7f80);           // past bfloat16's max: infinity
+  const float nan = std::nanf("");
+  EXPECT_NE(BF16ToFloat(FloatToBF16(nan)), BF16ToFloat(FloatToBF16(nan)));
 }
 
 }  // namespace

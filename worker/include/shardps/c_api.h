@@ -116,6 +116,11 @@ void shardps_client_destroy(shardps_client* client);
 int shardps_client_register_tensor(shardps_client* client, const char* name, float* weights,
                                    float* grads, const int64_t* shape, size_t ndim,
                                    shardps_error* err);
+/* The same for a tensor of element type dtype: 0 float32, 1 float16, 2 bfloat16 (16-bit
+ * tensors travel as they are; the servers keep float32 master weights). */
+int shardps_client_register_tensor_typed(shardps_client* client, const char* name,
+                                         void* weights, void* grads, const int64_t* shape,
+                                         size_t ndim, uint32_t dtype, shardps_error* err);
 int shardps_client_start(shardps_client* client, shardps_error* err);
 /* Asynchronous push / pull of one tensor; *handle is then passed to shardps_client_wait. */
 int shardps_client_push(shardps_client* client, const char* name, uint64_t* handle,

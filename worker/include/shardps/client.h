@@ -124,6 +124,9 @@ struct UpdateRule {
   float eps = 1e-8f;
 };
 
+// Element types of registered tensors (the numbers are the wire's).
+enum class TensorDType : uint32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
 struct Handle {
   uint64_t id = 0;
 };
@@ -144,6 +147,11 @@ class Client {
   // legacy default stream before Push().
   virtual Status RegisterTensor(const std::string& name, float* weights, float* grads,
                                 const std::vector<int64_t>& shape) = 0;
+  // The same for a tensor of another element type: float16 and bfloat16 tensors travel as
+  // they are (half the bytes of float32); the servers keep float32 master weights and
+  // optimizer state, and pulls deliver the master weights rounded to the tensor's type.
+  virtual Status RegisterTensor(const std::string& name, void* weights, void* grads,
+                                const std::vector<int64_t>& shape, TensorDType dtype) = 0;
   // Publishes the model, receives the shard map, connects to every server. Rank 0's current
   // weights become the initial weights; every worker then pulls them.
   virtual Status Start() = 0;
