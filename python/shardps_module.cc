@@ -157,9 +157,11 @@ class PyClient {
       r.kind = shardps::UpdateRule::Kind::kAdam;
     } else if (kind == "adamw") {
       r.kind = shardps::UpdateRule::Kind::kAdamW;
+    } else if (kind == "store") {
+      r.kind = shardps::UpdateRule::Kind::kStore;
     } else {
       Check(shardps::InvalidArgumentError("unknown update rule '" + kind +
-                                          "' (server, sgd, adam, adamw)"));
+                                          "' (server, sgd, adam, adamw, store)"));
     }
     r.lr = lr;
     r.momentum = momentum;
@@ -171,6 +173,7 @@ class PyClient {
     r.eps = eps;
     Check(Live().SetUpdateRule(name, r));
   }
+  void MarkNonFinite(bool v) { Live().MarkNonFinite(v); }
   uint64_t RequestCheckpoint(const std::string& dir) {
     shardps::Client& c = Live();
     shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
@@ -299,9 +302,13 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("lr"), py::arg("momentum") = 0.0f, py::arg("dampening") = 0.0f,
            py::arg("nesterov") = false, py::arg("weight_decay") = 0.0f,
            py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
-           "The update rule ('server', 'sgd', 'adam', 'adamw') and hyper-parameters the "
+           "The update rule ('server', 'sgd', 'adam', 'adamw', 'store') and hyper-parameters the "
            "servers apply to this worker's next pushes of tensor `name` ('' = every tensor), "
            "with torch.optim's semantics; it travels with the pushes.")
+      .def("mark_non_finite", [](PyClient& c, bool v) { c.MarkNonFinite(v); },
+           py::arg("non_finite"),
+           "The next pushes come from a step whose gradients were not all finite: BSP skips "
+           "the clock's update on every server (see Client::MarkNonFinite).")
       .def("request_checkpoint", &PyClient::RequestCheckpoint, py::arg("dir") = "",
            "Asks every server for a checkpoint at the next clock; returns that clock.")
       .def("close", &PyClient::Close)

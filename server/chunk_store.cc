@@ -97,11 +97,15 @@ void ChunkStore::Encode(DenseChunk& c, uint32_t b) {
 }
 
 uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
-                             const layout::UpdateRule& rule) {
+                             const layout::UpdateRule& rule, bool skip) {
   DenseChunk& c = chunks_[slot];
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
-  c.optimizer->Apply(c.val[c.published], grad, scale, lr_scale, c.val[target], rule);
+  if (skip) {
+    std::memcpy(c.val[target], c.val[c.published], c.elems * sizeof(float));
+  } else {
+    c.optimizer->Apply(c.val[c.published], grad, scale, lr_scale, c.val[target], rule);
+  }
   Encode(c, target);
   return target;
 }

@@ -81,9 +81,10 @@ class ChunkStore {
   // Decodes a pushed 16-bit gradient into float32 (`add`: adds it to dst). float32: copies.
   void DecodeGradient(uint32_t slot, const void* src, float* dst, bool add) const;
   // Computes the next version from the published one into the other buffer; returns it.
-  // `rule`: what the trainer's push carried (kind 0: the configured optimizer).
+  // `rule`: what the trainer's push carried (kind 0: the configured optimizer). `skip`: the
+  // next version is the published one unchanged (a step with non-finite gradients).
   uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
-                   const layout::UpdateRule& rule = layout::UpdateRule{});
+                   const layout::UpdateRule& rule = layout::UpdateRule{}, bool skip = false);
   // VSGD: the learning-rate scale for a gradient computed on `base_version` (1 when current).
   float ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const;
   // Makes the version in `buffer` (the next version number) visible to pulls.

@@ -32,6 +32,9 @@ void ChunkOptimizer::Apply(const float* src, const float* grad, float scale, flo
         ApplySgd(src, grad, scale, rule.lr * lr_scale, rule, fresh, dst);
       }
       return;
+    case layout::RuleKind::kStore:
+      std::memcpy(dst, grad, n_ * sizeof(float));
+      return;
     case layout::RuleKind::kAdam:
     case layout::RuleKind::kAdamW:
       if (s1_.empty()) s1_.assign(n_, 0.0f);

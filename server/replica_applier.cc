@@ -48,7 +48,8 @@ Status ReplicaApplier::Apply(uint32_t entry, uint64_t fence_epoch, ChunkStore& c
         reinterpret_cast<const float*>(ring_memory_ + ring_.payload_offset(entry));
     const uint32_t target = h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)
                                 ? chunks.Init(h.slot, payload)
-                                : chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.rule);
+                                : chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.rule,
+                                                 (h.flags & layout::kReplSkip) != 0);
     const auto* k =
         reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
     for (uint32_t i = 0; i < h.contributors; ++i) {

@@ -42,6 +42,7 @@ struct ReplRecord {
   float scale = 1.0f;
   float lr_scale = 1.0f;
   layout::UpdateRule rule{};  // the pushes' update rule (kind 0: the server's)
+  bool skip = false;          // a skipped update: the version repeats the previous one
   uint64_t bytes = 0;
   transport::LocalSlice payload;  // registered memory holding `bytes` of payload
   std::vector<Contributor> contributors;

@@ -226,6 +226,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     r.lr_scale = chunks_->ValueStalenessScale(slot, h.base_version, options_.vsgd_lambda);
   }
   r.rule = h.rule;
+  r.skip = (h.flags & layout::kPushNonFinite) != 0 && h.rule.kind() != layout::RuleKind::kStore;
   const uint64_t data = layout_->push_data_offset(worker, slot, parity);
   const float* grad;
   if (chunks_->dtype(slot) == layout::DType::kF32) {
@@ -239,7 +240,8 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     chunks_->DecodeGradient(slot, base + data, stream_->sum(slot), false);
     grad = stream_->sum(slot);
   }
-  const uint32_t buffer = chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule);
+  if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
+  const uint32_t buffer = chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule, r.skip);
   workers_->Consume(worker, slot, h.seq, clock);
   stats_.Bump(&ShardServerCounters::pushes_applied);
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
@@ -272,14 +274,19 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   // Sum in worker-rank order, straight from the inbox slots (a worker reuses an inbox slot
   // only after its push is acknowledged, which happens at publication), so the sum does not
   // depend on arrival order: runs are reproducible bit for bit, failovers included.
-  // 16-bit gradients are decoded into the float32 sum.
+  // 16-bit gradients are decoded into the float32 sum. A clock any worker marked non-finite
+  // is skipped (every worker pushes every chunk: every server skips it).
   const char* base = static_cast<const char*>(inbox_->data());
   float* sum = stream_->sum(slot);
   bool first = true;
+  bool non_finite = false;
   for (const Contributor& k : a->contributors) {
     chunks_->DecodeGradient(slot, base + layout_->push_data_offset(k.worker, slot, k.parity), sum,
                             !first);
     first = false;
+    layout::PushHeader ph;
+    std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
+    non_finite |= (ph.flags & layout::kPushNonFinite) != 0;
   }
   const size_t n = std::max<size_t>(1, a->contributors.size());
   ReplRecord r;
@@ -297,8 +304,10 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
     std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
     r.rule = ph.rule;
   }
+  r.skip = non_finite && r.rule.kind() != layout::RuleKind::kStore;
+  if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
   r.contributors = std::move(a->contributors);
-  Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.rule), std::move(r));
+  Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.rule, r.skip), std::move(r));
 }
 
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {

@@ -54,7 +54,9 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "lock-free 64-bit atom
 //   kind 0: the server's own --optimizer and flags, with `lr` replacing --lr when > 0.
 //   kind 1 (SGD): momentum, dampening, nesterov, weight_decay (L2 added to the gradient).
 //   kind 2 (Adam): beta1, beta2, eps, weight_decay (L2).  kind 3 (AdamW): decoupled decay.
-enum class RuleKind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3 };
+//   kind 4 (Store): the new value is the pushed value (BSP: the clock's pushes summed, not
+//   averaged): counters such as the workers' count of non-finite steps (shardps.torch).
+enum class RuleKind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3, kStore = 4 };
 constexpr uint32_t kRuleKindMask = 0xff;
 constexpr uint32_t kRuleNesterov = 1u << 8;
 // Plain data: value-initialised ({}), it is kind 0 with lr 0 (the server's rule and rate).
@@ -77,11 +79,13 @@ static_assert(sizeof(UpdateRule) == 32, "UpdateRule is 32 bytes");
 inline const char* CheckUpdateRule(const UpdateRule& r) {
   auto in = [](float x, float lo, float hi) { return x >= lo && x < hi; };  // false for NaN
   if ((r.kind_flags & ~(kRuleKindMask | kRuleNesterov)) != 0 ||
-      (r.kind_flags & kRuleKindMask) > static_cast<uint32_t>(RuleKind::kAdamW)) {
+      (r.kind_flags & kRuleKindMask) > static_cast<uint32_t>(RuleKind::kStore)) {
     return "unknown update rule";
   }
   if (!in(r.lr, 0.0f, 1e6f)) return "learning rate out of [0, 1e6)";
-  if (r.kind() == RuleKind::kServer) return nullptr;  // the other fields are not used
+  if (r.kind() == RuleKind::kServer || r.kind() == RuleKind::kStore) {
+    return r.nesterov() ? "nesterov is an SGD option" : nullptr;  // the rest is not used
+  }
   if (!in(r.weight_decay, 0.0f, 1e6f)) return "weight decay out of [0, 1e6)";
   if (r.kind() == RuleKind::kSgd) {
     if (!in(r.momentum, 0.0f, 1e6f)) return "momentum out of [0, 1e6)";
@@ -112,13 +116,18 @@ struct alignas(kAlign) PushHeader {
   uint64_t bytes;         // gradient bytes, checked against the chunk
   uint64_t epoch;         // membership epoch the worker was in (fencing)
   uint64_t magic;         // kPushMagic
-  uint32_t reserved0;
+  uint32_t flags;  // kPushNonFinite
   uint32_t reserved1;
   // How to apply this gradient (BSP: the lowest rank's of the clock is applied).
   UpdateRule rule;
   uint64_t reserved[4];
 };
 static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines");
+// The worker's gradients of this step were not all finite (a mixed-precision overflow): BSP
+// skips the whole clock's update on every server (every worker pushes every chunk, so every
+// chunk sees the mark: the step is skipped everywhere, consistently), ASP and SSP skip this
+// push's update; a kStore rule's value is stored all the same.
+constexpr uint32_t kPushNonFinite = 1;
 constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
 
 // The 32-bit immediate of a worker's write-with-immediate to a server.
@@ -166,7 +175,7 @@ struct alignas(kAlign) ReplHeader {
   float scale;
   float lr_scale;
   uint32_t contributors;
-  uint32_t reserved0;
+  uint32_t flags;  // kReplSkip
   uint64_t bytes;  // payload bytes
   uint64_t epoch;  // the primary's membership epoch (fencing)
   uint64_t magic;  // kReplMagic
@@ -175,6 +184,8 @@ struct alignas(kAlign) ReplHeader {
 };
 static_assert(sizeof(ReplHeader) == 2 * kAlign, "ReplHeader is two cache lines");
 constexpr uint64_t kReplMagic = 0x534850535245504cull;  // "SHPSREPL"
+// The version is the previous one unchanged, optimizer state included (a skipped update).
+constexpr uint32_t kReplSkip = 1;
 
 // One push folded into a record: the backup's exactly-once state follows it.
 struct ReplContributor {

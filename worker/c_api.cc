@@ -165,6 +165,14 @@ int shardps_client_register_tensor_typed(shardps_client* c, const char* name, vo
   });
 }
 
+int shardps_client_mark_non_finite(shardps_client* c, int non_finite, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    c->impl->MarkNonFinite(non_finite != 0);
+    return Status::OK();
+  });
+}
+
 int shardps_client_start(shardps_client* c, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
@@ -223,7 +231,7 @@ int shardps_client_set_update_rule(shardps_client* c, const char* name,
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
     if (r == nullptr) return shardps::InvalidArgumentError("rule is NULL");
-    if (r->kind > 3) return shardps::InvalidArgumentError("unknown update rule kind");
+    if (r->kind > 4) return shardps::InvalidArgumentError("unknown update rule kind");
     shardps::UpdateRule u;
     u.kind = static_cast<shardps::UpdateRule::Kind>(r->kind);
     u.lr = r->lr;

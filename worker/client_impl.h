@@ -62,6 +62,7 @@ class ClientImpl final : public Client, private CompletionSink {
   StatusOr<uint64_t> RequestCheckpoint(const std::string& dir) override;
   Status SetLearningRate(const std::string& tensor, float lr) override;
   Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
+  void MarkNonFinite(bool non_finite) override { step_.non_finite = non_finite; }
   uint32_t rank() const override { return rank_; }
   uint32_t num_workers() const override;
   uint64_t clock() const override { return step_.clock; }

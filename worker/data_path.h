@@ -107,6 +107,7 @@ struct StepClock {
   uint64_t clock = 0;    // this worker's clock
   uint64_t step_id = 0;  // Step() calls so far
   bool in_step = false;  // inside Step(): its pushes' gradients are still in the buffers
+  bool non_finite = false;  // Client::MarkNonFinite: the pushes carry kPushNonFinite
 };
 
 }  // namespace shardps::worker

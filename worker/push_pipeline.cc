@@ -79,6 +79,7 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.last_clock = step_.clock;
   c.last_base = pull_.pulled_version(id);
   c.last_rule = tensors_[chunks_[id].tensor].rule;
+  c.last_flags = step_.non_finite ? layout::kPushNonFinite : 0;
   c.step = step_.in_step ? step_.step_id : 0;
   c.handle[parity] = h;
   c.seq_of[parity] = seq;
@@ -180,6 +181,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   ph->epoch = std::max(control_.epoch(), sessions_.map_epoch());
   ph->magic = layout::kPushMagic;
   ph->rule = c.last_rule;
+  ph->flags = c.last_flags;
   const transport::RemoteSlice header_dst =
       transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
   const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);

@@ -64,6 +64,7 @@ class PushPipeline {
     uint64_t last_clock = 0;
     uint64_t last_base = 0;
     layout::UpdateRule last_rule{};  // the rule it carries (the same when resent)
+    uint32_t last_flags = 0;         // kPushNonFinite (the same when resent)
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;

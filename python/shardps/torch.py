@@ -63,6 +63,9 @@ def _rule_of(kind, group):
             float(b2), float(group.get("eps", 1e-8)))
 
 
+_NONFINITE = "shardps.nonfinite_workers"
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Pushes gradients and pulls parameters through a shardps.Client every step().
 
@@ -92,7 +95,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, model_or_named_params, model=None, *, client=None, lr=None,
                  param_groups=None,
                  consistency=None, staleness=0, coordinator=None, cluster_token="",
-                 named_parameters=None, **client_kwargs):
+                 named_parameters=None, wire_dtype=None, check_finite=False,
+                 **client_kwargs):
         inner = None
         if isinstance(model, Client):  # the older positional form (model, client)
             model, client = None, model
@@ -160,8 +164,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # No coordinator given: the client takes it (and the token, rank, transport) from
             # the environment a launcher set (SHARDPS_COORDINATOR ...; python -m shardps.run).
             client = Client(coordinator or "", cluster_token=cluster_token, **client_kwargs)
+        if wire_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError("wire_dtype must be None, torch.float16 or torch.bfloat16")
         self.client = client
         self._params = []
+        self._shadows = []  # (p, g, w16, g16): float32 parameters sent as wire_dtype
         for name, p in named:
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(f"parameter '{name}' is {p.dtype}; ShardPS trains float32, "
@@ -170,13 +177,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter '{name}' is not contiguous")
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            # p.detach() shares p's storage: the pulls write the parameter itself.
-            client.register(name, p.detach(), p.grad)
+            if wire_dtype is not None and p.dtype == torch.float32:
+                # AMP (autocast, GradScaler) keeps float32 parameters: they travel as 16-bit
+                # copies, cast once per step each way (the only copies on this path).
+                w16 = p.detach().to(wire_dtype)
+                g16 = torch.zeros_like(w16)
+                client.register(name, w16, g16)
+                self._shadows.append((p, p.grad, w16, g16))
+            else:
+                # p.detach() shares p's storage: the pulls write the parameter itself.
+                client.register(name, p.detach(), p.grad)
             self._params.append((name, p, p.grad))
-            log.info("shardps: '%s' %s on %s: path %s", name, tuple(p.shape), p.device,
-                     client.tensor_path(name))
+            log.info("shardps: '%s' %s %s on %s: path %s", name, tuple(p.shape),
+                     wire_dtype if self._shadows and self._shadows[-1][0] is p else p.dtype,
+                     p.device, client.tensor_path(name))
+        # How many workers' gradients were not all finite at each step (a kStore tensor: the
+        # clock's pushes summed), so that every worker's GradScaler backs off alike.
+        self._inf_w = torch.zeros(1)
+        self._inf_g = torch.zeros(1)
+        client.register(_NONFINITE, self._inf_w, self._inf_g)
+        self._check_finite = check_finite
+        self.skipped = False  # whether the last step was skipped (a worker's non-finite grads)
         self._cuda = any(p.is_cuda for _, p, _ in self._params)
         client.start()  # rank 0's weights become every worker's
+        client.set_rule(_NONFINITE, "store", 0.0)
         if consistency is not None:
             mode, s = parse_consistency(client.consistency)
             want = consistency.lower()
@@ -220,17 +244,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 g.copy_(p.grad)
                 p.grad = g
 
+    # GradScaler calls step(grad_scaler=scaler) instead of deciding to skip by itself: the
+    # decision must be every worker's, not this one's (docs/python.md, "Mixed precision").
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._gather_grads()
         self._send_lr()
+        non_finite = False
+        scaler_state = None
+        if grad_scaler is not None:
+            from torch.cuda.amp.grad_scaler import OptState
+            scaler_state = grad_scaler._per_optimizer_states[id(self)]
+            if scaler_state["stage"] is OptState.READY:
+                grad_scaler.unscale_(self)  # divides the gradients, finds infs and NaNs
+            non_finite = any(v.item() for v in scaler_state["found_inf_per_device"].values())
+        elif self._check_finite:
+            non_finite = not all(bool(torch.isfinite(g).all()) for _, _, g in self._params)
+        # BSP: a clock any worker marks is skipped on every server (server/optimizer.h).
+        self.client.mark_non_finite(non_finite)
+        self._inf_g.fill_(1.0 if non_finite else 0.0)
+        for _, g, _, g16 in self._shadows:
+            g16.copy_(g)
         if self._cuda:
             torch.cuda.synchronize()  # the gradients must be complete before they are copied
         self.client.step()
+        for p, _, w16, _ in self._shadows:
+            p.copy_(w16)
+        # The number of workers whose step was non-finite (BSP: this clock's).
+        self.skipped = bool(self._inf_w.item() > 0)
+        if scaler_state is not None:
+            for v in scaler_state["found_inf_per_device"].values():
+                v.fill_(1.0 if self.skipped else 0.0)  # every worker's scaler backs off alike
         return loss
 
     def _send_lr(self):

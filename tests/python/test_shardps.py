@@ -1,6 +1,7 @@
 """Tests of the Python module shardps on real local clusters (shardps.launch.LocalCluster: a
 coordinator and servers as processes, tcp). Run by ctest (label python) with PYTHONPATH at
 BUILD/python: /usr/bin/python3 -m pytest tests/python (or -m unittest)."""
+import json
 import os
 import subprocess
 import sys
@@ -408,6 +409,29 @@ class MixedPrecisionTest(unittest.TestCase):
                 self.assertTrue(torch.equal(p, q), (p.float() - q.float()).abs().max())
             opt.close()
 
+    def test_float32_parameters_travel_as_bfloat16_with_wire_dtype(self):
+        # AMP keeps float32 parameters: wire_dtype sends them (and their gradients) as
+        # bfloat16; the servers' float32 master comes back rounded, cast into the parameters.
+        torch.manual_seed(2)
+        model = torch.nn.Linear(64, 32)
+        with cluster(servers=2) as cl:
+            opt = spt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model,
+                                           client=connect(cl), wire_dtype=torch.bfloat16)
+            master = [p.detach().bfloat16().float() for p in model.parameters()]
+            before = opt.client.counters()["bytes_pushed"]
+            for step in range(4):
+                opt.zero_grad()
+                model(torch.randn(5, 64)).square().mean().backward()
+                grads = [p.grad.bfloat16().float() for p in model.parameters()]
+                opt.step()
+                master = [m - 0.01 * g for m, g in zip(master, grads)]
+                for m, p in zip(master, model.parameters()):
+                    self.assertEqual(p.dtype, torch.float32)
+                    self.assertTrue(torch.equal(p, m.bfloat16().float()), step)
+            pushed = opt.client.counters()["bytes_pushed"] - before
+            self.assertEqual(pushed, 4 * (2 * (64 * 32 + 32) + 4))
+            opt.close()
+
     def test_bytes_per_step_halve(self):
         sizes = {}
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -424,11 +448,110 @@ class MixedPrecisionTest(unittest.TestCase):
                 sizes[dtype] = (after["bytes_pushed"] - before["bytes_pushed"],
                                 after["bytes_pulled"] - before["bytes_pulled"])
                 opt.close()
-        f32 = sizes[torch.float32]
-        for dtype in (torch.bfloat16, torch.float16):
-            self.assertEqual(sizes[dtype][0] * 2, f32[0], dtype)
-            self.assertEqual(sizes[dtype][1] * 2, f32[1], dtype)
+        # Each step also pushes and pulls the 4-byte count of non-finite workers.
+        model = [(b[0] - 5 * 4, b[1] - 5 * 4) for b in (sizes[d] for d in sizes)]
+        f32 = model[0]
+        for m, dtype in zip(model[1:], (torch.bfloat16, torch.float16)):
+            self.assertEqual(m[0] * 2, f32[0], dtype)
+            self.assertEqual(m[1] * 2, f32[1], dtype)
         self.assertEqual(f32[0], 5 * 4 * (256 * 128 + 128))
+        self.assertEqual(f32[1], 5 * 4 * (256 * 128 + 128))
+
+
+NONFINITE_TRAINER = r"""
+import json, os, sys
+import torch
+import shardps.torch as spt
+rank = int(os.environ["SHARDPS_RANK"])
+torch.manual_seed(0)
+model = torch.nn.Linear(6, 2)
+opt = spt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                               check_finite=True)
+skipped = []
+for step in range(12):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if step == 5 and rank == 1:
+        model.weight.grad[0, 0] = float("inf")  # an overflow on one worker only
+    opt.step()
+    skipped.append(opt.skipped)
+with open(os.path.join(sys.argv[1], "rank%d.json" % rank), "w") as f:
+    json.dump({"skipped": skipped, "w": [p.tolist() for p in model.parameters()]}, f)
+"""
+
+
+class NonFiniteStepTest(unittest.TestCase):
+    """A step with non-finite gradients on ONE worker is skipped on EVERY worker and server
+    (BSP: the mark travels in each push header; every chunk sees it), optimizer state
+    included; every worker learns it (opt.skipped), which is what keeps GradScalers in step.
+    Compared with a one-process reference that averages both workers' gradients with
+    torch.optim.SGD and does not step at step 5: equal within 1e-6 (two-term sums)."""
+
+    def test_an_overflow_on_one_worker_skips_the_step_everywhere(self):
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "trainer.py")
+            with open(script, "w") as f:
+                f.write(NONFINITE_TRAINER)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDPS_")}
+            env["SHARDPS_BUILD_DIR"] = os.environ.get("SHARDPS_BUILD_DIR", "")
+            if not env["SHARDPS_BUILD_DIR"]:
+                del env["SHARDPS_BUILD_DIR"]
+            r = subprocess.run([sys.executable, "-m", "shardps.run", "--servers", "2",
+                                "--workers", "2", "--timeout", "90", "--run-dir", d, "--",
+                                sys.executable, script, d],
+                               env=env, capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            out = []
+            for rank in range(2):
+                with open(os.path.join(d, f"rank{rank}.json")) as f:
+                    out.append(json.load(f))
+        want = [step == 5 for step in range(12)]
+        self.assertEqual(out[0]["skipped"], want)
+        self.assertEqual(out[1]["skipped"], want)
+        self.assertEqual(out[0]["w"], out[1]["w"])
+        torch.manual_seed(0)
+        ref = torch.nn.Linear(6, 2)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for step in range(12):
+            grads = []
+            for rank in range(2):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+                ref.zero_grad()
+                torch.nn.functional.mse_loss(ref(x), y).backward()
+                grads.append([p.grad.clone() for p in ref.parameters()])
+            if step == 5:
+                continue
+            for p, g0, g1 in zip(ref.parameters(), *grads):
+                p.grad = (g0 + g1) * 0.5
+            ref_opt.step()
+        for got, p in zip(out[0]["w"], ref.parameters()):
+            self.assertTrue(torch.allclose(torch.tensor(got), p, atol=1e-6, rtol=1e-6),
+                            (torch.tensor(got) - p).abs().max())
+
+    @unittest.skipUnless(torch.cuda.is_available(),
+                         "torch 1.13's GradScaler runs on CUDA only and this host has no GPU")
+    def test_grad_scaler_drives_the_skip(self):
+        model = torch.nn.Linear(4, 2).cuda()
+        with cluster(servers=1) as cl:
+            opt = spt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                           client=connect(cl), wire_dtype=torch.float16)
+            scaler = torch.cuda.amp.GradScaler(init_scale=2.0 ** 10)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            with torch.autocast("cuda"):
+                loss = model(torch.ones(3, 4, device="cuda")).sum()
+            scaler.scale(loss).backward()
+            model.weight.grad[0, 0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            self.assertTrue(opt.skipped)
+            self.assertEqual(scaler.get_scale(), 2.0 ** 9)  # backed off
+            for b, p in zip(before, model.parameters()):
+                self.assertTrue(torch.equal(b.half().float(), p))
+            opt.close()
 
 
 class LifecycleTest(unittest.TestCase):

@@ -122,6 +122,8 @@ int shardps_client_register_tensor_typed(shardps_client* client, const char* nam
                                          void* weights, void* grads, const int64_t* shape,
                                          size_t ndim, uint32_t dtype, shardps_error* err);
 int shardps_client_start(shardps_client* client, shardps_error* err);
+/* Client::MarkNonFinite: the next pushes come from a step with non-finite gradients. */
+int shardps_client_mark_non_finite(shardps_client* client, int non_finite, shardps_error* err);
 /* Asynchronous push / pull of one tensor; *handle is then passed to shardps_client_wait. */
 int shardps_client_push(shardps_client* client, const char* name, uint64_t* handle,
                         shardps_error* err);
@@ -138,7 +140,7 @@ int shardps_client_set_learning_rate(shardps_client* client, const char* name, f
                                      shardps_error* err);
 /* The update rule the servers apply to tensor `name`'s next pushes (NULL or "": every tensor),
  * torch.optim semantics (Client::SetUpdateRule). kind: 0 the servers' --optimizer, 1 SGD,
- * 2 Adam, 3 AdamW. */
+ * 2 Adam, 3 AdamW, 4 store. */
 typedef struct shardps_update_rule {
   uint32_t kind;
   float lr, momentum, dampening;

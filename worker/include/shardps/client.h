@@ -112,7 +112,8 @@ struct ClientCounters {
 // How the servers apply a tensor's gradients (Client::SetUpdateRule). The semantics and
 // operation order are torch.optim's (1.13), in float32 with float64 bias corrections.
 struct UpdateRule {
-  enum class Kind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3 };
+  // kStore: the new value is the pushed value (BSP: the clock's pushes summed).
+  enum class Kind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3, kStore = 4 };
   Kind kind = Kind::kServer;  // kServer: the servers' --optimizer; `lr` replaces --lr if > 0
   float lr = 0.0f;
   float momentum = 0.0f;   // SGD
@@ -181,6 +182,13 @@ class Client {
   // servers. Like the rate, it travels in the push headers (no control message), so schedulers
   // may change any field every step. kServer: the servers' own --optimizer (the default).
   virtual Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) = 0;
+  // Marks this worker's next pushes (until called again with false) as coming from a step
+  // whose gradients were not all finite (a mixed-precision overflow, as torch's GradScaler
+  // finds it). BSP skips the whole clock's update on every server, consistently (every worker
+  // pushes every chunk, so every chunk sees the mark); ASP and SSP skip each marked push's
+  // update. Tensors with the kStore rule are stored all the same (shardps.torch counts the
+  // workers that overflowed in one, so every worker's GradScaler backs off alike).
+  virtual void MarkNonFinite(bool non_finite) = 0;
 
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
