@@ -61,7 +61,7 @@ TEST(OptimizerTest, UpdateRuleChecksRefuseWhatCannotBeApplied) {
     mutate(r);
     return layout::CheckUpdateRule(r) != nullptr;
   };
-  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags = 4; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags = 5; }));
   EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags |= 1u << 9; }));
   EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = std::nanf(""); }));
   EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = -0.1f; }));
