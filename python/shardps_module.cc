@@ -174,6 +174,42 @@ class PyClient {
     Check(Live().SetUpdateRule(name, r));
   }
   void MarkNonFinite(bool v) { Live().MarkNonFinite(v); }
+  void SetState(const std::string& name, const std::string& part, uint64_t steps) {
+    using P = shardps::Client::StatePart;
+    P p;
+    if (part == "weights") {
+      p = P::kWeights;
+    } else if (part == "state1") {
+      p = P::kState1;
+    } else if (part == "state2") {
+      p = P::kState2;
+    } else if (part == "none") {
+      p = P::kNoState;
+    } else {
+      throw py::value_error("part must be 'weights', 'state1', 'state2' or 'none'");
+    }
+    Blocking([&](shardps::Client& c) { return c.SetState(name, p, steps); });
+  }
+  // Into float32 buffers (numpy or torch, contiguous) of the tensor's element count, or None.
+  py::tuple GetState(const std::string& name, py::object weights, py::object state1,
+                     py::object state2) {
+    float* out[3] = {nullptr, nullptr, nullptr};
+    py::object objs[3] = {weights, state1, state2};
+    for (int i = 0; i < 3; ++i) {
+      if (objs[i].is_none()) continue;
+      const Buffer b = Describe(objs[i], "state output");
+      if (b.dtype != shardps::TensorDType::kFloat32 || b.cuda) {
+        throw py::type_error("state outputs are float32 host buffers");
+      }
+      out[i] = static_cast<float*>(b.data);
+    }
+    uint64_t steps = 0;
+    bool has1 = false, has2 = false;
+    Blocking([&](shardps::Client& c) {
+      return c.GetState(name, out[0], out[1], out[2], &steps, &has1, &has2);
+    });
+    return py::make_tuple(steps, has1, has2);
+  }
   uint64_t RequestCheckpoint(const std::string& dir) {
     shardps::Client& c = Live();
     shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
@@ -305,6 +341,16 @@ PYBIND11_MODULE(_shardps, m) {
            "The update rule ('server', 'sgd', 'adam', 'adamw', 'store') and hyper-parameters the "
            "servers apply to this worker's next pushes of tensor `name` ('' = every tensor), "
            "with torch.optim's semantics; it travels with the pushes.")
+      .def("set_state", &PyClient::SetState, py::arg("name"), py::arg("part"),
+           py::arg("steps") = 0,
+           "Sets part ('weights', 'state1', 'state2'; 'none' drops the optimizer state) of "
+           "tensor `name` on the servers to the values in its registered GRADIENT buffer, and "
+           "the optimizer step count to `steps` (Client::SetState).")
+      .def("get_state", &PyClient::GetState, py::arg("name"), py::arg("weights") = py::none(),
+           py::arg("state1") = py::none(), py::arg("state2") = py::none(),
+           "Reads the servers' float32 master weights and optimizer state of tensor `name` "
+           "into the given float32 buffers (None: skipped); returns (steps, has_state1, "
+           "has_state2).")
       .def("mark_non_finite", [](PyClient& c, bool v) { c.MarkNonFinite(v); },
            py::arg("non_finite"),
            "The next pushes come from a step whose gradients were not all finite: BSP skips "

@@ -110,6 +110,27 @@ uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, floa
   return target;
 }
 
+uint32_t ChunkStore::Set(uint32_t slot, layout::PushOp op, const float* values,
+                         uint64_t steps) {
+  DenseChunk& c = chunks_[slot];
+  const uint32_t target = 1 - c.published;
+  BeginOverwrite(c.header, target);
+  const size_t n = c.elems * sizeof(float);
+  if (op == layout::PushOp::kSetWeights) {
+    std::memcpy(c.val[target], values, n);
+  } else {
+    std::memcpy(c.val[target], c.val[c.published], n);
+    if (op == layout::PushOp::kClearState) {
+      c.optimizer->SetState(1, nullptr, steps);
+      c.optimizer->SetState(2, nullptr, steps);
+    } else {
+      c.optimizer->SetState(op == layout::PushOp::kSetState1 ? 1 : 2, values, steps);
+    }
+  }
+  Encode(c, target);
+  return target;
+}
+
 float ChunkStore::ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const {
   const DenseChunk& c = chunks_[slot];
   if (base_version >= c.version) return 1.0f;

@@ -85,6 +85,10 @@ class ChunkStore {
   // next version is the published one unchanged (a step with non-finite gradients).
   uint32_t Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
                    const layout::UpdateRule& rule = layout::UpdateRule{}, bool skip = false);
+  // A trainer's state transfer (layout::PushOp kSetWeights, kSetState1/2, kClearState):
+  // `values` (float32, elems; unused for kClearState) replace the weights or a state buffer,
+  // `steps` the optimizer's step count, in the next version; returns its buffer.
+  uint32_t Set(uint32_t slot, layout::PushOp op, const float* values, uint64_t steps);
   // VSGD: the learning-rate scale for a gradient computed on `base_version` (1 when current).
   float ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const;
   // Makes the version in `buffer` (the next version number) visible to pulls.

@@ -148,6 +148,16 @@ void ChunkOptimizer::RestoreState(uint64_t steps, std::vector<float> s1, std::ve
   if (s2.size() == n_ || s2.empty()) s2_ = std::move(s2);
 }
 
+void ChunkOptimizer::SetState(int which, const float* values, uint64_t steps) {
+  std::vector<float>& s = which == 1 ? s1_ : s2_;
+  if (values == nullptr) {
+    s.clear();
+  } else {
+    s.assign(values, values + n_);
+  }
+  steps_ = steps;
+}
+
 float VsgdScale(const float* w_now, const float* w_then, size_t n, float lambda, float* drift) {
   double dd = 0, ww = 0;
   for (size_t i = 0; i < n; ++i) {

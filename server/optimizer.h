@@ -65,6 +65,9 @@ class ChunkOptimizer {
   const std::vector<float>& state1() const { return s1_; }
   const std::vector<float>& state2() const { return s2_; }
   void RestoreState(uint64_t steps, std::vector<float> s1, std::vector<float> s2);
+  // A trainer's load_state_dict: buffer 1 or 2 becomes `values` (n elements; nullptr drops
+  // it), and the step count `steps`.
+  void SetState(int which, const float* values, uint64_t steps);
 
  private:
   void ApplyServerRule(const float* src, const float* grad, float scale, float lr, float* dst);

@@ -30,6 +30,12 @@ Status CheckRecord(const layout::ReplHeader& h, uint64_t expected_seq, uint64_t 
   } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kApply)) {
     if (version == 0) return FailedPreconditionError("update of an uninitialised chunk");
     if (const char* bad = layout::CheckUpdateRule(h.rule)) return InvalidArgumentError(bad);
+  } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kSet)) {
+    if (version == 0) return FailedPreconditionError("set of an uninitialised chunk");
+    if (h.op < static_cast<uint32_t>(layout::PushOp::kSetWeights) ||
+        h.op > static_cast<uint32_t>(layout::PushOp::kClearState)) {
+      return InvalidArgumentError("unknown set");
+    }
   } else {
     return InvalidArgumentError("unknown kind");
   }
@@ -46,10 +52,15 @@ Status ReplicaApplier::Apply(uint32_t entry, uint64_t fence_epoch, ChunkStore& c
     RETURN_IF_ERROR(CheckRecord(h, expected_, fence_epoch, chunks, max_workers_));
     const auto* payload =
         reinterpret_cast<const float*>(ring_memory_ + ring_.payload_offset(entry));
-    const uint32_t target = h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)
-                                ? chunks.Init(h.slot, payload)
-                                : chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.rule,
-                                                 (h.flags & layout::kReplSkip) != 0);
+    uint32_t target;
+    if (h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)) {
+      target = chunks.Init(h.slot, payload);
+    } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kSet)) {
+      target = chunks.Set(h.slot, static_cast<layout::PushOp>(h.op), payload, h.steps);
+    } else {
+      target = chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.rule,
+                              (h.flags & layout::kReplSkip) != 0);
+    }
     const auto* k =
         reinterpret_cast<const layout::ReplContributor*>(base + sizeof(layout::ReplHeader));
     for (uint32_t i = 0; i < h.contributors; ++i) {

@@ -31,6 +31,8 @@ uint64_t EncodeRecord(const ReplRecord& r, uint64_t seq, uint64_t epoch, char* d
   h->lr_scale = r.lr_scale;
   h->rule = r.rule;
   h->flags = r.skip ? layout::kReplSkip : 0;
+  h->op = static_cast<uint32_t>(r.op);
+  h->steps = r.steps;
   h->contributors = static_cast<uint32_t>(r.contributors.size());
   h->bytes = r.bytes;
   h->epoch = epoch;

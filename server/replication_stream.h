@@ -43,6 +43,8 @@ struct ReplRecord {
   float lr_scale = 1.0f;
   layout::UpdateRule rule{};  // the pushes' update rule (kind 0: the server's)
   bool skip = false;          // a skipped update: the version repeats the previous one
+  layout::PushOp op = layout::PushOp::kGradient;  // kSet: what is set
+  uint64_t steps = 0;                             // kSet: the optimizer step count
   uint64_t bytes = 0;
   transport::LocalSlice payload;  // registered memory holding `bytes` of payload
   std::vector<Contributor> contributors;

@@ -21,7 +21,9 @@ struct ShardServerCounters {
   uint64_t identity_mismatches = 0;  // a hello naming another rank than the credential's
   uint64_t endpoint_errors = 0;
   uint64_t deferred_pushes = 0;     // waited for the chunk's previous version to be replicated
-  uint64_t skipped_updates = 0;     // versions unchanged: a worker's step was non-finite
+  uint64_t skipped_updates = 0;
+  uint64_t state_reads = 0;  // kGetState requests answered
+  uint64_t state_sets = 0;   // kSet* versions     // versions unchanged: a worker's step was non-finite
   uint64_t stale_pushes = 0;        // BSP: a clock already applied without it (a late joiner)
   uint64_t records_sent = 0;        // primary: replication records written to the backup
   uint64_t records_applied = 0;     // backup: records applied

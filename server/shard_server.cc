@@ -186,6 +186,8 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
       acks_, fabric_->AllocateMemory(AtLeastAligned(layout_->acks_bytes()), Access::kRemoteRead));
   ASSIGN_OR_RETURN(clocks_, fabric_->AllocateMemory(AtLeastAligned(layout_->clocks_bytes()),
                                                     Access::kRemoteWrite));
+  ASSIGN_OR_RETURN(outbox_, fabric_->AllocateMemory(layout::OutboxBytes(max_chunk),
+                                                    Access::kRemoteRead));
   // Replication: the ring (backup) or the records' staging (primary). Both sides compute the
   // ring's geometry from the same assignment.
   const uint64_t contrib_bytes = layout::AlignUp(sizeof(layout::ReplContributor) * a.max_workers());
@@ -265,6 +267,7 @@ Status ShardServer::SendShardsReady(const control::AssignShards& a) {
   add("inbox", *inbox_);
   add("acks", *acks_);
   add("clocks", *clocks_);
+  add("outbox", *outbox_);
   if (backup_) {
     add("repl_ring", *ring_);
     add("repl_consumed", *consumed_);

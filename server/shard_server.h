@@ -157,6 +157,10 @@ class ShardServer {
   void HandleInit(uint32_t worker, uint32_t slot);
   // from_queue: a deferred push being retried. Returns false if the push had to wait.
   bool HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue);
+  // A push that is not a gradient (layout::PushOp): sets the chunk's weights or optimizer
+  // state (a new version, replicated) or copies them into the outbox. False: deferred.
+  bool HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
+                     const layout::PushHeader& h);
   void HandleClock(uint32_t worker, uint32_t clock_low);
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
   void MaybeApplyBsp(uint32_t slot);
@@ -191,6 +195,7 @@ class ShardServer {
   std::unique_ptr<layout::ServerLayout> layout_;
   std::unique_ptr<layout::ReplLayout> repl_layout_;
   std::unique_ptr<transport::MemoryRegion> weights_, inbox_, acks_, clocks_;
+  std::unique_ptr<transport::MemoryRegion> outbox_;  // kGetState answers (remote-read)
   std::unique_ptr<transport::MemoryRegion> ring_, consumed_;  // backup only
 
   // Components (each owns its state; the server wires them together).
@@ -211,6 +216,10 @@ class ShardServer {
   bool backup_ = false;       // holds the group's backup copy, not serving workers yet
   uint64_t fence_epoch_ = 0;  // records and pushes of older epochs are refused
   std::vector<transport::Completion> early_;  // worker completions that reached a backup
+  struct DeferredOp {
+    uint32_t worker, slot, parity;
+  };
+  std::vector<DeferredOp> deferred_ops_;  // state transfers waiting for a version in flight
 
   // Re-replication. Primary: the snapshot a new backup copies (freed once it is in sync).
   std::unique_ptr<transport::MemoryRegion> handoff_;

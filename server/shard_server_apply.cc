@@ -4,6 +4,7 @@
 // its slot on work_, and DrainWork() retries the slot's deferred pushes and (BSP) completes its
 // next clock, once per completion handled, until no work is left.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include <glog/logging.h>
@@ -192,6 +193,11 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     stats_.Bump(&ShardServerCounters::duplicate_pushes);
     return true;  // applied already: exactly once
   }
+  if (h.op != static_cast<uint32_t>(layout::PushOp::kGradient)) {
+    if (h.op > static_cast<uint32_t>(layout::PushOp::kGetState)) return reject("unknown op");
+    if (!chunks_->initialised(slot)) return reject("state transfer before the chunk has weights");
+    return HandleStateOp(worker, slot, parity, h);
+  }
   const int64_t clock = static_cast<int64_t>(h.clock);
   const Contributor push{worker, parity, h.seq, w->incarnation, clock};
   switch (gate_->OnPush(slot, push, from_queue, chunks_->initialised(slot))) {
@@ -247,6 +253,75 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
   r.contributors = {push};
   Commit(buffer, std::move(r));
+  return true;
+}
+
+bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
+                                const layout::PushHeader& h) {
+  if (gate_->in_flight(slot)) {
+    // After the version in flight (DrainWork retries it, in arrival order).
+    deferred_ops_.push_back(DeferredOp{worker, slot, parity});
+    return false;
+  }
+  const WorkerState* w = workers_->Find(worker);
+  const auto op = static_cast<layout::PushOp>(h.op);
+  if (op == layout::PushOp::kGetState) {
+    // The published version's values and optimizer state, for the worker to read one-sided.
+    // One outbox per server: the nonce tells a reader whether another request overwrote it.
+    char* out = static_cast<char*>(outbox_->data());
+    const ChunkOptimizer& opt = chunks_->optimizer(slot);
+    const uint64_t stride = layout::AlignUp(chunks_->value_bytes(slot));
+    auto* oh = reinterpret_cast<layout::OutboxHeader*>(out);
+    oh->magic = 0;  // a reader racing this copy sees no valid header
+    std::memcpy(out + layout::kAlign, chunks_->published(slot), chunks_->value_bytes(slot));
+    if (!opt.state1().empty()) {
+      std::memcpy(out + layout::kAlign + stride, opt.state1().data(), chunks_->value_bytes(slot));
+    }
+    if (!opt.state2().empty()) {
+      std::memcpy(out + layout::kAlign + 2 * stride, opt.state2().data(),
+                  chunks_->value_bytes(slot));
+    }
+    oh->nonce = h.op_arg;
+    oh->worker = worker;
+    oh->chunk_id = chunks_->chunk_id(slot);
+    oh->version = chunks_->version(slot);
+    oh->steps = opt.steps();
+    oh->state1 = opt.state1().size();
+    oh->state2 = opt.state2().size();
+    oh->elems = chunks_->elems(slot);
+    std::atomic_thread_fence(std::memory_order_release);
+    oh->magic = layout::kOutboxMagic;
+    workers_->Consume(worker, slot, h.seq, -1);
+    ack_board_->Raise(worker, slot, h.seq);
+    stats_.Bump(&ShardServerCounters::state_reads);
+    return true;
+  }
+  // A set: a new version, replicated like an update (the backup sets the same values).
+  ReplRecord r;
+  r.slot = slot;
+  r.kind = layout::ReplKind::kSet;
+  r.op = op;
+  r.steps = h.op_arg;
+  r.bytes = chunks_->value_bytes(slot);
+  r.payload = stream_->sum_payload(slot, r.bytes);
+  float* values = stream_->sum(slot);
+  if (op == layout::PushOp::kClearState) {
+    std::memset(values, 0, r.bytes);
+  } else {
+    const char* base = static_cast<const char*>(inbox_->data());
+    chunks_->DecodeGradient(slot, base + layout_->push_data_offset(worker, slot, parity), values,
+                            false);
+  }
+  r.min_clock_plus1 = chunks_->published_min_clock_plus1(slot);
+  workers_->Consume(worker, slot, h.seq, -1);
+  r.contributors = {Contributor{worker, parity, h.seq, w->incarnation, -1}};
+  stats_.Bump(&ShardServerCounters::state_sets);
+  LOG(INFO) << "server rank " << rank_ << ": worker " << worker << " set "
+            << (op == layout::PushOp::kSetWeights   ? "the weights"
+                : op == layout::PushOp::kClearState ? "no optimizer state"
+                                                    : "optimizer state")
+            << " of chunk " << chunks_->chunk_id(slot) << " (steps " << r.steps << ")";
+  Commit(chunks_->Set(slot, op, values, r.steps), std::move(r));
   return true;
 }
 
@@ -344,6 +419,16 @@ void ShardServer::DrainWork() {
   while (!work_.empty()) {
     const uint32_t slot = work_.front();
     work_.pop_front();
+    // State transfers that waited for this slot's version, in arrival order.
+    for (size_t i = 0; i < deferred_ops_.size() && !gate_->in_flight(slot);) {
+      const DeferredOp d = deferred_ops_[i];
+      if (d.slot != slot) {
+        ++i;
+        continue;
+      }
+      deferred_ops_.erase(deferred_ops_.begin() + static_cast<std::ptrdiff_t>(i));
+      HandlePush(d.worker, d.slot, d.parity, true);
+    }
     while (std::optional<DeferredPush> d = gate_->NextDeferred(slot)) {
       if (!HandlePush(d->worker, slot, d->parity, true)) break;  // it waits again, at the front
     }

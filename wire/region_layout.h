@@ -117,12 +117,49 @@ struct alignas(kAlign) PushHeader {
   uint64_t epoch;         // membership epoch the worker was in (fencing)
   uint64_t magic;         // kPushMagic
   uint32_t flags;  // kPushNonFinite
-  uint32_t reserved1;
+  uint32_t op;     // PushOp: a gradient, or a transfer of the chunk's state
   // How to apply this gradient (BSP: the lowest rank's of the clock is applied).
   UpdateRule rule;
-  uint64_t reserved[4];
+  uint64_t op_arg;  // kSet*: the optimizer step count to set; kGetState: the request's nonce
+  uint64_t reserved[3];
 };
 static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines");
+// What a push carries. Not a gradient: the chunk's state moved between a trainer and the
+// servers (shardps.torch's state_dict / load_state_dict), through the same inbox slots,
+// sequence numbers and acknowledgements, outside the consistency gate:
+//   kSetWeights, kSetState1, kSetState2: the payload (the chunk's values, in its dtype, as a
+//     gradient is) replaces the master weights / the optimizer's first / second state buffer
+//     (momentum or Adam's m, Adam's v), and op_arg the optimizer's step count; a new version.
+//   kClearState: the optimizer state is dropped (a torch optimizer that has not stepped).
+//   kGetState: the server copies an OutboxHeader, the weights and both state buffers of the
+//     published version into its outbox (remote-read) and acknowledges; the worker reads them.
+// (A 16-bit chunk's state is therefore set at 16-bit precision; a get returns float32.)
+enum class PushOp : uint32_t {
+  kGradient = 0,
+  kSetWeights = 1,
+  kSetState1 = 2,
+  kSetState2 = 3,
+  kClearState = 4,
+  kGetState = 5,
+};
+struct alignas(kAlign) OutboxHeader {
+  uint64_t magic;  // kOutboxMagic
+  uint64_t nonce;  // the request's
+  uint32_t worker;
+  uint32_t chunk_id;
+  uint64_t version;
+  uint64_t steps;   // the optimizer's step count
+  uint64_t state1;  // elements of state buffer 1 in the outbox (0 or the chunk's)
+  uint64_t state2;
+  uint64_t elems;   // elements of the weights (float32) that follow this header
+};
+static_assert(sizeof(OutboxHeader) == kAlign, "OutboxHeader is one cache line");
+constexpr uint64_t kOutboxMagic = 0x5348505342584f4full;  // "SHPSOBXO"
+// The outbox: the header, then weights, state1, state2 (float32, each AlignUp'd).
+inline uint64_t OutboxBytes(uint64_t max_value_bytes) {
+  return kAlign + 3 * AlignUp(max_value_bytes);
+}
+
 // The worker's gradients of this step were not all finite (a mixed-precision overflow): BSP
 // skips the whole clock's update on every server (every worker pushes every chunk, so every
 // chunk sees the mark: the step is skipped everywhere, consistently), ASP and SSP skip this
@@ -165,6 +202,7 @@ constexpr uint64_t kHelloMagic = 0x5348505348454c4full;  // "SHPSHELO"
 enum class ReplKind : uint32_t {
   kInit = 1,   // payload: the chunk's initial weights
   kApply = 2,  // payload: the gradient (BSP: the sum in worker-rank order), scale, lr_scale
+  kSet = 3,    // payload: float32 values; op: the PushOp (weights, state 1, 2, clear), steps
 };
 struct alignas(kAlign) ReplHeader {
   uint64_t seq;   // 1, 2, ...: strictly sequential per primary->backup stream
@@ -180,7 +218,10 @@ struct alignas(kAlign) ReplHeader {
   uint64_t epoch;  // the primary's membership epoch (fencing)
   uint64_t magic;  // kReplMagic
   UpdateRule rule;  // the rule the version was computed with (kApply)
-  uint64_t reserved[3];
+  uint64_t steps;  // kSet: the optimizer step count set
+  uint32_t op;     // kSet: the PushOp
+  uint32_t reserved1;
+  uint64_t reserved2;
 };
 static_assert(sizeof(ReplHeader) == 2 * kAlign, "ReplHeader is two cache lines");
 constexpr uint64_t kReplMagic = 0x534850535245504cull;  // "SHPSREPL"

@@ -543,6 +543,81 @@ Status ClientImpl::SetUpdateRule(const std::string& tensor, const UpdateRule& ru
   return Status::OK();
 }
 
+Status ClientImpl::SetState(const std::string& name, StatePart part, uint64_t steps) {
+  RETURN_IF_ERROR(lifecycle_.Require("SetState()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  if (static_cast<uint32_t>(part) < 1 || static_cast<uint32_t>(part) > 4) {
+    return InvalidArgumentError("unknown state part");
+  }
+  if (tensors_[t].staging != nullptr) {
+    return UnimplementedError("state transfer of '" + name +
+                              "': a CUDA tensor staged through host memory");
+  }
+  RETURN_IF_ERROR(MaybeRecover());
+  const auto op = static_cast<layout::PushOp>(part);  // the same numbers
+  for (uint32_t id : tensors_[t].chunks) {
+    RETURN_IF_ERROR(push_->PushOpAndAwait(id, op, steps, [this] { return RecoverOrBreak(); }));
+  }
+  return Status::OK();
+}
+
+Status ClientImpl::GetState(const std::string& name, float* weights, float* state1,
+                            float* state2, uint64_t* steps, bool* has1, bool* has2) {
+  RETURN_IF_ERROR(lifecycle_.Require("GetState()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  RETURN_IF_ERROR(MaybeRecover());
+  const Tensor& tensor = tensors_[t];
+  const uint64_t esize = tensor.dtype == TensorDType::kFloat32 ? 4 : 2;
+  uint64_t most = 0;
+  for (const ChunkPlacement& c : chunks_) {
+    const uint64_t e = c.bytes / (tensors_[c.tensor].dtype == TensorDType::kFloat32 ? 4 : 2);
+    most = std::max(most, layout::OutboxBytes(e * sizeof(float)));
+  }
+  if (state_staging_ == nullptr) {
+    ASSIGN_OR_RETURN(state_staging_, fabric_->AllocateMemory(most, Access::kLocalOnly));
+  }
+  bool all1 = !tensor.chunks.empty(), all2 = all1;
+  uint64_t most_steps = 0;
+  const auto* base = static_cast<const char*>(state_staging_->data());
+  for (uint32_t id : tensor.chunks) {
+    const ChunkPlacement& c = chunks_[id];
+    const uint64_t elems = c.bytes / esize;
+    const uint64_t stride = layout::AlignUp(elems * sizeof(float));
+    const uint64_t at = c.offset / esize;  // elements into the tensor
+    layout::OutboxHeader oh{};
+    // The server has one outbox: another worker's request may overwrite it between this
+    // worker's acknowledgement and its read; the nonce shows it, and the request is repeated.
+    bool got = false;
+    for (int attempt = 0; attempt < 200 && !got; ++attempt) {
+      const uint64_t nonce = (static_cast<uint64_t>(rank_) << 48) | ++state_nonce_;
+      RETURN_IF_ERROR(push_->PushOpAndAwait(id, layout::PushOp::kGetState, nonce,
+                                            [this] { return RecoverOrBreak(); }));
+      const auto deadline = std::chrono::steady_clock::now() + options_.wait_timeout;
+      RETURN_IF_ERROR(sessions_->ReadOutbox(
+          c.server, 0, layout::OutboxBytes(elems * sizeof(float)),
+          {state_staging_.get(), 0, state_staging_->length()}, deadline,
+          [] { return DeadlineExceededError("reading a server's outbox"); }));
+      std::memcpy(&oh, base, sizeof(oh));
+      got = oh.magic == layout::kOutboxMagic && oh.nonce == nonce && oh.worker == rank_ &&
+            oh.chunk_id == id && oh.elems == elems;
+    }
+    if (!got) return AbortedError("state of '" + name + "': the servers' outboxes stayed busy");
+    if (weights != nullptr) std::memcpy(weights + at, base + layout::kAlign, elems * 4);
+    const bool h1 = oh.state1 == elems, h2 = oh.state2 == elems;
+    if (state1 != nullptr && h1) std::memcpy(state1 + at, base + layout::kAlign + stride, elems * 4);
+    if (state2 != nullptr && h2) {
+      std::memcpy(state2 + at, base + layout::kAlign + 2 * stride, elems * 4);
+    }
+    all1 = all1 && h1;
+    all2 = all2 && h2;
+    most_steps = std::max(most_steps, oh.steps);
+  }
+  if (steps != nullptr) *steps = most_steps;
+  if (has1 != nullptr) *has1 = all1;
+  if (has2 != nullptr) *has2 = all2;
+  return Status::OK();
+}
+
 Status ClientImpl::Clock() {
   RETURN_IF_ERROR(lifecycle_.Require("Clock()", {ClientState::kRunning}));
   ++step_.clock;

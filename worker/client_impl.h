@@ -63,6 +63,9 @@ class ClientImpl final : public Client, private CompletionSink {
   Status SetLearningRate(const std::string& tensor, float lr) override;
   Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
   void MarkNonFinite(bool non_finite) override { step_.non_finite = non_finite; }
+  Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
+  Status GetState(const std::string& tensor, float* weights, float* state1, float* state2,
+                  uint64_t* steps, bool* has1, bool* has2) override;
   uint32_t rank() const override { return rank_; }
   uint32_t num_workers() const override;
   uint64_t clock() const override { return step_.clock; }
@@ -118,6 +121,8 @@ class ClientImpl final : public Client, private CompletionSink {
   std::unique_ptr<ServerSessions> sessions_;
   std::unique_ptr<PullPipeline> pull_;
   std::unique_ptr<PushPipeline> push_;
+  std::unique_ptr<transport::MemoryRegion> state_staging_;  // GetState's outbox reads
+  uint64_t state_nonce_ = 0;
   std::unique_ptr<Recovery> recovery_;
 };
 

@@ -64,7 +64,17 @@ StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status(
   return Handle{h};
 }
 
-Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover) {
+Status PushPipeline::PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
+                                    const std::function<Status()>& recover) {
+  const uint64_t h = handles_.Create();
+  Status st = PushChunk(id, h, recover, op, arg);
+  if (st.ok()) st = EnsureAcked(id, push_[id].seq, recover);
+  if (handles_.Contains(h) && handles_[h].pending == 0) handles_.Erase(h);
+  return st;
+}
+
+Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover,
+                               layout::PushOp op, uint64_t arg) {
   ChunkPush& c = push_[id];
   const uint64_t seq = c.seq + 1;
   const uint32_t parity = static_cast<uint32_t>(seq & 1);
@@ -80,6 +90,8 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.last_base = pull_.pulled_version(id);
   c.last_rule = tensors_[chunks_[id].tensor].rule;
   c.last_flags = step_.non_finite ? layout::kPushNonFinite : 0;
+  c.last_op = op;
+  c.last_arg = arg;
   c.step = step_.in_step ? step_.step_id : 0;
   c.handle[parity] = h;
   c.seq_of[parity] = seq;
@@ -182,6 +194,8 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   ph->magic = layout::kPushMagic;
   ph->rule = c.last_rule;
   ph->flags = c.last_flags;
+  ph->op = static_cast<uint32_t>(c.last_op);
+  ph->op_arg = c.last_arg;
   const transport::RemoteSlice header_dst =
       transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
   const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);

@@ -39,6 +39,11 @@ class PushPipeline {
   // fails while an inbox slot is awaited (it reconnects or fails over, or reports why not).
   StatusOr<Handle> Push(uint32_t tensor, const std::function<Status()>& recover);
   void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
+  // A state transfer of one chunk (layout::PushOp other than kGradient): pushed like a
+  // gradient (from the tensor's gradient buffer; kGetState's payload is ignored), then awaited
+  // until the server acknowledged it (applied, or answered in its outbox).
+  Status PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
+                        const std::function<Status()>& recover);
   // Waits until every chunk's latest push is acknowledged (consumed, hence replicated where
   // the group has a backup): after it, the caller may overwrite its gradient buffers without
   // risking a push that a failover could neither find on the backup nor resend.
@@ -65,13 +70,16 @@ class PushPipeline {
     uint64_t last_base = 0;
     layout::UpdateRule last_rule{};  // the rule it carries (the same when resent)
     uint32_t last_flags = 0;         // kPushNonFinite (the same when resent)
+    layout::PushOp last_op = layout::PushOp::kGradient;  // (the same when resent)
+    uint64_t last_arg = 0;
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;
   };
 
   // Pushes one chunk as part of handle h (its pending count already taken).
-  Status PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover);
+  Status PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover,
+                   layout::PushOp op = layout::PushOp::kGradient, uint64_t arg = 0);
   // Waits until the server acknowledged push `need` of a chunk (its inbox slot is free).
   Status EnsureAcked(uint32_t id, uint64_t need, const std::function<Status()>& recover);
   // Posts push `seq` of a chunk: the header's clock and base version are those of the chunk's

@@ -96,6 +96,7 @@ Status ServerSessions::ApplyEntry(const control::ServerEntry& se, uint32_t serve
     if (r.name() == "inbox") s.inbox = d;
     if (r.name() == "acks") s.acks = d;
     if (r.name() == "clocks") s.clocks = d;
+    if (r.name() == "outbox") s.outbox = d;
   }
   if (s.layout != nullptr &&
       (s.inbox.length < s.layout->inbox_bytes() || s.weights.length < s.layout->weights_bytes() ||
@@ -254,6 +255,25 @@ Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk
     return s.ep->PostRead({staging_.get(), ChunkStagingOffset(chunk, 2), layout::kAlign},
                           transport::AtOffset(s.weights, s.layout->header_offset(slot)),
                           MakeContext(kOpAcks, chunk, 0));
+  }));
+  return AwaitRead(deadline, timeout_error, nullptr);
+}
+
+Status ServerSessions::ReadOutbox(uint32_t server, uint64_t offset, uint64_t bytes,
+                                  const transport::LocalSlice& local,
+                                  SteadyClock::time_point deadline,
+                                  const std::function<Status()>& timeout_error) {
+  ServerSession& s = servers_[server];
+  if (!s.ep) return ServerError(server, "not connected");
+  if (offset > s.outbox.length || bytes > s.outbox.length - offset) {
+    return FailedPreconditionError("server " + std::to_string(server) +
+                                   "'s outbox is smaller than its chunks' state");
+  }
+  acks_pending_ = 1;
+  setup_error_ = Status::OK();
+  RETURN_IF_ERROR(PostWithCredit([&] {
+    return s.ep->PostRead({local.region, local.offset, bytes}, transport::AtOffset(s.outbox, offset),
+                          MakeContext(kOpAcks, 0, 0));
   }));
   return AwaitRead(deadline, timeout_error, nullptr);
 }

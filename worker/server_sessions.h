@@ -33,6 +33,7 @@ struct ServerSession {
   std::string address;
   std::string peer_key;  // proves this worker to that server (ServerEntry.peer_key)
   transport::RegionDescriptor weights, inbox, acks, clocks;
+  transport::RegionDescriptor outbox;  // kGetState answers
   std::unique_ptr<layout::ServerLayout> layout;
   std::unique_ptr<transport::Endpoint> ep;
   std::vector<uint32_t> chunk_of_slot;
@@ -117,6 +118,11 @@ class ServerSessions {
                   const std::function<Status()>& timeout_error);
   // Reads chunk header `slot` of a server into ChunkStaging(chunk, 2) and waits for it.
   Status ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk,
+                    std::chrono::steady_clock::time_point deadline,
+                    const std::function<Status()>& timeout_error);
+  // Reads `bytes` at `offset` of a server's outbox into `local` and waits for it.
+  Status ReadOutbox(uint32_t server, uint64_t offset, uint64_t bytes,
+                    const transport::LocalSlice& local,
                     std::chrono::steady_clock::time_point deadline,
                     const std::function<Status()>& timeout_error);
   // Writes `clock` into this worker's clock slot on a server (unsignaled, with an immediate).

@@ -300,5 +300,88 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self.client.set_rule(name, *rule)
                 self._sent_rule[name] = rule
 
+    # ---- state_dict / load_state_dict: torch's own format, the servers' state -------------
+    # The optimizer state lives on the servers (per chunk, float32); these move it, chunk by
+    # chunk, through the data path (Client.get_state / set_state: pushes, acknowledged).
+    # Keys are torch's: SGD "momentum_buffer"; Adam/AdamW "step", "exp_avg", "exp_avg_sq"
+    # (the servers' own rule: "shardps_state1", "shardps_state2", "step"). The float32 master
+    # weights travel too, under "shardps_master_weights" (plain torch ignores the key), so a
+    # 16-bit model resumes with its full-precision master.
+
+    def _registered(self):
+        """(index, name, parameter, registered gradient buffer) in torch's state_dict order."""
+        shadow = {id(p): g16 for p, _, _, g16 in self._shadows}
+        grads = {id(p): g for _, p, g in self._params}
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                name = self._name_of.get(id(p))
+                if name is not None and id(p) in grads:
+                    yield i, name, p, shadow.get(id(p), grads[id(p)])
+                i += 1
+
+    def _state_keys(self):
+        if self._kind == "sgd":
+            return ("momentum_buffer", None)
+        if self._kind in ("adam", "adamw"):
+            return ("exp_avg", "exp_avg_sq")
+        return ("shardps_state1", "shardps_state2")
+
+    def state_dict(self):
+        sd = super().state_dict()
+        k1, k2 = self._state_keys()
+        state, master = {}, {}
+        for i, name, p, _ in self._registered():
+            n = p.numel()
+            w, s1, s2 = torch.empty(n), torch.empty(n), torch.empty(n)
+            steps, has1, has2 = self.client.get_state(name, w, s1, s2)
+            master[i] = w.view(p.shape)
+            st = {}
+            if has1:
+                st[k1] = s1.view(p.shape).to(p.dtype)
+            if has2 and k2 is not None:
+                st[k2] = s2.view(p.shape).to(p.dtype)
+            if self._kind != "sgd" and (steps or st):
+                st["step"] = torch.tensor(float(steps))
+            if st:
+                state[i] = st
+        sd["state"] = state
+        sd["shardps_master_weights"] = master
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """Loads a torch-format optimizer state (from this class or a plain torch optimizer of
+        the same kind) into the servers, with the weights: the master weights saved by
+        state_dict(), else the model's current parameters (load the model first, as with
+        torch). Every worker may call it; rank 0's values are the ones set."""
+        groups = self.param_groups
+        super().load_state_dict(state_dict)
+        for mine, loaded in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in loaded.items() if k != "params"})
+        self.param_groups = groups  # still the wrapped optimizer's dicts
+        self._sent_rule.clear()
+        state = state_dict.get("state", {})
+        master = state_dict.get("shardps_master_weights", {})
+        k1, k2 = self._state_keys()
+        if self.rank == 0:
+            for i, name, p, g in self._registered():
+                st = state.get(i, {})
+                w = master.get(i)
+                g.copy_((w if w is not None else p.detach()).reshape(g.shape))
+                self.client.set_state(name, "weights")
+                steps = int(float(st["step"])) if "step" in st else (1 if k1 in st else 0)
+                if k1 not in st:
+                    self.client.set_state(name, "none", steps)
+                else:
+                    g.copy_(st[k1].reshape(g.shape))
+                    self.client.set_state(name, "state1", steps)
+                    if k2 is not None and k2 in st:
+                        g.copy_(st[k2].reshape(g.shape))
+                        self.client.set_state(name, "state2", steps)
+                g.zero_()
+        self.state.clear()  # the servers hold it
+        # Every worker pulls the weights at its next step; rank 0 already has them.
+
     def close(self):
         self.client.close()

@@ -326,6 +326,119 @@ class WrappedTorchOptimizerTest(unittest.TestCase):
                     spt.DistributedOptimizer(bad, m, coordinator="127.0.0.1:1")
 
 
+class StateDictTest(unittest.TestCase):
+    """state_dict() / load_state_dict() in torch's own format, carrying the servers' optimizer
+    state (and float32 master weights): a ShardPS run continued in plain torch, and a plain
+    torch run continued in ShardPS, match the uninterrupted run of the other. Tolerance as in
+    WrappedTorchOptimizerTest (1e-5: one worker, torch's operation order)."""
+
+    def data(self):
+        g = torch.Generator().manual_seed(11)
+        return [(torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g))
+                for _ in range(10)]
+
+    def model(self):
+        torch.manual_seed(4)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+    def train(self, model, opt, data, steps, start=0):
+        for step in range(start, start + steps):
+            x, y = data[step % len(data)]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def check_close(self, a, b):
+        for p, q in zip(a.parameters(), b.parameters()):
+            self.assertTrue(torch.allclose(p, q, rtol=1e-5, atol=1e-5), (p - q).abs().max())
+
+    def round_trip(self, make_opt, state_keys):
+        data = self.data()
+        # Reference: plain torch, 40 steps uninterrupted.
+        ref = self.model()
+        ref_opt = make_opt(ref)
+        self.train(ref, ref_opt, data, 40)
+        # ShardPS for 20 steps, then its state_dict continues in plain torch.
+        with cluster(servers=2) as cl:
+            model = self.model()
+            opt = spt.DistributedOptimizer(make_opt(model), model, client=connect(cl))
+            self.train(model, opt, data, 20)
+            sd = opt.state_dict()
+            opt.close()
+        self.assertEqual(sorted(sd["state"].keys()), list(range(4)))
+        for st in sd["state"].values():
+            self.assertEqual(sorted(st.keys()), sorted(state_keys))
+        plain = self.model()
+        plain.load_state_dict(model.state_dict())
+        plain_opt = make_opt(plain)
+        plain_opt.load_state_dict(sd)
+        self.train(plain, plain_opt, data, 20, start=20)
+        self.check_close(plain, ref)
+        # Plain torch for 20 steps, then its state_dict continues in a fresh ShardPS cluster.
+        half = self.model()
+        half_opt = make_opt(half)
+        self.train(half, half_opt, data, 20)
+        with cluster(servers=2) as cl:
+            model = self.model()
+            opt = spt.DistributedOptimizer(make_opt(model), model, client=connect(cl))
+            model.load_state_dict(half.state_dict())
+            opt.load_state_dict(half_opt.state_dict())
+            self.train(model, opt, data, 20, start=20)
+            # And the servers' state now is the reference's.
+            sd = opt.state_dict()
+            opt.close()
+        self.check_close(model, ref)
+        ref_sd = ref_opt.state_dict()
+        for i, st in ref_sd["state"].items():
+            for k, v in st.items():
+                self.assertTrue(torch.allclose(sd["state"][i][k].float(), v.float(), rtol=1e-5,
+                                               atol=1e-6), (i, k))
+
+    def test_sgd_momentum_round_trip(self):
+        self.round_trip(lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
+                                                  nesterov=True), ["momentum_buffer"])
+
+    def test_adam_round_trip(self):
+        self.round_trip(lambda m: torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=0.01),
+                        ["step", "exp_avg", "exp_avg_sq"])
+
+    def test_loaded_state_survives_a_failover(self):
+        # The sets are replicated like updates: after the primary that took them dies, the
+        # promoted backup continues from the loaded state.
+        data = self.data()
+        make = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)
+        ref = self.model()
+        ref_opt = make(ref)
+        self.train(ref, ref_opt, data, 30)
+        half = self.model()
+        half_opt = make(half)
+        self.train(half, half_opt, data, 15)
+        with cluster(servers=2, replicas=2) as cl:
+            model = self.model()
+            opt = spt.DistributedOptimizer(make(model), model, client=connect(cl))
+            model.load_state_dict(half.state_dict())
+            opt.load_state_dict(half_opt.state_dict())
+            for victim in (cl._procs[1], cl._procs[2]):  # both groups' primaries
+                victim.kill()
+                victim.wait()
+            self.train(model, opt, data, 15, start=15)
+            self.assertGreaterEqual(opt.client.counters()["failovers"], 1)
+            opt.close()
+        self.check_close(model, ref)
+
+    def test_a_fresh_optimizer_state_clears_the_servers(self):
+        data = self.data()
+        with cluster(servers=1) as cl:
+            model = self.model()
+            opt = spt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model,
+                                           client=connect(cl))
+            self.train(model, opt, data, 5)
+            fresh = torch.optim.Adam(self.model().parameters(), lr=0.01)
+            opt.load_state_dict(fresh.state_dict())
+            self.assertEqual(opt.state_dict()["state"], {})
+            opt.close()
+
+
 class MixedPrecisionTest(unittest.TestCase):
     """16-bit tensors on the wire, float32 master weights on the servers. Exact: a worker pulls
     the servers' float32 master rounded to its dtype (round to nearest even, as numpy's and

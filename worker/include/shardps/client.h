@@ -190,6 +190,23 @@ class Client {
   // workers that overflowed in one, so every worker's GradScaler backs off alike).
   virtual void MarkNonFinite(bool non_finite) = 0;
 
+  // Moving a tensor's state between this trainer and the servers (shardps.torch's
+  // state_dict / load_state_dict, docs/python.md), between steps. Each chunk's transfer is a
+  // push through the data path (exactly once, replicated like an update), acknowledged before
+  // the call returns; neither is a control message.
+  enum class StatePart : uint32_t { kWeights = 1, kState1 = 2, kState2 = 3, kNoState = 4 };
+  // Sets `part` of `tensor` on the servers to the values now in its GRADIENT buffer (in the
+  // tensor's dtype), and every chunk's optimizer step count to `steps`: kWeights the master
+  // weights, kState1/kState2 the optimizer's first/second state buffer (momentum or Adam's
+  // first moment; Adam's second), kNoState drops the state (a torch optimizer that never
+  // stepped). The servers publish a new version; pull to see new weights.
+  virtual Status SetState(const std::string& tensor, StatePart part, uint64_t steps) = 0;
+  // Reads the servers' float32 master weights and optimizer state of `tensor` (elements()
+  // floats each; any output may be null). *has1/*has2: whether that state buffer exists on
+  // every chunk; *steps: the optimizer's step count (the largest of the chunks').
+  virtual Status GetState(const std::string& tensor, float* weights, float* state1,
+                          float* state2, uint64_t* steps, bool* has1, bool* has2) = 0;
+
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
   virtual uint64_t clock() const = 0;
