@@ -40,8 +40,16 @@ DEFINE_bool(spare, false,
 
 namespace {
 std::atomic<shardps::server::ShardServer*> g_server{nullptr};
-void OnSignal(int) {
-  if (auto* s = g_server.load()) s->Stop();
+void OnSignal(int sig) {
+  // Serving: stop cleanly (leave, drain). Before that — waiting for the cluster to form, for a
+  // shard assignment, or for a coordinator that has gone — nothing is held that a clean stop
+  // would save, and those waits do not poll the stop flag: exit at once.
+  auto* s = g_server.load();
+  if (s != nullptr && s->serving()) {
+    s->Stop();
+  } else {
+    _exit(128 + sig);
+  }
 }
 }  // namespace
 

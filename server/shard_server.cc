@@ -486,6 +486,7 @@ void ShardServer::RefreshMembership() {
 }
 
 Status ShardServer::Serve() {
+  serving_ = true;
   Status fenced;
   Completion wc[64];
   auto last_accept = Clock::now() - std::chrono::seconds(1);
@@ -557,6 +558,23 @@ bool ShardServer::LeaseLapsed() {
 bool ShardServer::Housekeeping(Status* fenced) {
   AcceptPending();
   RefreshMembership();
+  // BSP waits for the membership of the newest epoch a push came from (MaybeApplyBsp). A
+  // membership takes well under a heartbeat to arrive; an epoch that never comes (a peer's
+  // header naming a future epoch) must not stall training: after the lease, go on.
+  if (newest_push_epoch_ > seen_epoch_) {
+    if (epoch_wait_since_ == Clock::time_point{}) epoch_wait_since_ = Clock::now();
+    if (Clock::now() - epoch_wait_since_ > timeouts_.lease) {
+      LOG(WARNING) << "server rank " << rank_ << ": a push named membership epoch "
+                   << newest_push_epoch_ << " but this server's is still " << seen_epoch_
+                   << " after the lease; applying with the membership it has";
+      newest_push_epoch_ = seen_epoch_;
+      epoch_wait_since_ = Clock::time_point{};
+      Reevaluate();
+      DrainWork();
+    }
+  } else {
+    epoch_wait_since_ = Clock::time_point{};
+  }
   if (backup_ && awaiting_snapshot_ && Clock::now() - assigned_at_ > options_.setup_timeout) {
     catch_up_error_ = DeadlineExceededError(
         "the primary of group " + std::to_string(group_) + " did not start replicating to this "

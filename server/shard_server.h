@@ -101,6 +101,8 @@ class ShardServer {
   // Joins, sets up and serves until Stop() or a fatal error.
   Status Run();
   void Stop() { stop_ = true; }
+  // Whether setup is done and Serve() runs (the signal handler's choice: stop or exit).
+  bool serving() const { return serving_.load(); }
 
   // Snapshots, for tests and logs (safe from any thread).
   ShardServerCounters counters() const { return stats_.Snapshot(); }
@@ -177,6 +179,7 @@ class ShardServer {
 
   ShardServerOptions options_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> serving_{false};
   std::atomic<uint32_t> rank_{0};
   ServerStats stats_;
 
@@ -190,6 +193,8 @@ class ShardServer {
   std::unique_ptr<EndpointTable> endpoints_;
   std::shared_ptr<MemberAuthenticator> authenticator_;  // the data listener's (set at Setup)
   uint64_t seen_epoch_ = 0;
+  uint64_t newest_push_epoch_ = 0;  // the newest membership epoch a BSP push was sent in
+  Clock::time_point epoch_wait_since_{};  // since when BSP waits for that epoch
 
   // Registered regions (wire/region_layout.h).
   std::unique_ptr<layout::ServerLayout> layout_;

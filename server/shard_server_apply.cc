@@ -217,6 +217,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
       stats_.Bump(&ShardServerCounters::stale_pushes);
       return true;
     case ConsistencyGate::Decision::kAggregate:
+      newest_push_epoch_ = std::max(newest_push_epoch_, h.epoch);
       workers_->Consume(worker, slot, h.seq, clock);
       stats_.Bump(&ShardServerCounters::pushes_applied);
       MaybeApplyBsp(slot);
@@ -344,6 +345,13 @@ void ShardServer::Reevaluate() {
 }
 
 void ShardServer::MaybeApplyBsp(uint32_t slot) {
+  // A clock is complete when every LIVE worker pushed: live as this server knows the
+  // membership. A push from a worker that is in a newer epoch says a worker may have joined
+  // that this server has not heard of yet (membership reaches servers and workers at
+  // different times); completing the clock now would leave that worker's push out and drop it
+  // as stale. So wait until this server has the membership of the newest epoch a push came
+  // from (RefreshMembership re-evaluates then).
+  if (newest_push_epoch_ > seen_epoch_) return;
   std::optional<BspAggregate> a = gate_->TakeBspClock(slot, *workers_);
   if (!a) return;
   // Sum in worker-rank order, straight from the inbox slots (a worker reuses an inbox slot

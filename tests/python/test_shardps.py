@@ -667,6 +667,23 @@ class NonFiniteStepTest(unittest.TestCase):
             opt.close()
 
 
+class ServerSignalTest(unittest.TestCase):
+    """SIGTERM ends a server that is still waiting for the cluster to form (before it serves,
+    it holds nothing a clean stop would save): within a second, not after its setup timeout."""
+
+    def test_sigterm_while_waiting_for_workers(self):
+        import signal
+        import time
+        with cluster(servers=1, workers=2) as cl:  # no worker ever comes
+            server = cl._procs[1]
+            time.sleep(1.0)
+            self.assertIsNone(server.poll())
+            t0 = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=10)
+            self.assertLess(time.monotonic() - t0, 2.0)
+
+
 class LifecycleTest(unittest.TestCase):
     """Every method in every state of the client (shardps/client.h, "Lifecycle"): it works, or
     raises shardps.Error with code FAILED_PRECONDITION naming the call and the state; none
