@@ -13,6 +13,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -430,16 +431,30 @@ TEST_F(TcpTransportTest, RkeysAreUnpredictableAndANeighbourGuessIsRefused) {
 // A stray client that sends garbage instead of a hello is dropped; Accept keeps waiting and
 // serves the real peer.
 TEST_F(TcpTransportTest, GarbageHandshakeIsRejectedAndFabricKeepsServing) {
+  // The stranger's junk is sent before the good peer connects (the listener takes pending
+  // connections in order when it is polled; a sleep alone let the good peer overtake it under
+  // load, and nothing polled the listener again: the stranger waited for ever).
+  std::promise<void> sent;
   std::thread hostile([&] {
     const int fd = RawConnect(listener_->address(), /*authenticate=*/false);
+    if (fd < 0) sent.set_value();
     ASSERT_GE(fd, 0);
     const char junk[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n and some more bytes";
-    ASSERT_GT(send(fd, junk, sizeof(junk), MSG_NOSIGNAL), 0);
+    const ssize_t w = send(fd, junk, sizeof(junk), MSG_NOSIGNAL);
+    sent.set_value();
+    ASSERT_GT(w, 0);
+    // Until the fabric answers or closes it: bounded, so a fabric that neither answered nor
+    // closed fails this test instead of hanging it (it hung once under ctest -j2, 2026-11-24).
+    timeval tv{10, 0};
+    ASSERT_EQ(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
     char buf[64];
-    (void)!recv(fd, buf, sizeof(buf), 0);  // until the fabric closes it
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    EXPECT_TRUE(n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+        << "the fabric left a garbage handshake unanswered for 10 s";
     close(fd);
   });
-  std::this_thread::sleep_for(milliseconds(50));
+  sent.get_future().wait();
+  std::this_thread::sleep_for(milliseconds(20));
   ASSERT_NO_FATAL_FAILURE(Connect());
   hostile.join();
   auto remote = Alloc(target_.get(), 4096, Access::kRemoteWrite);
