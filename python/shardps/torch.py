@@ -95,8 +95,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, model_or_named_params, model=None, *, client=None, lr=None,
                  param_groups=None,
                  consistency=None, staleness=0, coordinator=None, cluster_token="",
-                 named_parameters=None, wire_dtype=None, check_finite=False,
-                 **client_kwargs):
+                 named_parameters=None, wire_dtype=None, check_finite=False, overlap=False,
+                 bucket_bytes=1 << 20, **client_kwargs):
         inner = None
         if isinstance(model, Client):  # the older positional form (model, client)
             model, client = None, model
@@ -166,9 +166,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             client = Client(coordinator or "", cluster_token=cluster_token, **client_kwargs)
         if wire_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError("wire_dtype must be None, torch.float16 or torch.bfloat16")
+        if overlap and (wire_dtype is not None or check_finite):
+            raise ValueError("overlap=True pushes during backward, before a step could be "
+                             "checked for non-finite gradients or cast: it takes float32 "
+                             "parameters without wire_dtype or check_finite")
         self.client = client
         self._params = []
         self._shadows = []  # (p, g, w16, g16): float32 parameters sent as wire_dtype
+        self._sync = None
+        if overlap:
+            from .overlap import BucketedSync
+            self._sync = BucketedSync(client, named,
+                                      groups=[g["params"] for g in self.param_groups],
+                                      bucket_bytes=bucket_bytes, before_push=self._send_lr)
+            self._sync.register()
+            named = []  # registered as buckets
         for name, p in named:
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(f"parameter '{name}' is {p.dtype}; ShardPS trains float32, "
@@ -195,12 +207,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # clock's pushes summed), so that every worker's GradScaler backs off alike.
         self._inf_w = torch.zeros(1)
         self._inf_g = torch.zeros(1)
-        client.register(_NONFINITE, self._inf_w, self._inf_g)
+        if self._sync is None:
+            client.register(_NONFINITE, self._inf_w, self._inf_g)
         self._check_finite = check_finite
         self.skipped = False  # whether the last step was skipped (a worker's non-finite grads)
         self._cuda = any(p.is_cuda for _, p, _ in self._params)
         client.start()  # rank 0's weights become every worker's
-        client.set_rule(_NONFINITE, "store", 0.0)
+        if self._sync is None:
+            client.set_rule(_NONFINITE, "store", 0.0)
+        else:
+            # Gradient hooks, and a forward pre-hook per module that awaits its pull (named
+            # parameters only: the pulls are awaited at the end of step()).
+            self._sync.install(model_or_named_params
+                               if isinstance(model_or_named_params, torch.nn.Module) else None)
         if consistency is not None:
             mode, s = parse_consistency(client.consistency)
             want = consistency.lower()
@@ -221,9 +240,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def num_workers(self):
         return self.client.num_workers
 
+    def no_sync(self):
+        """overlap=True: backward passes inside `with opt.no_sync():` accumulate without
+        pushing (gradient accumulation); without overlap nothing is pushed before step()."""
+        import contextlib
+        return self._sync.no_sync() if self._sync is not None else contextlib.nullcontext()
+
+    def synchronize(self):
+        """overlap=True: waits for the pulls in flight (the parameters hold the new weights
+        after it; forward pre-hooks do this per layer). Without overlap: nothing to wait for."""
+        if self._sync is not None:
+            self._sync.synchronize()
+
     def zero_grad(self, set_to_none=True):
         """Zeroes the registered gradient buffers in place. set_to_none is accepted and not
         honoured: the registered memory must stay the gradient (zeros push the same as none)."""
+        if self._sync is not None:
+            self._sync.zero_grad()
+            return
         for _, p, g in self._params:
             g.zero_()
             if p.grad is not g:
@@ -254,6 +288,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._sync is not None:
+            if grad_scaler is not None:
+                raise RuntimeError("overlap=True pushed the gradients during backward, before "
+                                   "GradScaler could check them: use overlap=False with AMP")
+            if self._cuda:
+                torch.cuda.synchronize()
+            self._sync.finish_step()  # the rest of the pushes, clock, pulls (awaited per layer)
+            return loss
         self._gather_grads()
         self._send_lr()
         non_finite = False
@@ -285,13 +327,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _send_lr(self):
         # Each group's current rule (a scheduler may have changed its lr, momentum or betas)
-        # goes with the next pushes of its parameters; only changes touch the client.
-        for g in self.param_groups:
+        # goes with the next pushes of its parameters; only changes touch the client. With
+        # overlap the tensors are the group's buckets, and this runs before a step's first push.
+        for i, g in enumerate(self.param_groups):
             rule = _rule_of(self._kind, g)
             if rule[1] < 0:
                 raise ValueError(f"negative learning rate {rule[1]}")
-            for p in g["params"]:
-                name = self._name_of.get(id(p))
+            names = (self._sync.names_of_group(i) if self._sync is not None
+                     else [self._name_of.get(id(p)) for p in g["params"]])
+            for name in names:
                 if name is None or self._sent_rule.get(name) == rule:
                     continue
                 if self._kind == "server":
@@ -308,17 +352,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # weights travel too, under "shardps_master_weights" (plain torch ignores the key), so a
     # 16-bit model resumes with its full-precision master.
 
-    def _registered(self):
-        """(index, name, parameter, registered gradient buffer) in torch's state_dict order."""
-        shadow = {id(p): g16 for p, _, _, g16 in self._shadows}
-        grads = {id(p): g for _, p, g in self._params}
+    def _units(self):
+        """The registered tensors in torch's state_dict order: (tensor name, registered
+        gradient buffer (flat view), [(state_dict index, parameter, offset, numel)]). A unit is
+        a parameter, or with overlap=True a bucket of several."""
+        index = {}
         i = 0
         for g in self.param_groups:
             for p in g["params"]:
-                name = self._name_of.get(id(p))
-                if name is not None and id(p) in grads:
-                    yield i, name, p, shadow.get(id(p), grads[id(p)])
+                index[id(p)] = i
                 i += 1
+        if self._sync is not None:
+            for b in self._sync.buckets:
+                yield b.name, b.grads, [(index[id(t.param)], t.param, t.offset, t.numel)
+                                        for t in b.slots if id(t.param) in index]
+            return
+        shadow = {id(p): g16 for p, _, _, g16 in self._shadows}
+        for name, p, g in self._params:
+            if id(p) in index:
+                yield name, shadow.get(id(p), g).view(-1), [(index[id(p)], p, 0, p.numel())]
 
     def _state_keys(self):
         if self._kind == "sgd":
@@ -328,23 +380,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return ("shardps_state1", "shardps_state2")
 
     def state_dict(self):
+        self.synchronize()
         sd = super().state_dict()
         k1, k2 = self._state_keys()
         state, master = {}, {}
-        for i, name, p, _ in self._registered():
-            n = p.numel()
+        for name, g, params in self._units():
+            n = g.numel()
             w, s1, s2 = torch.empty(n), torch.empty(n), torch.empty(n)
             steps, has1, has2 = self.client.get_state(name, w, s1, s2)
-            master[i] = w.view(p.shape)
-            st = {}
-            if has1:
-                st[k1] = s1.view(p.shape).to(p.dtype)
-            if has2 and k2 is not None:
-                st[k2] = s2.view(p.shape).to(p.dtype)
-            if self._kind != "sgd" and (steps or st):
-                st["step"] = torch.tensor(float(steps))
-            if st:
-                state[i] = st
+            for i, p, off, cnt in params:
+                master[i] = w[off:off + cnt].view(p.shape).clone()
+                st = {}
+                if has1:
+                    st[k1] = s1[off:off + cnt].view(p.shape).to(p.dtype)
+                if has2 and k2 is not None:
+                    st[k2] = s2[off:off + cnt].view(p.shape).to(p.dtype)
+                if self._kind != "sgd" and (steps or st):
+                    st["step"] = torch.tensor(float(steps))
+                if st:
+                    state[i] = st
         sd["state"] = state
         sd["shardps_master_weights"] = master
         return sd
@@ -355,6 +409,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the same kind) into the servers, with the weights: the master weights saved by
         state_dict(), else the model's current parameters (load the model first, as with
         torch). Every worker may call it; rank 0's values are the ones set."""
+        self.synchronize()
         groups = self.param_groups
         super().load_state_dict(state_dict)
         for mine, loaded in zip(groups, self.param_groups):
@@ -365,23 +420,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         master = state_dict.get("shardps_master_weights", {})
         k1, k2 = self._state_keys()
         if self.rank == 0:
-            for i, name, p, g in self._registered():
-                st = state.get(i, {})
-                w = master.get(i)
-                g.copy_((w if w is not None else p.detach()).reshape(g.shape))
+            for name, g, params in self._units():
+                # One unit, one step count (its parameters were stepped together).
+                sts = [state.get(i, {}) for i, _, _, _ in params]
+                st0 = next((st for st in sts if st), {})
+                steps = int(float(st0["step"])) if "step" in st0 else (1 if k1 in st0 else 0)
+
+                def fill(value_of):
+                    g.zero_()
+                    for (i, p, off, cnt), st in zip(params, sts):
+                        v = value_of(i, p, st)
+                        if v is not None:
+                            g[off:off + cnt].copy_(v.reshape(-1))
+
+                fill(lambda i, p, st: master.get(i, p.detach()))
                 self.client.set_state(name, "weights")
-                steps = int(float(st["step"])) if "step" in st else (1 if k1 in st else 0)
-                if k1 not in st:
+                if not any(k1 in st for st in sts):
                     self.client.set_state(name, "none", steps)
                 else:
-                    g.copy_(st[k1].reshape(g.shape))
+                    fill(lambda i, p, st: st.get(k1))
                     self.client.set_state(name, "state1", steps)
-                    if k2 is not None and k2 in st:
-                        g.copy_(st[k2].reshape(g.shape))
+                    if k2 is not None and any(k2 in st for st in sts):
+                        fill(lambda i, p, st: st.get(k2))
                         self.client.set_state(name, "state2", steps)
                 g.zero_()
         self.state.clear()  # the servers hold it
         # Every worker pulls the weights at its next step; rank 0 already has them.
 
     def close(self):
+        if self._sync is not None:
+            self._sync.close()
         self.client.close()

@@ -259,14 +259,15 @@ class WrappedTorchOptimizerTest(unittest.TestCase):
     by ~4e-8 relative): losses within 1e-5 relative and weights within 1e-5 after 200 steps,
     Adam and AdamW included (measured: they pass at this bound)."""
 
-    def run_both(self, make_opt, make_sched=None, steps=200, tol=1e-5):
+    def run_both(self, make_opt, make_sched=None, steps=200, tol=1e-5, **opt_kwargs):
         torch.manual_seed(3)
         model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
         ref = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
         ref.load_state_dict(model.state_dict())
         data = [(torch.randn(16, 8), torch.randn(16, 3)) for _ in range(20)]
         with cluster(servers=2, lr=0.5, optimizer="sgd") as cl:
-            opt = spt.DistributedOptimizer(make_opt(model), model, client=connect(cl))
+            opt = spt.DistributedOptimizer(make_opt(model), model, client=connect(cl),
+                                           **opt_kwargs)
             ref_opt = make_opt(ref)
             self.assertIsInstance(opt, torch.optim.Optimizer)
             scheds = [make_sched(o) if make_sched else None for o in (opt, ref_opt)]
@@ -283,6 +284,7 @@ class WrappedTorchOptimizerTest(unittest.TestCase):
                     losses.append(loss.item())
                 self.assertAlmostEqual(losses[0], losses[1],
                                        delta=tol * max(1.0, abs(losses[1])), msg=f"step {step}")
+            opt.synchronize()  # overlap=True: the last pulls may still be in flight
             for p, q in zip(model.parameters(), ref.parameters()):
                 self.assertTrue(torch.allclose(p, q, rtol=tol, atol=tol), (p - q).abs().max())
             opt.close()
@@ -315,6 +317,18 @@ class WrappedTorchOptimizerTest(unittest.TestCase):
     def test_adamw_decoupled_weight_decay(self):
         self.run_both(lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
                       tol=1e-5)
+
+    def test_overlap_buckets_apply_the_same_per_group_rules(self):
+        # DistributedOptimizer(overlap=True): gradients pushed from backward hooks in fused
+        # buckets (one per group here: 64-byte buckets split the model), pulls awaited per
+        # layer; the servers apply each group's rule to its buckets.
+        def make(m):
+            return torch.optim.SGD([
+                {"params": m[0].parameters(), "lr": 0.05, "momentum": 0.9, "nesterov": True},
+                {"params": m[2].parameters(), "momentum": 0.5}], lr=0.1)
+        opt, _ = self.run_both(make, lambda o: torch.optim.lr_scheduler.StepLR(o, 30, 0.5),
+                               steps=80, overlap=True, bucket_bytes=128)
+        self.assertGreaterEqual(len(opt._sync.buckets), 3)
 
     def test_unsupported_options_are_refused_before_connecting(self):
         m = torch.nn.Linear(2, 2)
@@ -424,6 +438,28 @@ class StateDictTest(unittest.TestCase):
             self.train(model, opt, data, 15, start=15)
             self.assertGreaterEqual(opt.client.counters()["failovers"], 1)
             opt.close()
+        self.check_close(model, ref)
+
+    def test_overlap_state_dict_round_trip(self):
+        # With overlap the registered tensors are buckets: the state is cut per parameter.
+        data = self.data()
+        make = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)
+        ref = self.model()
+        ref_opt = make(ref)
+        self.train(ref, ref_opt, data, 20)
+        with cluster(servers=2) as cl:
+            model = self.model()
+            opt = spt.DistributedOptimizer(make(model), model, client=connect(cl), overlap=True,
+                                           bucket_bytes=96)
+            self.train(model, opt, data, 20)
+            sd = opt.state_dict()
+            opt.close()
+        ref_sd = ref_opt.state_dict()
+        self.assertEqual(sorted(sd["state"]), sorted(ref_sd["state"]))
+        for i, st in ref_sd["state"].items():
+            for k, v in st.items():
+                self.assertTrue(torch.allclose(sd["state"][i][k].float(), v.float(), rtol=1e-5,
+                                               atol=1e-6), (i, k))
         self.check_close(model, ref)
 
     def test_a_fresh_optimizer_state_clears_the_servers(self):
