@@ -558,6 +558,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
     m->set_epoch(membership_.epoch() + 1);
   }
   m->set_reason(reason);
+  m->set_workers_complete(most_workers_ >= std::max<uint32_t>(1, options_.config.num_workers()));
   if (departed != 0) m->add_departed(departed);
   for (auto& [fd, c] : conns_) {
     if (c->joined && !c->closing) *m->add_members() = c->member;

@@ -28,6 +28,7 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
   if (o.transport.empty() || o.transport == "auto") {
     take(&o.transport, "SHARDPS_TRANSPORT", "transport");
   }
+  if (o.bind_ip.empty()) take(&o.bind_ip, "SHARDPS_BIND_IP", "data-path address");
   if (o.requested_rank < 0) {
     for (const char* var :
          {"SHARDPS_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK"}) {
@@ -294,9 +295,10 @@ Status ClientImpl::WaitForWorkers() {
   const uint32_t want = std::max<uint32_t>(1, config_.num_workers());
   auto ready = control_->WaitFor(
       [&](const control::Membership& m) {
+        // All there now, or all there at some point (the others may have finished already).
         uint32_t n = 0;
         for (const auto& mem : m.members()) n += mem.role() == control::ROLE_WORKER;
-        return n >= want;
+        return n >= want || m.workers_complete();
       },
       options_.setup_timeout);
   if (!ready.ok()) {

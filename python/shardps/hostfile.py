@@ -221,7 +221,8 @@ def plan(hf, trainer, *, coordinator_bin, server_bin, port=7070, transport="tcp"
         wenv = env + [("SHARDPS_COORDINATOR", addr), ("SHARDPS_RANK", str(rank)),
                       ("SHARDPS_LOCAL_RANK", str(local_rank)),
                       ("SHARDPS_NUM_WORKERS", str(len(hf.workers))),
-                      ("SHARDPS_TRANSPORT", transport)]
+                      ("SHARDPS_TRANSPORT", transport),
+                      *([("SHARDPS_BIND_IP", w.ip)] if w.ip else [])]
         sessions.append(Session(f"worker-{rank}", "worker", w.host, rank,
                                 remote_command(cwd, wenv, timeout_s, trainer)))
     return addr, sessions

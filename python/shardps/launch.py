@@ -22,6 +22,7 @@ class LocalCluster:
                  extra_server_args=(), timeout=20.0, grace=5.0, replicas=1, spares=0):
         self.build_dir = build_dir or os.environ.get("SHARDPS_BUILD_DIR") or _build_info.BUILD_DIR
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="shardps-local-")
+        os.makedirs(self.run_dir, exist_ok=True)
         self.token = secrets.token_hex(16)
         self.transport = transport
         self.grace = grace

@@ -370,10 +370,12 @@ class HostfileDryRunTest(unittest.TestCase):
         self.assertIn("--bind_ip=10.0.0.3", scripts[2])
         for rank, s in enumerate(scripts[3:]):
             env = dict(re.findall(r"export (SHARDPS_\w+)=(\S+?);", s))
-            self.assertEqual(env, {"SHARDPS_COORDINATOR": "10.0.0.1:7171",
-                                   "SHARDPS_RANK": str(rank),
-                                   "SHARDPS_LOCAL_RANK": str([0, 1, 0][rank]),
-                                   "SHARDPS_NUM_WORKERS": "3", "SHARDPS_TRANSPORT": "tcp"})
+            want = {"SHARDPS_COORDINATOR": "10.0.0.1:7171", "SHARDPS_RANK": str(rank),
+                    "SHARDPS_LOCAL_RANK": str([0, 1, 0][rank]),
+                    "SHARDPS_NUM_WORKERS": "3", "SHARDPS_TRANSPORT": "tcp"}
+            if rank == 2:  # node3's ip=: the trainer's data-path address (verbs: its NIC)
+                want["SHARDPS_BIND_IP"] = "10.0.0.3"
+            self.assertEqual(env, want)
             self.assertIn("python3 train.py --name 'a b'", s)
 
     def test_coordinator_address_is_the_host_name_without_ip(self):

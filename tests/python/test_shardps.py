@@ -720,6 +720,28 @@ class ServerSignalTest(unittest.TestCase):
             self.assertLess(time.monotonic() - t0, 2.0)
 
 
+class LateStartTest(unittest.TestCase):
+    """A worker that starts after another worker of the job has trained and left still starts
+    (it waited for a membership with every worker in it, which would never come again)."""
+
+    def test_start_after_the_other_worker_left(self):
+        import time
+        with cluster(servers=1, workers=2) as cl:
+            c0, c1 = connect(cl, rank=0), connect(cl, rank=1)  # both joined
+            w0 = np.arange(8, dtype=np.float32)
+            w1 = np.zeros(8, dtype=np.float32)
+            c0.register("w", w0, np.zeros_like(w0))
+            c1.register("w", w1, np.zeros_like(w1))
+            c0.start()
+            c0.close()  # the fast worker is done
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            c1.start()
+            self.assertLess(time.monotonic() - t0, 10.0)
+            np.testing.assert_array_equal(w1, np.arange(8, dtype=np.float32))  # rank 0's
+            c1.close()
+
+
 class LifecycleTest(unittest.TestCase):
     """Every method in every state of the client (shardps/client.h, "Lifecycle"): it works, or
     raises shardps.Error with code FAILED_PRECONDITION naming the call and the state; none

@@ -17,7 +17,7 @@ class ClientEnvTest : public ::testing::Test {
   void TearDown() override { Clear(); }
   static void Clear() {
     for (const char* v : {"SHARDPS_COORDINATOR", "SHARDPS_CLUSTER_TOKEN", "SHARDPS_TRANSPORT",
-                          "SHARDPS_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
+                          "SHARDPS_BIND_IP", "SHARDPS_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
                           "RANK"}) {
       unsetenv(v);
     }
@@ -28,6 +28,7 @@ TEST_F(ClientEnvTest, UnsetFieldsComeFromTheEnvironment) {
   setenv("SHARDPS_COORDINATOR", "10.0.0.1:7070,10.0.0.2:7070", 1);
   setenv("SHARDPS_CLUSTER_TOKEN", "secret", 1);
   setenv("SHARDPS_TRANSPORT", "tcp", 1);
+  setenv("SHARDPS_BIND_IP", "10.0.0.9", 1);
   setenv("SLURM_PROCID", "5", 1);
   setenv("RANK", "7", 1);
   std::string sources;
@@ -35,6 +36,7 @@ TEST_F(ClientEnvTest, UnsetFieldsComeFromTheEnvironment) {
   EXPECT_EQ(o.coordinator, "10.0.0.1:7070,10.0.0.2:7070");
   EXPECT_EQ(o.cluster_token, "secret");
   EXPECT_EQ(o.transport, "tcp");
+  EXPECT_EQ(o.bind_ip, "10.0.0.9");
   EXPECT_EQ(o.requested_rank, 5) << "SLURM_PROCID comes before torchrun's RANK";
   EXPECT_NE(sources.find("rank 5 from SLURM_PROCID"), std::string::npos) << sources;
   EXPECT_NE(sources.find("cluster token from SHARDPS_CLUSTER_TOKEN"), std::string::npos);
@@ -50,7 +52,10 @@ TEST_F(ClientEnvTest, WhatTheCallerSetWinsAndBadRanksAreSkipped) {
   given.coordinator = "127.0.0.1:1";
   given.cluster_token = "given";
   given.transport = "shm";
+  given.bind_ip = "127.0.0.1";
+  setenv("SHARDPS_BIND_IP", "10.0.0.9", 1);
   const ClientOptions o = WithEnvironmentDefaults(given);
+  EXPECT_EQ(o.bind_ip, "127.0.0.1");
   EXPECT_EQ(o.coordinator, "127.0.0.1:1");
   EXPECT_EQ(o.cluster_token, "given");
   EXPECT_EQ(o.transport, "shm");
