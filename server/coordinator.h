@@ -146,6 +146,8 @@ class Coordinator {
   void MaybeReplaceBackups();
   void HandleReplicaSynced(Conn* c, const ReplicaSynced& r);
   void ServerDeparted(const Member& m);
+  // Every expected worker came and all have left (servers leaving then are not failures).
+  bool JobDone() const;
   // After ServerDeparted: if that departure means the shard map can never be ready, tells every
   // worker why (server, group, reason) instead of letting them wait for their setup timeout.
   void MaybeFailStartUp(const Member& m, const std::string& why);

@@ -308,7 +308,18 @@ void Coordinator::BroadcastShardMap() {
   }
 }
 
+bool Coordinator::JobDone() const {
+  // Every expected worker came, and all have left: servers leaving now is the job's end, not a
+  // failure (nothing is waiting for their state; checkpoints keep it).
+  if (most_workers_ < std::max<uint32_t>(1, options_.config.num_workers())) return false;
+  for (const auto& [fd, c] : conns_) {
+    if (c->joined && !c->closing && c->member.role() == ROLE_WORKER) return false;
+  }
+  return true;
+}
+
 void Coordinator::ServerDeparted(const Member& m) {
+  const bool done = JobDone();
   if (!shards_assigned_) {
     // Before the assignment nothing is lost: the assignment goes ahead without it (or waits
     // for a replacement with its rank that joins first).
@@ -326,8 +337,10 @@ void Coordinator::ServerDeparted(const Member& m) {
         MutexLock l(&mu_);
         ++counters_.backups_lost;
       }
-      LOG(WARNING) << "coordinator: group " << g << " lost its backup (server rank " << r
-                   << "); its primary goes on without replication";
+      LOG_IF(WARNING, !done) << "coordinator: group " << g << " lost its backup (server rank "
+                             << r << "); its primary goes on without replication";
+      LOG_IF(INFO, done) << "coordinator: group " << g << ": backup server rank " << r
+                         << " left after the job's workers were done";
       if (primary_of_[g] >= 0) {
         if (Conn* p = ServerByRank(static_cast<uint32_t>(primary_of_[g]))) {
           Envelope e;
@@ -373,13 +386,19 @@ void Coordinator::ServerDeparted(const Member& m) {
     } else {
       primary_of_[g] = -1;
       backup_of_[g] = -1;
-      {
+      if (!done) {
         MutexLock l(&mu_);
         ++counters_.groups_lost;
       }
-      LOG(ERROR) << "coordinator: group " << g << ": primary server rank " << r
-                 << " is gone and there is NO BACKUP: the state of its shards is lost. "
-                    "Restart the cluster from the latest checkpoint (docs/fault-tolerance.md)";
+      if (done) {
+        LOG(INFO) << "coordinator: group " << g << ": primary server rank " << r
+                  << " left after the job's workers were done (its state goes with it; "
+                     "checkpoints keep what was asked for)";
+      } else {
+        LOG(ERROR) << "coordinator: group " << g << ": primary server rank " << r
+                   << " is gone and there is NO BACKUP: the state of its shards is lost. "
+                      "Restart the cluster from the latest checkpoint (docs/fault-tolerance.md)";
+      }
       if (shard_map_ready_ && static_cast<int>(g) < shard_map_.servers_size()) {
         shard_map_.mutable_servers(g)->set_lost(true);
         BroadcastShardMap();

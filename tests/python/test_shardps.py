@@ -742,6 +742,38 @@ class LateStartTest(unittest.TestCase):
             c1.close()
 
 
+class CleanEndTest(unittest.TestCase):
+    """A job that ends normally logs no ERROR: the servers leaving after the workers are done
+    is the job's end, not a group's lost state (operators page on ERROR)."""
+
+    def test_a_clean_job_logs_no_error(self):
+        old = os.environ.get("GLOG_minloglevel")
+        os.environ["GLOG_minloglevel"] = "0"  # the daemons log everything (INFO included)
+        try:
+            self.run_job()
+        finally:
+            if old is None:
+                del os.environ["GLOG_minloglevel"]
+            else:
+                os.environ["GLOG_minloglevel"] = old
+
+    def run_job(self):
+        with cluster(servers=2, grace=10.0) as cl:
+            with connect(cl) as c:
+                w = np.zeros(64, dtype=np.float32)
+                g = np.ones_like(w)
+                c.register("w", w, g)
+                c.start()
+                for _ in range(3):
+                    c.step()
+            cl.close()  # waits for the daemons to leave by themselves (--exit_when_done)
+            with open(os.path.join(cl.run_dir, "coordinator.log")) as f:
+                log = f.read()
+        errors = [l for l in log.splitlines() if l.startswith("E2")]
+        self.assertEqual(errors, [])
+        self.assertIn("left after the job's workers were done", log)
+
+
 class LifecycleTest(unittest.TestCase):
     """Every method in every state of the client (shardps/client.h, "Lifecycle"): it works, or
     raises shardps.Error with code FAILED_PRECONDITION naming the call and the state; none
