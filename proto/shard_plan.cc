@@ -53,6 +53,7 @@ std::string ShardPlan::Fingerprint() const {
   for (const auto& t : tensors) {
     os << t.name << ":" << static_cast<int>(t.dtype);
     for (auto d : t.shape) os << "x" << d;
+    if (t.embedding) os << "E" << t.max_ids << "i" << t.init << "/" << t.init_scale << "/" << t.init_seed;
     os << ";";
   }
   os << "|";
@@ -111,6 +112,35 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
     }
     const uint64_t esize = DTypeSize(t.dtype);
     const uint64_t elems = t.elements();
+    if (t.embedding) {
+      if (t.shape.size() != 2 || t.shape[1] > kMaxRowDim) {
+        return InvalidArgumentError("shard plan: row table '" + t.name +
+                                    "' must have shape {rows, dim} with dim <= " +
+                                    std::to_string(kMaxRowDim));
+      }
+      if (t.init > 2 || !(std::isfinite(t.init_scale) && t.init_scale >= 0)) {
+        return InvalidArgumentError("shard plan: row table '" + t.name + "': bad initialiser");
+      }
+      if (t.max_ids == 0 || t.max_ids > kMaxIdsPerPush) {
+        return InvalidArgumentError("shard plan: row table '" + t.name + "': max_ids " +
+                                    std::to_string(t.max_ids) + " not in [1, " +
+                                    std::to_string(kMaxIdsPerPush) + "]");
+      }
+      const uint64_t rows = static_cast<uint64_t>(t.shape[0]);
+      const uint64_t k = std::min<uint64_t>(multiple, rows);
+      if (k > kMaxPlanChunks - plan.chunks.size()) {
+        return ResourceExhaustedError("shard plan: more than " + std::to_string(kMaxPlanChunks) +
+                                      " chunks");
+      }
+      for (uint64_t j = 0; j < k; ++j) {
+        ChunkPlan c;
+        c.tensor = ti;
+        c.offset = j;
+        c.bytes = ((rows - j + k - 1) / k) * static_cast<uint64_t>(t.shape[1]) * esize;
+        plan.chunks.push_back(c);
+      }
+      continue;
+    }
     const uint64_t per_chunk_elems = std::max<uint64_t>(1, partition_bytes / esize);
     uint64_t n = (elems + per_chunk_elems - 1) / per_chunk_elems;
     // A tensor bigger than one partition is cut into a multiple of the server count, so every

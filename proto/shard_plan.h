@@ -24,6 +24,14 @@ struct TensorSpec {
   std::string name;
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
+  // A row table (an embedding, shape {rows, dim}): cut into row shards, not byte chunks, and
+  // pushed and pulled by row id (wire/region_layout.h, RowGeometry). max_ids: the ids one
+  // worker's push may carry to one shard.
+  bool embedding = false;
+  uint32_t max_ids = 0;
+  uint32_t init = 0;  // common/row_init.h RowInitKind
+  float init_scale = 1.0f;
+  uint64_t init_seed = 0;
   uint64_t bytes() const;
   uint64_t elements() const;
 };
@@ -31,8 +39,8 @@ struct TensorSpec {
 struct ChunkPlan {
   uint32_t chunk_id = 0;     // global, dense: 0..num_chunks-1
   uint32_t tensor = 0;       // index into the spec list
-  uint64_t offset = 0;       // byte offset inside the tensor (element aligned)
-  uint64_t bytes = 0;
+  uint64_t offset = 0;       // byte offset inside the tensor (element aligned); row shard: k
+  uint64_t bytes = 0;        // row shard: its rows' value bytes
   uint32_t server = 0;       // server rank
   uint32_t server_slot = 0;  // index of this chunk among its server's chunks
 };
@@ -68,11 +76,19 @@ inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;  // 1 PiB
 // representable), and each chunk, largest first, goes to the server whose load after taking it,
 // divided by its weight, is least (earliest finish on uniform machines; ties: lowest rank).
 //
+// A row table (TensorSpec::embedding) is cut into K row shards (K = num_servers, or the weighted
+// multiple above; at most its row count): row r in shard r % K (hashing ids by their residue
+// spreads a Zipf head over every shard); its shards are assigned like chunks, by bytes.
+//
 // INVALID_ARGUMENT for a tensor over kMaxTensorBytes (or whose element count overflows) and
 // RESOURCE_EXHAUSTED for a plan over kMaxPlanChunks chunks.
 StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
                                uint64_t partition_bytes,
                                const std::vector<double>& capacity = {});
+
+// Limits on row tables: dims and ids per push (a peer's RegisterModel is checked against them).
+inline constexpr uint32_t kMaxRowDim = 1u << 16;
+inline constexpr uint32_t kMaxIdsPerPush = 1u << 22;
 
 }  // namespace shardps
 

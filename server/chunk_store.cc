@@ -23,7 +23,8 @@ void PublishHeader(layout::ChunkHeader* header, uint32_t buffer, uint64_t versio
 ChunkStore::ChunkStore(const Options& options, const layout::ServerLayout& layout, void* weights,
                        const std::vector<uint32_t>& chunk_ids,
                        const std::vector<uint64_t>& chunk_bytes,
-                       const std::vector<uint32_t>& chunk_dtypes)
+                       const std::vector<uint32_t>& chunk_dtypes,
+                       const std::vector<RowInit>& row_inits)
     : options_(options), chunks_(layout.slots()) {
   auto* base = static_cast<char*>(weights);
   for (uint32_t s = 0; s < layout.slots(); ++s) {
@@ -33,7 +34,24 @@ ChunkStore::ChunkStore(const Options& options, const layout::ServerLayout& layou
     c.dtype = s < chunk_dtypes.size() ? static_cast<layout::DType>(chunk_dtypes[s])
                                       : layout::DType::kF32;
     c.elems = chunk_bytes[s] / layout::DTypeBytes(c.dtype);
+    c.value_bytes = c.elems * sizeof(float);
     c.header = new (base + layout.header_offset(s)) layout::ChunkHeader();
+    if (layout.is_rows(s)) {
+      // A row shard: its rows start at their initial values, version 1, on every server of
+      // the group alike (no init push, no record).
+      const layout::RowGeometry& g = layout.rows(s);
+      c.rows = std::make_unique<RowShard>(g, c.dtype, s < row_inits.size() ? row_inits[s] : RowInit{},
+                                          options_.optimizer,
+                                          base + layout.buffer_offset(s, 0));
+      c.elems = g.rows * g.dim;
+      c.value_bytes = SparsePayloadBytes(
+          std::min<uint64_t>(g.rows, uint64_t{g.max_ids} * layout.max_workers()), g.dim);
+      c.optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, 0);
+      c.rows->InitRows();
+      c.version = 1;
+      PublishHeader(c.header, 0, 1, 0);
+      continue;
+    }
     for (int b = 0; b < 2; ++b) {
       c.buf[b] = base + layout.buffer_offset(s, b);
       if (c.dtype == layout::DType::kF32) {
@@ -48,6 +66,7 @@ ChunkStore::ChunkStore(const Options& options, const layout::ServerLayout& layou
 }
 
 const float* ChunkStore::published(uint32_t slot) const {
+  if (chunks_[slot].rows) return nullptr;
   return chunks_[slot].val[chunks_[slot].published];
 }
 
@@ -64,6 +83,7 @@ uint64_t ChunkStore::max_published_min_clock_plus1() const {
 
 uint32_t ChunkStore::Init(uint32_t slot, const void* src) {
   DenseChunk& c = chunks_[slot];
+  if (c.rows) return 0;  // initialised at construction
   BeginOverwrite(c.header, 0);
   std::memmove(c.buf[0], src, c.bytes);  // src may be buffer 0 itself (a backup's restore)
   if (c.dtype != layout::DType::kF32) {
@@ -99,6 +119,11 @@ void ChunkStore::Encode(DenseChunk& c, uint32_t b) {
 uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, float lr_scale,
                              const layout::UpdateRule& rule, bool skip) {
   DenseChunk& c = chunks_[slot];
+  if (c.rows) {
+    // In place: the rows carry the version being computed; the header publishes it later.
+    if (!skip) c.rows->Apply(reinterpret_cast<const char*>(grad), scale, lr_scale, rule, c.version + 1);
+    return 0;
+  }
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
   if (skip) {
@@ -113,6 +138,7 @@ uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, floa
 uint32_t ChunkStore::Set(uint32_t slot, layout::PushOp op, const float* values,
                          uint64_t steps) {
   DenseChunk& c = chunks_[slot];
+  if (c.rows) return 0;  // refused by the server before it gets here
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
   const size_t n = c.elems * sizeof(float);
@@ -133,7 +159,7 @@ uint32_t ChunkStore::Set(uint32_t slot, layout::PushOp op, const float* values,
 
 float ChunkStore::ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const {
   const DenseChunk& c = chunks_[slot];
-  if (base_version >= c.version) return 1.0f;
+  if (base_version >= c.version || c.rows) return 1.0f;
   for (const auto& [v, w] : c.history) {
     if (v == base_version) return VsgdScale(c.val[c.published], w.data(), c.elems, lambda);
   }
@@ -147,7 +173,7 @@ void ChunkStore::Publish(uint32_t slot, uint32_t buffer, uint64_t min_clock_plus
   PublishHeader(c.header, buffer, v, min_clock_plus1);
   c.version = v;
   c.published = buffer;
-  if (options_.history > 0) {
+  if (options_.history > 0 && !c.rows) {
     c.history.emplace_back(v, std::vector<float>(c.val[buffer], c.val[buffer] + c.elems));
     while (c.history.size() > static_cast<size_t>(options_.history)) c.history.pop_front();
   }
@@ -167,6 +193,12 @@ void ChunkStore::SetServingEpoch(uint64_t epoch) {
 
 ChunkState ChunkStore::Capture(uint32_t slot) const {
   const DenseChunk& c = chunks_[slot];
+  if (c.rows) {
+    ChunkState cs = c.rows->Capture();
+    cs.chunk_id = c.chunk_id;
+    cs.version = c.version;
+    return cs;
+  }
   ChunkState cs;
   cs.chunk_id = c.chunk_id;
   cs.version = c.version;
@@ -181,6 +213,12 @@ Status ChunkStore::Restore(uint32_t slot, const ChunkState& cs, uint64_t clock) 
   DenseChunk& c = chunks_[slot];
   if (cs.chunk_id != c.chunk_id || cs.weights.size() != c.elems || cs.version == 0) {
     return FailedPreconditionError("chunk " + std::to_string(slot) + " does not match the plan");
+  }
+  if (c.rows) {
+    RETURN_IF_ERROR(c.rows->Restore(cs));
+    c.version = cs.version;
+    PublishHeader(c.header, 0, cs.version, clock);
+    return Status::OK();
   }
   BeginOverwrite(c.header, 0);
   std::memcpy(c.val[0], cs.weights.data(), c.elems * sizeof(float));

@@ -9,8 +9,12 @@
 //                              version[b], min_clock_plus1[b], then state = version<<1|b
 //                              (release): one word, so a reader never pairs a version with the
 //                              wrong buffer.
-// A second kind of table (row-sparse embeddings) sits beside this one as another store over
-// its own slots, publishing through the same two functions.
+// Row tables (embeddings): a slot whose layout has a RowGeometry holds a RowShard
+// (server/row_shard.h) instead of two buffers: rows updated in place, each self-verifying, and
+// the slot's ChunkHeader published through the same two functions (buffer 0 only: its min clock
+// says which clocks every row includes). For such a slot the value interfaces take sparse
+// payloads: Compute's `grad` is one (RowShard's format), value_bytes() its capacity,
+// Capture/Restore carry every row; published(), Init() and Set() do not apply.
 //
 // 16-bit chunks (float16, bfloat16: a trainer's mixed-precision tensors): the registered
 // buffers hold the 16-bit weights workers pull; the store keeps float32 master weights in two
@@ -38,6 +42,7 @@
 #include "common/status.h"
 #include "server/checkpoint.h"
 #include "server/optimizer.h"
+#include "server/row_shard.h"
 #include "wire/region_layout.h"
 
 namespace shardps::server {
@@ -57,7 +62,8 @@ class ChunkStore {
   // `chunk_dtypes` per slot (layout::DType; empty: all float32); chunk_bytes are wire bytes.
   ChunkStore(const Options& options, const layout::ServerLayout& layout, void* weights,
              const std::vector<uint32_t>& chunk_ids, const std::vector<uint64_t>& chunk_bytes,
-             const std::vector<uint32_t>& chunk_dtypes = {});
+             const std::vector<uint32_t>& chunk_dtypes = {},
+             const std::vector<RowInit>& row_inits = {});
   ChunkStore(const ChunkStore&) = delete;
   ChunkStore& operator=(const ChunkStore&) = delete;
 
@@ -65,8 +71,11 @@ class ChunkStore {
   uint32_t chunk_id(uint32_t slot) const { return chunks_[slot].chunk_id; }
   uint64_t bytes(uint32_t slot) const { return chunks_[slot].bytes; }  // on the wire
   size_t elems(uint32_t slot) const { return chunks_[slot].elems; }
-  // float32 bytes of the values (a gradient decoded, a replication payload): elems x 4.
-  uint64_t value_bytes(uint32_t slot) const { return chunks_[slot].elems * sizeof(float); }
+  // float32 bytes of the values (a gradient decoded, a replication payload): elems x 4; a row
+  // shard: the largest sparse payload (a BSP clock of every worker's largest push).
+  uint64_t value_bytes(uint32_t slot) const { return chunks_[slot].value_bytes; }
+  bool is_rows(uint32_t slot) const { return chunks_[slot].rows != nullptr; }
+  const RowShard* row_shard(uint32_t slot) const { return chunks_[slot].rows.get(); }
   layout::DType dtype(uint32_t slot) const { return chunks_[slot].dtype; }
   uint64_t version(uint32_t slot) const { return chunks_[slot].version; }
   bool initialised(uint32_t slot) const { return chunks_[slot].version > 0; }
@@ -120,6 +129,8 @@ class ChunkStore {
     float* val[2] = {nullptr, nullptr};
     std::vector<float> master[2];
     std::unique_ptr<ChunkOptimizer> optimizer;
+    std::unique_ptr<RowShard> rows;  // a row shard (the buffers above are then unused)
+    uint64_t value_bytes = 0;
     uint64_t version = 0;  // published
     uint32_t published = 0;
     std::deque<std::pair<uint64_t, std::vector<float>>> history;  // version -> weights

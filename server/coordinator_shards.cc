@@ -11,6 +11,7 @@
 #include "common/crash_point.h"
 #include "proto/credentials.h"
 #include "proto/shard_plan.h"
+#include "wire/region_layout.h"
 #include "server/coordinator.h"
 #include "server/coordinator_conn.h"
 
@@ -31,6 +32,11 @@ StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
     s.name = t.name();
     s.dtype = static_cast<DType>(t.dtype());
     s.shape.assign(t.shape().begin(), t.shape().end());
+    s.embedding = t.embedding();
+    s.max_ids = t.max_ids();
+    s.init = t.init();
+    s.init_scale = t.init_scale();
+    s.init_seed = t.init_seed();
     specs.push_back(std::move(s));
   }
   if (specs.empty()) return InvalidArgumentError("a model without tensors");
@@ -186,6 +192,13 @@ void Coordinator::MaybeAssignShards() {
     p->set_name(t.name);
     p->set_dtype(static_cast<uint32_t>(t.dtype));
     for (auto d : t.shape) p->add_shape(d);
+    if (t.embedding) {
+      p->set_embedding(true);
+      p->set_max_ids(t.max_ids);
+      p->set_init(t.init);
+      p->set_init_scale(t.init_scale);
+      p->set_init_seed(t.init_seed);
+    }
   }
   for (const auto& ch : plan->chunks) {
     ChunkEntry* e = shard_map_.add_chunks();
@@ -237,11 +250,31 @@ Envelope Coordinator::AssignmentFor(const ShardPlan& plan, uint32_t g, uint32_t 
                                     bool backup, bool catch_up) const {
   Envelope e;
   AssignShards* a = e.mutable_assign_shards();
+  bool any_rows = false;
+  for (const auto& t : plan.tensors) any_rows |= t.embedding;
+  // A row table's shard count: its chunks (PlanShards cuts it into K row shards).
+  std::vector<uint32_t> shards(plan.tensors.size(), 0);
+  for (const auto& ch : plan.chunks) ++shards[ch.tensor];
   for (const auto& ch : plan.chunks) {
     if (ch.server != g) continue;
     a->add_chunk_ids(ch.chunk_id);
     a->add_chunk_bytes(ch.bytes);
-    a->add_chunk_dtypes(static_cast<uint32_t>(plan.tensors[ch.tensor].dtype));
+    const TensorSpec& t = plan.tensors[ch.tensor];
+    a->add_chunk_dtypes(static_cast<uint32_t>(t.dtype));
+    if (!any_rows) continue;
+    RowShard* r = a->add_chunk_row_shards();
+    if (!t.embedding) continue;
+    const uint32_t k = shards[ch.tensor];
+    r->set_rows(layout::RowGeometry::ShardRows(static_cast<uint64_t>(t.shape[0]), k,
+                                               static_cast<uint32_t>(ch.offset)));
+    r->set_dim(static_cast<uint32_t>(t.shape[1]));
+    r->set_max_ids(t.max_ids);
+    r->set_shard(static_cast<uint32_t>(ch.offset));
+    r->set_shards(k);
+    r->set_table_rows(static_cast<uint64_t>(t.shape[0]));
+    r->set_init(t.init);
+    r->set_init_scale(t.init_scale);
+    r->set_init_seed(t.init_seed);
   }
   a->set_max_workers(max_workers);
   a->set_plan_fingerprint(plan_fingerprint_);

@@ -41,6 +41,27 @@ void ChunkOptimizer::Apply(const float* src, const float* grad, float scale, flo
       if (s2_.empty()) s2_.assign(n_, 0.0f);
       ApplyAdam(src, grad, scale, rule.lr * lr_scale, rule, dst);
       return;
+    case layout::RuleKind::kAdagrad:
+      if (s1_.empty()) s1_.assign(n_, rule.dampening);  // initial_accumulator_value
+      ApplyAdagrad(src, grad, scale, rule.lr * lr_scale, rule, dst);
+      return;
+  }
+}
+
+void ChunkOptimizer::ApplyAdagrad(const float* src, const float* grad, float scale, float lr,
+                                  const layout::UpdateRule& rule, float* dst) {
+  // torch.optim.Adagrad (1.13, single-tensor, dense): clr = lr / (1 + (step - 1) * lr_decay);
+  // sum += g*g; w -= clr * g / (sqrt(sum) + eps).
+  const double clr = static_cast<double>(lr) /
+                     (1.0 + static_cast<double>(steps_ - 1) * static_cast<double>(rule.momentum));
+  const float c = static_cast<float>(clr);
+  const float wd = rule.weight_decay, eps = rule.eps;
+  float* sum = s1_.data();
+  for (size_t i = 0; i < n_; ++i) {
+    float g = scale * grad[i];
+    if (wd != 0.0f) g = g + wd * src[i];
+    sum[i] = sum[i] + g * g;
+    dst[i] = src[i] - c * (g / (std::sqrt(sum[i]) + eps));
   }
 }
 

@@ -17,6 +17,7 @@
 //   Adam:  d = g + wd*w;  m = b1*m + (1-b1)*d;  v = b2*v + (1-b2)*d*d;
 //          w' = w - (lr_t/(1-b1^t)) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
 //   AdamW: as Adam with d = g, after w <- w*(1 - lr_t*wd)
+//   Adagrad: d = g + wd*w;  s += d*d;  w' = w - lr_t/(1+(t-1)*lr_decay) * d / (sqrt(s) + eps)
 // t counts this chunk's updates; the state buffers are allocated on first use.
 //
 // Thread safety: a ChunkOptimizer belongs to the apply thread of its shard.
@@ -75,6 +76,8 @@ class ChunkOptimizer {
                 const layout::UpdateRule& rule, bool first, float* dst);
   void ApplyAdam(const float* src, const float* grad, float scale, float lr,
                  const layout::UpdateRule& rule, float* dst);
+  void ApplyAdagrad(const float* src, const float* grad, float scale, float lr,
+                    const layout::UpdateRule& rule, float* dst);
 
   const OptimizerConfig config_;
   const size_t n_;

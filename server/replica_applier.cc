@@ -16,8 +16,15 @@ Status CheckRecord(const layout::ReplHeader& h, uint64_t expected_seq, uint64_t 
   if (h.slot >= chunks.slots()) return InvalidArgumentError("slot out of range");
   // An init carries the wire bytes, an update the float32 values.
   const bool init = h.kind == static_cast<uint32_t>(layout::ReplKind::kInit);
-  if (h.bytes != (init ? chunks.bytes(h.slot) : chunks.value_bytes(h.slot)) ||
-      h.contributors > max_workers) {
+  if (chunks.is_rows(h.slot)) {
+    // A row shard's records are updates only, of a sparse payload (checked by the applier).
+    if (h.kind != static_cast<uint32_t>(layout::ReplKind::kApply) ||
+        h.bytes > chunks.value_bytes(h.slot) || h.contributors > max_workers) {
+      return InvalidArgumentError("a row shard's record is not an update that fits the slot");
+    }
+    if (const char* bad = layout::CheckRowRule(h.rule)) return InvalidArgumentError(bad);
+  } else if (h.bytes != (init ? chunks.bytes(h.slot) : chunks.value_bytes(h.slot)) ||
+             h.contributors > max_workers) {
     return InvalidArgumentError("size fields do not match the slot");
   }
   const uint64_t version = chunks.version(h.slot);
@@ -58,6 +65,10 @@ Status ReplicaApplier::Apply(uint32_t entry, uint64_t fence_epoch, ChunkStore& c
     } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kSet)) {
       target = chunks.Set(h.slot, static_cast<layout::PushOp>(h.op), payload, h.steps);
     } else {
+      if (chunks.is_rows(h.slot) && (h.flags & layout::kReplSkip) == 0) {
+        RETURN_IF_ERROR(chunks.row_shard(h.slot)->CheckPayload(
+            reinterpret_cast<const char*>(payload), h.bytes));
+      }
       target = chunks.Compute(h.slot, payload, h.scale, h.lr_scale, h.rule,
                               (h.flags & layout::kReplSkip) != 0);
     }

@@ -104,6 +104,24 @@ uint64_t Write(const HandoffState& s, uint32_t group, char* dst, uint64_t capaci
     const bool init = chunks.initialised(slot);
     const ChunkOptimizer& opt = chunks.optimizer(slot);
     const ChunkStore::History& hist = chunks.history(slot);
+    if (chunks.is_rows(slot)) {
+      // A row shard: its rows and state, copied out of the records (no history).
+      const ChunkState cs = chunks.Capture(slot);
+      SlotHeader h{};
+      h.chunk_id = chunks.chunk_id(slot);
+      h.version = chunks.version(slot);
+      h.min_clock_plus1 = chunks.published_min_clock_plus1(slot);
+      h.applied_through = s.gate->applied_through(slot);
+      h.optimizer_steps = cs.optimizer_steps;
+      h.elems = cs.weights.size();
+      h.state1 = cs.state1.size();
+      h.state2 = cs.state2.size();
+      w.Put(h);
+      w.PutFloats(cs.weights.data(), cs.weights.size());
+      w.PutFloats(cs.state1.data(), cs.state1.size());
+      w.PutFloats(cs.state2.data(), cs.state2.size());
+      continue;
+    }
     SlotHeader h{};
     h.chunk_id = chunks.chunk_id(slot);
     h.version = chunks.version(slot);
@@ -204,7 +222,7 @@ Status RestoreHandoff(const char* src, uint64_t n, uint32_t group, uint32_t max_
                                      ", the plan gives chunk " +
                                      std::to_string(chunks.chunk_id(slot)));
     }
-    if (chunks.initialised(slot)) {
+    if (chunks.initialised(slot) && !chunks.is_rows(slot)) {  // row shards start initialised
       return FailedPreconditionError("handoff snapshot restored onto an initialised chunk");
     }
     if (h.version == 0) {

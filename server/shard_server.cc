@@ -1,5 +1,7 @@
 #include "server/shard_server.h"
 
+#include "proto/shard_plan.h"
+
 #include "common/crash_point.h"
 
 #include "proto/credentials.h"
@@ -166,18 +168,47 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   if (!dtypes_.empty() && dtypes_.size() != bytes.size()) {
     return InvalidArgumentError("chunk_dtypes does not match chunk_bytes");
   }
+  if (a.chunk_row_shards_size() != 0 && a.chunk_row_shards_size() != a.chunk_ids_size()) {
+    return InvalidArgumentError("chunk_row_shards does not match chunk_ids");
+  }
   // The ring and the records' staging hold float32 values (a 16-bit chunk's are twice its
-  // wire bytes).
+  // wire bytes; a row shard's, its largest sparse payload). The outbox holds dense chunks only.
   uint64_t max_chunk = layout::kAlign;
+  uint64_t max_dense = layout::kAlign;
+  std::vector<layout::RowGeometry> rows(bytes.size());
+  row_inits_.assign(bytes.size(), RowInit{});
   for (size_t i = 0; i < bytes.size(); ++i) {
     const uint32_t d = dtypes_.empty() ? 0 : dtypes_[i];
     if (d > static_cast<uint32_t>(layout::DType::kBF16)) return InvalidArgumentError("bad dtype");
     const uint64_t esize = layout::DTypeBytes(static_cast<layout::DType>(d));
     const uint64_t b = bytes[i];
     if (b == 0 || b % esize != 0 || b > (1ull << 40)) return InvalidArgumentError("bad chunk size");
+    if (i < static_cast<size_t>(a.chunk_row_shards_size()) && a.chunk_row_shards(i).rows() != 0) {
+      const control::RowShard& rs = a.chunk_row_shards(i);
+      layout::RowGeometry& g = rows[i];
+      g.rows = rs.rows();
+      g.dim = rs.dim();
+      g.elem_bytes = static_cast<uint32_t>(esize);
+      g.max_ids = rs.max_ids();
+      g.shard = rs.shard();
+      g.shards = rs.shards();
+      g.table_rows = rs.table_rows();
+      if (g.dim == 0 || g.dim > kMaxRowDim || g.max_ids == 0 || g.max_ids > kMaxIdsPerPush ||
+          g.shards == 0 || g.shard >= g.shards ||
+          g.rows != layout::RowGeometry::ShardRows(g.table_rows, g.shards, g.shard) ||
+          g.rows * g.dim * esize != b || rs.init() > 2) {
+        return InvalidArgumentError("bad row shard geometry in slot " + std::to_string(i));
+      }
+      row_inits_[i] = RowInit{static_cast<RowInitKind>(rs.init()), rs.init_scale(), rs.init_seed()};
+      max_chunk = std::max(
+          max_chunk, SparsePayloadBytes(std::min<uint64_t>(g.rows, uint64_t{g.max_ids} * a.max_workers()),
+                                        g.dim));
+      continue;
+    }
     max_chunk = std::max(max_chunk, b / esize * sizeof(float));
+    max_dense = std::max(max_dense, b / esize * sizeof(float));
   }
-  layout_ = std::make_unique<layout::ServerLayout>(bytes, a.max_workers());
+  layout_ = std::make_unique<layout::ServerLayout>(bytes, a.max_workers(), rows);
   ASSIGN_OR_RETURN(weights_, fabric_->AllocateMemory(AtLeastAligned(layout_->weights_bytes()),
                                                      Access::kRemoteRead));
   ASSIGN_OR_RETURN(inbox_, fabric_->AllocateMemory(AtLeastAligned(layout_->inbox_bytes()),
@@ -186,7 +217,7 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
       acks_, fabric_->AllocateMemory(AtLeastAligned(layout_->acks_bytes()), Access::kRemoteRead));
   ASSIGN_OR_RETURN(clocks_, fabric_->AllocateMemory(AtLeastAligned(layout_->clocks_bytes()),
                                                     Access::kRemoteWrite));
-  ASSIGN_OR_RETURN(outbox_, fabric_->AllocateMemory(layout::OutboxBytes(max_chunk),
+  ASSIGN_OR_RETURN(outbox_, fabric_->AllocateMemory(layout::OutboxBytes(max_dense),
                                                     Access::kRemoteRead));
   // Replication: the ring (backup) or the records' staging (primary). Both sides compute the
   // ring's geometry from the same assignment.
@@ -237,7 +268,8 @@ Status ShardServer::SetupComponents(const control::AssignShards& a,
   co.optimizer = options_.optimizer;
   co.history = gate_->value_staleness() ? options_.vsgd_history : 0;
   std::vector<uint32_t> ids(a.chunk_ids().begin(), a.chunk_ids().end());
-  chunks_ = std::make_unique<ChunkStore>(co, *layout_, weights_->data(), ids, bytes, dtypes_);
+  chunks_ = std::make_unique<ChunkStore>(co, *layout_, weights_->data(), ids, bytes, dtypes_,
+                                         row_inits_);
   if (!backup_) chunks_->SetServingEpoch(1);
   workers_ = std::make_unique<WorkerTable>(layout_->slots());
   ack_board_ = std::make_unique<AckBoard>(acks_->data(), *layout_);

@@ -248,6 +248,10 @@ class ShardServer {
   Status catch_up_error_;            // the copy failed: this backup leaves
   std::string plan_fingerprint_;
   std::vector<uint32_t> dtypes_;  // per slot (layout::DType); empty: all float32
+  std::vector<RowInit> row_inits_;  // per slot: a row shard's initial values
+  SparseAccumulator* row_acc(uint32_t dim);  // scratch of the apply thread
+  std::unique_ptr<SparseAccumulator> row_acc_;
+  uint32_t row_acc_dim_ = 0;
 };
 
 }  // namespace shardps::server

@@ -179,9 +179,32 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   layout::PushHeader h;
   std::memcpy(&h, base + layout_->push_header_offset(worker, slot, parity), sizeof(h));
   if (h.magic != layout::kPushMagic) return reject("bad magic");
-  if (h.chunk_id != chunks_->chunk_id(slot) || h.bytes != chunks_->bytes(slot) ||
-      h.worker != worker) {
+  const bool rows = chunks_->is_rows(slot);
+  if (h.chunk_id != chunks_->chunk_id(slot) || h.worker != worker ||
+      (!rows && h.bytes != chunks_->bytes(slot))) {
     return reject("header does not match the slot");
+  }
+  if (rows) {
+    // A row shard's push: n entries (id, row) within the inbox slot's capacity.
+    const layout::RowGeometry& g = layout_->rows(slot);
+    if (h.bytes % g.entry_bytes() != 0 || h.bytes / g.entry_bytes() > g.max_ids) {
+      return reject("row push size is not a whole number of entries within max_ids");
+    }
+    if (h.op != static_cast<uint32_t>(layout::PushOp::kGradient)) {
+      return reject("state transfer of a row table (not supported)");
+    }
+    if (const char* bad = layout::CheckUpdateRule(h.rule)) return reject(bad);
+    if (const char* bad = layout::CheckRowRule(h.rule)) return reject(bad);
+    if (!workers_->IsDuplicate(worker, slot, h.seq)) {
+      const Status ids = chunks_->row_shard(slot)->CheckEntries(
+          base + layout_->push_data_offset(worker, slot, parity), h.bytes / g.entry_bytes());
+      if (!ids.ok()) {
+        LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": row push from worker "
+                                  << worker << " slot " << slot << " rejected: " << ids.message();
+        stats_.Bump(&ShardServerCounters::rejected_pushes);
+        return true;
+      }
+    }
   }
   if ((h.seq & 1) != parity) return reject("parity does not match seq");
   // Clocks move by one per step: 2^40 is beyond any run, and keeps every clock arithmetic of the
@@ -236,7 +259,18 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   r.skip = (h.flags & layout::kPushNonFinite) != 0 && h.rule.kind() != layout::RuleKind::kStore;
   const uint64_t data = layout_->push_data_offset(worker, slot, parity);
   const float* grad;
-  if (chunks_->dtype(slot) == layout::DType::kF32) {
+  if (rows) {
+    // Coalesced into the record's staging as a sparse payload (which the backup applies).
+    SparseAccumulator& acc = *row_acc(layout_->rows(slot).dim);
+    acc.Clear();
+    const Status st =
+        chunks_->row_shard(slot)->Accumulate(base + data, h.bytes / layout_->rows(slot).entry_bytes(), acc);
+    if (!st.ok()) return reject("row ids");  // checked above: not reached
+    r.bytes = SparsePayloadBytes(acc.size(), layout_->rows(slot).dim);
+    r.payload = stream_->sum_payload(slot, r.bytes);
+    acc.Emit(reinterpret_cast<char*>(stream_->sum(slot)));
+    grad = stream_->sum(slot);
+  } else if (chunks_->dtype(slot) == layout::DType::kF32) {
     r.bytes = chunks_->bytes(slot);
     r.payload = {inbox_.get(), data, r.bytes};
     grad = reinterpret_cast<const float*>(base + data);
@@ -326,6 +360,14 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
   return true;
 }
 
+SparseAccumulator* ShardServer::row_acc(uint32_t dim) {
+  if (!row_acc_ || row_acc_dim_ != dim) {
+    row_acc_ = std::make_unique<SparseAccumulator>(dim);
+    row_acc_dim_ = dim;
+  }
+  return row_acc_.get();
+}
+
 void ShardServer::HandleClock(uint32_t worker, uint32_t clock_low) {
   // The clock comes from the immediate, not from the slot: by the time this immediate is
   // polled the slot may already hold a later clock whose pushes are still queued behind it.
@@ -363,12 +405,23 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   float* sum = stream_->sum(slot);
   bool first = true;
   bool non_finite = false;
+  const bool rows = chunks_->is_rows(slot);
+  SparseAccumulator* acc = rows ? row_acc(layout_->rows(slot).dim) : nullptr;
+  if (acc != nullptr) acc->Clear();
   for (const Contributor& k : a->contributors) {
-    chunks_->DecodeGradient(slot, base + layout_->push_data_offset(k.worker, slot, k.parity), sum,
-                            !first);
-    first = false;
     layout::PushHeader ph;
     std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
+    if (rows) {
+      // Each row's sum over the clock's pushes, in worker-rank order (checked when taken).
+      const Status st = chunks_->row_shard(slot)->Accumulate(
+          base + layout_->push_data_offset(k.worker, slot, k.parity),
+          ph.bytes / layout_->rows(slot).entry_bytes(), *acc);
+      if (!st.ok()) LOG(ERROR) << "server rank " << rank_ << ": " << st.message();
+    } else {
+      chunks_->DecodeGradient(slot, base + layout_->push_data_offset(k.worker, slot, k.parity),
+                              sum, !first);
+    }
+    first = false;
     non_finite |= (ph.flags & layout::kPushNonFinite) != 0;
   }
   const size_t n = std::max<size_t>(1, a->contributors.size());
@@ -376,6 +429,10 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   r.slot = slot;
   r.scale = options_.average ? 1.0f / n : 1.0f;
   r.bytes = chunks_->value_bytes(slot);
+  if (rows) {
+    r.bytes = SparsePayloadBytes(acc->size(), layout_->rows(slot).dim);
+    acc->Emit(reinterpret_cast<char*>(sum));
+  }
   r.payload = stream_->sum_payload(slot, r.bytes);
   r.min_clock_plus1 = static_cast<uint64_t>(a->clock) + 1;
   if (!a->contributors.empty()) {

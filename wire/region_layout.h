@@ -56,7 +56,19 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "lock-free 64-bit atom
 //   kind 2 (Adam): beta1, beta2, eps, weight_decay (L2).  kind 3 (AdamW): decoupled decay.
 //   kind 4 (Store): the new value is the pushed value (BSP: the clock's pushes summed, not
 //   averaged): counters such as the workers' count of non-finite steps (shardps.torch).
-enum class RuleKind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3, kStore = 4 };
+//   kind 5 (Adagrad): lr, eps, weight_decay (L2); `momentum` carries lr_decay and `dampening`
+//   initial_accumulator_value (torch.optim.Adagrad's names).
+// Row tables (embeddings) take kinds 0-2, 4, 5 with torch's sparse semantics: SGD without
+// momentum or weight decay, Adam as torch.optim.SparseAdam (lazy: only the rows touched),
+// Adagrad without weight decay (CheckRowRule).
+enum class RuleKind : uint32_t {
+  kServer = 0,
+  kSgd = 1,
+  kAdam = 2,
+  kAdamW = 3,
+  kStore = 4,
+  kAdagrad = 5,
+};
 constexpr uint32_t kRuleKindMask = 0xff;
 constexpr uint32_t kRuleNesterov = 1u << 8;
 // Plain data: value-initialised ({}), it is kind 0 with lr 0 (the server's rule and rate).
@@ -79,7 +91,7 @@ static_assert(sizeof(UpdateRule) == 32, "UpdateRule is 32 bytes");
 inline const char* CheckUpdateRule(const UpdateRule& r) {
   auto in = [](float x, float lo, float hi) { return x >= lo && x < hi; };  // false for NaN
   if ((r.kind_flags & ~(kRuleKindMask | kRuleNesterov)) != 0 ||
-      (r.kind_flags & kRuleKindMask) > static_cast<uint32_t>(RuleKind::kStore)) {
+      (r.kind_flags & kRuleKindMask) > static_cast<uint32_t>(RuleKind::kAdagrad)) {
     return "unknown update rule";
   }
   if (!in(r.lr, 0.0f, 1e6f)) return "learning rate out of [0, 1e6)";
@@ -96,9 +108,35 @@ inline const char* CheckUpdateRule(const UpdateRule& r) {
     return nullptr;
   }
   if (r.nesterov()) return "nesterov is an SGD option";
-  if (!in(r.beta1, 0.0f, 1.0f) || !in(r.beta2, 0.0f, 1.0f)) return "betas out of [0, 1)";
   if (!in(r.eps, 0.0f, 1e6f)) return "eps out of [0, 1e6)";
+  if (r.kind() == RuleKind::kAdagrad) {
+    if (!in(r.momentum, 0.0f, 1e6f)) return "lr_decay out of [0, 1e6)";
+    if (!in(r.dampening, 0.0f, 1e6f)) return "initial_accumulator_value out of [0, 1e6)";
+    return nullptr;
+  }
+  if (!in(r.beta1, 0.0f, 1.0f) || !in(r.beta2, 0.0f, 1.0f)) return "betas out of [0, 1)";
   return nullptr;
+}
+
+// nullptr if a row table applies `r` (which passed CheckUpdateRule), else why not: torch's
+// sparse optimizers (SGD, SparseAdam, Adagrad) have no momentum and no weight decay on sparse
+// gradients, and AdamW has no sparse form.
+inline const char* CheckRowRule(const UpdateRule& r) {
+  switch (r.kind()) {
+    case RuleKind::kServer:
+    case RuleKind::kStore:
+      return nullptr;
+    case RuleKind::kSgd:
+      return r.momentum != 0.0f || r.weight_decay != 0.0f
+                 ? "a row table's SGD has no momentum and no weight decay (torch's sparse SGD)"
+                 : nullptr;
+    case RuleKind::kAdam:
+    case RuleKind::kAdagrad:
+      return r.weight_decay != 0.0f ? "a row table's optimizer has no weight decay" : nullptr;
+    case RuleKind::kAdamW:
+      return "AdamW has no sparse form (use Adam, which is lazy on row tables)";
+  }
+  return "unknown update rule";
 }
 
 // Element types on the wire (TensorSpecProto.dtype): gradients pushed and weights pulled in
@@ -285,28 +323,83 @@ inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
 inline ImmKind ImmKindOf(uint32_t imm) { return static_cast<ImmKind>(imm >> 28); }
 inline uint32_t ImmArg(uint32_t imm) { return imm & 0x0fffffffu; }
 
-// Offsets for one server, from the byte sizes of its chunks (in slot order).
+// A row table (an embedding) is cut into `shards` row shards: global row id r lives in shard
+// r % shards, at local row r / shards. A slot holding a row shard has, instead of a dense
+// chunk's two buffers, ONE row area updated in place, one record per local row:
+//
+//   RowHeader (16 B) | dim values in the table's dtype | padding to 16 B
+//
+// The server writes a row's values, then its header: version (the slot's version that last
+// wrote it) and crc32c over (version, values). A reader takes a row only if the crc matches
+// (a torn read of a row being rewritten fails it, whatever order the NIC moved the bytes in:
+// Pilaf's self-verifying objects), and the slot's ChunkHeader says which min clock every row
+// includes (published after the rows are written), so one header read and the row reads give
+// a consistent pull without server code.
+//
+// Its inbox slot (per worker, per parity) holds a PushHeader, then up to max_ids entries of a
+// sparse gradient: n global ids (uint64), then n rows of dim values in the table's dtype;
+// PushHeader.bytes = n * (8 + dim * dtype bytes).
+struct alignas(16) RowHeader {
+  uint64_t version;  // 0: never written (the row is the table's initial value)
+  uint32_t crc;      // crc32c of the version's 8 bytes, then the row's value bytes
+  uint32_t reserved;
+};
+static_assert(sizeof(RowHeader) == 16, "RowHeader is 16 bytes");
+struct RowGeometry {
+  uint64_t rows = 0;        // local rows of this shard (0: the slot is a dense chunk)
+  uint32_t dim = 0;         // values per row
+  uint32_t elem_bytes = 4;  // the dtype's
+  uint32_t max_ids = 0;     // ids one push may carry
+  uint32_t shard = 0;       // this shard's index in the table
+  uint32_t shards = 1;      // the table's shard count
+  uint64_t table_rows = 0;  // the table's rows (global ids are < table_rows)
+  bool rows_kind() const { return rows != 0; }
+  uint64_t row_value_bytes() const { return uint64_t{dim} * elem_bytes; }
+  uint64_t row_stride() const { return (sizeof(RowHeader) + row_value_bytes() + 15) & ~15ull; }
+  uint64_t area_bytes() const { return rows * row_stride(); }
+  // One pushed entry: its id and its gradient row.
+  uint64_t entry_bytes() const { return sizeof(uint64_t) + row_value_bytes(); }
+  uint64_t inbox_bytes() const { return uint64_t{max_ids} * entry_bytes(); }
+  // Local rows of shard `k` of a table of `table_rows` cut into `shards`.
+  static uint64_t ShardRows(uint64_t table_rows, uint32_t shards, uint32_t k) {
+    return table_rows > k ? (table_rows - k + shards - 1) / shards : 0;
+  }
+};
+
+// Offsets for one server, from the byte sizes of its chunks (in slot order) and, for row
+// shards, their geometry (rows[slot].rows != 0; `chunk_bytes` is then unused for offsets).
 class ServerLayout {
  public:
-  ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t max_workers);
+  ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t max_workers,
+               std::vector<RowGeometry> rows = {});
 
   uint32_t slots() const { return static_cast<uint32_t>(chunk_bytes_.size()); }
   uint32_t max_workers() const { return max_workers_; }
   uint64_t chunk_bytes(uint32_t slot) const { return chunk_bytes_[slot]; }
+  // The slot's row geometry (rows == 0: a dense chunk).
+  const RowGeometry& rows(uint32_t slot) const { return rows_[slot]; }
+  bool is_rows(uint32_t slot) const { return rows_[slot].rows_kind(); }
 
   uint64_t weights_bytes() const { return weights_total_; }
   uint64_t header_offset(uint32_t slot) const { return weights_off_[slot]; }
+  // Dense: buffer b. Rows: the row area (b must be 0).
   uint64_t buffer_offset(uint32_t slot, uint32_t b) const {
     return weights_off_[slot] + kAlign + b * AlignUp(chunk_bytes_[slot]);
+  }
+  uint64_t row_offset(uint32_t slot, uint64_t local_row) const {
+    return weights_off_[slot] + kAlign + local_row * rows_[slot].row_stride();
   }
 
   uint64_t inbox_bytes() const { return inbox_stride_ * max_workers_; }
   uint64_t push_header_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
-    return worker * inbox_stride_ + inbox_off_[slot] +
-           parity * (sizeof(PushHeader) + AlignUp(chunk_bytes_[slot]));
+    return worker * inbox_stride_ + inbox_off_[slot] + parity * inbox_slot_bytes_[slot];
   }
   uint64_t push_data_offset(uint32_t worker, uint32_t slot, uint32_t parity) const {
     return push_header_offset(worker, slot, parity) + sizeof(PushHeader);
+  }
+  // The most payload bytes one push of the slot may carry.
+  uint64_t push_capacity(uint32_t slot) const {
+    return inbox_slot_bytes_[slot] - sizeof(PushHeader);
   }
 
   uint64_t acks_bytes() const { return AlignUp(sizeof(uint64_t) * slots()) * max_workers_; }
@@ -322,19 +415,27 @@ class ServerLayout {
  private:
   std::vector<uint64_t> chunk_bytes_;
   uint32_t max_workers_;
+  std::vector<RowGeometry> rows_;
   std::vector<uint64_t> weights_off_;
   uint64_t weights_total_ = 0;
   std::vector<uint64_t> inbox_off_;
+  std::vector<uint64_t> inbox_slot_bytes_;  // one parity's: PushHeader + payload
   uint64_t inbox_stride_ = 0;
 };
 
-inline ServerLayout::ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t max_workers)
-    : chunk_bytes_(std::move(chunk_bytes)), max_workers_(max_workers) {
-  for (uint64_t b : chunk_bytes_) {
+inline ServerLayout::ServerLayout(std::vector<uint64_t> chunk_bytes, uint32_t max_workers,
+                                  std::vector<RowGeometry> rows)
+    : chunk_bytes_(std::move(chunk_bytes)), max_workers_(max_workers), rows_(std::move(rows)) {
+  rows_.resize(chunk_bytes_.size());
+  for (size_t s = 0; s < chunk_bytes_.size(); ++s) {
+    const uint64_t b = chunk_bytes_[s];
+    const RowGeometry& g = rows_[s];
     weights_off_.push_back(weights_total_);
-    weights_total_ += kAlign + 2 * AlignUp(b);
+    weights_total_ += g.rows_kind() ? kAlign + AlignUp(g.area_bytes()) : kAlign + 2 * AlignUp(b);
     inbox_off_.push_back(inbox_stride_);
-    inbox_stride_ += 2 * (sizeof(PushHeader) + AlignUp(b));
+    inbox_slot_bytes_.push_back(sizeof(PushHeader) +
+                                AlignUp(g.rows_kind() ? g.inbox_bytes() : b));
+    inbox_stride_ += 2 * inbox_slot_bytes_.back();
   }
   if (weights_total_ == 0) weights_total_ = kAlign;
   if (inbox_stride_ == 0) inbox_stride_ = kAlign;

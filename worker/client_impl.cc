@@ -10,6 +10,8 @@
 #include <glog/logging.h>
 
 #include "common/crash_point.h"
+#include "proto/shard_plan.h"
+#include <cmath>
 #include "worker/client_testing.h"
 
 namespace shardps {
@@ -178,6 +180,67 @@ Status ClientImpl::RegisterTensor(const std::string& name, void* weights, void* 
   return Status::OK();
 }
 
+Status ClientImpl::RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim,
+                                     TensorDType dtype, const EmbeddingOptions& options) {
+  RETURN_IF_ERROR(lifecycle_.Require("RegisterEmbedding()", {ClientState::kJoined}));
+  if (static_cast<uint32_t>(dtype) > static_cast<uint32_t>(TensorDType::kBFloat16)) {
+    return InvalidArgumentError("table '" + name + "': unknown dtype");
+  }
+  if (tensor_index_.count(name)) return AlreadyExistsError("tensor '" + name + "' registered twice");
+  if (rows <= 0 || rows >= (int64_t{1} << 44) || dim <= 0 || dim > kMaxRowDim) {
+    return InvalidArgumentError("table '" + name + "': rows must be in [1, 2^44) and dim in [1, " +
+                                std::to_string(kMaxRowDim) + "]");
+  }
+  if (options.max_ids == 0 || options.max_ids > kMaxIdsPerPush) {
+    return InvalidArgumentError("table '" + name + "': max_ids must be in [1, " +
+                                std::to_string(kMaxIdsPerPush) + "]");
+  }
+  if (static_cast<uint32_t>(options.init) > 2 ||
+      !(std::isfinite(options.init_scale) && options.init_scale >= 0)) {
+    return InvalidArgumentError("table '" + name + "': bad initialiser");
+  }
+  Tensor t;
+  t.name = name;
+  t.shape = {rows, dim};
+  t.dtype = dtype;
+  t.bytes = static_cast<uint64_t>(rows) * static_cast<uint64_t>(dim) *
+            (dtype == TensorDType::kFloat32 ? 4 : 2);
+  t.embedding = true;
+  t.embedding_options = options;
+  LOG(INFO) << "row table '" << name << "': " << rows << " x " << dim << " "
+            << (dtype == TensorDType::kFloat32 ? "float32" : "16-bit") << ", max_ids "
+            << options.max_ids;
+  tensor_index_[name] = static_cast<uint32_t>(tensors_.size());
+  tensors_.push_back(std::move(t));
+  return Status::OK();
+}
+
+StatusOr<uint32_t> ClientImpl::TableIndex(const std::string& name) const {
+  ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  if (!tensors_[t].embedding) {
+    return InvalidArgumentError("'" + name + "' is a dense tensor, not a row table");
+  }
+  return t;
+}
+
+Status ClientImpl::PullRows(const std::string& table, const int64_t* ids, size_t n, void* out) {
+  RETURN_IF_ERROR(lifecycle_.Require("PullRows()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  RETURN_IF_ERROR(MaybeRecover());
+  return rows_->Pull(t, ids, n, out, pull_->RequiredPlus1(), [this] { return RecoverOrBreak(); });
+}
+
+Status ClientImpl::AddRowGradients(const std::string& table, const int64_t* ids, size_t n,
+                                   const void* grads) {
+  RETURN_IF_ERROR(lifecycle_.Require("AddRowGradients()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  return rows_->AddGradients(t, ids, n, grads);
+}
+
+void ClientImpl::OnRowsCompletion(uint32_t chunk, uint64_t handle, const Status& err) {
+  if (rows_ != nullptr) rows_->OnCompletion(chunk, handle, err);
+}
+
 // Device memory: registered with the NIC where the fabric can (verbs: dma-buf, else
 // nvidia-peermem), else staged through pinned host mirrors. The choice is logged per tensor.
 Status ClientImpl::RegisterDeviceTensor(Tensor& t) {
@@ -252,6 +315,12 @@ ClientCounters ClientImpl::counters() const {
     c.failovers = recovery_->failovers();
     c.reconnects = recovery_->reconnects();
   }
+  if (rows_ != nullptr) {
+    c.rows_pulled = rows_->rows_pulled();
+    c.row_reads = rows_->row_reads();
+    c.row_retries = rows_->row_retries();
+    c.rows_pushed = rows_->rows_pushed();
+  }
   return c;
 }
 
@@ -314,6 +383,13 @@ StatusOr<control::ShardMap> ClientImpl::RegisterModel() {
     p->set_name(t.name);
     p->set_dtype(static_cast<uint32_t>(t.dtype));
     for (int64_t d : t.shape) p->add_shape(d);
+    if (t.embedding) {
+      p->set_embedding(true);
+      p->set_max_ids(t.embedding_options.max_ids);
+      p->set_init(static_cast<uint32_t>(t.embedding_options.init));
+      p->set_init_scale(t.embedding_options.init_scale);
+      p->set_init_seed(t.embedding_options.init_seed);
+    }
   }
   // Again after every rejoin until the map arrives: a coordinator that died before saving the
   // registration would never send it.
@@ -342,7 +418,40 @@ StatusOr<control::ShardMap> ClientImpl::RegisterModel() {
 Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
   const uint64_t num_servers = static_cast<uint64_t>(map.servers_size());
   chunks_.resize(map.chunks_size());
+  // A row table's shard count: its chunks in the map.
+  std::vector<uint32_t> shards(tensors_.size(), 0);
   for (const auto& ce : map.chunks()) {
+    if (ce.tensor() < tensors_.size()) ++shards[ce.tensor()];
+  }
+  for (const auto& ce : map.chunks()) {
+    if (ce.tensor() < tensors_.size() && tensors_[ce.tensor()].embedding) {
+      // A row shard: offset is its index k, bytes its rows' values.
+      const Tensor& t = tensors_[ce.tensor()];
+      const uint32_t k = static_cast<uint32_t>(ce.offset());
+      layout::RowGeometry g;
+      g.table_rows = static_cast<uint64_t>(t.shape[0]);
+      g.shards = shards[ce.tensor()];
+      g.shard = k;
+      g.rows = layout::RowGeometry::ShardRows(g.table_rows, g.shards, k);
+      g.dim = static_cast<uint32_t>(t.shape[1]);
+      g.elem_bytes = t.dtype == TensorDType::kFloat32 ? 4 : 2;
+      g.max_ids = t.embedding_options.max_ids;
+      if (ce.chunk_id() >= chunks_.size() || ce.server_rank() >= num_servers ||
+          ce.slot() >= chunks_.size() || ce.offset() >= g.shards || g.rows == 0 ||
+          ce.bytes() != g.rows * g.row_value_bytes()) {
+        return InvalidArgumentError("shard map: row shard out of range");
+      }
+      ChunkPlacement& c = chunks_[ce.chunk_id()];
+      c.id = ce.chunk_id();
+      c.tensor = ce.tensor();
+      c.offset = k;
+      c.bytes = ce.bytes();
+      c.server = ce.server_rank();
+      c.slot = ce.slot();
+      c.rows = g;
+      tensors_[c.tensor].chunks.push_back(c.id);
+      continue;
+    }
     // The map comes from the coordinator, a peer: every index and range is checked before use
     // (a slot beyond the chunk count, or an offset + bytes that wraps, would index out of bounds).
     if (ce.chunk_id() >= chunks_.size() || ce.tensor() >= tensors_.size() ||
@@ -370,6 +479,10 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
   recovery_ = std::make_unique<Recovery>(options_, config_, *control_, rank_, *sessions_, *push_,
                                          *pull_, step_);
   RETURN_IF_ERROR(sessions_->Configure(map, chunks_));
+  rows_ = std::make_unique<RowTables>(options_, config_, *fabric_, *sessions_, tensors_, chunks_,
+                                      step_);
+  RETURN_IF_ERROR(rows_->Setup());
+  push_->set_row_tables(rows_.get());
   ASSIGN_OR_RETURN(const uint64_t small, sessions_->AllocateStaging(push_->SmallStagingBytes()));
   push_->PlaceSmallStaging(small);
   return Status::OK();
@@ -379,7 +492,10 @@ Status ClientImpl::PublishInitialWeights() {
   for (Tensor& t : tensors_) {
     if (t.staging != nullptr) RETURN_IF_ERROR(t.staging->WeightsToHost());
   }
+  int posted = 0;
   for (const ChunkPlacement& c : chunks_) {
+    if (c.rows.rows_kind()) continue;  // row shards are initialised by their servers
+    ++posted;
     ServerSession& s = sessions_->at(c.server);
     RETURN_IF_ERROR(sessions_->PostWithCredit([&] {
       return s.ep->PostWriteImm(
@@ -388,11 +504,12 @@ Status ClientImpl::PublishInitialWeights() {
           layout::MakeImm(layout::ImmKind::kInit, c.slot), MakeContext(kOpSetup, c.id, 0));
     }));
   }
-  return sessions_->WaitSetupOps(static_cast<int>(chunks_.size()));
+  return sessions_->WaitSetupOps(posted);
 }
 
 Status ClientImpl::PullInitialWeights() {
   for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    if (tensors_[t].embedding) continue;  // read by rows, when a batch needs them
     ASSIGN_OR_RETURN(Handle h, Pull(tensors_[t].name));
     RETURN_IF_ERROR(Wait(h));
   }
@@ -436,6 +553,9 @@ StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
   // kStarting: Start() pulls the initial weights.
   RETURN_IF_ERROR(lifecycle_.Require("Pull()", {ClientState::kStarting, ClientState::kRunning}));
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  if (tensors_[t].embedding) {
+    return InvalidArgumentError("'" + name + "' is a row table: read it with PullRows");
+  }
   RETURN_IF_ERROR(MaybeRecover());
   return pull_->Pull(t);
 }
@@ -532,15 +652,26 @@ Status ClientImpl::SetUpdateRule(const std::string& tensor, const UpdateRule& ru
   w.beta1 = rule.beta1;
   w.beta2 = rule.beta2;
   w.eps = rule.eps;
+  if (rule.kind == UpdateRule::Kind::kAdagrad) {
+    w.momentum = rule.lr_decay;  // the wire's Adagrad fields (wire/region_layout.h)
+    w.dampening = rule.initial_accumulator_value;
+  }
   if (const char* bad = layout::CheckUpdateRule(w)) {
     return InvalidArgumentError(std::string("update rule for '") + tensor + "': " + bad);
   }
   if (tensor.empty()) {
-    for (Tensor& t : tensors_) t.rule = w;
+    for (Tensor& t : tensors_) {
+      if (!t.embedding) t.rule = w;
+    }
     return Status::OK();
   }
   auto it = tensor_index_.find(tensor);
   if (it == tensor_index_.end()) return NotFoundError("no tensor '" + tensor + "' registered");
+  if (tensors_[it->second].embedding) {
+    if (const char* bad = layout::CheckRowRule(w)) {
+      return InvalidArgumentError("update rule for row table '" + tensor + "': " + bad);
+    }
+  }
   tensors_[it->second].rule = w;
   return Status::OK();
 }
@@ -550,6 +681,10 @@ Status ClientImpl::SetState(const std::string& name, StatePart part, uint64_t st
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
   if (static_cast<uint32_t>(part) < 1 || static_cast<uint32_t>(part) > 4) {
     return InvalidArgumentError("unknown state part");
+  }
+  if (tensors_[t].embedding) {
+    return UnimplementedError("state transfer of row table '" + name +
+                              "' (its rows are in the servers' checkpoints)");
   }
   if (tensors_[t].staging != nullptr) {
     return UnimplementedError("state transfer of '" + name +
@@ -567,6 +702,10 @@ Status ClientImpl::GetState(const std::string& name, float* weights, float* stat
                             float* state2, uint64_t* steps, bool* has1, bool* has2) {
   RETURN_IF_ERROR(lifecycle_.Require("GetState()", {ClientState::kRunning}));
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  if (tensors_[t].embedding) {
+    return UnimplementedError("state transfer of row table '" + name +
+                              "' (its rows are in the servers' checkpoints)");
+  }
   RETURN_IF_ERROR(MaybeRecover());
   const Tensor& tensor = tensors_[t];
   const uint64_t esize = tensor.dtype == TensorDType::kFloat32 ? 4 : 2;
@@ -666,6 +805,7 @@ Status ClientImpl::StepOnce() {
   RETURN_IF_ERROR(Clock());
   hs.clear();
   for (const Tensor& t : tensors_) {
+    if (t.embedding) continue;  // PullRows, for the next batch's rows
     ASSIGN_OR_RETURN(Handle h, Pull(t.name));
     hs.push_back(h);
   }

@@ -37,6 +37,7 @@
 #include "worker/pull_pipeline.h"
 #include "worker/push_pipeline.h"
 #include "worker/recovery.h"
+#include "worker/row_tables.h"
 #include "worker/server_sessions.h"
 
 namespace shardps::worker {
@@ -53,6 +54,11 @@ class ClientImpl final : public Client, private CompletionSink {
                         const std::vector<int64_t>& shape) override;
   Status RegisterTensor(const std::string& name, void* weights, void* grads,
                         const std::vector<int64_t>& shape, TensorDType dtype) override;
+  Status RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim, TensorDType dtype,
+                           const EmbeddingOptions& options) override;
+  Status PullRows(const std::string& table, const int64_t* ids, size_t n, void* out) override;
+  Status AddRowGradients(const std::string& table, const int64_t* ids, size_t n,
+                         const void* grads) override;
   Status Start() override;
   StatusOr<Handle> Push(const std::string& name) override;
   StatusOr<Handle> Pull(const std::string& name) override;
@@ -82,6 +88,7 @@ class ClientImpl final : public Client, private CompletionSink {
   // CompletionSink: push and pull completions, from ServerSessions::Progress.
   void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
   void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
+  void OnRowsCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
 
   Status RegisterDeviceTensor(Tensor& t);
   // Start() past its argument checks: its error leaves the client in kStartFailed.
@@ -102,6 +109,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status CheckEndpoints(std::chrono::steady_clock::time_point now);
   Status WaitTimedOut(const HandleState& hs) const;
   StatusOr<uint32_t> TensorIndex(const std::string& name) const;
+  StatusOr<uint32_t> TableIndex(const std::string& name) const;  // a row table's
 
   // Declared in dependency order: the components (endpoints, staging) are destroyed before the
   // tensors whose memory they access, the control client and the fabric.
@@ -121,6 +129,7 @@ class ClientImpl final : public Client, private CompletionSink {
   std::unique_ptr<ServerSessions> sessions_;
   std::unique_ptr<PullPipeline> pull_;
   std::unique_ptr<PushPipeline> push_;
+  std::unique_ptr<RowTables> rows_;
   std::unique_ptr<transport::MemoryRegion> state_staging_;  // GetState's outbox reads
   uint64_t state_nonce_ = 0;
   std::unique_ptr<Recovery> recovery_;

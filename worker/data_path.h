@@ -33,7 +33,14 @@ constexpr uint32_t kStagingPerChunk = 4 * kStagingSlot;
 constexpr uint64_t kSmallPushBytes = 16 * 1024;
 
 // The context of every post: what it was (OpKind), for which chunk and which handle.
-enum OpKind : uint32_t { kOpPush = 0, kOpPull = 1, kOpAcks = 2, kOpSetup = 3, kOpClock = 4 };
+enum OpKind : uint32_t {
+  kOpPush = 0,
+  kOpPull = 1,
+  kOpAcks = 2,
+  kOpSetup = 3,
+  kOpClock = 4,
+  kOpRows = 5,  // a row table's reads (worker/row_tables.h)
+};
 inline uint64_t MakeContext(uint32_t kind, uint32_t chunk, uint64_t handle) {
   return (static_cast<uint64_t>(kind) << 60) | (static_cast<uint64_t>(chunk & 0x0fffffff) << 32) |
          (handle & 0xffffffffull);
@@ -58,6 +65,10 @@ struct Tensor {
   std::unique_ptr<CudaStaging> staging;  // kCudaStaged only
   uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
   layout::UpdateRule rule{};  // what its pushes ask the servers to apply (Client::SetUpdateRule)
+  // A row table (Client::RegisterEmbedding): shape {rows, dim}; no weights or grads buffers
+  // (worker/row_tables.h holds its staging).
+  bool embedding = false;
+  EmbeddingOptions embedding_options;
 };
 
 // Where a chunk lives: fixed by the shard map at Start (a failover changes the server process
@@ -69,6 +80,7 @@ struct ChunkPlacement {
   uint64_t bytes = 0;
   uint32_t server = 0;  // the shard group
   uint32_t slot = 0;    // on that server
+  layout::RowGeometry rows;  // a row table's shard (rows != 0); offset is then the shard index
 };
 
 // The handle of a Push or Pull: the chunks still pending and the first error.

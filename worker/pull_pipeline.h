@@ -47,6 +47,9 @@ class PullPipeline {
   // The cluster's clock as seen by the pulls so far: the highest min clock (+1) read.
   uint64_t ClusterClock() const;
 
+  // The min clock (+1) a pull at the current clock must see (the consistency bound).
+  uint64_t RequiredPlus1() const;
+
   uint64_t pulls() const { return pulls_; }
   uint64_t pull_retries() const { return pull_retries_; }
   uint64_t bytes_pulled() const { return bytes_pulled_; }
@@ -74,7 +77,6 @@ class PullPipeline {
   void EvaluatePull(uint32_t id);
   // Ends the pull in flight of a chunk with `s`.
   void Finish(uint32_t id, const Status& s);
-  uint64_t RequiredPlus1() const;
 
   const ClientOptions& options_;
   const control::ClusterConfig& config_;

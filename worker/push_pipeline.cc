@@ -6,6 +6,8 @@
 
 #include <glog/logging.h>
 
+#include "worker/row_tables.h"
+
 namespace shardps::worker {
 
 using SteadyClock = std::chrono::steady_clock;
@@ -29,14 +31,16 @@ PushPipeline::PushPipeline(const ClientOptions& options, const control::ClusterC
 uint64_t PushPipeline::SmallStagingBytes() const {
   uint64_t bytes = 0;
   for (const ChunkPlacement& c : chunks_) {
-    if (c.bytes <= kSmallPushBytes) bytes += 2 * (sizeof(layout::PushHeader) + layout::AlignUp(c.bytes));
+    if (c.bytes <= kSmallPushBytes && !c.rows.rows_kind()) {
+      bytes += 2 * (sizeof(layout::PushHeader) + layout::AlignUp(c.bytes));
+    }
   }
   return bytes;
 }
 
 void PushPipeline::PlaceSmallStaging(uint64_t base) {
   for (const ChunkPlacement& c : chunks_) {
-    if (c.bytes > kSmallPushBytes) continue;
+    if (c.bytes > kSmallPushBytes || c.rows.rows_kind()) continue;
     push_[c.id].small_staging = base;
     base += 2 * (sizeof(layout::PushHeader) + layout::AlignUp(c.bytes));
   }
@@ -85,6 +89,9 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
     handles_.FinishChunk(c.handle[parity], Status::OK());
     c.handle[parity] = 0;
   }
+  // A row shard: this step's gradient rows go into the staging of this parity, which push
+  // seq-2 (acknowledged above) no longer needs.
+  if (chunks_[id].rows.rows_kind()) c.last_bytes = rows_->Stage(id, parity);
   c.seq = seq;
   c.last_clock = step_.clock;
   c.last_base = pull_.pulled_version(id);
@@ -105,7 +112,7 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
     return st;
   }
   ++pushes_;
-  bytes_pushed_ += chunks_[id].bytes;
+  bytes_pushed_ += chunks_[id].rows.rows_kind() ? c.last_bytes : chunks_[id].bytes;
   return Status::OK();
 }
 
@@ -189,7 +196,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   ph->base_version = c.last_base;
   ph->chunk_id = id;
   ph->worker = rank_;
-  ph->bytes = p.bytes;
+  ph->bytes = p.rows.rows_kind() ? c.last_bytes : p.bytes;
   ph->epoch = std::max(control_.epoch(), sessions_.map_epoch());
   ph->magic = layout::kPushMagic;
   ph->rule = c.last_rule;
@@ -225,6 +232,14 @@ Status PushPipeline::PostPushData(uint32_t id, uint32_t parity, uint64_t h) {
   Tensor& t = tensors_[c.tensor];
   ServerSession& s = sessions_.at(c.server);
   const uint64_t dst = s.layout->push_data_offset(rank_, c.slot, parity);
+  if (c.rows.rows_kind()) {
+    const uint64_t bytes = push_[id].last_bytes;
+    if (bytes == 0) return Status::OK();  // an empty push: the header alone
+    return sessions_.PostWithCredit([&] {
+      return s.ep->PostWrite(rows_->Staged(id, parity, bytes), transport::AtOffset(s.inbox, dst),
+                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
+    });
+  }
   if (t.staging == nullptr) {
     return sessions_.PostWithCredit([&] {
       return s.ep->PostWrite({t.gmr.get(), c.offset, c.bytes}, transport::AtOffset(s.inbox, dst),
@@ -305,8 +320,10 @@ Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
   // gradient buffer is rewritten only after the pull that needs this push). Otherwise the
   // caller may have reused the buffer: resending would apply other bytes — never twice,
   // never wrong: count it lost instead.
+  // A row shard's push is in the client's own staging until the push after next: always.
   const bool resendable = c.handle[p] != 0 || config_.mode() == control::BSP ||
-                          (step_.in_step && c.step == step_.step_id);
+                          (step_.in_step && c.step == step_.step_id) ||
+                          chunks_[id].rows.rows_kind();
   const uint64_t lost = resendable ? c.seq - 1 - a : c.seq - a;
   if (lost > 0) {
     pushes_lost_ += lost;

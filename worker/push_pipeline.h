@@ -24,6 +24,8 @@
 
 namespace shardps::worker {
 
+class RowTables;
+
 class PushPipeline {
  public:
   PushPipeline(const ClientOptions& options, const control::ClusterConfig& config,
@@ -31,6 +33,8 @@ class PushPipeline {
                std::vector<Tensor>& tensors, const std::vector<ChunkPlacement>& chunks,
                HandleTable& handles, const StepClock& step, const PullPipeline& pull);
 
+  // Row tables: where their pushes are staged (set once, before the first push).
+  void set_row_tables(RowTables* rows) { rows_ = rows; }
   // Start: the staging bytes the small pushes need, then where they were placed.
   uint64_t SmallStagingBytes() const;
   void PlaceSmallStaging(uint64_t base);
@@ -75,6 +79,7 @@ class PushPipeline {
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;
+    uint64_t last_bytes = 0;  // a row shard's latest push: its staged entries' bytes
   };
 
   // Pushes one chunk as part of handle h (its pending count already taken).
@@ -100,6 +105,7 @@ class PushPipeline {
   const StepClock& step_;
   const PullPipeline& pull_;     // a push names the version its gradient was computed on
   std::vector<ChunkPush> push_;  // by chunk id
+  RowTables* rows_ = nullptr;
   uint64_t pushes_ = 0;
   uint64_t bytes_pushed_ = 0;
   uint64_t pushes_resent_ = 0;

@@ -22,16 +22,21 @@ Status ServerSessions::Configure(const control::ShardMap& map,
   }
   num_chunks_ = chunks.size();
   std::vector<std::vector<uint64_t>> slot_bytes(servers_.size());
+  std::vector<std::vector<layout::RowGeometry>> slot_rows(servers_.size());
   for (const ChunkPlacement& c : chunks) {
     auto& sb = slot_bytes[c.server];
     if (sb.size() <= c.slot) sb.resize(c.slot + 1);
     sb[c.slot] = c.bytes;
+    auto& sr = slot_rows[c.server];
+    if (sr.size() <= c.slot) sr.resize(c.slot + 1);
+    sr[c.slot] = c.rows;
     auto& cos = servers_[c.server].chunk_of_slot;
     if (cos.size() <= c.slot) cos.resize(c.slot + 1);
     cos[c.slot] = c.id;
   }
   for (size_t s = 0; s < servers_.size(); ++s) {
-    servers_[s].layout = std::make_unique<layout::ServerLayout>(slot_bytes[s], map.max_workers());
+    servers_[s].layout =
+        std::make_unique<layout::ServerLayout>(slot_bytes[s], map.max_workers(), slot_rows[s]);
     if (servers_[s].inbox.length < servers_[s].layout->inbox_bytes() ||
         servers_[s].weights.length < servers_[s].layout->weights_bytes() ||
         servers_[s].clocks.length < servers_[s].layout->clocks_bytes()) {
@@ -346,6 +351,9 @@ void ServerSessions::OnCompletion(const Completion& wc) {
       return;
     case kOpPull:
       sink_.OnPullCompletion(ContextChunk(wc.context), ContextHandle(wc.context), err);
+      return;
+    case kOpRows:
+      sink_.OnRowsCompletion(ContextChunk(wc.context), ContextHandle(wc.context), err);
       return;
     default:
       return;

@@ -46,6 +46,7 @@ class CompletionSink {
   virtual ~CompletionSink() = default;
   virtual void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) = 0;
   virtual void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) = 0;
+  virtual void OnRowsCompletion(uint32_t /*chunk*/, uint64_t /*handle*/, const Status& /*err*/) {}
 };
 
 class ServerSessions {

@@ -106,6 +106,11 @@ struct ClientCounters {
   uint64_t pushes_resent = 0;  // pushes sent again after a failover (duplicates are dropped)
   uint64_t pushes_lost = 0;    // pushes neither replicated nor resendable (ASP/SSP only)
   uint64_t reconnects = 0;     // data-path failures survived by reconnecting to the same server
+  // Row tables.
+  uint64_t rows_pulled = 0;      // distinct rows read (PullRows)
+  uint64_t row_reads = 0;        // one-sided reads posted for them (adjacent rows coalesced)
+  uint64_t row_retries = 0;      // rows read again: torn (crc) or behind the consistency bound
+  uint64_t rows_pushed = 0;      // distinct gradient rows pushed
 };
 
 // Handle of an asynchronous Push or Pull.
@@ -113,7 +118,14 @@ struct ClientCounters {
 // operation order are torch.optim's (1.13), in float32 with float64 bias corrections.
 struct UpdateRule {
   // kStore: the new value is the pushed value (BSP: the clock's pushes summed).
-  enum class Kind : uint32_t { kServer = 0, kSgd = 1, kAdam = 2, kAdamW = 3, kStore = 4 };
+  enum class Kind : uint32_t {
+    kServer = 0,
+    kSgd = 1,
+    kAdam = 2,
+    kAdamW = 3,
+    kStore = 4,
+    kAdagrad = 5,
+  };
   Kind kind = Kind::kServer;  // kServer: the servers' --optimizer; `lr` replaces --lr if > 0
   float lr = 0.0f;
   float momentum = 0.0f;   // SGD
@@ -122,7 +134,21 @@ struct UpdateRule {
   float weight_decay = 0.0f;  // SGD and Adam: L2 added to the gradient; AdamW: decoupled
   float beta1 = 0.9f;      // Adam, AdamW
   float beta2 = 0.999f;
-  float eps = 1e-8f;
+  float eps = 1e-8f;       // Adam, AdamW, Adagrad (torch's Adagrad default is 1e-10)
+  float lr_decay = 0.0f;   // Adagrad
+  float initial_accumulator_value = 0.0f;  // Adagrad
+};
+// A row table (Client::RegisterEmbedding; docs/embeddings.md).
+struct EmbeddingOptions {
+  // The most distinct rows one push of this worker may carry to one shard (a step's gradient
+  // rows of the table, over its shards). Sizes the servers' inbox: per worker and shard
+  // 2 x max_ids x (8 + dim x dtype bytes).
+  uint32_t max_ids = 16384;
+  // Initial rows, computed by the servers from (seed, row id): no upload.
+  enum class Init : uint32_t { kNormal = 0, kUniform = 1, kZeros = 2 };
+  Init init = Init::kNormal;  // kNormal: N(0, scale^2) (torch.nn.Embedding: N(0, 1))
+  float init_scale = 1.0f;    // kUniform: U(-scale, scale)
+  uint64_t init_seed = 0;
 };
 
 // Element types of registered tensors (the numbers are the wire's).
@@ -153,11 +179,31 @@ class Client {
   // optimizer state, and pulls deliver the master weights rounded to the tensor's type.
   virtual Status RegisterTensor(const std::string& name, void* weights, void* grads,
                                 const std::vector<int64_t>& shape, TensorDType dtype) = 0;
+  // Registers a row table (an embedding) of `rows` x `dim` values of `dtype`, partitioned by
+  // row id over the servers (row r on shard r % shards). Its rows live on the servers only
+  // (initialised there, options.init); a worker reads the rows a batch needs (PullRows) and
+  // pushes the gradient rows it produced (AddRowGradients, then Push or Step). Before Start()
+  // only; every worker registers the same tables, in the same order as its other tensors.
+  virtual Status RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim,
+                                   TensorDType dtype, const EmbeddingOptions& options) = 0;
+  // Reads rows ids[0, n) of a table into out (n x dim values of its dtype, row-major),
+  // satisfying the consistency mode at the current clock (BSP: every worker's pushes of the
+  // clocks before). One-sided reads only: each distinct row once, adjacent rows in one read,
+  // each verified (crc) and read again if torn. Duplicate ids are fine. INVALID_ARGUMENT for an
+  // id outside [0, rows).
+  virtual Status PullRows(const std::string& table, const int64_t* ids, size_t n, void* out) = 0;
+  // Adds gradient rows (n x dim values of the table's dtype) for ids[0, n) to the table's
+  // gradient of this step; duplicate ids are summed here. The next Push(table) or Step() sends
+  // it (one push per shard, every step in BSP, even an empty one) and clears it.
+  // RESOURCE_EXHAUSTED, adding nothing, if a shard would get more than max_ids distinct rows.
+  virtual Status AddRowGradients(const std::string& table, const int64_t* ids, size_t n,
+                                 const void* grads) = 0;
   // Publishes the model, receives the shard map, connects to every server. Rank 0's current
   // weights become the initial weights; every worker then pulls them.
   virtual Status Start() = 0;
 
   // Asynchronous push of a tensor's gradients at the current clock; Wait() before reusing grads.
+  // For a row table: its gradient rows added since its last push (AddRowGradients).
   virtual StatusOr<Handle> Push(const std::string& name) = 0;
   // Asynchronous pull of a tensor's weights, satisfying the consistency mode at the current
   // clock; Wait() before reading weights.
@@ -165,7 +211,8 @@ class Client {
   virtual Status Wait(Handle handle) = 0;
   // Advances this worker's clock by one.
   virtual Status Clock() = 0;
-  // One training step: push every tensor, wait, Clock(), pull every tensor, wait.
+  // One training step: push every tensor (row tables: their gradient rows), wait, Clock(), pull
+  // every dense tensor, wait. Row tables are read with PullRows, for the rows a batch needs.
   virtual Status Step() = 0;
   // Asks every server for a checkpoint at the next clock (after this worker's next Step, in
   // BSP): written to the cluster's checkpoint directory, or `dir` if given. Returns the clock.
@@ -177,7 +224,9 @@ class Client {
   // give every worker the same schedule. Range [0, 1e6).
   virtual Status SetLearningRate(const std::string& tensor, float lr) = 0;
   // The update rule the servers apply to this worker's next pushes of `tensor` ("" = every
-  // registered tensor): torch.optim's SGD (momentum, dampening, nesterov, weight decay), Adam
+  // registered dense tensor; a row table's is set by its name, and must be one of its sparse
+  // rules: SGD without momentum or weight decay, Adam (lazy, torch's SparseAdam), Adagrad, or
+  // kServer): torch.optim's SGD (momentum, dampening, nesterov, weight decay), Adam
   // or AdamW, with their exact semantics (docs/python.md), state kept per chunk on the
   // servers. Like the rate, it travels in the push headers (no control message), so schedulers
   // may change any field every step. kServer: the servers' own --optimizer (the default).

@@ -1,0 +1,250 @@
+#include "server/row_shard.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "common/crc32c.h"
+#include "common/half.h"
+
+namespace shardps::server {
+
+void SparseAccumulator::Clear() {
+  index_.clear();
+  rows_.clear();
+  values_.clear();
+}
+
+float* SparseAccumulator::Row(uint64_t local) {
+  auto [it, fresh] = index_.try_emplace(local, static_cast<uint32_t>(rows_.size()));
+  if (fresh) {
+    rows_.push_back(local);
+    values_.resize(values_.size() + dim_, 0.0f);
+  }
+  return values_.data() + uint64_t{it->second} * dim_;
+}
+
+void SparseAccumulator::Add(uint64_t local, const float* g) {
+  float* r = Row(local);
+  for (uint32_t j = 0; j < dim_; ++j) r[j] += g[j];
+}
+
+void SparseAccumulator::Emit(char* dst) const {
+  const uint64_t n = rows_.size();
+  std::memcpy(dst, &n, sizeof(n));
+  std::memcpy(dst + sizeof(n), rows_.data(), n * sizeof(uint64_t));
+  std::memcpy(dst + sizeof(n) + n * sizeof(uint64_t), values_.data(), values_.size() * sizeof(float));
+}
+
+RowShard::RowShard(const layout::RowGeometry& geometry, layout::DType dtype, const RowInit& init,
+                   const OptimizerConfig& server_optimizer, char* area)
+    : g_(geometry), dtype_(dtype), init_(init), server_(server_optimizer), area_(area) {
+  if (dtype_ != layout::DType::kF32) master_.assign(elems(), 0.0f);
+}
+
+float* RowShard::values(uint64_t local) {
+  return dtype_ == layout::DType::kF32
+             ? reinterpret_cast<float*>(record(local) + sizeof(layout::RowHeader))
+             : master_.data() + local * g_.dim;
+}
+
+const float* RowShard::values(uint64_t local) const {
+  return const_cast<RowShard*>(this)->values(local);
+}
+
+void RowShard::Seal(uint64_t local, uint64_t version) {
+  char* rec = record(local);
+  char* vals = rec + sizeof(layout::RowHeader);
+  if (dtype_ != layout::DType::kF32) {
+    EncodeHalf(static_cast<uint32_t>(dtype_), master_.data() + local * g_.dim,
+               reinterpret_cast<uint16_t*>(vals), g_.dim);
+  }
+  const uint32_t crc =
+      crc32c::Extend(crc32c::Value(&version, sizeof(version)), vals, g_.row_value_bytes());
+  // Values first, then the header: a reader pairing either header with the other values fails
+  // the crc and reads the row again.
+  std::atomic_thread_fence(std::memory_order_release);
+  auto* h = reinterpret_cast<layout::RowHeader*>(rec);
+  h->version = version;
+  h->crc = crc;
+  h->reserved = 0;
+}
+
+void RowShard::InitRows() {
+  for (uint64_t r = 0; r < g_.rows; ++r) {
+    InitRow(init_.kind, init_.scale, init_.seed, r * g_.shards + g_.shard, g_.dim, values(r));
+    Seal(r, 0);
+  }
+}
+
+Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const {
+  RETURN_IF_ERROR(CheckEntries(entries, n));
+  const auto* ids = reinterpret_cast<const uint64_t*>(entries);
+  const char* rows = entries + n * sizeof(uint64_t);
+  std::vector<float> tmp(g_.dim);
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t id;
+    std::memcpy(&id, ids + i, sizeof(id));
+    float* dst = acc.Row(id / g_.shards);
+    const char* src = rows + i * g_.row_value_bytes();
+    if (dtype_ == layout::DType::kF32) {
+      std::memcpy(tmp.data(), src, g_.row_value_bytes());
+    } else {
+      DecodeHalf(static_cast<uint32_t>(dtype_), reinterpret_cast<const uint16_t*>(src),
+                 tmp.data(), g_.dim);
+    }
+    for (uint32_t j = 0; j < g_.dim; ++j) dst[j] += tmp[j];
+  }
+  return Status::OK();
+}
+
+Status RowShard::CheckEntries(const char* entries, uint64_t n) const {
+  const auto* ids = reinterpret_cast<const uint64_t*>(entries);
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t id;
+    std::memcpy(&id, ids + i, sizeof(id));
+    if (id >= g_.table_rows || id % g_.shards != g_.shard) {
+      return InvalidArgumentError("row id " + std::to_string(id) + " is not in shard " +
+                                  std::to_string(g_.shard) + " of " + std::to_string(g_.shards) +
+                                  " of a table of " + std::to_string(g_.table_rows) + " rows");
+    }
+  }
+  return Status::OK();
+}
+
+Status RowShard::CheckPayload(const char* payload, uint64_t bytes) const {
+  uint64_t n;
+  if (bytes < sizeof(n)) return InvalidArgumentError("sparse payload shorter than its count");
+  std::memcpy(&n, payload, sizeof(n));
+  if (n > g_.rows || SparsePayloadBytes(n, g_.dim) != bytes) {
+    return InvalidArgumentError("sparse payload of " + std::to_string(bytes) +
+                                " bytes does not hold its " + std::to_string(n) + " rows");
+  }
+  const char* rows = payload + sizeof(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t r;
+    std::memcpy(&r, rows + i * sizeof(r), sizeof(r));
+    if (r >= g_.rows) return InvalidArgumentError("sparse payload: local row out of range");
+  }
+  return Status::OK();
+}
+
+void RowShard::Apply(const char* payload, float scale, float lr_scale,
+                     const layout::UpdateRule& rule, uint64_t version) {
+  uint64_t n;
+  std::memcpy(&n, payload, sizeof(n));
+  const char* locals = payload + sizeof(n);
+  const auto* grads = reinterpret_cast<const float*>(locals + n * sizeof(uint64_t));
+  ++steps_;
+  // The rule in effect: kServer maps the server's optimizer onto its sparse form.
+  layout::RuleKind kind = rule.kind();
+  float lr = rule.lr;
+  float b1 = rule.beta1, b2 = rule.beta2, eps = rule.eps;
+  if (kind == layout::RuleKind::kServer) {
+    if (lr <= 0.0f) lr = server_.lr;
+    switch (server_.kind) {
+      case OptimizerKind::kAdam:
+        kind = layout::RuleKind::kAdam;
+        b1 = server_.beta1;
+        b2 = server_.beta2;
+        eps = server_.eps;
+        break;
+      case OptimizerKind::kStore:
+        kind = layout::RuleKind::kStore;
+        break;
+      default:  // sgd; momentum has no sparse form: plain SGD (docs/embeddings.md)
+        kind = layout::RuleKind::kSgd;
+    }
+  }
+  lr *= lr_scale;
+  const uint32_t dim = g_.dim;
+  const uint64_t elems_total = elems();
+  double adam_step = 0;
+  float adagrad_clr = 0;
+  if (kind == layout::RuleKind::kAdam) {
+    if (s1_.empty()) s1_.assign(elems_total, 0.0f);
+    if (s2_.empty()) s2_.assign(elems_total, 0.0f);
+    const double t = static_cast<double>(steps_);
+    const double bc1 = 1.0 - std::pow(static_cast<double>(b1), t);
+    const double bc2 = 1.0 - std::pow(static_cast<double>(b2), t);
+    adam_step = static_cast<double>(lr) * std::sqrt(bc2) / bc1;
+  } else if (kind == layout::RuleKind::kAdagrad) {
+    if (s1_.empty()) s1_.assign(elems_total, rule.dampening);  // initial_accumulator_value
+    adagrad_clr = static_cast<float>(
+        static_cast<double>(lr) /
+        (1.0 + static_cast<double>(steps_ - 1) * static_cast<double>(rule.momentum)));
+  }
+  const float w1 = static_cast<float>(1.0 - static_cast<double>(b1));
+  const float w2 = static_cast<float>(1.0 - static_cast<double>(b2));
+  const float neg_step = static_cast<float>(-adam_step);
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t r;
+    std::memcpy(&r, locals + i * sizeof(r), sizeof(r));
+    float* w = values(r);
+    const float* gr = grads + i * dim;
+    switch (kind) {
+      case layout::RuleKind::kStore:
+        std::memcpy(w, gr, dim * sizeof(float));
+        break;
+      case layout::RuleKind::kAdagrad: {
+        float* s = s1_.data() + r * dim;
+        for (uint32_t j = 0; j < dim; ++j) {
+          const float g = scale * gr[j];
+          s[j] = s[j] + g * g;
+          w[j] = w[j] - adagrad_clr * (g / (std::sqrt(s[j]) + rule.eps));
+        }
+        break;
+      }
+      case layout::RuleKind::kAdam: {
+        float* m = s1_.data() + r * dim;
+        float* v = s2_.data() + r * dim;
+        for (uint32_t j = 0; j < dim; ++j) {
+          const float g = scale * gr[j];
+          const float m_old = m[j], v_old = v[j];
+          const float mu = (g - m_old) * w1;
+          const float vu = (g * g - v_old) * w2;
+          m[j] = m_old + mu;
+          v[j] = v_old + vu;
+          const float numer = mu + m_old;
+          const float denom = std::sqrt(vu + v_old) + eps;
+          w[j] = w[j] + neg_step * (numer / denom);
+        }
+        break;
+      }
+      default:  // kSgd (CheckRowRule refused the rest)
+        for (uint32_t j = 0; j < dim; ++j) w[j] = w[j] - lr * (scale * gr[j]);
+    }
+    Seal(r, version);
+  }
+}
+
+ChunkState RowShard::Capture() const {
+  ChunkState cs;
+  cs.weights.resize(elems());
+  for (uint64_t r = 0; r < g_.rows; ++r) {
+    std::memcpy(cs.weights.data() + r * g_.dim, values(r), g_.dim * sizeof(float));
+  }
+  cs.optimizer_steps = steps_;
+  cs.state1 = s1_;
+  cs.state2 = s2_;
+  return cs;
+}
+
+Status RowShard::Restore(const ChunkState& cs) {
+  const uint64_t e = elems();
+  if (cs.weights.size() != e || (!cs.state1.empty() && cs.state1.size() != e) ||
+      (!cs.state2.empty() && cs.state2.size() != e)) {
+    return FailedPreconditionError("row shard state does not match the table's geometry");
+  }
+  for (uint64_t r = 0; r < g_.rows; ++r) {
+    std::memcpy(values(r), cs.weights.data() + r * g_.dim, g_.dim * sizeof(float));
+    Seal(r, cs.version);
+  }
+  steps_ = cs.optimizer_steps;
+  s1_ = cs.state1;
+  s2_ = cs.state2;
+  return Status::OK();
+}
+
+}  // namespace shardps::server

@@ -1,0 +1,122 @@
+// RowShard: one shard of a row table (an embedding) in a server's registered weights region
+// (wire/region_layout.h, RowGeometry): rows updated in place, each with a self-verifying
+// RowHeader (version, crc32c), and the optimizer state of the rows touched.
+//
+// Sparse gradients travel, inside the server and to the backup, as a "sparse payload" of
+// float32 values: [uint64 n][uint64 local row x n][float x n x dim], coalesced (each row once).
+// A worker's pushed entries (global ids, rows in the table's dtype) are decoded and coalesced
+// into one by Accumulate; BSP accumulates a clock's pushes in worker-rank order, so the sum (and
+// the run) is the same whatever order the pushes arrived in.
+//
+// Optimizers (layout::UpdateRule; torch 1.13's sparse semantics, docs/embeddings.md), per
+// applied payload t += 1 (the shard's step), for each row r in it, g = scale * grad_r:
+//   SGD:      w_r -= lr * g
+//   Adagrad:  s_r += g*g;  w_r -= lr / (1 + (t-1) * lr_decay) * g / (sqrt(s_r) + eps)
+//   Adam (SparseAdam, lazy): m_r += (g - m_r)(1 - b1);  v_r += (g*g - v_r)(1 - b2);
+//             w_r -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m_r / (sqrt(v_r) + eps)
+//   Store:    w_r = grad_r
+// Rows not in the payload are not touched, their state included. State buffers (rows x dim)
+// are allocated when a rule first needs them.
+//
+// Thread safety: not thread-safe; owned by the server's apply thread (through ChunkStore).
+// Workers read the rows with one-sided reads, which the RowHeader's crc makes safe.
+#ifndef SHARDPS_SERVER_ROW_SHARD_H_
+#define SHARDPS_SERVER_ROW_SHARD_H_
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "common/row_init.h"
+#include "common/status.h"
+#include "server/checkpoint.h"
+#include "server/optimizer.h"
+#include "wire/region_layout.h"
+
+namespace shardps::server {
+
+struct RowInit {
+  RowInitKind kind = RowInitKind::kNormal;
+  float scale = 1.0f;
+  uint64_t seed = 0;
+};
+
+// Bytes of a sparse payload of n rows of `dim` values.
+inline uint64_t SparsePayloadBytes(uint64_t n, uint32_t dim) {
+  return sizeof(uint64_t) + n * sizeof(uint64_t) + n * uint64_t{dim} * sizeof(float);
+}
+
+// Coalesces sparse gradients: each local row once, rows summed in the order they come.
+class SparseAccumulator {
+ public:
+  explicit SparseAccumulator(uint32_t dim) : dim_(dim) {}
+  void Clear();
+  // Adds `g` (dim floats) to row `local`'s sum.
+  void Add(uint64_t local, const float* g);
+  float* Row(uint64_t local);  // the row's sum (created as zeros)
+  uint64_t size() const { return rows_.size(); }
+  // Writes the payload into dst (SparsePayloadBytes(size(), dim) bytes).
+  void Emit(char* dst) const;
+
+ private:
+  uint32_t dim_;
+  std::unordered_map<uint64_t, uint32_t> index_;
+  std::vector<uint64_t> rows_;
+  std::vector<float> values_;
+};
+
+class RowShard {
+ public:
+  // `area` is the slot's row area (geometry.area_bytes() bytes, registered, remote-read).
+  RowShard(const layout::RowGeometry& geometry, layout::DType dtype, const RowInit& init,
+           const OptimizerConfig& server_optimizer, char* area);
+  RowShard(const RowShard&) = delete;
+  RowShard& operator=(const RowShard&) = delete;
+
+  const layout::RowGeometry& geometry() const { return g_; }
+  uint64_t elems() const { return g_.rows * g_.dim; }
+  // Every row to its initial value, with version 0.
+  void InitRows();
+
+  // A worker's pushed entries: `n` global ids, then n rows in the table's dtype. Adds them to
+  // `acc` (local rows). INVALID_ARGUMENT (nothing added) for an id not of this shard or a
+  // non-finite-free check failure.
+  Status Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const;
+  // The ids of `n` pushed entries: each of this shard and in the table.
+  Status CheckEntries(const char* entries, uint64_t n) const;
+  // Checks a sparse payload of `bytes` (a replication record's): n consistent with the size,
+  // every local row in range.
+  Status CheckPayload(const char* payload, uint64_t bytes) const;
+  // Applies a checked sparse payload; the rows written carry `version`.
+  void Apply(const char* payload, float scale, float lr_scale, const layout::UpdateRule& rule,
+             uint64_t version);
+
+  // Checkpoints and re-replication: every row's float32 value and the optimizer state.
+  ChunkState Capture() const;
+  // Restores them (rows written with `version`).
+  Status Restore(const ChunkState& state);
+  uint64_t steps() const { return steps_; }
+  const std::vector<float>& state1() const { return s1_; }
+  const std::vector<float>& state2() const { return s2_; }
+
+ private:
+  char* record(uint64_t local) const { return area_ + local * g_.row_stride(); }
+  // The float32 values of a row: in the record (float32 tables) or the master copy.
+  float* values(uint64_t local);
+  const float* values(uint64_t local) const;
+  // Encodes the master row into the record (16-bit) and writes its header.
+  void Seal(uint64_t local, uint64_t version);
+
+  const layout::RowGeometry g_;
+  const layout::DType dtype_;
+  const RowInit init_;
+  const OptimizerConfig server_;
+  char* const area_;
+  std::vector<float> master_;  // 16-bit tables: rows x dim float32 master values
+  uint64_t steps_ = 0;
+  std::vector<float> s1_, s2_;  // Adagrad's sum / Adam's m; Adam's v
+};
+
+}  // namespace shardps::server
+
+#endif  // SHARDPS_SERVER_ROW_SHARD_H_

@@ -1,0 +1,422 @@
+// Row tables (embeddings) end to end, in one process: a coordinator, shard servers on their own
+// threads and workers on theirs, over a real transport (tcp and shm here; verbs in the SoftRoCE
+// guest). Every test asserts on the rows: their initial values, the values after N steps
+// against a reference computed here, and the consistency bound of every read, per mode.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/row_init.h"
+#include "shardps/client.h"
+#include "tests/integration/in_process_cluster.h"
+
+namespace shardps {
+namespace {
+
+using std::chrono::milliseconds;
+using test::Cluster;
+using test::ClusterSpec;
+using test::SkipReason;
+
+constexpr int64_t kRows = 1000;
+constexpr int kDim = 8;
+
+// The ids worker `r` touches at step `t` (duplicates included, shared hot rows 0..3).
+std::vector<int64_t> BatchIds(int r, int t) {
+  std::vector<int64_t> ids;
+  std::mt19937 rng(static_cast<uint32_t>(7919 * r + 31 * t + 5));
+  for (int i = 0; i < 24; ++i) ids.push_back(static_cast<int64_t>(rng() % kRows));
+  ids.push_back(t % 4);        // a hot row every worker touches
+  ids.push_back(t % 4);        // twice: summed in the worker
+  ids.push_back(kRows - 1);    // the last row (the last shard's edge)
+  return ids;
+}
+// Exactly representable gradients: every sum over workers and duplicates is exact in float.
+float RowGrad(int r, int t, int64_t id, int j) {
+  return static_cast<float>(((r + 1) * (t % 3 + 1) + static_cast<int>(id % 5) - j) % 7 - 3) * 0.125f;
+}
+
+class EmbeddingTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const std::string why = SkipReason(GetParam());
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+// BSP over 2 servers and 4 workers, beside a dense tensor: every row after N steps equals the
+// reference (the initial rows, then per step the average over the workers of the summed
+// gradient rows, times lr), exactly; every read of a step sees exactly the previous steps.
+TEST_P(EmbeddingTest, BspRowsAfterNStepsAreExact) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 4;
+  spec.servers = 2;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);
+  const int kSteps = 8;
+  EmbeddingOptions eo;
+  eo.max_ids = 64;
+  eo.init = EmbeddingOptions::Init::kUniform;
+  eo.init_scale = 0.5f;
+  eo.init_seed = 42;
+  // The reference table, step by step.
+  std::vector<std::vector<float>> ref(kSteps + 1, std::vector<float>(kRows * kDim));
+  for (int64_t id = 0; id < kRows; ++id) {
+    InitRow(RowInitKind::kUniform, 0.5f, 42, static_cast<uint64_t>(id), kDim, &ref[0][id * kDim]);
+  }
+  for (int t = 0; t < kSteps; ++t) {
+    std::map<int64_t, std::vector<float>> sum;
+    for (int r = 0; r < spec.workers; ++r) {
+      for (int64_t id : BatchIds(r, t)) {
+        auto& g = sum[id];
+        g.resize(kDim, 0.0f);
+        for (int j = 0; j < kDim; ++j) g[j] += RowGrad(r, t, id, j);
+      }
+    }
+    ref[t + 1] = ref[t];
+    for (auto& [id, g] : sum) {
+      for (int j = 0; j < kDim; ++j) {
+        ref[t + 1][id * kDim + j] = ref[t][id * kDim + j] - 0.5f * (0.25f * g[j]);
+      }
+    }
+  }
+  std::atomic<int> mismatches{0};
+  std::vector<std::vector<float>> final_rows(spec.workers);
+  std::vector<uint64_t> control_delta(spec.workers, 99);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.emplace_back([&, r] {
+      std::vector<float> w(300), gw(300);
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterTensor("w", w.data(), gw.data(), {300}).ok());
+      ASSERT_TRUE(cl.RegisterEmbedding("emb", kRows, kDim, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      const int me = static_cast<int>(cl.rank());
+      uint64_t control0 = 0;
+      for (int t = 0; t < kSteps; ++t) {
+        if (t == 1) control0 = cl.counters().control_messages_sent;
+        const std::vector<int64_t> ids = BatchIds(me, t);
+        std::vector<float> rows(ids.size() * kDim);
+        Status st = cl.PullRows("emb", ids.data(), ids.size(), rows.data());
+        ASSERT_TRUE(st.ok()) << st;
+        for (size_t i = 0; i < ids.size(); ++i) {
+          for (int j = 0; j < kDim; ++j) {
+            if (rows[i * kDim + j] != ref[t][ids[i] * kDim + j]) ++mismatches;
+          }
+        }
+        std::vector<float> grads(ids.size() * kDim);
+        for (size_t i = 0; i < ids.size(); ++i) {
+          for (int j = 0; j < kDim; ++j) grads[i * kDim + j] = RowGrad(me, t, ids[i], j);
+        }
+        ASSERT_TRUE(cl.AddRowGradients("emb", ids.data(), ids.size(), grads.data()).ok());
+        std::fill(gw.begin(), gw.end(), 0.25f);
+        st = cl.Step();
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      control_delta[r] = cl.counters().control_messages_sent - control0;
+      std::vector<int64_t> all(kRows);
+      for (int64_t i = 0; i < kRows; ++i) all[i] = i;
+      final_rows[r].resize(kRows * kDim);
+      Status st = cl.PullRows("emb", all.data(), all.size(), final_rows[r].data());
+      ASSERT_TRUE(st.ok()) << st;
+      // The dense tensor trained beside it: 8 steps of lr 0.5 x 0.25.
+      EXPECT_FLOAT_EQ(w[0], w[299]);
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(mismatches.load(), 0) << "a BSP read did not see exactly the steps before it";
+  for (int r = 0; r < spec.workers; ++r) {
+    ASSERT_EQ(final_rows[r].size(), ref[kSteps].size());
+    int bad = 0;
+    for (size_t i = 0; i < ref[kSteps].size(); ++i) bad += final_rows[r][i] != ref[kSteps][i];
+    EXPECT_EQ(bad, 0) << "worker " << r << ": rows after " << kSteps << " steps differ";
+    EXPECT_EQ(control_delta[r], 0u) << "steady-state steps sent control messages";
+  }
+}
+
+// The consistency bound of every row read, per mode: each worker's push adds 1 to row
+// (100 + its rank) and to a shared row 7 (lr 1, sum, gradient -1, zero-initialised rows), so a
+// row counts the pushes applied. At clock c a read must include every push of clocks < c - s
+// (BSP: s = 0, exactly all of them; SSP: s; ASP: no bound, only the final count).
+class EmbeddingModeTest
+    : public ::testing::TestWithParam<std::tuple<std::string, control::ConsistencyMode>> {
+ protected:
+  void SetUp() override {
+    const std::string why = SkipReason(std::get<0>(GetParam()));
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(EmbeddingModeTest, EveryReadHoldsTheModesBound) {
+  ClusterSpec spec;
+  spec.transport = std::get<0>(GetParam());
+  spec.mode = std::get<1>(GetParam());
+  spec.staleness = spec.mode == control::SSP ? 2 : 0;
+  spec.workers = 3;
+  spec.servers = 2;
+  spec.optimizer.lr = 1.0f;
+  spec.average = false;
+  Cluster cluster(spec);
+  const int kSteps = 20;
+  EmbeddingOptions eo;
+  eo.max_ids = 8;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  std::atomic<int> violations{0};
+  std::atomic<int> max_lead{0};
+  std::vector<float> final_counts(spec.workers + 1, -1.0f);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.emplace_back([&, r] {
+      std::mt19937 rng(1000 + r);
+      std::vector<float> w(16), gw(16);
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterTensor("w", w.data(), gw.data(), {16}).ok());
+      ASSERT_TRUE(cl.RegisterEmbedding("counts", 200, 4, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      const int me = static_cast<int>(cl.rank());
+      const std::vector<int64_t> rows = {100, 101, 102, 7};
+      std::vector<float> got(rows.size() * 4);
+      for (int t = 0; t < kSteps; ++t) {
+        const int64_t mine[2] = {100 + me, 7};
+        const std::vector<float> minus(8, -1.0f);
+        ASSERT_TRUE(cl.AddRowGradients("counts", mine, 2, minus.data()).ok());
+        std::this_thread::sleep_for(milliseconds(rng() % (me == 0 ? 20 : 5)));
+        Status st = cl.Step();
+        ASSERT_TRUE(st.ok()) << st;
+        st = cl.PullRows("counts", rows.data(), rows.size(), got.data());
+        ASSERT_TRUE(st.ok()) << st;
+        const int64_t clock = static_cast<int64_t>(cl.clock());
+        const int64_t s = spec.mode == control::ASP ? clock : spec.staleness;
+        for (int k = 0; k < spec.workers; ++k) {
+          const float n = got[k * 4];
+          if (n < clock - s && violations++ < 3) {
+            ADD_FAILURE() << "worker " << me << " clock " << clock << " row " << rows[k] << " count " << n;
+          }
+          max_lead = std::max<int>(max_lead, static_cast<int>(clock - n));
+          for (int j = 1; j < 4; ++j) {
+            if (got[k * 4 + j] != got[k * 4] && violations++ < 3) {  // a row is one version
+              ADD_FAILURE() << "row " << rows[k] << " values " << got[k * 4] << " " << got[k * 4 + j];
+            }
+          }
+        }
+        if (spec.mode == control::BSP && got[3 * 4] != 3.0f * clock && violations++ < 3) {
+          ADD_FAILURE() << "shared row " << got[12] << " at clock " << clock;
+        }
+      }
+      // After every worker's last step: all pushes are in (BSP/SSP: the next reads wait).
+      ASSERT_TRUE(cl.Clock().ok());
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(violations.load(), 0);
+  if (spec.mode == control::SSP) {
+    EXPECT_GE(max_lead.load(), 1) << "the bound was never exercised";
+  }
+}
+
+// Bad input: each a clear error naming the table, nothing half-done, the client still running.
+TEST_P(EmbeddingTest, BadInputIsAClearError) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 2;
+  spec.optimizer.lr = 1.0f;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 4;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  EXPECT_EQ(cl.RegisterEmbedding("bad", 0, 4, TensorDType::kFloat32, eo).code(),
+            StatusCode::kInvalidArgument);
+  EmbeddingOptions zero = eo;
+  zero.max_ids = 0;
+  EXPECT_EQ(cl.RegisterEmbedding("bad", 10, 4, TensorDType::kFloat32, zero).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(cl.RegisterEmbedding("t", 50, 4, TensorDType::kFloat32, eo).ok());
+  EXPECT_EQ(cl.RegisterEmbedding("t", 50, 4, TensorDType::kFloat32, eo).code(),
+            StatusCode::kAlreadyExists);
+  ASSERT_TRUE(cl.Start().ok());
+  std::vector<float> out(4 * 4);
+  const int64_t outside[2] = {3, 50};
+  Status st = cl.PullRows("t", outside, 2, out.data());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("'t'"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("50"), std::string::npos) << st;
+  const int64_t negative = -1;
+  EXPECT_EQ(cl.PullRows("t", &negative, 1, out.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cl.PullRows("nope", outside, 1, out.data()).code(), StatusCode::kNotFound);
+  // max_ids 4 per shard (2 shards: ids even / odd): 5 distinct even ids are too many; nothing
+  // is added, so the next push carries only what came before.
+  const std::vector<float> ones(6 * 4, -1.0f);
+  const int64_t ok_ids[1] = {1};
+  ASSERT_TRUE(cl.AddRowGradients("t", ok_ids, 1, ones.data()).ok());
+  const int64_t many[5] = {0, 2, 4, 6, 8};
+  st = cl.AddRowGradients("t", many, 5, ones.data());
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("max_ids"), std::string::npos) << st;
+  const int64_t dup[5] = {0, 0, 2, 2, 4};  // 3 distinct: fine
+  ASSERT_TRUE(cl.AddRowGradients("t", dup, 5, ones.data()).ok());
+  // A dense call on a table and a table call on nothing.
+  EXPECT_EQ(cl.Pull("t").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cl.SetState("t", Client::StatePart::kWeights, 0).code(), StatusCode::kUnimplemented);
+  UpdateRule momentum;
+  momentum.kind = UpdateRule::Kind::kSgd;
+  momentum.lr = 0.1f;
+  momentum.momentum = 0.9f;
+  st = cl.SetUpdateRule("t", momentum);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  ASSERT_TRUE(cl.Step().ok());
+  const int64_t check[4] = {0, 1, 2, 4};
+  ASSERT_TRUE(cl.PullRows("t", check, 4, out.data()).ok());
+  EXPECT_EQ(out[0], 2.0f);   // row 0: -1 twice, lr 1
+  EXPECT_EQ(out[4], 1.0f);   // row 1
+  EXPECT_EQ(out[8], 2.0f);   // row 2
+  EXPECT_EQ(out[12], 1.0f);  // row 4
+  EXPECT_EQ(cl.counters().rows_pushed, 4u);
+  EXPECT_TRUE(cl.Close().ok());
+}
+
+// Adagrad and lazy Adam (torch's sparse semantics) on one worker, against the rule computed
+// here; rows never touched keep their initial value and their state.
+TEST_P(EmbeddingTest, SparseOptimizersFollowTheirRule) {
+  for (const UpdateRule::Kind kind : {UpdateRule::Kind::kAdagrad, UpdateRule::Kind::kAdam}) {
+    ClusterSpec spec;
+    spec.transport = GetParam();
+    spec.workers = 1;
+    spec.servers = 2;
+    Cluster cluster(spec);
+    auto c = Client::Connect(cluster.WorkerOptions(0));
+    ASSERT_TRUE(c.ok()) << c.status();
+    Client& cl = **c;
+    EmbeddingOptions eo;
+    eo.max_ids = 16;
+    eo.init_seed = 9;
+    ASSERT_TRUE(cl.RegisterEmbedding("t", 64, 4, TensorDType::kFloat32, eo).ok());
+    ASSERT_TRUE(cl.Start().ok());
+    UpdateRule rule;
+    rule.kind = kind;
+    rule.lr = 0.05f;
+    rule.eps = kind == UpdateRule::Kind::kAdagrad ? 1e-10f : 1e-8f;
+    rule.lr_decay = kind == UpdateRule::Kind::kAdagrad ? 0.01f : 0.0f;
+    rule.initial_accumulator_value = kind == UpdateRule::Kind::kAdagrad ? 0.1f : 0.0f;
+    ASSERT_TRUE(cl.SetUpdateRule("t", rule).ok());
+    std::vector<double> w(64 * 4), s1(64 * 4, rule.initial_accumulator_value), s2(64 * 4, 0);
+    std::vector<float> init(4);
+    for (int64_t id = 0; id < 64; ++id) {
+      InitRow(RowInitKind::kNormal, 1.0f, 9, static_cast<uint64_t>(id), 4, init.data());
+      for (int j = 0; j < 4; ++j) w[id * 4 + j] = init[j];
+    }
+    std::vector<int> shard_steps(2, 0);
+    for (int t = 0; t < 6; ++t) {
+      const std::vector<int64_t> ids = {t % 3, 10 + t, 20, 20};  // row 20 twice: summed
+      std::vector<float> g(ids.size() * 4);
+      for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>((i * 7 + t) % 5) - 2.0f;
+      ASSERT_TRUE(cl.AddRowGradients("t", ids.data(), ids.size(), g.data()).ok());
+      ASSERT_TRUE(cl.Step().ok());
+      std::map<int64_t, std::vector<double>> sum;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        auto& v = sum[ids[i]];
+        v.resize(4, 0.0);
+        for (int j = 0; j < 4; ++j) v[j] += g[i * 4 + j];
+      }
+      // Every shard steps once per clock (every worker pushes every shard every step).
+      for (int k = 0; k < 2; ++k) ++shard_steps[k];
+      for (auto& [id, gv] : sum) {
+        const double step = shard_steps[id % 2];
+        for (int j = 0; j < 4; ++j) {
+          double& x = w[id * 4 + j];
+          const double gj = gv[j];
+          if (kind == UpdateRule::Kind::kAdagrad) {
+            s1[id * 4 + j] += gj * gj;
+            const double clr = 0.05 / (1 + (step - 1) * 0.01);
+            x -= clr * gj / (std::sqrt(s1[id * 4 + j]) + 1e-10);
+          } else {
+            double& m = s1[id * 4 + j];
+            double& v = s2[id * 4 + j];
+            m += (gj - m) * 0.1;
+            v += (gj * gj - v) * 0.001;
+            const double ss = 0.05 * std::sqrt(1 - std::pow(0.999, step)) / (1 - std::pow(0.9, step));
+            x -= ss * m / (std::sqrt(v) + 1e-8);
+          }
+        }
+      }
+    }
+    std::vector<int64_t> all(64);
+    for (int64_t i = 0; i < 64; ++i) all[i] = i;
+    std::vector<float> got(64 * 4);
+    ASSERT_TRUE(cl.PullRows("t", all.data(), all.size(), got.data()).ok());
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - w[i]));
+    EXPECT_LT(worst, 2e-5) << (kind == UpdateRule::Kind::kAdam ? "lazy adam" : "adagrad");
+    // Untouched rows (30..63 but 20) are exactly their initial values.
+    InitRow(RowInitKind::kNormal, 1.0f, 9, 50, 4, init.data());
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(got[50 * 4 + j], init[j]);
+    EXPECT_TRUE(cl.Close().ok());
+  }
+}
+
+// A 16-bit table: rows pulled in bfloat16 are the float32 master rounded; updates happen in
+// float32 on the server.
+TEST_P(EmbeddingTest, HalfPrecisionTableKeepsFloat32Master) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 2;
+  spec.optimizer.lr = 1.0f;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 4;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  ASSERT_TRUE(cl.RegisterEmbedding("h", 10, 2, TensorDType::kBFloat16, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  // 1000 steps of +1/1024 (bfloat16 1/1024 = 0x3A80): a 16-bit accumulator would stall at
+  // 0.25 (1 + 1/1024 rounds back), the float32 master reaches 1000/1024.
+  const int64_t id = 3;
+  const uint16_t g[2] = {0xBA80, 0xBA80};  // -1/1024
+  for (int t = 0; t < 300; ++t) {
+    ASSERT_TRUE(cl.AddRowGradients("h", &id, 1, g).ok());
+    ASSERT_TRUE(cl.Step().ok());
+  }
+  uint16_t out[2] = {0, 0};
+  ASSERT_TRUE(cl.PullRows("h", &id, 1, out).ok());
+  // 300/1024 = 0.29296875 in bfloat16: 0x3E96 (0.29296875 exactly).
+  EXPECT_EQ(out[0], 0x3E96) << std::hex << out[0];
+  EXPECT_EQ(out[1], 0x3E96);
+  EXPECT_TRUE(cl.Close().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, EmbeddingTest, ::testing::Values("tcp", "shm", "verbs"),
+                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(
+    TransportsModes, EmbeddingModeTest,
+    ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                       ::testing::Values(control::BSP, control::SSP, control::ASP)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" +
+             control::ConsistencyMode_Name(std::get<1>(info.param));
+    });
+
+}  // namespace
+}  // namespace shardps

@@ -1,0 +1,110 @@
+// RowTables: the worker side of row tables (embeddings; docs/embeddings.md). Per table: the
+// gradient rows added this step (duplicates summed), registered staging for its pushes (per
+// shard, per inbox parity: [ids | rows], kept until the server acknowledged the push, so a
+// failover can resend it), and registered staging for its reads.
+//
+//   pull  = per shard: READ the slot's ChunkHeader, then READs of the rows asked for (adjacent
+//           rows coalesced), posted back to back on one endpoint (executed in order). The
+//           header's min clock says the rows include every push the consistency bound needs
+//           (the server publishes it after writing them); each row's crc32c says it is not
+//           torn. A shard behind the bound, or a torn row, is read again (until wait_timeout).
+//   push  = the staged entries of one shard, written like a chunk's gradient (PushPipeline).
+//
+// No server code runs on either path.
+//
+// Thread safety: none. Owned by the client; the trainer's thread only.
+#ifndef SHARDPS_WORKER_ROW_TABLES_H_
+#define SHARDPS_WORKER_ROW_TABLES_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "proto/control.pb.h"
+#include "transport/transport.h"
+#include "worker/data_path.h"
+#include "worker/server_sessions.h"
+
+namespace shardps::worker {
+
+class RowTables {
+ public:
+  RowTables(const ClientOptions& options, const control::ClusterConfig& config,
+            transport::Fabric& fabric, ServerSessions& sessions, std::vector<Tensor>& tensors,
+            const std::vector<ChunkPlacement>& chunks, const StepClock& step);
+
+  // After the shard map: the staging of every table.
+  Status Setup();
+
+  Status AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads);
+  // PushPipeline: moves a shard's pending gradient rows into its push staging of `parity`
+  // (whose previous push the server has acknowledged); returns the bytes staged.
+  uint64_t Stage(uint32_t chunk, uint32_t parity);
+  // Where Stage put them.
+  transport::LocalSlice Staged(uint32_t chunk, uint32_t parity, uint64_t bytes) const;
+
+  // Client::PullRows. `required_plus1`: the min clock (+1) the rows must include.
+  // `recover` repairs a failed session (reconnect or failover) or says why not.
+  Status Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out, uint64_t required_plus1,
+              const std::function<Status()>& recover);
+  void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
+
+  uint64_t rows_pulled() const { return rows_pulled_; }
+  uint64_t row_reads() const { return row_reads_; }
+  uint64_t row_retries() const { return row_retries_; }
+  uint64_t rows_pushed() const { return rows_pushed_; }
+
+ private:
+  struct Table {
+    uint32_t tensor = 0;
+    uint32_t shards = 0;
+    uint32_t dim = 0;
+    uint32_t elem = 4;
+    uint32_t max_ids = 0;
+    uint64_t rows = 0;
+    uint64_t stride = 0;  // a row record's bytes (wire/region_layout.h RowHeader + values)
+    std::vector<uint32_t> shard_chunk;  // chunk id of shard k
+    // This step's gradient rows per shard: id -> index into ids/values (float32 sums).
+    struct Pending {
+      std::unordered_map<int64_t, uint32_t> index;
+      std::vector<int64_t> ids;
+      std::vector<float> values;
+    };
+    std::vector<Pending> pending;
+    uint64_t push_slot_bytes = 0;  // one (shard, parity)'s staging
+    std::unique_ptr<transport::MemoryRegion> push_staging;
+    std::unique_ptr<transport::MemoryRegion> header_staging;  // one ChunkHeader per shard
+    std::unique_ptr<transport::MemoryRegion> pull_staging;    // grows to the largest pull
+  };
+  // One shard's reads in flight: the distinct rows [begin, end) of the pull, in staging order.
+  struct ShardRead {
+    uint32_t shard = 0;
+    std::vector<uint64_t> locals;  // local rows to (re)read, ascending
+    std::vector<uint32_t> slots;   // their places in the pull staging
+  };
+  Status PostShard(Table& t, const ShardRead& r, uint64_t handle, int* signaled);
+
+  const ClientOptions& options_;
+  const control::ClusterConfig& config_;
+  transport::Fabric& fabric_;
+  ServerSessions& sessions_;
+  std::vector<Tensor>& tensors_;
+  const std::vector<ChunkPlacement>& chunks_;
+  const StepClock& step_;
+  std::vector<Table> tables_;
+  std::unordered_map<uint32_t, uint32_t> table_of_tensor_;
+  std::vector<std::pair<uint32_t, uint32_t>> shard_of_chunk_;  // (table, shard); table ~0u: dense
+  // The pull in flight: its handle, signaled reads completed, and the first error.
+  uint64_t pull_handle_ = 0;
+  int completed_ = 0;
+  bool failed_ = false;
+  uint64_t rows_pulled_ = 0, row_reads_ = 0, row_retries_ = 0, rows_pushed_ = 0;
+};
+
+}  // namespace shardps::worker
+
+#endif  // SHARDPS_WORKER_ROW_TABLES_H_
