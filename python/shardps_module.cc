@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/row_init.h"
 #include "shardps/client.h"
 
 namespace py = pybind11;
@@ -91,6 +92,29 @@ Buffer Describe(const py::object& obj, const std::string& what) {
                        std::string(py::str(py::type::of(obj))));
 }
 
+// A host buffer of int64 ids (numpy int64 or torch.int64, contiguous): pointer and count.
+std::pair<const int64_t*, size_t> DescribeIds(const py::object& obj) {
+  if (py::isinstance<py::array>(obj)) {
+    py::array a = py::reinterpret_borrow<py::array>(obj);
+    if (!a.dtype().is(py::dtype::of<int64_t>())) {
+      throw py::type_error("ids must be int64, not " + std::string(py::str(a.dtype())));
+    }
+    if (!(a.flags() & py::array::c_style)) throw py::value_error("ids must be C-contiguous");
+    return {static_cast<const int64_t*>(a.data()), static_cast<size_t>(a.size())};
+  }
+  if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "dtype")) {
+    if (std::string(py::str(obj.attr("dtype"))) != "torch.int64") {
+      throw py::type_error("ids must be torch.int64");
+    }
+    if (!obj.attr("is_contiguous")().cast<bool>() || obj.attr("is_cuda").cast<bool>()) {
+      throw py::value_error("ids must be a contiguous host tensor");
+    }
+    return {reinterpret_cast<const int64_t*>(obj.attr("data_ptr")().cast<uintptr_t>()),
+            obj.attr("numel")().cast<size_t>()};
+  }
+  throw py::type_error("ids: expected a numpy int64 array or a torch.int64 tensor");
+}
+
 class PyClient {
  public:
   PyClient(const std::string& coordinator, const std::string& cluster_token, int rank,
@@ -135,6 +159,48 @@ class PyClient {
     tensors_[name] = Held{weights, grads, w.data, g.data};
   }
 
+  void RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim,
+                         const std::string& dtype, uint32_t max_ids, const std::string& init,
+                         float init_scale, uint64_t init_seed) {
+    shardps::TensorDType t;
+    if (dtype == "float32") {
+      t = shardps::TensorDType::kFloat32;
+    } else if (dtype == "float16") {
+      t = shardps::TensorDType::kFloat16;
+    } else if (dtype == "bfloat16") {
+      t = shardps::TensorDType::kBFloat16;
+    } else {
+      throw py::value_error("dtype must be 'float32', 'float16' or 'bfloat16'");
+    }
+    shardps::EmbeddingOptions o;
+    o.max_ids = max_ids;
+    if (init == "normal") {
+      o.init = shardps::EmbeddingOptions::Init::kNormal;
+    } else if (init == "uniform") {
+      o.init = shardps::EmbeddingOptions::Init::kUniform;
+    } else if (init == "zeros") {
+      o.init = shardps::EmbeddingOptions::Init::kZeros;
+    } else {
+      throw py::value_error("init must be 'normal', 'uniform' or 'zeros'");
+    }
+    o.init_scale = init_scale;
+    o.init_seed = init_seed;
+    Check(Live().RegisterEmbedding(name, rows, dim, t, o));
+    tables_[name] = {dim, t};
+  }
+  // Rows `ids` of table `name` into `out` (n x dim, the table's dtype, contiguous host).
+  void PullRows(const std::string& name, const py::object& ids, const py::object& out) {
+    const auto [p, n] = DescribeIds(ids);
+    const Buffer b = Describe(out, "rows output of '" + name + "'");
+    CheckRowsBuffer(name, b, n);
+    Blocking([&](shardps::Client& c) { return c.PullRows(name, p, n, b.data); });
+  }
+  void AddRowGrads(const std::string& name, const py::object& ids, const py::object& grads) {
+    const auto [p, n] = DescribeIds(ids);
+    const Buffer b = Describe(grads, "row gradients of '" + name + "'");
+    CheckRowsBuffer(name, b, n);
+    Check(Live().AddRowGradients(name, p, n, b.data));
+  }
   void Start() {
     Blocking([](shardps::Client& c) { return c.Start(); });
   }
@@ -147,7 +213,7 @@ class PyClient {
   }
   void SetUpdateRule(const std::string& name, const std::string& kind, float lr, float momentum,
                      float dampening, bool nesterov, float weight_decay, float beta1,
-                     float beta2, float eps) {
+                     float beta2, float eps, float lr_decay, float initial_accumulator_value) {
     shardps::UpdateRule r;
     if (kind == "server") {
       r.kind = shardps::UpdateRule::Kind::kServer;
@@ -159,10 +225,14 @@ class PyClient {
       r.kind = shardps::UpdateRule::Kind::kAdamW;
     } else if (kind == "store") {
       r.kind = shardps::UpdateRule::Kind::kStore;
+    } else if (kind == "adagrad") {
+      r.kind = shardps::UpdateRule::Kind::kAdagrad;
     } else {
       Check(shardps::InvalidArgumentError("unknown update rule '" + kind +
-                                          "' (server, sgd, adam, adamw, store)"));
+                                          "' (server, sgd, adam, adamw, adagrad, store)"));
     }
+    r.lr_decay = lr_decay;
+    r.initial_accumulator_value = initial_accumulator_value;
     r.lr = lr;
     r.momentum = momentum;
     r.dampening = dampening;
@@ -264,6 +334,10 @@ class PyClient {
     d["pushes_lost"] = k.pushes_lost;
     d["bytes_pushed"] = k.bytes_pushed;
     d["bytes_pulled"] = k.bytes_pulled;
+    d["rows_pulled"] = k.rows_pulled;
+    d["row_reads"] = k.row_reads;
+    d["row_retries"] = k.row_retries;
+    d["rows_pushed"] = k.rows_pushed;
     return d;
   }
 
@@ -273,6 +347,26 @@ class PyClient {
     void* w;
     void* g;
   };
+  struct TableInfo {
+    int64_t dim;
+    shardps::TensorDType dtype;
+  };
+  void CheckRowsBuffer(const std::string& name, const Buffer& b, size_t n) {
+    auto it = tables_.find(name);
+    if (it == tables_.end()) Raise(shardps::NotFoundError("no row table '" + name + "'"));
+    int64_t elems = 1;
+    for (int64_t d : b.shape) elems *= d;
+    if (b.cuda) throw py::value_error("'" + name + "': row buffers are host memory");
+    if (b.dtype != it->second.dtype) {
+      throw py::type_error("'" + name + "': row buffer dtype differs from the table's");
+    }
+    if (elems != static_cast<int64_t>(n) * it->second.dim) {
+      throw py::value_error("'" + name + "': row buffer holds " + std::to_string(elems) +
+                            " values, not len(ids) x dim = " +
+                            std::to_string(static_cast<int64_t>(n) * it->second.dim));
+    }
+  }
+  std::map<std::string, TableInfo> tables_;
   shardps::Client& Live() {
     if (client_ == nullptr) Raise(shardps::FailedPreconditionError("client is closed"));
     return *client_;
@@ -311,6 +405,26 @@ PYBIND11_MODULE(_shardps, m) {
       PyExc_RuntimeError, nullptr);
   m.attr("Error") = py::reinterpret_borrow<py::object>(g_error);
   const shardps::ClientOptions d;
+  m.def(
+      "row_init",
+      [](const std::string& init, float scale, uint64_t seed, py::array_t<int64_t> ids,
+         uint32_t dim) {
+        shardps::RowInitKind k = init == "uniform" ? shardps::RowInitKind::kUniform
+                                 : init == "zeros" ? shardps::RowInitKind::kZeros
+                                                   : shardps::RowInitKind::kNormal;
+        if (init != "normal" && init != "uniform" && init != "zeros") {
+          throw py::value_error("init must be 'normal', 'uniform' or 'zeros'");
+        }
+        auto in = ids.unchecked<1>();
+        py::array_t<float> out({static_cast<py::ssize_t>(in.shape(0)), static_cast<py::ssize_t>(dim)});
+        float* o = out.mutable_data();
+        for (py::ssize_t i = 0; i < in.shape(0); ++i) {
+          shardps::InitRow(k, scale, seed, static_cast<uint64_t>(in(i)), dim, o + i * dim);
+        }
+        return out;
+      },
+      py::arg("init"), py::arg("scale"), py::arg("seed"), py::arg("ids"), py::arg("dim"),
+      "The initial values the servers give rows `ids` of a table (float32, len(ids) x dim).");
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
                     const std::string&, const std::string&, int, int64_t, int64_t, uint64_t>(),
@@ -325,6 +439,19 @@ PYBIND11_MODULE(_shardps, m) {
            "rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
       .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
+      .def("register_embedding", &PyClient::RegisterEmbedding, py::arg("name"), py::arg("rows"),
+           py::arg("dim"), py::arg("dtype") = "float32", py::arg("max_ids") = 16384,
+           py::arg("init") = "normal", py::arg("init_scale") = 1.0f, py::arg("init_seed") = 0,
+           "Registers a row table (an embedding) of rows x dim, sharded by row id over the "
+           "servers and initialised there (init: 'normal' N(0, scale^2), 'uniform' "
+           "U(-scale, scale), 'zeros'; shardps.row_init computes the same values).")
+      .def("pull_rows", &PyClient::PullRows, py::arg("name"), py::arg("ids"), py::arg("out"),
+           "Reads rows `ids` (int64) of a table into `out` (len(ids) x dim, the table's dtype) "
+           "with one-sided reads, at the consistency bound of the current clock.")
+      .def("add_row_grads", &PyClient::AddRowGrads, py::arg("name"), py::arg("ids"),
+           py::arg("grads"),
+           "Adds gradient rows for `ids` to the table's gradient of this step (duplicates "
+           "summed); the next push or step sends it.")
       .def("start", &PyClient::Start)
       .def("step", &PyClient::Step, "Push every tensor, clock, pull every tensor.")
       .def("push", &PyClient::Push, py::arg("name"))
@@ -338,7 +465,9 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("lr"), py::arg("momentum") = 0.0f, py::arg("dampening") = 0.0f,
            py::arg("nesterov") = false, py::arg("weight_decay") = 0.0f,
            py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
-           "The update rule ('server', 'sgd', 'adam', 'adamw', 'store') and hyper-parameters the "
+           py::arg("lr_decay") = 0.0f, py::arg("initial_accumulator_value") = 0.0f,
+           "The update rule ('server', 'sgd', 'adam', 'adamw', 'adagrad', 'store') and "
+           "hyper-parameters the "
            "servers apply to this worker's next pushes of tensor `name` ('' = every tensor), "
            "with torch.optim's semantics; it travels with the pushes.")
       .def("set_state", &PyClient::SetState, py::arg("name"), py::arg("part"),

@@ -65,6 +65,129 @@ def _rule_of(kind, group):
 
 _NONFINITE = "shardps.nonfinite_workers"
 
+# ---- Row tables: embeddings whose rows live on the servers (docs/embeddings.md) ------------
+
+_TABLE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TABLE_RULES = ("server", "sgd", "adagrad", "adam")
+
+
+class _PullRows(torch.autograd.Function):
+    """forward: the table's rows `uniq` (pulled, one-sided); backward: their gradient is added
+    to the table's gradient of this step (pushed by the optimizer's step())."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, uniq):
+        rows = torch.empty(len(uniq), table.embedding_dim, dtype=table.dtype)
+        table._client.pull_rows(table.table_name, uniq, rows)
+        ctx.table, ctx.uniq = table, uniq
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.detach().to(device="cpu", dtype=ctx.table.dtype).contiguous()
+        ctx.table._client.add_row_grads(ctx.table.table_name, ctx.uniq, g)
+        return None, None, None
+
+
+class _RowTable(torch.nn.Module):
+    def __init__(self, num_embeddings, embedding_dim, *, name=None, dtype=torch.float32,
+                 max_ids=16384, init="normal", init_scale=1.0, init_seed=0, optimizer="server",
+                 lr=0.0, eps=None, betas=(0.9, 0.999), lr_decay=0.0,
+                 initial_accumulator_value=0.0):
+        super().__init__()
+        if dtype not in _TABLE_DTYPES:
+            raise TypeError(f"a row table is float32, float16 or bfloat16, not {dtype}")
+        if optimizer not in _TABLE_RULES:
+            raise ValueError(f"a row table's optimizer is one of {_TABLE_RULES} (torch's sparse "
+                             f"rules: SGD, Adagrad, SparseAdam), not '{optimizer}'")
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.table_name, self.dtype, self.max_ids = name, dtype, int(max_ids)
+        self.init, self.init_scale, self.init_seed = init, float(init_scale), int(init_seed)
+        self.optimizer, self.lr, self.betas = optimizer, float(lr), tuple(betas)
+        self.eps = (1e-10 if optimizer == "adagrad" else 1e-8) if eps is None else float(eps)
+        self.lr_decay = float(lr_decay)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self._client = None
+        self._sent = None
+        # Makes the pulled rows part of the autograd graph (the table has no torch parameter).
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def attach(self, client, name=None):
+        """Registers the table with a client that has not started (DistributedOptimizer does
+        this for the tables of its model)."""
+        if name is not None and self.table_name is None:
+            self.table_name = name
+        if self.table_name is None:
+            raise ValueError("a row table needs a name")
+        client.register_embedding(self.table_name, self.num_embeddings, self.embedding_dim,
+                                  dtype=_TABLE_DTYPES[self.dtype], max_ids=self.max_ids,
+                                  init=self.init, init_scale=self.init_scale,
+                                  init_seed=self.init_seed)
+        self._client = client
+
+    def rule(self):
+        """The wire rule: (kind, lr, momentum, dampening, nesterov, wd, b1, b2, eps, lr_decay,
+        initial_accumulator_value)."""
+        return (self.optimizer, self.lr, 0.0, 0.0, False, 0.0, float(self.betas[0]),
+                float(self.betas[1]), self.eps, self.lr_decay, self.initial_accumulator_value)
+
+    def send_rule(self):
+        r = self.rule()
+        if r != self._sent:
+            self._client.set_rule(self.table_name, *r[:9], lr_decay=r[9],
+                                  initial_accumulator_value=r[10])
+            self._sent = r
+
+    def _rows(self, ids):
+        if self._client is None:
+            raise RuntimeError(f"row table '{self.table_name}' is not attached to a client "
+                               "(build DistributedOptimizer over the model first)")
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        rows = _PullRows.apply(self._anchor, self, uniq.contiguous())
+        if ids.is_cuda:
+            rows = rows.to(ids.device)
+            inverse = inverse.to(ids.device)
+        return rows, inverse
+
+    def extra_repr(self):
+        return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.table_name!r}, "
+                f"optimizer={self.optimizer!r}, lr={self.lr}")
+
+
+class Embedding(_RowTable):
+    """torch.nn.Embedding whose table lives on the parameter servers, sharded by row id.
+
+    forward(ids) reads only the distinct rows of the batch (one-sided reads, at the cluster's
+    consistency bound); backward adds their gradient rows to this step's sparse gradient, which
+    DistributedOptimizer.step() pushes (one push per shard). The servers apply the table's own
+    sparse rule (`optimizer`: "sgd", "adagrad", "adam" (lazy, as torch.optim.SparseAdam) or
+    "server"), with `lr` (0: the servers' --lr) and its hyper-parameters; set `.lr` for a
+    schedule. Rows start from `init` ("normal" N(0, init_scale^2) as torch's, "uniform",
+    "zeros"), computed by the servers from (init_seed, row id): shardps.row_init gives the same
+    values. max_ids bounds the distinct rows of one step per shard.
+    """
+
+    def forward(self, ids):
+        rows, inverse = self._rows(ids)
+        return torch.nn.functional.embedding(inverse, rows).reshape(*ids.shape,
+                                                                    self.embedding_dim)
+
+
+class EmbeddingBag(_RowTable):
+    """torch.nn.EmbeddingBag over a row table (see Embedding): mode "sum", "mean" or "max";
+    input 2-D (bags of equal length) or 1-D with offsets; per_sample_weights with "sum"."""
+
+    def __init__(self, num_embeddings, embedding_dim, mode="mean", **kwargs):
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        self.mode = mode
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        rows, inverse = self._rows(input)
+        inverse = inverse.reshape(input.shape)
+        return torch.nn.functional.embedding_bag(inverse, rows, offsets, mode=self.mode,
+                                                 per_sample_weights=per_sample_weights)
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Pushes gradients and pulls parameters through a shardps.Client every step().
@@ -212,7 +335,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_finite = check_finite
         self.skipped = False  # whether the last step was skipped (a worker's non-finite grads)
         self._cuda = any(p.is_cuda for _, p, _ in self._params)
+        # Row tables of the model: registered (after the dense tensors, in module order, the
+        # same on every worker) and attached to this client.
+        self._tables = []
+        if isinstance(model_or_named_params, torch.nn.Module):
+            for mname, m in model_or_named_params.named_modules():
+                if isinstance(m, _RowTable):
+                    m.attach(client, m.table_name or mname or "embedding")
+                    self._tables.append(m)
+        if self._tables and self._sync is not None:
+            raise ValueError("overlap=True does not push row tables yet: use overlap=False "
+                             "with shardps.torch.Embedding / EmbeddingBag")
         client.start()  # rank 0's weights become every worker's
+        for m in self._tables:
+            m.send_rule()
         if self._sync is None:
             client.set_rule(_NONFINITE, "store", 0.0)
         else:
@@ -326,6 +462,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _send_lr(self):
+        for m in self._tables:
+            m.send_rule()  # a table's lr may follow a schedule too
         # Each group's current rule (a scheduler may have changed its lr, momentum or betas)
         # goes with the next pushes of its parameters; only changes touch the client. With
         # overlap the tensors are the group's buckets, and this runs before a step's first push.

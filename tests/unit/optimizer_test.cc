@@ -61,7 +61,7 @@ TEST(OptimizerTest, UpdateRuleChecksRefuseWhatCannotBeApplied) {
     mutate(r);
     return layout::CheckUpdateRule(r) != nullptr;
   };
-  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags = 5; }));
+  EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags = 6; }));
   EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.kind_flags |= 1u << 9; }));
   EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = std::nanf(""); }));
   EXPECT_TRUE(bad([](layout::UpdateRule& r) { r.lr = -0.1f; }));
@@ -127,6 +127,34 @@ TEST(OptimizerTest, AdamWDecaysTheWeightAdamDecaysTheGradient) {
   EXPECT_EQ(a.state1().size(), 1u);
   EXPECT_EQ(a.state2().size(), 1u);
   EXPECT_EQ(a.steps(), 1u);
+}
+
+// Dense Adagrad, torch.optim.Adagrad's rule: the accumulator starts at
+// initial_accumulator_value, the rate decays by lr_decay per step, weight decay is L2.
+TEST(OptimizerTest, AdagradFollowsTorchsRule) {
+  ChunkOptimizer o(OptimizerConfig{}, 2);
+  layout::UpdateRule r{};
+  r.kind_flags = static_cast<uint32_t>(layout::RuleKind::kAdagrad);
+  r.lr = 0.1f;
+  r.momentum = 0.5f;   // lr_decay
+  r.dampening = 0.2f;  // initial_accumulator_value
+  r.weight_decay = 0.01f;
+  r.eps = 1e-10f;
+  ASSERT_EQ(layout::CheckUpdateRule(r), nullptr);
+  float w[2] = {1.0f, -1.0f}, out[2];
+  const float g[2] = {0.5f, -2.0f};
+  double ref[2] = {1.0, -1.0}, sum[2] = {0.2, 0.2};
+  for (int t = 1; t <= 3; ++t) {
+    o.Apply(w, g, 1.0f, 1.0f, out, r);
+    for (int i = 0; i < 2; ++i) {
+      const double gi = g[i] + 0.01 * ref[i];
+      sum[i] += gi * gi;
+      ref[i] -= 0.1 / (1 + (t - 1) * 0.5) * gi / (std::sqrt(sum[i]) + 1e-10);
+      EXPECT_NEAR(out[i], ref[i], 1e-6) << "step " << t;
+      w[i] = out[i];
+    }
+  }
+  EXPECT_EQ(o.state1().size(), 2u);
 }
 
 TEST(OptimizerTest, StoreKeepsThePushedValue) {

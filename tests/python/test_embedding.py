@@ -1,0 +1,143 @@
+"""shardps.torch.Embedding / EmbeddingBag (row tables on the servers) against plain torch with
+sparse embeddings, on real local clusters (tcp). One worker, BSP: the servers' sparse rules
+(SGD, Adagrad, lazy Adam = torch.optim.SparseAdam) must give torch's losses and rows."""
+import unittest
+
+import numpy as np
+
+import shardps
+import shardps.launch
+
+try:
+    import torch
+    import shardps.torch as spt
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+def cluster():
+    return shardps.launch.LocalCluster(servers=2, workers=1, consistency="bsp", transport="tcp",
+                                       grace=1.0)
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class EmbeddingTest(unittest.TestCase):
+    ROWS, BAG_ROWS, DIM = 1000, 500, 8
+
+    def batches(self, steps):
+        g = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            a = torch.randint(0, self.ROWS, (16, 3), generator=g)
+            a[:, 0] = a[0, 0]  # a duplicated row in every batch
+            yield a, torch.randint(0, self.BAG_ROWS, (16, 4), generator=g)
+
+    def run_pair(self, emb_rule, emb_kw, torch_opt):
+        steps = 25
+        torch.manual_seed(1)
+        fc0 = torch.nn.Linear(2 * self.DIM, 1).state_dict()
+        target = torch.linspace(-1, 1, 16).unsqueeze(1)
+
+        class M(torch.nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.emb = spt.Embedding(self.ROWS, self.DIM, optimizer=emb_rule, init="uniform",
+                                      init_scale=0.1, init_seed=3, **emb_kw)
+                s.bag = spt.EmbeddingBag(self.BAG_ROWS, self.DIM, mode="mean",
+                                         optimizer="sgd", lr=0.2)
+                s.fc = torch.nn.Linear(2 * self.DIM, 1)
+                s.fc.load_state_dict(fc0)
+
+            def forward(s, a, b):
+                return s.fc(torch.cat([s.emb(a).sum(1), s.bag(b)], 1))
+
+        ours = []
+        with cluster() as cl:
+            m = M()
+            opt = spt.DistributedOptimizer(torch.optim.SGD(m.fc.parameters(), lr=0.05), m,
+                                           coordinator=cl.address, cluster_token=cl.token,
+                                           rank=0, transport="tcp")
+            for a, b in self.batches(steps):
+                opt.zero_grad()
+                loss = ((m(a, b) - target) ** 2).mean()
+                loss.backward()
+                opt.step()
+                ours.append(float(loss))
+            with torch.no_grad():
+                rows = m.emb(torch.arange(self.ROWS)).clone()
+            counters = opt.client.counters()
+            opt.close()
+
+        class R(torch.nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.emb = torch.nn.Embedding(self.ROWS, self.DIM, sparse=True)
+                s.bag = torch.nn.EmbeddingBag(self.BAG_ROWS, self.DIM, mode="mean", sparse=True)
+                s.fc = torch.nn.Linear(2 * self.DIM, 1)
+                s.fc.load_state_dict(fc0)
+                with torch.no_grad():
+                    s.emb.weight.copy_(torch.from_numpy(shardps.row_init(
+                        "uniform", 0.1, 3, np.arange(self.ROWS, dtype=np.int64), self.DIM)))
+                    s.bag.weight.copy_(torch.from_numpy(shardps.row_init(
+                        "normal", 1.0, 0, np.arange(self.BAG_ROWS, dtype=np.int64), self.DIM)))
+
+            def forward(s, a, b):
+                return s.fc(torch.cat([s.emb(a).sum(1), s.bag(b)], 1))
+
+        r = R()
+        opts = [torch_opt(r.emb.parameters()),
+                torch.optim.SGD(r.bag.parameters(), lr=0.2),
+                torch.optim.SGD(r.fc.parameters(), lr=0.05)]
+        theirs = []
+        for a, b in self.batches(steps):
+            for o in opts:
+                o.zero_grad()
+            loss = ((r(a, b) - target) ** 2).mean()
+            loss.backward()
+            for o in opts:
+                o.step()
+            theirs.append(float(loss))
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+        # The rows themselves (float32 on both sides; only summation order differs).
+        np.testing.assert_allclose(rows.numpy(), r.emb.weight.detach().numpy(), atol=2e-5)
+        self.assertGreater(ours[0], ours[-1])  # it trained
+        # Each step read only the batch's distinct rows (at most 48 + 64), never the table.
+        self.assertLessEqual(counters["rows_pulled"], steps * (48 + 64) + self.ROWS)
+        return ours
+
+    def test_sgd_rows_match_torch_sparse(self):
+        self.run_pair("sgd", {"lr": 0.3}, lambda p: torch.optim.SGD(p, lr=0.3))
+
+    def test_adagrad_rows_match_torch_sparse(self):
+        self.run_pair("adagrad", {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1},
+                      lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01,
+                                                    initial_accumulator_value=0.1))
+
+    def test_lazy_adam_rows_match_torch_sparse_adam(self):
+        self.run_pair("adam", {"lr": 0.02, "betas": (0.8, 0.99)},
+                      lambda p: torch.optim.SparseAdam(list(p), lr=0.02, betas=(0.8, 0.99)))
+
+    def test_bad_ids_and_rules_are_clear_errors(self):
+        with cluster() as cl:
+            m = torch.nn.ModuleDict({"emb": spt.Embedding(10, 4, optimizer="sgd", lr=0.1),
+                                     "fc": torch.nn.Linear(4, 1)})
+            opt = spt.DistributedOptimizer(torch.optim.SGD(m["fc"].parameters(), lr=0.1), m,
+                                           coordinator=cl.address, cluster_token=cl.token,
+                                           rank=0, transport="tcp")
+            with self.assertRaises(shardps.Error) as e:
+                m["emb"](torch.tensor([1, 10]))
+            self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+            self.assertIn("'emb'", e.exception.message)
+            with self.assertRaises(shardps.Error):
+                opt.client.set_rule("emb", "sgd", 0.1, momentum=0.9)
+            with self.assertRaises(TypeError):
+                opt.client.pull_rows("emb", np.array([1.0]), np.zeros(4, np.float32))
+            with self.assertRaises(ValueError):
+                opt.client.pull_rows("emb", np.array([1], np.int64), np.zeros(3, np.float32))
+            self.assertEqual(m["emb"](torch.tensor([3])).shape, (1, 4))  # still working
+            opt.close()
+        with self.assertRaises(ValueError):
+            spt.Embedding(10, 4, optimizer="adamw")
+
+
+if __name__ == "__main__":
+    unittest.main()
