@@ -370,6 +370,10 @@ class ProcessTestBase : public ::testing::Test {
   static void ExpectSameWeights(WorkerResult& got, WorkerResult& ref, int rank) {
     EXPECT_EQ(got.tensors["W"], ref.tensors["W"]) << "worker " << rank << ": W differs";
     EXPECT_EQ(got.tensors["b"], ref.tensors["b"]) << "worker " << rank << ": b differs";
+    if (ref.tensors.count("E") != 0) {  // a row table (--embedding_rows)
+      EXPECT_EQ(got.tensors["E"].size(), ref.tensors["E"].size());
+      EXPECT_EQ(got.tensors["E"], ref.tensors["E"]) << "worker " << rank << ": row table differs";
+    }
   }
 
   std::string dir_;

@@ -71,6 +71,8 @@ DEFINE_int32(steps, 20, "Training steps");
 DEFINE_int32(batch, 8, "linreg: samples per worker per step");
 DEFINE_int32(dim, 64, "linreg: input features");
 DEFINE_int32(outputs, 8, "linreg: outputs");
+DEFINE_int32(embedding_rows, 0,
+             "linreg: also train a row table E of this many rows x 4 (0: none); see RowTask");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
 DEFINE_int32(staleness, 0, "counter: the SSP bound s to check");
 DEFINE_int32(max_delay_ms, 0, "Random sleep in [0, max) before each step (seeded by rank)");
@@ -147,6 +149,41 @@ struct LinReg {
   }
   uint64_t FirstSample(int step, int workers, int rank, int batch) const {
     return (static_cast<uint64_t>(step) * workers + rank) * batch;
+  }
+};
+
+// The row table's task (--embedding_rows): each step, worker r reads the rows of its ids (three
+// seeded ids, and a hot row every worker shares, twice) and pushes g = e_id - target_id per
+// occurrence: least squares of every row toward its target. The gradient depends on the rows
+// read, so a read that missed a step shows in the result.
+struct RowTask {
+  static constexpr int kDim = 4;
+  static std::vector<int64_t> Ids(int step, int rank, int rows) {
+    std::vector<int64_t> ids;
+    for (uint64_t k = 0; k < 3; ++k) {
+      ids.push_back(static_cast<int64_t>(SplitMix((uint64_t(step) * 64 + rank) * 8 + k) % rows));
+    }
+    ids.push_back(step % 7);
+    ids.push_back(step % 7);
+    return ids;
+  }
+  static float Target(int64_t id, int j) { return Uniform((5ull << 60) ^ (id * 8 + j)); }
+  // One worker's gradient rows for `ids`, given the rows it read, summed per id in the order
+  // the client sums them (first occurrence order, from zero): (ids, sums).
+  static void Coalesce(const std::vector<int64_t>& ids, const std::vector<float>& rows,
+                       std::vector<int64_t>* uniq, std::vector<float>* sums) {
+    uniq->clear();
+    sums->clear();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      size_t u = std::find(uniq->begin(), uniq->end(), ids[i]) - uniq->begin();
+      if (u == uniq->size()) {
+        uniq->push_back(ids[i]);
+        sums->resize(sums->size() + kDim, 0.0f);
+      }
+      for (int j = 0; j < kDim; ++j) {
+        (*sums)[u * kDim + j] += rows[i * kDim + j] - Target(ids[i], j);
+      }
+    }
   }
 };
 
@@ -261,7 +298,35 @@ int RunStandalone() {
   const float lr = static_cast<float>(FLAGS_lr);  // the servers hold lr as a float too
   const float scale = 1.0f / static_cast<float>(FLAGS_workers);
   float max_abs_grad = 0;
+  const int erows = FLAGS_embedding_rows;
+  std::vector<float> e(static_cast<size_t>(erows) * RowTask::kDim, 0.0f);  // zeros-initialised
   for (int t = 0; t < FLAGS_steps; ++t) {
+    if (erows > 0) {
+      // The servers' BSP clock of a row shard: each row's sum over the workers in rank order
+      // (each worker's own sum first), then w - lr * (scale * sum) (server/row_shard.cc).
+      std::map<int64_t, std::vector<float>> sum;
+      for (int r = 0; r < FLAGS_workers; ++r) {
+        const std::vector<int64_t> ids = RowTask::Ids(t, r, erows);
+        std::vector<float> rows(ids.size() * RowTask::kDim);
+        for (size_t i = 0; i < ids.size(); ++i) {
+          std::copy_n(&e[ids[i] * RowTask::kDim], RowTask::kDim, &rows[i * RowTask::kDim]);
+        }
+        std::vector<int64_t> uniq;
+        std::vector<float> sums;
+        RowTask::Coalesce(ids, rows, &uniq, &sums);
+        for (size_t u = 0; u < uniq.size(); ++u) {
+          std::vector<float>& acc = sum[uniq[u]];
+          acc.resize(RowTask::kDim, 0.0f);
+          for (int j = 0; j < RowTask::kDim; ++j) acc[j] += sums[u * RowTask::kDim + j];
+        }
+      }
+      for (auto& [id, g] : sum) {
+        for (int j = 0; j < RowTask::kDim; ++j) {
+          float& x = e[id * RowTask::kDim + j];
+          x = x - lr * (scale * g[j]);
+        }
+      }
+    }
     std::fill(sw.begin(), sw.end(), 0.0f);
     std::fill(sb.begin(), sb.end(), 0.0f);
     for (int r = 0; r < FLAGS_workers; ++r) {  // the union of the workers' minibatches
@@ -286,6 +351,7 @@ int RunStandalone() {
   r.workers = static_cast<uint32_t>(FLAGS_workers);
   r.max_abs_grad = max_abs_grad;
   r.tensors = {{"W", &w}, {"b", &b}};
+  if (erows > 0) r.tensors.push_back({"E", &e});
   return WriteResult(r);
 }
 
@@ -364,6 +430,13 @@ int RunCluster() {
       linreg ? std::vector<int64_t>{FLAGS_dim, FLAGS_outputs} : std::vector<int64_t>{wshape};
   Status st = c.RegisterTensor("W", w.data(), gw.data(), shape_w);
   if (st.ok()) st = c.RegisterTensor("b", b.data(), gb.data(), {static_cast<int64_t>(nb)});
+  const int erows = linreg ? FLAGS_embedding_rows : 0;
+  if (st.ok() && erows > 0) {
+    shardps::EmbeddingOptions eo;
+    eo.max_ids = 16;
+    eo.init = shardps::EmbeddingOptions::Init::kZeros;
+    st = c.RegisterEmbedding("E", erows, RowTask::kDim, shardps::TensorDType::kFloat32, eo);
+  }
   if (st.ok()) st = c.Start();
   if (!st.ok()) {
     fprintf(stderr, "ps_test_worker rank %d: setup failed: %s\n", me, st.ToString().c_str());
@@ -380,6 +453,23 @@ int RunCluster() {
     }
     if (FLAGS_max_delay_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % FLAGS_max_delay_ms));
+    }
+    if (linreg && erows > 0) {
+      const std::vector<int64_t> ids = RowTask::Ids(t, me, erows);
+      std::vector<float> rows(ids.size() * RowTask::kDim);
+      st = c.PullRows("E", ids.data(), ids.size(), rows.data());
+      std::vector<float> g(ids.size() * RowTask::kDim);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        for (int j = 0; j < RowTask::kDim; ++j) {
+          g[i * RowTask::kDim + j] = rows[i * RowTask::kDim + j] - RowTask::Target(ids[i], j);
+        }
+      }
+      if (st.ok()) st = c.AddRowGradients("E", ids.data(), ids.size(), g.data());
+      if (!st.ok()) {
+        fprintf(stderr, "ps_test_worker rank %d: rows of step %d: %s\n", me, t,
+                st.ToString().c_str());
+        return 5;
+      }
     }
     if (linreg) {
       m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, me, FLAGS_batch), FLAGS_batch, &gw, &gb);
@@ -439,6 +529,18 @@ int RunCluster() {
   }
   r.injected_errors = faults ? faults->injected.load() : 0;
   r.tensors = {{"W", &w}, {"b", &b}};
+  std::vector<float> e;
+  if (erows > 0) {
+    std::vector<int64_t> all(static_cast<size_t>(erows));
+    for (int i = 0; i < erows; ++i) all[i] = i;
+    e.resize(all.size() * RowTask::kDim);
+    st = c.PullRows("E", all.data(), all.size(), e.data());
+    if (!st.ok()) {
+      fprintf(stderr, "ps_test_worker rank %d: final rows: %s\n", me, st.ToString().c_str());
+      return 5;
+    }
+    r.tensors.push_back({"E", &e});
+  }
   const int rc = WriteResult(r);
   st = c.Close();
   if (!st.ok()) LOG(WARNING) << "rank " << me << ": leave: " << st;
