@@ -234,10 +234,32 @@ StatusOr<MemlockNeed> ComputeMemlockNeed(const std::vector<TensorSpec>& tensors,
   MemlockNeed need;
   // Server: as ShardServer registers them (each region at least kAlign, page-rounded by mmap).
   std::vector<std::vector<uint64_t>> per_server(num_servers);
-  for (const ChunkPlan& c : plan.chunks) per_server[c.server].push_back(c.bytes);
+  std::vector<std::vector<layout::RowGeometry>> rows_of(num_servers);
+  std::vector<uint32_t> shards(tensors.size(), 0);
+  for (const ChunkPlan& c : plan.chunks) ++shards[c.tensor];
+  uint64_t table_staging = 0;  // workers: row tables' push, header and pull staging
+  for (const ChunkPlan& c : plan.chunks) {
+    per_server[c.server].push_back(c.bytes);
+    layout::RowGeometry g;
+    const TensorSpec& t = plan.tensors[c.tensor];
+    if (t.embedding) {
+      // As the server registers a row shard: its records (RowHeader + values, 16-aligned) and
+      // an inbox slot of max_ids entries per worker and parity (wire/region_layout.h).
+      g.table_rows = static_cast<uint64_t>(t.shape[0]);
+      g.shards = shards[c.tensor];
+      g.shard = static_cast<uint32_t>(c.offset);
+      g.rows = layout::RowGeometry::ShardRows(g.table_rows, g.shards, g.shard);
+      g.dim = static_cast<uint32_t>(t.shape[1]);
+      g.elem_bytes = static_cast<uint32_t>(DTypeSize(t.dtype));
+      g.max_ids = t.max_ids;
+      table_staging += 2 * layout::AlignUp(uint64_t{g.max_ids} * g.entry_bytes()) +
+                       layout::kAlign + uint64_t{g.max_ids} * g.row_stride();
+    }
+    rows_of[c.server].push_back(g);
+  }
   auto at_least = [](uint64_t n) { return PageUp(std::max<uint64_t>(n, layout::kAlign)); };
   for (uint32_t s = 0; s < num_servers; ++s) {
-    layout::ServerLayout l(per_server[s], max_workers);
+    layout::ServerLayout l(per_server[s], max_workers, rows_of[s]);
     const uint64_t w = at_least(l.weights_bytes()), i = at_least(l.inbox_bytes()),
                    a = at_least(l.acks_bytes()), k = at_least(l.clocks_bytes());
     if (w + i + a + k > need.server_bytes) {
@@ -251,16 +273,20 @@ StatusOr<MemlockNeed> ComputeMemlockNeed(const std::vector<TensorSpec>& tensors,
   // Worker: weights and gradients of every tensor, then the staging region (worker/client_impl.cc:
   // 4 cache lines per chunk, acks rows and a clock line per server, small-push copies).
   uint64_t tensors_bytes = 0;
-  for (const TensorSpec& t : tensors) tensors_bytes += 2 * PageUp(t.bytes());
+  for (const TensorSpec& t : tensors) {
+    if (!t.embedding) tensors_bytes += 2 * PageUp(t.bytes());  // a table's rows stay remote
+  }
   uint64_t staging = layout::AlignUp(plan.chunks.size() * 4 * layout::kAlign + layout::kAlign);
   for (uint32_t s = 0; s < num_servers; ++s) {
     staging += layout::AlignUp(sizeof(uint64_t) * per_server[s].size());
   }
   staging += layout::kAlign * num_servers;
   for (const ChunkPlan& c : plan.chunks) {
-    if (c.bytes <= 16 * 1024) staging += 2 * (layout::kAlign + layout::AlignUp(c.bytes));
+    if (c.bytes <= 16 * 1024 && !plan.tensors[c.tensor].embedding) {
+      staging += 2 * (layout::kAlign + layout::AlignUp(c.bytes));
+    }
   }
-  staging = PageUp(staging);
+  staging = PageUp(staging) + PageUp(table_staging);
   need.worker_bytes = tensors_bytes + staging;
   need.worker_detail = "worker: " + std::to_string(tensors.size()) +
                        " tensors (weights + gradients) " + Mib(tensors_bytes) + " + staging " +
@@ -290,7 +316,7 @@ CheckResult CheckMemlock(const DoctorOptions& o, const std::string& transport) {
     if (!tensors.ok()) {
       c.status = CheckStatus::kFail;
       c.detail = "cannot read the model: " + tensors.status().message();
-      c.fix = "--model takes a size (256MiB) or a file with one `name dim0 dim1 ...` per line";
+      c.fix = "--model takes a size (256MiB) or a file with one `name dim0 dim1 ...` or `embedding NAME ROWS DIM [max_ids=N]` per line";
       return c;
     }
     const uint32_t mw = std::max(o.max_workers, o.num_workers);

@@ -29,7 +29,7 @@ DEFINE_bool(json, false, "Print JSON (docs/doctor.md) instead of the table");
 DEFINE_string(json_out, "", "Also write the JSON report to this file");
 DEFINE_string(probe_out, "", "Write the pair probe results (the link model shardps plan reads)");
 DEFINE_string(model, "", "Model whose registrations the memlock check computes: a size "
-                         "(268435456, 256MiB) or a file with one `name dim0 dim1 ...` per line");
+                         "(268435456, 256MiB) or a file with one `name dim0 dim1 ...` or `embedding NAME ROWS DIM [max_ids=N]` per line");
 DEFINE_int32(num_servers, 1, "Servers of the configuration (memlock)");
 DEFINE_int32(num_workers, 1, "Workers of the configuration (memlock)");
 DEFINE_int32(max_workers, 0, "Inbox slots per server (memlock; 0: num_workers)");

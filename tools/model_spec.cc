@@ -53,6 +53,32 @@ StatusOr<std::vector<TensorSpec>> ParseModelSpec(const std::string& text,
     if (!(ls >> t.name)) continue;  // blank
     std::string dim;
     const std::string where = origin + ":" + std::to_string(lineno);
+    if (t.name == "embedding") {
+      // embedding NAME ROWS DIM [max_ids=N]: a row table (docs/embeddings.md).
+      std::string rows, cols;
+      if (!(ls >> t.name >> rows >> cols)) {
+        return InvalidArgumentError(where + ": expected 'embedding NAME ROWS DIM [max_ids=N]'");
+      }
+      t.embedding = true;
+      t.max_ids = 16384;
+      for (const std::string* v : {&rows, &cols}) {
+        if (v->empty() || v->find_first_not_of("0123456789") != std::string::npos ||
+            v->size() > 15 || std::stoull(*v) == 0) {
+          return InvalidArgumentError(where + ": '" + *v + "' is not a positive integer");
+        }
+        t.shape.push_back(static_cast<int64_t>(std::stoull(*v)));
+      }
+      std::string opt;
+      while (ls >> opt) {
+        if (opt.rfind("max_ids=", 0) != 0 || opt.size() == 8 || opt.size() > 16 ||
+            opt.find_first_not_of("0123456789", 8) != std::string::npos) {
+          return InvalidArgumentError(where + ": unknown table option '" + opt + "' (max_ids=N)");
+        }
+        t.max_ids = static_cast<uint32_t>(std::stoull(opt.substr(8)));
+      }
+      out.push_back(std::move(t));
+      continue;
+    }
     while (ls >> dim) {
       auto d = ParseBytes(dim);
       if (!d.ok() || dim.find_first_not_of("0123456789") != std::string::npos || *d == 0 ||

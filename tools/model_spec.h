@@ -4,9 +4,11 @@
 //   bytes      = digits [suffix]         ; "268435456", "256MiB", "1G"; one float32 tensor
 //   suffix     = "K" | "KiB" | "M" | "MiB" | "G" | "GiB"   ; powers of 1024
 //   file       = line*                   ; a path to a text file
-//   line       = name dim+ | "#" comment | blank   ; one float32 tensor per line
+//   line       = name dim+ | table | "#" comment | blank   ; one float32 tensor per line
+//   table      = "embedding" name rows dim ["max_ids=" n]    ; a row table (default 16384)
 //
-// e.g. "fc1.weight 784 256". A file takes precedence when the argument names one.
+// e.g. "fc1.weight 784 256", "embedding items 10000000 64 max_ids=8192". A file takes precedence
+// when the argument names one.
 //
 // Thread safety: free functions, no state.
 #ifndef SHARDPS_TOOLS_MODEL_SPEC_H_

@@ -216,6 +216,39 @@ TEST_F(DoctorTest, LowMemlockFailsWithTheFix) {
   EXPECT_NE(t.detail.find("matters only for verbs"), std::string::npos) << t.detail;
 }
 
+// A model file with a row table: the memlock need counts the table as its servers register it
+// (RowHeader records, one inbox slot of max_ids entries per worker and parity). Server 0 holds
+// fc (100x10 float32: 64 + 2 x 4032 B of weights, 2 x (128 + 4032) B of inbox) and items
+// (100000 rows x 64: 64 + 100000 x 272 B of records; 2 x (128 + 1024 x 264) B of inbox):
+// weights 27,208,192 B -> 27,209,728 (pages), inbox 549,248 -> 552,960, acks and clocks a
+// page each: 27,770,880 bytes.
+TEST_F(DoctorTest, MemlockCountsRowTablesAsTheServersRegisterThem) {
+  {
+    std::ofstream f(dir_ + "/model.txt");
+    f << "fc 100 10\nembedding items 100000 64 max_ids=1024\n";
+  }
+  std::string log;
+  EXPECT_EQ(Run({"/usr/bin/prlimit", "--memlock=65536:65536", SHARDPS_BIN, "doctor",
+                 "--transport", "tcp", "--model", dir_ + "/model.txt", "--json_out",
+                 dir_ + "/rows.json"},
+                "rows", &log),
+            0)
+      << log;
+  const Check m = Parse(dir_ + "/rows.json").checks["memlock"];
+  EXPECT_NE(m.detail.find("needs 27770880 bytes"), std::string::npos) << m.detail;
+  {
+    std::ofstream f(dir_ + "/bad.txt");
+    f << "embedding items 100000\n";
+  }
+  EXPECT_EQ(Run({SHARDPS_BIN, "doctor", "--transport", "tcp", "--model", dir_ + "/bad.txt",
+                 "--json_out", dir_ + "/bad.json"},
+                "bad", &log),
+            1)
+      << log;
+  const Check b = Parse(dir_ + "/bad.json").checks["memlock"];
+  EXPECT_NE(b.detail.find("bad.txt:1"), std::string::npos) << b.detail;
+}
+
 TEST_F(DoctorTest, CoordinatorDownIsDiagnosedWithinTheTimeout) {
   const int port = FreePort();
   ASSERT_GT(port, 0);

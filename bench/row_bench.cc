@@ -1,0 +1,447 @@
+// shardps_row_bench: row tables (embeddings) end to end — real coordinator and server
+// processes, the real client — against the bound measured in the same run: ONE contiguous
+// one-sided read (pull) or write (push) of the same value bytes (ids x dim x 4) between this
+// process and a target process over the same transport, one in flight (as a PullRows batch
+// is). docs/benchmarks.md, "Row tables", says what every column means.
+//
+//   pull  = Client::PullRows of B distinct ids (a chunk header read + the rows, adjacent rows
+//           coalesced, each verified by its crc), one batch in flight per worker;
+//   push  = AddRowGradients of B ids x dim + Push + Wait (ASP: applied as it lands; the next
+//           push of a shard reuses an inbox slot only once the server acknowledged the one
+//           before the last).
+// Ids per batch are distinct, uniform over the table or Zipf(1.1) over ranks mapped through a
+// fixed permutation (hot rows scattered). Per point: rows/s (summed over workers), GB/s of
+// values, the bound's rows/s for one stream, and ours per worker / bound.
+// Also printed: the servers' resident memory per row (VmRSS after the table and an Adagrad
+// state exist) against the row's bytes plus its optimizer state.
+//
+// Thread safety: main() drives; each worker thread owns its Client.
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+
+#include "bench/bench_util.h"
+#include "bench/bounds.h"
+#include "bench/initiator.h"
+#include "bench/target.h"
+#include "shardps/client.h"
+#include "tests/integration/child_process.h"
+#include "transport/flags.h"
+
+DEFINE_string(role, "main", "main, or target (the bound's peer, started by main)");
+DEFINE_string(transports, "tcp", "tcp, shm");
+DEFINE_string(layouts, "1x1,2x2", "servers x workers");
+DEFINE_string(ids, "1024,4096,16384,65536", "distinct ids per batch");
+DEFINE_string(dims, "16,64,256", "values per row");
+DEFINE_string(dists, "uniform,zipf", "id distributions");
+DEFINE_int64(rows, 1000000, "table rows");
+DEFINE_double(seconds, 1.0, "timed duration of each point (at least 3 batches)");
+DEFINE_string(json, "", "write every point as JSON lines here");
+DEFINE_string(work_dir, "/tmp/shardps-row-bench", "cluster logs");
+DEFINE_bool(smoke, false, "a tiny matrix (CI): 20k rows, dims 16, ids 256 and 1024, 1x1");
+DEFINE_int64(region_bytes, 0, "target: its region's bytes");
+
+namespace shardps::bench {
+namespace {
+
+using std::chrono::milliseconds;
+using testing_util::ChildProcess;
+using testing_util::WaitForFile;
+constexpr char kToken[] = "row-bench-token";
+
+std::vector<int64_t> Ints(const std::string& s) {
+  std::vector<int64_t> v;
+  for (const std::string& x : SplitList(s)) v.push_back(std::stoll(x));
+  return v;
+}
+
+// Batches of `b` distinct ids in [0, rows), sorted.
+std::vector<std::vector<int64_t>> MakeBatches(const std::string& dist, int64_t rows, int64_t b,
+                                              int count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int64_t>> out;
+  static std::vector<double> cdf;  // Zipf(1.1) over ranks 1..rows
+  static std::vector<int64_t> perm;
+  if (dist == "zipf" && static_cast<int64_t>(cdf.size()) != rows) {
+    cdf.resize(rows);
+    double sum = 0;
+    for (int64_t r = 0; r < rows; ++r) cdf[r] = (sum += std::pow(static_cast<double>(r + 1), -1.1));
+    for (double& c : cdf) c /= sum;
+    perm.resize(rows);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(12345));
+  }
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  for (int i = 0; i < count; ++i) {
+    std::unordered_set<int64_t> seen;
+    std::vector<int64_t> ids;
+    while (static_cast<int64_t>(ids.size()) < std::min(b, rows)) {
+      int64_t id;
+      if (dist == "zipf") {
+        const int64_t r = std::lower_bound(cdf.begin(), cdf.end(), u01(rng)) - cdf.begin();
+        id = perm[std::min(r, rows - 1)];
+      } else {
+        id = static_cast<int64_t>(rng() % static_cast<uint64_t>(rows));
+      }
+      if (seen.insert(id).second) ids.push_back(id);
+    }
+    std::sort(ids.begin(), ids.end());
+    out.push_back(std::move(ids));
+  }
+  return out;
+}
+
+int64_t VmRssKiB(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+pid_t ProgramPid(pid_t pid) {  // the program under ChildProcess's `timeout` wrapper
+  for (int i = 0; i < 50; ++i) {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+    pid_t c = 0;
+    if (f >> c && c > 0) return c;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return pid;
+}
+
+struct Cluster {
+  std::vector<std::unique_ptr<ChildProcess>> children;
+  std::vector<pid_t> server_pids;
+  std::string address;
+  ~Cluster() {
+    for (auto it = children.rbegin(); it != children.rend(); ++it) (*it)->Kill();
+  }
+};
+
+StatusOr<std::unique_ptr<Cluster>> StartCluster(const std::string& transport, int servers,
+                                                 int workers, const std::string& dir) {
+  auto c = std::make_unique<Cluster>();
+  std::filesystem::create_directories(dir);
+  const std::string addr_file = dir + "/coordinator.addr";
+  std::filesystem::remove(addr_file);
+  ASSIGN_OR_RETURN(auto coord,
+                   ChildProcess::Spawn({SHARDPS_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                        "--address_file=" + addr_file,
+                                        std::string("--cluster_token=") + kToken,
+                                        "--consistency=asp",
+                                        "--num_servers=" + std::to_string(servers),
+                                        "--num_workers=" + std::to_string(workers),
+                                        "--data_transport=" + transport},
+                                       dir + "/coordinator.log", std::chrono::seconds(3600)));
+  ASSIGN_OR_RETURN(std::string addr, WaitForFile(addr_file, milliseconds(10000), coord.get()));
+  addr.erase(addr.find_last_not_of("\n ") + 1);
+  c->address = addr;
+  c->children.push_back(std::move(coord));
+  for (int s = 0; s < servers; ++s) {
+    ASSIGN_OR_RETURN(auto srv,
+                     ChildProcess::Spawn({SHARDPS_SERVER_BIN, "--coordinator=" + addr,
+                                          std::string("--cluster_token=") + kToken,
+                                          "--transport=" + transport, "--bind_ip=127.0.0.1",
+                                          "--rank=" + std::to_string(s), "--optimizer=sgd",
+                                          "--lr=0.001"},
+                                         dir + "/server" + std::to_string(s) + ".log",
+                                         std::chrono::seconds(3600)));
+    c->server_pids.push_back(ProgramPid(srv->pid()));
+    c->children.push_back(std::move(srv));
+  }
+  return c;
+}
+
+struct Point {
+  std::string transport, layout, dist, op;
+  int64_t ids = 0, dim = 0;
+  double rows_per_s = 0, gbps = 0, per_worker = 0, bound_rows_per_s = 0, ratio = 0;
+  uint64_t reads = 0, retries = 0;
+};
+
+// A small reusable barrier for the worker threads and main.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    const int gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(l, [&] { return gen != gen_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, count_ = 0, gen_ = 0;
+};
+
+Status RunLayout(const std::string& transport, int servers, int workers, int64_t dim,
+                 TransportInitiator* bound, std::vector<Point>* points) {
+  const std::string layout = std::to_string(servers) + "x" + std::to_string(workers);
+  const std::vector<int64_t> id_counts = Ints(FLAGS_ids);
+  const std::vector<std::string> dists = SplitList(FLAGS_dists);
+  const int64_t max_ids = *std::max_element(id_counts.begin(), id_counts.end());
+  ASSIGN_OR_RETURN(auto cluster,
+                   StartCluster(transport, servers, workers,
+                                FLAGS_work_dir + "/" + transport + "-" + layout + "-d" +
+                                    std::to_string(dim)));
+  // The plan: every (dist, ids, op) point, in order; workers and main meet at the barrier.
+  struct Job {
+    std::string dist, op;
+    int64_t ids;
+  };
+  std::vector<Job> jobs;
+  for (const std::string& d : dists) {
+    for (int64_t b : id_counts) {
+      for (const char* op : {"pull", "push"}) jobs.push_back({d, op, b});
+    }
+  }
+  Barrier barrier(workers + 1);
+  std::vector<std::vector<double>> rate(jobs.size(), std::vector<double>(workers, 0.0));
+  std::vector<Status> errors(workers);
+  std::vector<ClientCounters> counters(workers);
+  std::vector<std::thread> threads;
+  std::atomic<bool> stop_all{false};
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      Status st;
+      std::unique_ptr<Client> c;
+      auto fail = [&](Status s) {
+        if (errors[w].ok()) errors[w] = s;
+      };
+      {
+        ClientOptions o;
+        o.coordinator = cluster->address;
+        o.cluster_token = kToken;
+        o.requested_rank = w;
+        o.transport = transport;
+        o.bind_ip = "127.0.0.1";
+        o.wait_timeout = milliseconds(60000);
+        auto got = Client::Connect(o);
+        if (!got.ok()) {
+          fail(got.status());
+        } else {
+          c = std::move(*got);
+          EmbeddingOptions eo;
+          eo.max_ids = static_cast<uint32_t>(max_ids);
+          eo.init = EmbeddingOptions::Init::kUniform;
+          eo.init_scale = 0.01f;
+          st = c->RegisterEmbedding("E", FLAGS_rows, dim, TensorDType::kFloat32, eo);
+          if (st.ok()) st = c->Start();
+          if (!st.ok()) fail(st);
+        }
+      }
+      std::vector<float> buf(static_cast<size_t>(max_ids * dim), 0.001f);
+      barrier.Wait();  // started
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        const auto batches =
+            MakeBatches(jobs[j].dist, FLAGS_rows, jobs[j].ids, 4, 1000 * (w + 1) + j);
+        barrier.Wait();  // go
+        if (!errors[w].ok() || stop_all) {
+          barrier.Wait();
+          continue;
+        }
+        const double t0 = NowSeconds();
+        int64_t n = 0;
+        while (n < 3 || NowSeconds() - t0 < FLAGS_seconds) {
+          const std::vector<int64_t>& ids = batches[n % batches.size()];
+          if (jobs[j].op == "pull") {
+            st = c->PullRows("E", ids.data(), ids.size(), buf.data());
+          } else {
+            st = c->AddRowGradients("E", ids.data(), ids.size(), buf.data());
+            if (st.ok()) {
+              auto h = c->Push("E");
+              st = h.ok() ? c->Wait(*h) : h.status();
+            }
+          }
+          if (!st.ok()) {
+            fail(st);
+            break;
+          }
+          ++n;
+        }
+        rate[j][w] = static_cast<double>(n) * static_cast<double>(jobs[j].ids) /
+                     (NowSeconds() - t0);
+        barrier.Wait();  // done
+      }
+      if (c) {
+        counters[w] = c->counters();
+        (void)c->Close();
+      }
+    });
+  }
+  barrier.Wait();  // started
+  for (int w = 0; w < workers; ++w) {
+    if (!errors[w].ok()) stop_all = true;
+  }
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    barrier.Wait();  // go
+    barrier.Wait();  // done
+    Point p;
+    p.transport = transport;
+    p.layout = layout;
+    p.dist = jobs[j].dist;
+    p.op = jobs[j].op;
+    p.ids = jobs[j].ids;
+    p.dim = dim;
+    for (double r : rate[j]) p.rows_per_s += r;
+    p.per_worker = p.rows_per_s / workers;
+    p.gbps = p.rows_per_s * static_cast<double>(dim) * 4 / 1e9;
+    if (bound != nullptr) {
+      PointParams pp;
+      pp.size = static_cast<size_t>(jobs[j].ids * dim * 4);
+      pp.lat_seconds = std::min(0.5, FLAGS_seconds);
+      pp.lat_min_iters = 5;
+      LatResult lr;
+      Status bs = bound->Latency(p.op == "pull" ? BenchOp::kRead : BenchOp::kWrite, pp, &lr);
+      if (bs.ok()) {
+        const double p50_us = Percentile(&lr.us, 50);
+        p.bound_rows_per_s = static_cast<double>(jobs[j].ids) / (p50_us * 1e-6);
+        p.ratio = p.per_worker / p.bound_rows_per_s;
+      } else {
+        LOG(WARNING) << "bound: " << bs;
+      }
+    }
+    printf("%-4s %-4s %-7s %-5s ids %6lld dim %4lld  %11.0f rows/s  %6.3f GB/s  per worker "
+           "%11.0f  bound %11.0f rows/s  ratio %5.2f\n",
+           p.transport.c_str(), p.layout.c_str(), p.dist.c_str(), p.op.c_str(),
+           static_cast<long long>(p.ids), static_cast<long long>(p.dim), p.rows_per_s, p.gbps,
+           p.per_worker, p.bound_rows_per_s, p.ratio);
+    fflush(stdout);
+    points->push_back(p);
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < workers; ++w) {
+    if (!errors[w].ok()) return errors[w].WithContext("worker " + std::to_string(w));
+  }
+  // Memory per row: the servers' resident bytes, now that every row exists and (pushes were
+  // applied with the servers' SGD: no state) -- then with an Adagrad state on every row.
+  int64_t rss = 0;
+  for (pid_t pid : cluster->server_pids) rss += VmRssKiB(pid);
+  const double row_bytes = static_cast<double>(dim) * 4;
+  printf("%-4s %-4s dim %4lld: servers' RSS %.1f MiB for %lld rows: %.1f B/row (row values %.0f "
+         "B: %.3fx; the inbox for %d worker(s) x max_ids %lld is part of it)\n",
+         transport.c_str(), layout.c_str(), static_cast<long long>(dim), rss / 1024.0,
+         static_cast<long long>(FLAGS_rows), rss * 1024.0 / FLAGS_rows,
+         row_bytes, rss * 1024.0 / FLAGS_rows / row_bytes, workers,
+         static_cast<long long>(max_ids));
+  fflush(stdout);
+  return Status::OK();
+}
+
+int Main() {
+  if (FLAGS_smoke) {
+    FLAGS_rows = 20000;
+    FLAGS_dims = "16";
+    FLAGS_ids = "256,1024";
+    FLAGS_layouts = "1x1";
+    FLAGS_seconds = 0.2;
+  }
+  std::vector<Point> points;
+  for (const std::string& transport : SplitList(FLAGS_transports)) {
+    // The bound's peer: a target process with a region of the largest batch's bytes.
+    const std::vector<int64_t> ids = Ints(FLAGS_ids), dims = Ints(FLAGS_dims);
+    const int64_t max_bytes = *std::max_element(ids.begin(), ids.end()) *
+                              *std::max_element(dims.begin(), dims.end()) * 4;
+    TargetProcess target;
+    std::vector<std::string> args = {"--role=target", "--transport=" + transport,
+                                     "--region_bytes=" + std::to_string(max_bytes)};
+    Status s = target.Start(args, 120);
+    std::unique_ptr<TransportInitiator> bound;
+    if (s.ok()) {
+      auto raw = FromHex(target.descriptor_hex());
+      auto remote = raw.ok() ? transport::RegionDescriptor::Decode(*raw)
+                             : StatusOr<transport::RegionDescriptor>(raw.status());
+      if (remote.ok()) {
+        InitiatorConfig c;
+        c.fabric.provider = transport;
+        c.fabric.bind_ip = "127.0.0.1";
+        c.peer_address = target.address();
+        c.remote = *remote;
+        c.local_bytes = static_cast<size_t>(max_bytes);
+        c.verify_bytes = static_cast<size_t>(max_bytes);
+        auto ini = TransportInitiator::Connect(c);
+        if (ini.ok()) bound = std::move(*ini);
+        s = ini.status();
+      } else {
+        s = remote.status();
+      }
+    }
+    if (!s.ok()) LOG(WARNING) << transport << ": no bound (" << s << "); ratios are left 0";
+    for (const std::string& lay : SplitList(FLAGS_layouts)) {
+      const int servers = std::stoi(lay.substr(0, lay.find('x')));
+      const int workers = std::stoi(lay.substr(lay.find('x') + 1));
+      for (int64_t dim : dims) {
+        Status st = RunLayout(transport, servers, workers, dim, bound.get(), &points);
+        if (!st.ok()) {
+          fprintf(stderr, "shardps_row_bench: %s %s dim %lld: %s\n", transport.c_str(),
+                  lay.c_str(), static_cast<long long>(dim), st.ToString().c_str());
+          return 1;
+        }
+      }
+    }
+  }
+  if (!FLAGS_json.empty()) {
+    std::ofstream f(FLAGS_json);
+    for (const Point& p : points) {
+      f << "{\"system\":\"shardps\",\"transport\":\"" << p.transport << "\",\"layout\":\""
+        << p.layout << "\",\"dist\":\"" << p.dist << "\",\"op\":\"" << p.op
+        << "\",\"ids\":" << p.ids << ",\"dim\":" << p.dim << ",\"rows_per_s\":" << p.rows_per_s
+        << ",\"gbps\":" << p.gbps << ",\"per_worker\":" << p.per_worker
+        << ",\"bound_rows_per_s\":" << p.bound_rows_per_s << ",\"ratio\":" << p.ratio << "}\n";
+    }
+  }
+  // Smoke: every point moved rows.
+  for (const Point& p : points) {
+    if (!(p.rows_per_s > 0)) {
+      fprintf(stderr, "shardps_row_bench: a point moved no rows\n");
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardps::bench
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  google::InitGoogleLogging(argv[0]);
+  if (FLAGS_role == "target") {
+    shardps::bench::TargetConfig c;
+    c.fabric = shardps::transport::FabricOptionsFromFlags();
+    c.fabric.bind_ip = "127.0.0.1";
+    c.listen_address = c.fabric.provider == "shm" ? "" : "127.0.0.1:0";
+    c.region_bytes = static_cast<size_t>(FLAGS_region_bytes);
+    c.raw_tcp_bound = false;
+    return shardps::bench::RunTarget(c);
+  }
+  return shardps::bench::Main();
+}

@@ -1,0 +1,54 @@
+"""The CTR model: one embedding table over the global id space, per-field lookups, concat, MLP.
+
+    ids (B x F, global ids) -> table -> B x F x dim -> B x (F*dim) -> 128 -> 64 -> 1 (logit)
+
+The table class is injected, so the same model runs in one process (torch.nn.Embedding with
+sparse gradients, optimised by torch.optim.Adagrad) and on a ShardPS cluster
+(shardps.torch.Embedding: rows on the servers, Adagrad applied there with torch's sparse
+semantics). Both start from identical values: the rows from shardps.row_init (the servers'
+own initialiser), the MLP from torch.manual_seed(seed).
+"""
+import numpy as np
+import torch
+import torch.nn as nn
+
+TABLE_NAME = "ctr.emb"
+
+
+class CTRModel(nn.Module):
+    def __init__(self, table, fields, dim, hidden=(128, 64), seed=0):
+        super().__init__()
+        self.table = table  # any module mapping ids (B x F) -> B x F x dim
+        self.fields, self.dim = fields, dim
+        torch.manual_seed(seed)  # the dense part's initial values, equal in both modes
+        layers, width = [], fields * dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, ids):
+        e = self.table(ids)  # B x F x dim
+        return self.mlp(e.reshape(ids.shape[0], self.fields * self.dim)).squeeze(-1)
+
+
+def local_table(rows, dim, init_scale, init_seed, block=1 << 16):
+    """torch.nn.Embedding(rows, dim, sparse=True) holding exactly the rows the servers start
+    from (shardps.row_init, filled in blocks to bound the temporary memory)."""
+    import shardps
+    w = torch.empty(rows, dim, dtype=torch.float32)
+    for lo in range(0, rows, block):
+        hi = min(rows, lo + block)
+        w[lo:hi] = torch.from_numpy(
+            shardps.row_init("normal", init_scale, init_seed, np.arange(lo, hi, dtype=np.int64),
+                             dim))
+    return nn.Embedding(rows, dim, sparse=True, _weight=w)
+
+
+def shardps_table(rows, dim, init_scale, init_seed, lr, max_ids):
+    """The same table on the parameter servers, with the servers applying Adagrad (torch's
+    sparse Adagrad: lr, eps 1e-10, no lr decay, zero initial accumulator)."""
+    import shardps.torch as spt
+    return spt.Embedding(rows, dim, name=TABLE_NAME, init="normal", init_scale=init_scale,
+                         init_seed=init_seed, optimizer="adagrad", lr=lr, max_ids=max_ids)
