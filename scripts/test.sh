@@ -72,7 +72,7 @@ elif [[ -x "$SOFTROCE/run-in-guest.sh" ]]; then
         }
         run '$BUILD/tests/unit_tests' 'Verbs*' unit_verbs
         run '$BUILD/tests/transport_conformance_test' '*/verbs' conformance_verbs
-        run '$BUILD/tests/integration_tests' '*/verbs' integration_verbs
+        run '$BUILD/tests/integration_tests' '*/verbs:*/verbs_*' integration_verbs
         run '$BUILD/tests/process_cluster_test' '*/verbs:*/verbs_*' process_verbs
         run '$BUILD/tests/consistency_property_test' '*/verbs_*' consistency_verbs
         run '$BUILD/tests/doctor_test' 'DoctorVerbs*' doctor_verbs
