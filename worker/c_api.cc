@@ -165,6 +165,54 @@ int shardps_client_register_tensor_typed(shardps_client* c, const char* name, vo
   });
 }
 
+void shardps_embedding_options_init(shardps_embedding_options* o) {
+  if (o == nullptr) return;
+  const shardps::EmbeddingOptions d;
+  o->max_ids = d.max_ids;
+  o->init = static_cast<uint32_t>(d.init);
+  o->init_scale = d.init_scale;
+  o->init_seed = d.init_seed;
+}
+
+int shardps_client_register_embedding(shardps_client* c, const char* name, int64_t rows,
+                                      int64_t dim, uint32_t dtype,
+                                      const shardps_embedding_options* options,
+                                      shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    if (dtype > 2) return shardps::InvalidArgumentError("unknown dtype (0, 1, 2)");
+    shardps::EmbeddingOptions o;
+    if (options != nullptr) {
+      if (options->init > 2) return shardps::InvalidArgumentError("unknown init (0, 1, 2)");
+      o.max_ids = options->max_ids;
+      o.init = static_cast<shardps::EmbeddingOptions::Init>(options->init);
+      o.init_scale = options->init_scale;
+      o.init_seed = options->init_seed;
+    }
+    return c->impl->RegisterEmbedding(name, rows, dim, static_cast<shardps::TensorDType>(dtype),
+                                      o);
+  });
+}
+
+int shardps_client_pull_rows(shardps_client* c, const char* name, const int64_t* ids, size_t n,
+                             void* out, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    return c->impl->PullRows(name, ids, n, out);
+  });
+}
+
+int shardps_client_add_row_gradients(shardps_client* c, const char* name, const int64_t* ids,
+                                     size_t n, const void* grads, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    return c->impl->AddRowGradients(name, ids, n, grads);
+  });
+}
+
 int shardps_client_mark_non_finite(shardps_client* c, int non_finite, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
@@ -231,7 +279,7 @@ int shardps_client_set_update_rule(shardps_client* c, const char* name,
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
     if (r == nullptr) return shardps::InvalidArgumentError("rule is NULL");
-    if (r->kind > 4) return shardps::InvalidArgumentError("unknown update rule kind");
+    if (r->kind > 5) return shardps::InvalidArgumentError("unknown update rule kind");
     shardps::UpdateRule u;
     u.kind = static_cast<shardps::UpdateRule::Kind>(r->kind);
     u.lr = r->lr;
@@ -242,6 +290,10 @@ int shardps_client_set_update_rule(shardps_client* c, const char* name,
     u.beta1 = r->beta1;
     u.beta2 = r->beta2;
     u.eps = r->eps;
+    if (u.kind == shardps::UpdateRule::Kind::kAdagrad) {  // the wire's field use
+      u.lr_decay = r->momentum;
+      u.initial_accumulator_value = r->dampening;
+    }
     return c->impl->SetUpdateRule(name == nullptr ? "" : name, u);
   });
 }

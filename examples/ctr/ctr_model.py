@@ -11,21 +11,41 @@ own initialiser), the MLP from torch.manual_seed(seed).
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 TABLE_NAME = "ctr.emb"
 
 
+class Dense(nn.Linear):
+    """nn.Linear (same parameters, same initial values, same function), computed as a 1x1
+    convolution. Debian's torch 1.13 links the reference (netlib) BLAS, so nn.Linear's matrix
+    products run at about 2-3 GFLOP/s per core; convolutions go through oneDNN (mkldnn), about
+    6x faster forward and backward here. impl="linear" uses plain nn.Linear."""
+
+    def __init__(self, in_features, out_features, impl="conv"):
+        super().__init__(in_features, out_features)
+        self.impl = impl
+
+    def forward(self, x):
+        if self.impl == "linear":
+            return super().forward(x)
+        n = x.shape[0]
+        y = F.conv2d(x.reshape(n, self.in_features, 1, 1),
+                     self.weight.view(self.out_features, self.in_features, 1, 1), self.bias)
+        return y.reshape(n, self.out_features)
+
+
 class CTRModel(nn.Module):
-    def __init__(self, table, fields, dim, hidden=(128, 64), seed=0):
+    def __init__(self, table, fields, dim, hidden=(128, 64), seed=0, impl="conv"):
         super().__init__()
         self.table = table  # any module mapping ids (B x F) -> B x F x dim
         self.fields, self.dim = fields, dim
         torch.manual_seed(seed)  # the dense part's initial values, equal in both modes
         layers, width = [], fields * dim
         for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
+            layers += [Dense(width, h, impl), nn.ReLU()]
             width = h
-        layers.append(nn.Linear(width, 1))
+        layers.append(Dense(width, 1, impl))
         self.mlp = nn.Sequential(*layers)
 
     def forward(self, ids):

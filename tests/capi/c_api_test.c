@@ -248,6 +248,14 @@ static void* worker_main(void* p) {
   EXPECT(rc == SHARDPS_OK, "register w: %s", err.message);
   rc = shardps_client_register_tensor(c, "b", a->b, a->gb, bshape, 1, &err);
   EXPECT(rc == SHARDPS_OK, "register b: %s", err.message);
+  /* A row table beside them (docs/embeddings.md): 20 rows x 2, zeros. */
+  shardps_embedding_options eo;
+  shardps_embedding_options_init(&eo);
+  EXPECT(eo.max_ids == 16384, "default max_ids %u", eo.max_ids);
+  eo.max_ids = 8;
+  eo.init = 2;
+  rc = shardps_client_register_embedding(c, "e", 20, 2, 0, &eo, &err);
+  EXPECT(rc == SHARDPS_OK, "register e: %s", err.message);
   rc = shardps_client_register_tensor(c, "b", a->b, a->gb, bshape, 1, &err);
   EXPECT(rc == SHARDPS_ALREADY_EXISTS, "duplicate: %s", shardps_code_name(rc));
   EXPECT(strstr(err.message, "'b'") != NULL, "message names the tensor: %s", err.message);
@@ -289,6 +297,11 @@ static void* worker_main(void* p) {
   for (int t = 1; t <= kSteps; ++t) {
     for (int k = 0; k < kRows * kCols; ++k) a->gw[k] = grad_of(a->rank, t, k, 0);
     for (int k = 0; k < kBias; ++k) a->gb[k] = grad_of(a->rank, t, k, 1);
+    /* Row a->rank (this worker's own) and row 5 (everyone's): gradient -1 each. */
+    const int64_t ids[2] = {a->rank, 5};
+    const float minus[4] = {-1.0f, -1.0f, -1.0f, -1.0f};
+    rc = shardps_client_add_row_gradients(c, "e", ids, 2, minus, &err);
+    EXPECT(rc == SHARDPS_OK, "rank %d row gradients: %s", a->rank, err.message);
     if (t % 2 == 1) {
       rc = shardps_client_step(c, &err);
       EXPECT(rc == SHARDPS_OK, "rank %d step %d: %s", a->rank, t, err.message);
@@ -296,6 +309,9 @@ static void* worker_main(void* p) {
       uint64_t hw = 0, hb = 0;
       rc = shardps_client_push(c, "w", &hw, &err);
       if (rc == SHARDPS_OK) rc = shardps_client_push(c, "b", &hb, &err);
+      uint64_t he = 0;
+      if (rc == SHARDPS_OK) rc = shardps_client_push(c, "e", &he, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_wait(c, he, &err);
       if (rc == SHARDPS_OK) rc = shardps_client_wait(c, hw, &err);
       if (rc == SHARDPS_OK) rc = shardps_client_wait(c, hb, &err);
       if (rc == SHARDPS_OK) rc = shardps_client_clock(c, &err);
@@ -321,6 +337,20 @@ static void* worker_main(void* p) {
              "rank %d step %d b[%d] = %.7g, want %.7g", a->rank, t, k, a->b[k], eb[k]);
     }
   }
+  /* The table after kSteps BSP steps (average over kWorkers, sgd): its own row moved by
+   * kLr / kWorkers per step, the shared row by kLr. */
+  float rows[2 * 2] = {0, 0, 0, 0};
+  const int64_t read_ids[2] = {a->rank, 5};
+  rc = shardps_client_pull_rows(c, "e", read_ids, 2, rows, &err);
+  EXPECT(rc == SHARDPS_OK, "rank %d pull rows: %s", a->rank, err.message);
+  EXPECT(fabsf(rows[0] - kSteps * kLr / kWorkers) < 1e-5f && rows[0] == rows[1],
+         "rank %d own row %g %g, want %g", a->rank, rows[0], rows[1], kSteps * kLr / kWorkers);
+  EXPECT(fabsf(rows[2] - kSteps * kLr) < 1e-5f, "rank %d shared row %g, want %g", a->rank,
+         rows[2], kSteps * kLr);
+  const int64_t outside = 20;
+  rc = shardps_client_pull_rows(c, "e", &outside, 1, rows, &err);
+  EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "'e'") != NULL,
+         "id outside the table: %s %s", shardps_code_name(rc), err.message);
   uint32_t rank = 99;
   uint64_t clock = 0;
   EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank, "rank %u",
@@ -340,7 +370,9 @@ static void* worker_main(void* p) {
          shardps_code_name(rc), tiny);
   shardps_counters k;
   EXPECT(shardps_client_counters(c, &k, &err) == SHARDPS_OK, "counters: %s", err.message);
-  EXPECT(k.bytes_pushed == (uint64_t)kSteps * (kRows * kCols + kBias) * sizeof(float),
+  /* Dense bytes, plus per step the table's two entries (an 8-byte id and 2 floats each). */
+  EXPECT(k.bytes_pushed == (uint64_t)kSteps * ((kRows * kCols + kBias) * sizeof(float) +
+                                               2 * (8 + 2 * sizeof(float))),
          "bytes_pushed %llu", (unsigned long long)k.bytes_pushed);
   EXPECT(k.pushes >= (uint64_t)kSteps * 2, "pushes %llu", (unsigned long long)k.pushes);
   rc = shardps_client_close(c, &err);

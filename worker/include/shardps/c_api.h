@@ -121,6 +121,30 @@ int shardps_client_register_tensor(shardps_client* client, const char* name, flo
 int shardps_client_register_tensor_typed(shardps_client* client, const char* name,
                                          void* weights, void* grads, const int64_t* shape,
                                          size_t ndim, uint32_t dtype, shardps_error* err);
+/* Row tables (embeddings; docs/embeddings.md, shardps::Client::RegisterEmbedding). init: 0 normal
+ * N(0, init_scale^2), 1 uniform U(-init_scale, init_scale), 2 zeros. */
+typedef struct shardps_embedding_options {
+  uint32_t max_ids; /* distinct rows of one step per shard (default 16384) */
+  uint32_t init;
+  float init_scale;
+  uint64_t init_seed;
+} shardps_embedding_options;
+void shardps_embedding_options_init(shardps_embedding_options* options);
+/* A row table of rows x dim values of dtype (0 float32, 1 float16, 2 bfloat16); before start.
+ * options may be NULL (the defaults). */
+int shardps_client_register_embedding(shardps_client* client, const char* name, int64_t rows,
+                                      int64_t dim, uint32_t dtype,
+                                      const shardps_embedding_options* options,
+                                      shardps_error* err);
+/* Reads rows ids[0, n) into out (n x dim values of the table's dtype), at the consistency
+ * bound of the current clock (Client::PullRows). */
+int shardps_client_pull_rows(shardps_client* client, const char* name, const int64_t* ids,
+                             size_t n, void* out, shardps_error* err);
+/* Adds gradient rows (n x dim, the table's dtype) for ids[0, n) to the table's gradient of this
+ * step, summed per id; the next push or step sends it (Client::AddRowGradients). */
+int shardps_client_add_row_gradients(shardps_client* client, const char* name,
+                                     const int64_t* ids, size_t n, const void* grads,
+                                     shardps_error* err);
 int shardps_client_start(shardps_client* client, shardps_error* err);
 /* Client::MarkNonFinite: the next pushes come from a step with non-finite gradients. */
 int shardps_client_mark_non_finite(shardps_client* client, int non_finite, shardps_error* err);
@@ -140,7 +164,8 @@ int shardps_client_set_learning_rate(shardps_client* client, const char* name, f
                                      shardps_error* err);
 /* The update rule the servers apply to tensor `name`'s next pushes (NULL or "": every tensor),
  * torch.optim semantics (Client::SetUpdateRule). kind: 0 the servers' --optimizer, 1 SGD,
- * 2 Adam, 3 AdamW, 4 store. */
+ * 2 Adam, 3 AdamW, 4 store, 5 Adagrad (momentum carries lr_decay and dampening
+ * initial_accumulator_value). */
 typedef struct shardps_update_rule {
   uint32_t kind;
   float lr, momentum, dampening;
