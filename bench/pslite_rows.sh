@@ -116,9 +116,23 @@ for layout in "${LAYOUT_LIST[@]}"; do
       PIDS+=($!)
     done
     echo "ps-lite $layout dim $dim: scheduler + $S server(s) + $W worker(s), port $DMLC_PS_ROOT_PORT, logs in $run" >&2
+    # Wait for all; the first to fail (crash or timeout) takes the others down with it, since
+    # ps-lite's peers would otherwise wait for it until their own timeout.
     failed=0
-    for p in "${PIDS[@]}"; do
-      if ! wait "$p"; then failed=1; fi
+    live=("${PIDS[@]}")
+    while [ "${#live[@]}" -gt 0 ]; do
+      rc=0
+      done_pid=""
+      wait -n -p done_pid "${live[@]}" || rc=$?
+      [ -n "$done_pid" ] || break  # nothing left to wait for
+      rest=()
+      for p in "${live[@]}"; do [ "$p" != "$done_pid" ] && rest+=("$p"); done
+      live=("${rest[@]+"${rest[@]}"}")
+      if [ "$rc" != 0 ] && [ "$failed" = 0 ]; then
+        failed=1
+        sleep 1
+        for p in "${live[@]+"${live[@]}"}"; do kill "$p" 2>/dev/null || true; done
+      fi
     done
     PIDS=()
     if [ "$failed" = 1 ]; then

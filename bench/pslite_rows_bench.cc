@@ -354,6 +354,9 @@ int main(int argc, char** argv) {
           (*table)(m, r, s);
         });
   }
+  // No request before every server's handle is set: ps-lite's KVServer takes requests as soon as
+  // it is constructed, before set_request_handle (a worker that raced it aborted the server).
+  if (!ps::IsScheduler()) ps::Postoffice::Get()->Barrier(0, ps::kServerGroup + ps::kWorkerGroup);
   if (ps::IsWorker()) RunWorker(f);
   ps::Finalize(0, true);
   delete server;

@@ -53,7 +53,10 @@ std::string ShardPlan::Fingerprint() const {
   for (const auto& t : tensors) {
     os << t.name << ":" << static_cast<int>(t.dtype);
     for (auto d : t.shape) os << "x" << d;
-    if (t.embedding) os << "E" << t.max_ids << "i" << t.init << "/" << t.init_scale << "/" << t.init_seed;
+    if (t.embedding) {
+      os << "E" << t.max_ids << "i" << t.init << "/" << t.init_scale << "/" << t.init_seed;
+      if (t.hashed) os << "H" << t.admit_probability;
+    }
     os << ";";
   }
   os << "|";
@@ -118,6 +121,10 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
                                     "' must have shape {rows, dim} with dim <= " +
                                     std::to_string(kMaxRowDim));
       }
+      if (t.hashed && !(t.admit_probability > 0.0f && t.admit_probability <= 1.0f)) {
+        return InvalidArgumentError("shard plan: row table '" + t.name +
+                                    "': admit_probability must be in (0, 1]");
+      }
       if (t.init > 2 || !(std::isfinite(t.init_scale) && t.init_scale >= 0)) {
         return InvalidArgumentError("shard plan: row table '" + t.name + "': bad initialiser");
       }
@@ -127,7 +134,7 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
                                     std::to_string(kMaxIdsPerPush) + "]");
       }
       const uint64_t rows = static_cast<uint64_t>(t.shape[0]);
-      const uint64_t k = std::min<uint64_t>(multiple, rows);
+      const uint64_t k = t.hashed ? multiple : std::min<uint64_t>(multiple, rows);
       if (k > kMaxPlanChunks - plan.chunks.size()) {
         return ResourceExhaustedError("shard plan: more than " + std::to_string(kMaxPlanChunks) +
                                       " chunks");
@@ -136,7 +143,9 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
         ChunkPlan c;
         c.tensor = ti;
         c.offset = j;
-        c.bytes = ((rows - j + k - 1) / k) * static_cast<uint64_t>(t.shape[1]) * esize;
+        c.bytes = (t.hashed ? ((rows + k - 1) / k + 3) / 4 * 4 : (rows - j + k - 1) / k) *
+                  static_cast<uint64_t>(t.shape[1]) * esize;
+        if (t.hashed && c.bytes == 0) c.bytes = 4 * static_cast<uint64_t>(t.shape[1]) * esize;
         plan.chunks.push_back(c);
       }
       continue;

@@ -32,6 +32,8 @@ struct TensorSpec {
   uint32_t init = 0;  // common/row_init.h RowInitKind
   float init_scale = 1.0f;
   uint64_t init_seed = 0;
+  bool hashed = false;              // any 64-bit key; shape[0] is the capacity
+  float admit_probability = 1.0f;   // hashed: a new key's chance of a row at its first touch
   uint64_t bytes() const;
   uint64_t elements() const;
 };

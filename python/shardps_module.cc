@@ -161,7 +161,8 @@ class PyClient {
 
   void RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim,
                          const std::string& dtype, uint32_t max_ids, const std::string& init,
-                         float init_scale, uint64_t init_seed) {
+                         float init_scale, uint64_t init_seed, bool hashed,
+                         float admit_probability) {
     shardps::TensorDType t;
     if (dtype == "float32") {
       t = shardps::TensorDType::kFloat32;
@@ -185,6 +186,8 @@ class PyClient {
     }
     o.init_scale = init_scale;
     o.init_seed = init_seed;
+    o.hashed = hashed;
+    o.admit_probability = admit_probability;
     Check(Live().RegisterEmbedding(name, rows, dim, t, o));
     tables_[name] = {dim, t};
   }
@@ -442,6 +445,7 @@ PYBIND11_MODULE(_shardps, m) {
       .def("register_embedding", &PyClient::RegisterEmbedding, py::arg("name"), py::arg("rows"),
            py::arg("dim"), py::arg("dtype") = "float32", py::arg("max_ids") = 16384,
            py::arg("init") = "normal", py::arg("init_scale") = 1.0f, py::arg("init_seed") = 0,
+           py::arg("hashed") = false, py::arg("admit_probability") = 1.0f,
            "Registers a row table (an embedding) of rows x dim, sharded by row id over the "
            "servers and initialised there (init: 'normal' N(0, scale^2), 'uniform' "
            "U(-scale, scale), 'zeros'; shardps.row_init computes the same values).")

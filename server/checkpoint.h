@@ -35,6 +35,9 @@ struct ChunkState {
   std::vector<float> weights;
   uint64_t optimizer_steps = 0;
   std::vector<float> state1, state2;
+  // A hashed row shard (docs/embeddings.md): per slot its key and its version, bit 63 set
+  // when the slot holds a row. Empty for every other chunk.
+  std::vector<uint64_t> row_keys, row_versions;
 };
 
 // What the group knows of one worker: its clock and the exactly-once dedupe state per slot.
@@ -56,7 +59,8 @@ struct ShardSnapshot {
 };
 
 // Format version this build writes and reads.
-constexpr uint32_t kCheckpointFormatVersion = 1;
+// 2: a chunk's record may carry row keys and versions (hashed row shards); 1 is still read.
+constexpr uint32_t kCheckpointFormatVersion = 2;
 
 // "<dir>/ckpt-000000000042" and "<dir>/ckpt-000000000042/group-1-of-4.shps".
 std::string CheckpointDirName(const std::string& dir, uint64_t clock);

@@ -30,6 +30,9 @@ constexpr char kMagic[8] = {'S', 'H', 'P', 'S', 'C', 'K', 'P', 'T'};
 constexpr uint64_t kHeaderBytes = 64;
 constexpr uint64_t kTrailerBytes = 4;
 constexpr uint64_t kChunkFixedBytes = 48;
+// A chunk record's flags (the u32 after its id): its row keys and versions follow its arrays
+// (format 2: a hashed row shard).
+constexpr uint32_t kChunkHasRowKeys = 1;
 constexpr uint64_t kWorkerFixedBytes = 32;
 constexpr uint64_t kMinFileBytes = kHeaderBytes + 8 + kTrailerBytes;  // two empty strings
 constexpr size_t kIoBuffer = 1 << 20;
@@ -153,6 +156,7 @@ uint64_t EncodedBytes(const ShardSnapshot& s) {
   uint64_t n = kHeaderBytes + 4 + s.plan_fingerprint.size() + 4 + s.optimizer.size();
   for (const auto& c : s.chunks) {
     n += kChunkFixedBytes + 4 * (c.weights.size() + c.state1.size() + c.state2.size());
+    if (!c.row_keys.empty()) n += 8 + 16 * c.row_keys.size();  // a hashed row shard's slots
   }
   for (const auto& w : s.workers) {
     n += kWorkerFixedBytes + 8 * (w.last_seq.size() + w.applied_clock.size());
@@ -176,7 +180,7 @@ Status EncodeTo(Sink& out, const ShardSnapshot& s) {
   RETURN_IF_ERROR(out.String(s.optimizer));
   for (const auto& c : s.chunks) {
     RETURN_IF_ERROR(out.Pod<uint32_t>(c.chunk_id));
-    RETURN_IF_ERROR(out.Pod<uint32_t>(0));
+    RETURN_IF_ERROR(out.Pod<uint32_t>(c.row_keys.empty() ? 0 : kChunkHasRowKeys));
     RETURN_IF_ERROR(out.Pod<uint64_t>(c.version));
     RETURN_IF_ERROR(out.Pod<uint64_t>(c.optimizer_steps));
     RETURN_IF_ERROR(out.Pod<uint64_t>(c.weights.size()));
@@ -185,6 +189,11 @@ Status EncodeTo(Sink& out, const ShardSnapshot& s) {
     RETURN_IF_ERROR(out.Array(c.weights));
     RETURN_IF_ERROR(out.Array(c.state1));
     RETURN_IF_ERROR(out.Array(c.state2));
+    if (!c.row_keys.empty()) {
+      RETURN_IF_ERROR(out.Pod<uint64_t>(c.row_keys.size()));
+      RETURN_IF_ERROR(out.Array(c.row_keys));
+      RETURN_IF_ERROR(out.Array(c.row_versions));
+    }
   }
   for (const auto& w : s.workers) {
     RETURN_IF_ERROR(out.Pod<uint32_t>(w.rank));
@@ -337,6 +346,14 @@ Status ParseBody(Source& in, const Header& h, ShardSnapshot* out, SnapshotSummar
     RETURN_IF_ERROR(in.Array(nw, out ? &c.weights : nullptr, tag + "weights"));
     RETURN_IF_ERROR(in.Array(n1, out ? &c.state1 : nullptr, tag + "state1"));
     RETURN_IF_ERROR(in.Array(n2, out ? &c.state2 : nullptr, tag + "state2"));
+    if ((reserved & kChunkHasRowKeys) != 0) {
+      if (h.version < 2) return DataLossError(tag + "has row keys in a format 1 file");
+      uint64_t nk = 0;
+      RETURN_IF_ERROR(in.Pod(&nk));
+      if (nk > in.remaining() / 16) return in.Bad("row keys", nk, 16);
+      RETURN_IF_ERROR(in.Array(nk, out ? &c.row_keys : nullptr, tag + "row keys"));
+      RETURN_IF_ERROR(in.Array(nk, out ? &c.row_versions : nullptr, tag + "row versions"));
+    }
     sum->num_floats += nw + n1 + n2;
     if (out) out->chunks.push_back(std::move(c));
   }
@@ -408,9 +425,9 @@ Status ReadFile(const std::string& path, ShardSnapshot* out, SnapshotSummary* su
   h.epoch = Get<uint64_t>(hb + 40);
   h.num_chunks = Get<uint32_t>(hb + 48);
   h.num_workers = Get<uint32_t>(hb + 52);
-  if (h.version != kCheckpointFormatVersion) {
+  if (h.version != kCheckpointFormatVersion && h.version != 1) {
     return DataLossError("unsupported format version " + std::to_string(h.version) +
-                         " (this build reads " + std::to_string(kCheckpointFormatVersion) + ")");
+                         " (this build reads 1 and " + std::to_string(kCheckpointFormatVersion) + ")");
   }
   if (header_bytes != kHeaderBytes || h.file_bytes < kMinFileBytes || h.num_groups == 0 ||
       h.group >= h.num_groups) {

@@ -37,6 +37,8 @@ StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
     s.init = t.init();
     s.init_scale = t.init_scale();
     s.init_seed = t.init_seed();
+    s.hashed = t.hashed();
+    s.admit_probability = t.hashed() ? t.admit_probability() : 1.0f;
     specs.push_back(std::move(s));
   }
   if (specs.empty()) return InvalidArgumentError("a model without tensors");
@@ -198,6 +200,8 @@ void Coordinator::MaybeAssignShards() {
       p->set_init(t.init);
       p->set_init_scale(t.init_scale);
       p->set_init_seed(t.init_seed);
+      p->set_hashed(t.hashed);
+      p->set_admit_probability(t.admit_probability);
     }
   }
   for (const auto& ch : plan->chunks) {
@@ -266,7 +270,9 @@ Envelope Coordinator::AssignmentFor(const ShardPlan& plan, uint32_t g, uint32_t 
     if (!t.embedding) continue;
     const uint32_t k = shards[ch.tensor];
     r->set_rows(layout::RowGeometry::ShardRows(static_cast<uint64_t>(t.shape[0]), k,
-                                               static_cast<uint32_t>(ch.offset)));
+                                               static_cast<uint32_t>(ch.offset), t.hashed));
+    r->set_hashed(t.hashed);
+    r->set_admit_probability(t.admit_probability);
     r->set_dim(static_cast<uint32_t>(t.shape[1]));
     r->set_max_ids(t.max_ids);
     r->set_shard(static_cast<uint32_t>(ch.offset));

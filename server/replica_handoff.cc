@@ -11,7 +11,8 @@ namespace shardps::server {
 
 namespace {
 
-constexpr uint32_t kFormat = 1;
+constexpr uint32_t kFormat = 2;  // 2: row shards, hashed shards' keys (kSlotHasRowKeys)
+constexpr uint32_t kSlotHasRowKeys = 1;  // SlotHeader.reserved
 // VSGD keeps a handful of versions; anything beyond this is not a snapshot this build wrote.
 constexpr uint64_t kMaxHistory = 1024;
 
@@ -116,10 +117,16 @@ uint64_t Write(const HandoffState& s, uint32_t group, char* dst, uint64_t capaci
       h.elems = cs.weights.size();
       h.state1 = cs.state1.size();
       h.state2 = cs.state2.size();
+      h.reserved = cs.row_keys.empty() ? 0 : kSlotHasRowKeys;
       w.Put(h);
       w.PutFloats(cs.weights.data(), cs.weights.size());
       w.PutFloats(cs.state1.data(), cs.state1.size());
       w.PutFloats(cs.state2.data(), cs.state2.size());
+      if (!cs.row_keys.empty()) {  // a hashed shard: every slot's key and version
+        w.Put(static_cast<uint64_t>(cs.row_keys.size()));
+        for (uint64_t k : cs.row_keys) w.Put(k);
+        for (uint64_t v : cs.row_versions) w.Put(v);
+      }
       continue;
     }
     SlotHeader h{};
@@ -241,6 +248,18 @@ Status RestoreHandoff(const char* src, uint64_t n, uint32_t group, uint32_t max_
     if (!r.GetFloats(&p.state.weights, e) || !r.GetFloats(&p.state.state1, h.state1) ||
         !r.GetFloats(&p.state.state2, h.state2)) {
       return InvalidArgumentError("handoff snapshot truncated in slot " + std::to_string(slot));
+    }
+    if ((h.reserved & kSlotHasRowKeys) != 0) {
+      uint64_t nk = 0;
+      if (!r.Get(&nk) || nk > e) return InvalidArgumentError("handoff snapshot: row keys");
+      p.state.row_keys.resize(nk);
+      p.state.row_versions.resize(nk);
+      for (uint64_t& k : p.state.row_keys) {
+        if (!r.Get(&k)) return InvalidArgumentError("handoff snapshot truncated in row keys");
+      }
+      for (uint64_t& v : p.state.row_versions) {
+        if (!r.Get(&v)) return InvalidArgumentError("handoff snapshot truncated in row keys");
+      }
     }
     for (uint64_t i = 0; i < h.history; ++i) {
       uint64_t version = 0;

@@ -53,6 +53,7 @@ const float* RowShard::values(uint64_t local) const {
   return const_cast<RowShard*>(this)->values(local);
 }
 
+
 void RowShard::Seal(uint64_t local, uint64_t version) {
   char* rec = record(local);
   char* vals = rec + sizeof(layout::RowHeader);
@@ -60,22 +61,88 @@ void RowShard::Seal(uint64_t local, uint64_t version) {
     EncodeHalf(static_cast<uint32_t>(dtype_), master_.data() + local * g_.dim,
                reinterpret_cast<uint16_t*>(vals), g_.dim);
   }
-  const uint32_t crc =
-      crc32c::Extend(crc32c::Value(&version, sizeof(version)), vals, g_.row_value_bytes());
+  auto* h = reinterpret_cast<layout::RowHeader*>(rec);
+  layout::RowHeader next = *h;
+  next.version = version;
+  if (!g_.hashed) {
+    next.key = local * g_.shards + g_.shard;
+    next.flags = layout::kRowOccupied;
+  }
+  next.reserved = 0;
+  next.crc = layout::RowRecordCrc(next, vals, g_.row_value_bytes());
   // Values first, then the header: a reader pairing either header with the other values fails
   // the crc and reads the row again.
   std::atomic_thread_fence(std::memory_order_release);
-  auto* h = reinterpret_cast<layout::RowHeader*>(rec);
-  h->version = version;
-  h->crc = crc;
-  h->reserved = 0;
+  *h = next;
 }
 
 void RowShard::InitRows() {
   for (uint64_t r = 0; r < g_.rows; ++r) {
-    InitRow(init_.kind, init_.scale, init_.seed, r * g_.shards + g_.shard, g_.dim, values(r));
+    auto* h = reinterpret_cast<layout::RowHeader*>(record(r));
+    *h = layout::RowHeader{};
+    if (g_.hashed) {
+      std::fill_n(values(r), g_.dim, 0.0f);  // empty slots
+    } else {
+      InitRow(init_.kind, init_.scale, init_.seed, r * g_.shards + g_.shard, g_.dim, values(r));
+    }
     Seal(r, 0);
   }
+}
+
+int64_t RowShard::Place(uint64_t key, uint64_t version) {
+  auto it = slot_of_.find(key);
+  if (it != slot_of_.end()) return static_cast<int64_t>(it->second);
+  if (init_.admit_probability < 1.0f) {
+    // Deterministic in (key, version): the backup, applying the same record, decides alike.
+    const double u = static_cast<double>(SplitMix64(key ^ SplitMix64(version)) >> 11) *
+                     (1.0 / 9007199254740992.0);
+    if (u >= init_.admit_probability) {
+      ++hashed_.rejected;
+      return -1;
+    }
+  }
+  const uint64_t first = g_.BucketOf(key) * layout::kBucketSlots;
+  uint64_t slot = first;
+  uint64_t oldest = ~0ull;
+  bool free_found = false;
+  for (uint64_t s = first; s < first + layout::kBucketSlots; ++s) {
+    const auto* h = reinterpret_cast<const layout::RowHeader*>(record(s));
+    if ((h->flags & layout::kRowOccupied) == 0) {
+      slot = s;
+      free_found = true;
+      break;
+    }
+    if (h->version < oldest) {
+      oldest = h->version;
+      slot = s;
+    }
+  }
+  auto* h = reinterpret_cast<layout::RowHeader*>(record(slot));
+  if (!free_found) {
+    slot_of_.erase(h->key);
+    ++hashed_.evicted;
+  } else {
+    ++hashed_.rows;
+  }
+  ++hashed_.admitted;
+  // The new key's row: its initial value and state; sealed as occupied when the update is.
+  InitRow(init_.kind, init_.scale, init_.seed, key, g_.dim, values(slot));
+  ResetState(slot);
+  layout::RowHeader next = *h;
+  next.key = key;
+  next.flags = layout::kRowOccupied;
+  std::atomic_thread_fence(std::memory_order_release);
+  h->crc = 0;  // invalid until sealed: a reader of this slot now reads it again
+  std::atomic_thread_fence(std::memory_order_release);
+  h->key = next.key;
+  h->flags = next.flags;
+  slot_of_[key] = slot;
+  return static_cast<int64_t>(slot);
+}
+
+void RowShard::ResetState(uint64_t local) {
+  if (!s1_.empty()) std::fill_n(s1_.data() + local * g_.dim, g_.dim, s1_init_);
+  if (!s2_.empty()) std::fill_n(s2_.data() + local * g_.dim, g_.dim, 0.0f);
 }
 
 Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const {
@@ -86,7 +153,7 @@ Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& 
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t id;
     std::memcpy(&id, ids + i, sizeof(id));
-    float* dst = acc.Row(id / g_.shards);
+    float* dst = acc.Row(g_.hashed ? id : id / g_.shards);  // hashed: by key (see the top)
     const char* src = rows + i * g_.row_value_bytes();
     if (dtype_ == layout::DType::kF32) {
       std::memcpy(tmp.data(), src, g_.row_value_bytes());
@@ -104,6 +171,14 @@ Status RowShard::CheckEntries(const char* entries, uint64_t n) const {
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t id;
     std::memcpy(&id, ids + i, sizeof(id));
+    if (g_.hashed) {
+      if (g_.ShardOf(id) != g_.shard) {
+        return InvalidArgumentError("key " + std::to_string(id) + " does not hash to shard " +
+                                    std::to_string(g_.shard) + " of " +
+                                    std::to_string(g_.shards));
+      }
+      continue;
+    }
     if (id >= g_.table_rows || id % g_.shards != g_.shard) {
       return InvalidArgumentError("row id " + std::to_string(id) + " is not in shard " +
                                   std::to_string(g_.shard) + " of " + std::to_string(g_.shards) +
@@ -117,7 +192,7 @@ Status RowShard::CheckPayload(const char* payload, uint64_t bytes) const {
   uint64_t n;
   if (bytes < sizeof(n)) return InvalidArgumentError("sparse payload shorter than its count");
   std::memcpy(&n, payload, sizeof(n));
-  if (n > g_.rows || SparsePayloadBytes(n, g_.dim) != bytes) {
+  if ((!g_.hashed && n > g_.rows) || SparsePayloadBytes(n, g_.dim) != bytes) {
     return InvalidArgumentError("sparse payload of " + std::to_string(bytes) +
                                 " bytes does not hold its " + std::to_string(n) + " rows");
   }
@@ -125,7 +200,9 @@ Status RowShard::CheckPayload(const char* payload, uint64_t bytes) const {
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t r;
     std::memcpy(&r, rows + i * sizeof(r), sizeof(r));
-    if (r >= g_.rows) return InvalidArgumentError("sparse payload: local row out of range");
+    if (g_.hashed ? g_.ShardOf(r) != g_.shard : r >= g_.rows) {
+      return InvalidArgumentError("sparse payload: a row that is not this shard's");
+    }
   }
   return Status::OK();
 }
@@ -170,7 +247,10 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
     const double bc2 = 1.0 - std::pow(static_cast<double>(b2), t);
     adam_step = static_cast<double>(lr) * std::sqrt(bc2) / bc1;
   } else if (kind == layout::RuleKind::kAdagrad) {
-    if (s1_.empty()) s1_.assign(elems_total, rule.dampening);  // initial_accumulator_value
+    if (s1_.empty()) {
+      s1_init_ = rule.dampening;  // initial_accumulator_value
+      s1_.assign(elems_total, s1_init_);
+    }
     adagrad_clr = static_cast<float>(
         static_cast<double>(lr) /
         (1.0 + static_cast<double>(steps_ - 1) * static_cast<double>(rule.momentum)));
@@ -181,6 +261,11 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t r;
     std::memcpy(&r, locals + i * sizeof(r), sizeof(r));
+    if (g_.hashed) {
+      const int64_t slot = Place(r, version);
+      if (slot < 0) continue;  // not admitted: its gradient is dropped (counted)
+      r = static_cast<uint64_t>(slot);
+    }
     float* w = values(r);
     const float* gr = grads + i * dim;
     switch (kind) {
@@ -228,6 +313,15 @@ ChunkState RowShard::Capture() const {
   cs.optimizer_steps = steps_;
   cs.state1 = s1_;
   cs.state2 = s2_;
+  if (g_.hashed) {
+    cs.row_keys.resize(g_.rows);
+    cs.row_versions.resize(g_.rows);
+    for (uint64_t r = 0; r < g_.rows; ++r) {
+      const auto* h = reinterpret_cast<const layout::RowHeader*>(record(r));
+      cs.row_keys[r] = h->key;
+      cs.row_versions[r] = h->version | ((h->flags & layout::kRowOccupied) ? 1ull << 63 : 0);
+    }
+  }
   return cs;
 }
 
@@ -237,9 +331,30 @@ Status RowShard::Restore(const ChunkState& cs) {
       (!cs.state2.empty() && cs.state2.size() != e)) {
     return FailedPreconditionError("row shard state does not match the table's geometry");
   }
+  if (g_.hashed && (cs.row_keys.size() != g_.rows || cs.row_versions.size() != g_.rows)) {
+    return FailedPreconditionError("hashed row shard state without its keys");
+  }
+  slot_of_.clear();
+  hashed_ = HashedRowStats{};
   for (uint64_t r = 0; r < g_.rows; ++r) {
     std::memcpy(values(r), cs.weights.data() + r * g_.dim, g_.dim * sizeof(float));
-    Seal(r, cs.version);
+    if (g_.hashed) {
+      // Keys, occupancy and versions as they were: admission and eviction go on alike.
+      auto* h = reinterpret_cast<layout::RowHeader*>(record(r));
+      h->key = cs.row_keys[r];
+      h->flags = (cs.row_versions[r] >> 63) != 0 ? layout::kRowOccupied : 0;
+      Seal(r, cs.row_versions[r] & ~(1ull << 63));
+      if (h->flags != 0) {
+        if (!slot_of_.emplace(h->key, r).second || g_.ShardOf(h->key) != g_.shard ||
+            r / layout::kBucketSlots != g_.BucketOf(h->key)) {
+          return FailedPreconditionError("hashed row shard state: key " + std::to_string(h->key) +
+                                         " twice or in the wrong bucket");
+        }
+        ++hashed_.rows;
+      }
+    } else {
+      Seal(r, cs.version);
+    }
   }
   steps_ = cs.optimizer_steps;
   s1_ = cs.state1;

@@ -3,7 +3,20 @@
 // RowHeader (version, crc32c), and the optimizer state of the rows touched.
 //
 // Sparse gradients travel, inside the server and to the backup, as a "sparse payload" of
-// float32 values: [uint64 n][uint64 local row x n][float x n x dim], coalesced (each row once).
+// float32 values: [uint64 n][uint64 row x n][float x n x dim], coalesced (each row once); a row
+// is a local row (dense ids) or a key (hashed ids: its slot is resolved when it is applied, by
+// the primary and the backup alike, so both place, admit and evict the same rows).
+//
+// Hashed ids (docs/embeddings.md): a key lives in one of the kBucketSlots slots of its bucket.
+//   admission: a key without a row gets one the first time a gradient for it is applied, with
+//              probability admit_probability, decided by a hash of (key, the shard's version):
+//              deterministic, so the backup decides alike; a key not admitted keeps its
+//              initial value (its gradient is dropped and counted);
+//   eviction:  a full bucket gives the new key the slot of its least recently updated row
+//              (the lowest record version; ties: the lowest slot); the evicted key is forgotten
+//              (a later read sees its initial value again), its optimizer state reset.
+// Everything this needs is in the records (key, flags, version), so a restored or handed-off
+// shard decides exactly as the one it came from.
 // A worker's pushed entries (global ids, rows in the table's dtype) are decoded and coalesced
 // into one by Accumulate; BSP accumulates a clock's pushes in worker-rank order, so the sum (and
 // the run) is the same whatever order the pushes arrived in.
@@ -39,6 +52,15 @@ struct RowInit {
   RowInitKind kind = RowInitKind::kNormal;
   float scale = 1.0f;
   uint64_t seed = 0;
+  float admit_probability = 1.0f;  // hashed tables
+};
+
+// Hashed tables: what admission and eviction did (RowShard::hashed_stats).
+struct HashedRowStats {
+  uint64_t rows = 0;      // keys holding a row now
+  uint64_t admitted = 0;  // keys given a row
+  uint64_t evicted = 0;   // rows taken from a key for another
+  uint64_t rejected = 0;  // gradients of keys not admitted (dropped)
 };
 
 // Bytes of a sparse payload of n rows of `dim` values.
@@ -91,10 +113,12 @@ class RowShard {
   void Apply(const char* payload, float scale, float lr_scale, const layout::UpdateRule& rule,
              uint64_t version);
 
-  // Checkpoints and re-replication: every row's float32 value and the optimizer state.
+  // Checkpoints and re-replication: every row's float32 value and the optimizer state, and
+  // for a hashed shard every slot's key and version (with kRowOccupied in bit 63).
   ChunkState Capture() const;
-  // Restores them (rows written with `version`).
+  // Restores them (rows written with `version`; a hashed shard's records keep their own).
   Status Restore(const ChunkState& state);
+  const HashedRowStats& hashed_stats() const { return hashed_; }
   uint64_t steps() const { return steps_; }
   const std::vector<float>& state1() const { return s1_; }
   const std::vector<float>& state2() const { return s2_; }
@@ -106,6 +130,9 @@ class RowShard {
   const float* values(uint64_t local) const;
   // Encodes the master row into the record (16-bit) and writes its header.
   void Seal(uint64_t local, uint64_t version);
+  // Hashed: the slot of `key`, admitting (and evicting) as the policy says; -1: not admitted.
+  int64_t Place(uint64_t key, uint64_t version);
+  void ResetState(uint64_t local);  // a slot given to a new key: initial optimizer state
 
   const layout::RowGeometry g_;
   const layout::DType dtype_;
@@ -115,6 +142,10 @@ class RowShard {
   std::vector<float> master_;  // 16-bit tables: rows x dim float32 master values
   uint64_t steps_ = 0;
   std::vector<float> s1_, s2_;  // Adagrad's sum / Adam's m; Adam's v
+  float s1_init_ = 0.0f;        // what a fresh row's state 1 holds (Adagrad's initial sum)
+  // Hashed: key -> slot of the keys holding a row (the records are the truth; this indexes them).
+  std::unordered_map<uint64_t, uint64_t> slot_of_;
+  HashedRowStats hashed_;
 };
 
 }  // namespace shardps::server

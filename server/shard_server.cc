@@ -193,13 +193,16 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
       g.shard = rs.shard();
       g.shards = rs.shards();
       g.table_rows = rs.table_rows();
+      g.hashed = rs.hashed();
       if (g.dim == 0 || g.dim > kMaxRowDim || g.max_ids == 0 || g.max_ids > kMaxIdsPerPush ||
           g.shards == 0 || g.shard >= g.shards ||
-          g.rows != layout::RowGeometry::ShardRows(g.table_rows, g.shards, g.shard) ||
-          g.rows * g.dim * esize != b || rs.init() > 2) {
+          g.rows != layout::RowGeometry::ShardRows(g.table_rows, g.shards, g.shard, g.hashed) ||
+          g.rows * g.dim * esize != b || rs.init() > 2 ||
+          (g.hashed && !(rs.admit_probability() > 0.0f && rs.admit_probability() <= 1.0f))) {
         return InvalidArgumentError("bad row shard geometry in slot " + std::to_string(i));
       }
-      row_inits_[i] = RowInit{static_cast<RowInitKind>(rs.init()), rs.init_scale(), rs.init_seed()};
+      row_inits_[i] = RowInit{static_cast<RowInitKind>(rs.init()), rs.init_scale(),
+                              rs.init_seed(), g.hashed ? rs.admit_probability() : 1.0f};
       max_chunk = std::max(
           max_chunk, SparsePayloadBytes(std::min<uint64_t>(g.rows, uint64_t{g.max_ids} * a.max_workers()),
                                         g.dim));

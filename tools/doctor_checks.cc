@@ -248,7 +248,8 @@ StatusOr<MemlockNeed> ComputeMemlockNeed(const std::vector<TensorSpec>& tensors,
       g.table_rows = static_cast<uint64_t>(t.shape[0]);
       g.shards = shards[c.tensor];
       g.shard = static_cast<uint32_t>(c.offset);
-      g.rows = layout::RowGeometry::ShardRows(g.table_rows, g.shards, g.shard);
+      g.hashed = t.hashed;
+      g.rows = layout::RowGeometry::ShardRows(g.table_rows, g.shards, g.shard, g.hashed);
       g.dim = static_cast<uint32_t>(t.shape[1]);
       g.elem_bytes = static_cast<uint32_t>(DTypeSize(t.dtype));
       g.max_ids = t.max_ids;

@@ -16,10 +16,13 @@
 #ifndef SHARDPS_WIRE_REGION_LAYOUT_H_
 #define SHARDPS_WIRE_REGION_LAYOUT_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "common/crc32c.h"
 
 namespace shardps::layout {
 
@@ -323,45 +326,80 @@ inline uint32_t MakeImm(ImmKind k, uint32_t arg) {
 inline ImmKind ImmKindOf(uint32_t imm) { return static_cast<ImmKind>(imm >> 28); }
 inline uint32_t ImmArg(uint32_t imm) { return imm & 0x0fffffffu; }
 
-// A row table (an embedding) is cut into `shards` row shards: global row id r lives in shard
-// r % shards, at local row r / shards. A slot holding a row shard has, instead of a dense
-// chunk's two buffers, ONE row area updated in place, one record per local row:
+// A row table (an embedding) is cut into `shards` row shards. Dense ids (0 <= id < rows):
+// global row r lives in shard r % shards, at local row r / shards. Hashed ids (any 64-bit
+// key): in shard RowHash(key) % shards, in bucket (RowHash(key) / shards) % buckets, in one of
+// the bucket's kBucketSlots slots (local rows bucket * kBucketSlots ...), placed there by the
+// server when the key is admitted. A slot holding a row shard has, instead of a dense chunk's
+// two buffers, ONE row area updated in place, one record per local row:
 //
-//   RowHeader (16 B) | dim values in the table's dtype | padding to 16 B
+//   RowHeader (32 B) | dim values in the table's dtype | padding to 16 B
 //
 // The server writes a row's values, then its header: version (the slot's version that last
-// wrote it) and crc32c over (version, values). A reader takes a row only if the crc matches
-// (a torn read of a row being rewritten fails it, whatever order the NIC moved the bytes in:
-// Pilaf's self-verifying objects), and the slot's ChunkHeader says which min clock every row
-// includes (published after the rows are written), so one header read and the row reads give
-// a consistent pull without server code.
+// wrote it), key (the row's id), flags (kRowOccupied) and crc32c over (version, key, flags,
+// values). A reader takes a row only if the crc matches (a torn read of a row being rewritten
+// fails it, whatever order the NIC moved the bytes in: Pilaf's self-verifying objects) and, for
+// a hashed table, its key is the one looked up; the slot's ChunkHeader says which min clock
+// every row includes (published after the rows are written), so one header read and the row
+// reads give a consistent pull without server code.
 //
 // Its inbox slot (per worker, per parity) holds a PushHeader, then up to max_ids entries of a
-// sparse gradient: n global ids (uint64), then n rows of dim values in the table's dtype;
+// sparse gradient: n ids (uint64), then n rows of dim values in the table's dtype;
 // PushHeader.bytes = n * (8 + dim * dtype bytes).
 struct alignas(16) RowHeader {
-  uint64_t version;  // 0: never written (the row is the table's initial value)
-  uint32_t crc;      // crc32c of the version's 8 bytes, then the row's value bytes
-  uint32_t reserved;
+  uint64_t version;  // 0: never updated (the row holds its initial value)
+  uint64_t key;      // the row's id (dense: its global row; hashed: the key; empty slot: 0)
+  uint32_t crc;      // crc32c of version, key, flags (20 bytes), then the row's value bytes
+  uint32_t flags;    // kRowOccupied
+  uint64_t reserved;
 };
-static_assert(sizeof(RowHeader) == 16, "RowHeader is 16 bytes");
+static_assert(sizeof(RowHeader) == 32, "RowHeader is 32 bytes");
+constexpr uint32_t kRowOccupied = 1;
+// The crc32c a record's header carries: over version and key (16 bytes) and flags, then the
+// row's value bytes. Writers store it in `crc`; readers compare.
+inline uint32_t RowRecordCrc(const RowHeader& h, const void* values, uint64_t value_bytes) {
+  uint32_t c = crc32c::Value(&h, 2 * sizeof(uint64_t));
+  c = crc32c::Extend(c, &h.flags, sizeof(h.flags));
+  return crc32c::Extend(c, values, value_bytes);
+}
+constexpr uint32_t kBucketSlots = 4;  // slots per bucket of a hashed shard
+// The hash of a hashed table's key (splitmix64's finaliser: every bit of the key moves every
+// bit of the hash).
+inline uint64_t RowHash(uint64_t key) {
+  key += 0x9e3779b97f4a7c15ull;
+  key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
+  key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
+  return key ^ (key >> 31);
+}
 struct RowGeometry {
-  uint64_t rows = 0;        // local rows of this shard (0: the slot is a dense chunk)
+  uint64_t rows = 0;        // local rows (hashed: slots) of this shard (0: a dense chunk)
   uint32_t dim = 0;         // values per row
   uint32_t elem_bytes = 4;  // the dtype's
   uint32_t max_ids = 0;     // ids one push may carry
   uint32_t shard = 0;       // this shard's index in the table
   uint32_t shards = 1;      // the table's shard count
-  uint64_t table_rows = 0;  // the table's rows (global ids are < table_rows)
+  uint64_t table_rows = 0;  // dense: the table's rows (ids < table_rows); hashed: its capacity
+  bool hashed = false;      // any 64-bit key, placed in buckets (above)
   bool rows_kind() const { return rows != 0; }
   uint64_t row_value_bytes() const { return uint64_t{dim} * elem_bytes; }
   uint64_t row_stride() const { return (sizeof(RowHeader) + row_value_bytes() + 15) & ~15ull; }
   uint64_t area_bytes() const { return rows * row_stride(); }
+  uint64_t buckets() const { return rows / kBucketSlots; }
   // One pushed entry: its id and its gradient row.
   uint64_t entry_bytes() const { return sizeof(uint64_t) + row_value_bytes(); }
   uint64_t inbox_bytes() const { return uint64_t{max_ids} * entry_bytes(); }
-  // Local rows of shard `k` of a table of `table_rows` cut into `shards`.
-  static uint64_t ShardRows(uint64_t table_rows, uint32_t shards, uint32_t k) {
+  // Where an id lives.
+  uint32_t ShardOf(uint64_t id) const {
+    return static_cast<uint32_t>((hashed ? RowHash(id) : id) % shards);
+  }
+  uint64_t LocalRow(uint64_t id) const { return id / shards; }  // dense
+  uint64_t BucketOf(uint64_t key) const { return (RowHash(key) / shards) % buckets(); }  // hashed
+  // Local rows of shard `k` of a table of `table_rows` (hashed: capacity) cut into `shards`.
+  static uint64_t ShardRows(uint64_t table_rows, uint32_t shards, uint32_t k, bool hashed = false) {
+    if (hashed) {
+      const uint64_t per = (table_rows + shards - 1) / shards;
+      return std::max<uint64_t>(kBucketSlots, (per + kBucketSlots - 1) / kBucketSlots * kBucketSlots);
+    }
     return table_rows > k ? (table_rows - k + shards - 1) / shards : 0;
   }
 };

@@ -195,6 +195,9 @@ Status ClientImpl::RegisterEmbedding(const std::string& name, int64_t rows, int6
     return InvalidArgumentError("table '" + name + "': max_ids must be in [1, " +
                                 std::to_string(kMaxIdsPerPush) + "]");
   }
+  if (options.hashed && !(options.admit_probability > 0.0f && options.admit_probability <= 1.0f)) {
+    return InvalidArgumentError("table '" + name + "': admit_probability must be in (0, 1]");
+  }
   if (static_cast<uint32_t>(options.init) > 2 ||
       !(std::isfinite(options.init_scale) && options.init_scale >= 0)) {
     return InvalidArgumentError("table '" + name + "': bad initialiser");
@@ -209,7 +212,7 @@ Status ClientImpl::RegisterEmbedding(const std::string& name, int64_t rows, int6
   t.embedding_options = options;
   LOG(INFO) << "row table '" << name << "': " << rows << " x " << dim << " "
             << (dtype == TensorDType::kFloat32 ? "float32" : "16-bit") << ", max_ids "
-            << options.max_ids;
+            << options.max_ids << (options.hashed ? ", hashed ids" : "");
   tensor_index_[name] = static_cast<uint32_t>(tensors_.size());
   tensors_.push_back(std::move(t));
   return Status::OK();
@@ -389,6 +392,8 @@ StatusOr<control::ShardMap> ClientImpl::RegisterModel() {
       p->set_init(static_cast<uint32_t>(t.embedding_options.init));
       p->set_init_scale(t.embedding_options.init_scale);
       p->set_init_seed(t.embedding_options.init_seed);
+      p->set_hashed(t.embedding_options.hashed);
+      p->set_admit_probability(t.embedding_options.admit_probability);
     }
   }
   // Again after every rejoin until the map arrives: a coordinator that died before saving the
@@ -432,7 +437,8 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
       g.table_rows = static_cast<uint64_t>(t.shape[0]);
       g.shards = shards[ce.tensor()];
       g.shard = k;
-      g.rows = layout::RowGeometry::ShardRows(g.table_rows, g.shards, k);
+      g.hashed = t.embedding_options.hashed;
+      g.rows = layout::RowGeometry::ShardRows(g.table_rows, g.shards, k, g.hashed);
       g.dim = static_cast<uint32_t>(t.shape[1]);
       g.elem_bytes = t.dtype == TensorDType::kFloat32 ? 4 : 2;
       g.max_ids = t.embedding_options.max_ids;

@@ -8,6 +8,7 @@
 
 #include "common/crc32c.h"
 #include "common/half.h"
+#include "common/row_init.h"
 
 namespace shardps::worker {
 
@@ -36,6 +37,8 @@ Status RowTables::Setup() {
     t.dim = static_cast<uint32_t>(ten.shape[1]);
     t.elem = ten.dtype == TensorDType::kFloat32 ? 4 : 2;
     t.max_ids = ten.embedding_options.max_ids;
+    t.hashed = ten.embedding_options.hashed;
+    t.options = ten.embedding_options;
     t.shards = static_cast<uint32_t>(ten.chunks.size());
     if (t.shards == 0) return FailedPreconditionError("table '" + ten.name + "' has no shards");
     t.shard_chunk.assign(t.shards, ~0u);
@@ -46,6 +49,7 @@ Status RowTables::Setup() {
       }
       t.shard_chunk[c.offset] = id;
       t.stride = c.rows.row_stride();
+      t.geometry = c.rows;
       shard_of_chunk_[id] = {static_cast<uint32_t>(tables_.size()), static_cast<uint32_t>(c.offset)};
     }
     t.pending.resize(t.shards);
@@ -69,11 +73,11 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
   std::unordered_set<int64_t> seen;
   for (size_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
-    if (id < 0 || static_cast<uint64_t>(id) >= t.rows) {
+    if (!t.hashed && (id < 0 || static_cast<uint64_t>(id) >= t.rows)) {
       return InvalidArgumentError("table '" + name + "': row id " + std::to_string(id) +
                                   " is outside [0, " + std::to_string(t.rows) + ")");
     }
-    const uint32_t k = static_cast<uint32_t>(static_cast<uint64_t>(id) % t.shards);
+    const uint32_t k = t.geometry.ShardOf(static_cast<uint64_t>(id));
     if (t.pending[k].index.count(id) == 0 && seen.insert(id).second) ++fresh[k];
   }
   for (uint32_t k = 0; k < t.shards; ++k) {
@@ -90,7 +94,7 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
   const uint64_t row_bytes = uint64_t{t.dim} * t.elem;
   for (size_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
-    Table::Pending& p = t.pending[static_cast<uint64_t>(id) % t.shards];
+    Table::Pending& p = t.pending[t.geometry.ShardOf(static_cast<uint64_t>(id))];
     auto [it, added] = p.index.try_emplace(id, static_cast<uint32_t>(p.ids.size()));
     if (added) {
       p.ids.push_back(id);
@@ -152,11 +156,12 @@ Status RowTables::PostShard(Table& t, const ShardRead& r, uint64_t handle, int* 
                           transport::AtOffset(s.weights, s.layout->header_offset(p.slot)), ctx,
                           transport::kUnsignaled);
   }));
-  const uint64_t max_run = std::max<uint64_t>(1, s.ep->max_operation_bytes() / t.stride);
+  const uint64_t unit = t.unit_bytes();
+  const uint64_t max_run = std::max<uint64_t>(1, s.ep->max_operation_bytes() / unit);
   int since_signal = 0;
   for (size_t i = 0; i < r.locals.size();) {
     size_t j = i;
-    while (j + 1 < r.locals.size() && r.locals[j + 1] == r.locals[j] + 1 &&
+    while (j + 1 < r.locals.size() && r.locals[j + 1] == r.locals[j] + t.unit_rows() &&
            r.slots[j + 1] == r.slots[j] + 1 && j + 1 - i + 1 <= max_run) {
       ++j;
     }
@@ -165,7 +170,7 @@ Status RowTables::PostShard(Table& t, const ShardRead& r, uint64_t handle, int* 
     if (signal) since_signal = 0;
     RETURN_IF_ERROR(sessions_.PostWithCredit([&] {
       return s.ep->PostRead(
-          {t.pull_staging.get(), uint64_t{r.slots[i]} * t.stride, (j - i + 1) * t.stride},
+          {t.pull_staging.get(), uint64_t{r.slots[i]} * unit, (j - i + 1) * unit},
           transport::AtOffset(s.weights, s.layout->row_offset(p.slot, r.locals[i])), ctx,
           signal ? transport::kSignaled : transport::kUnsignaled);
     }));
@@ -182,23 +187,32 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
   const std::string& name = tensors_[tensor].name;
   if (n == 0) return Status::OK();
   if (ids == nullptr || out == nullptr) return InvalidArgumentError("null ids or output");
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < n && !t.hashed; ++i) {
     if (ids[i] < 0 || static_cast<uint64_t>(ids[i]) >= t.rows) {
       return InvalidArgumentError("table '" + name + "': row id " + std::to_string(ids[i]) +
                                   " is outside [0, " + std::to_string(t.rows) + ")");
     }
   }
-  // The distinct rows, by (shard, local row): each shard's rows ascending, so neighbours in the
-  // server's memory are neighbours in the staging and go in one read.
-  const uint64_t shards = t.shards;
-  auto before = [shards](int64_t a, int64_t b) {
-    const uint64_t ka = static_cast<uint64_t>(a) % shards, kb = static_cast<uint64_t>(b) % shards;
-    return ka != kb ? ka < kb : a < b;
+  // Each distinct id's read unit (dense: its row; hashed: its bucket) as (shard, first local
+  // row), sorted, so units adjacent in a server's memory are adjacent in the staging and go in
+  // one read; distinct units only (keys sharing a bucket read it once).
+  const layout::RowGeometry& g = t.geometry;
+  auto unit_of = [&](int64_t id) -> std::pair<uint32_t, uint64_t> {
+    const uint64_t key = static_cast<uint64_t>(id);
+    const uint32_t k = g.ShardOf(key);
+    if (!t.hashed) return {k, g.LocalRow(key)};
+    layout::RowGeometry gk = g;
+    gk.shard = k;
+    gk.rows = layout::RowGeometry::ShardRows(t.rows, t.shards, k, true);
+    return {k, gk.BucketOf(key) * layout::kBucketSlots};
   };
-  std::vector<int64_t> u(ids, ids + n);
-  std::sort(u.begin(), u.end(), before);
+  std::vector<std::pair<uint32_t, uint64_t>> units(n);
+  for (size_t i = 0; i < n; ++i) units[i] = unit_of(ids[i]);
+  std::vector<std::pair<uint32_t, uint64_t>> u(units);
+  std::sort(u.begin(), u.end());
   u.erase(std::unique(u.begin(), u.end()), u.end());
-  const uint64_t need = u.size() * t.stride;
+  const uint64_t unit_bytes = t.unit_bytes();
+  const uint64_t need = u.size() * unit_bytes;
   if (!t.pull_staging || t.pull_staging->length() < need) {
     uint64_t cap = 1 << 16;
     while (cap < need) cap *= 2;
@@ -207,9 +221,10 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
   }
   std::vector<ShardRead> reads;
   for (uint32_t i = 0; i < u.size(); ++i) {
-    const uint32_t k = static_cast<uint32_t>(static_cast<uint64_t>(u[i]) % shards);
-    if (reads.empty() || reads.back().shard != k) reads.push_back(ShardRead{k, {}, {}});
-    reads.back().locals.push_back(static_cast<uint64_t>(u[i]) / shards);
+    if (reads.empty() || reads.back().shard != u[i].first) {
+      reads.push_back(ShardRead{u[i].first, {}, {}});
+    }
+    reads.back().locals.push_back(u[i].second);
     reads.back().slots.push_back(i);
   }
   const auto deadline = SteadyClock::now() + options_.wait_timeout;
@@ -248,14 +263,19 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
         again.push_back(r);  // the shard is behind the bound: all of it again
         continue;
       }
+      // Every record of a unit must verify (a hashed lookup needs the whole bucket); a dense
+      // record must also name the row asked for.
       ShardRead torn{r.shard, {}, {}};
       for (size_t i = 0; i < r.locals.size(); ++i) {
-        const char* rec = staging + uint64_t{r.slots[i]} * t.stride;
-        layout::RowHeader rh;
-        std::memcpy(&rh, rec, sizeof(rh));
-        const uint32_t crc = crc32c::Extend(crc32c::Value(&rh.version, sizeof(rh.version)),
-                                            rec + sizeof(rh), row_bytes);
-        if (crc != rh.crc) {
+        bool ok = true;
+        for (uint64_t q = 0; q < t.unit_rows() && ok; ++q) {
+          const char* rec = staging + uint64_t{r.slots[i]} * unit_bytes + q * t.stride;
+          layout::RowHeader rh;
+          std::memcpy(&rh, rec, sizeof(rh));
+          ok = layout::RowRecordCrc(rh, rec + sizeof(rh), row_bytes) == rh.crc &&
+               (t.hashed || rh.key == (r.locals[i] + q) * t.shards + r.shard);
+        }
+        if (!ok) {
           torn.locals.push_back(r.locals[i]);
           torn.slots.push_back(r.slots[i]);
         }
@@ -276,9 +296,36 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
     std::this_thread::yield();
   }
   auto* dst = static_cast<char*>(out);
+  std::vector<float> init(t.hashed ? t.dim : 0);
   for (size_t i = 0; i < n; ++i) {
-    const size_t j = static_cast<size_t>(std::lower_bound(u.begin(), u.end(), ids[i], before) - u.begin());
-    std::memcpy(dst + i * row_bytes, staging + j * t.stride + sizeof(layout::RowHeader), row_bytes);
+    const size_t j = static_cast<size_t>(std::lower_bound(u.begin(), u.end(), units[i]) - u.begin());
+    const char* unit = staging + j * unit_bytes;
+    if (!t.hashed) {
+      std::memcpy(dst + i * row_bytes, unit + sizeof(layout::RowHeader), row_bytes);
+      continue;
+    }
+    const char* found = nullptr;
+    for (uint64_t q = 0; q < layout::kBucketSlots && found == nullptr; ++q) {
+      layout::RowHeader rh;
+      std::memcpy(&rh, unit + q * t.stride, sizeof(rh));
+      if ((rh.flags & layout::kRowOccupied) != 0 && rh.key == static_cast<uint64_t>(ids[i])) {
+        found = unit + q * t.stride + sizeof(rh);
+      }
+    }
+    if (found != nullptr) {
+      std::memcpy(dst + i * row_bytes, found, row_bytes);
+      continue;
+    }
+    // No row for this key (never admitted, or evicted): its initial value, computed here as the
+    // server would have.
+    InitRow(static_cast<RowInitKind>(t.options.init), t.options.init_scale, t.options.init_seed,
+            static_cast<uint64_t>(ids[i]), t.dim, init.data());
+    if (t.elem == 4) {
+      std::memcpy(dst + i * row_bytes, init.data(), row_bytes);
+    } else {
+      EncodeHalf(static_cast<uint32_t>(tensors_[tensor].dtype), init.data(),
+                 reinterpret_cast<uint16_t*>(dst + i * row_bytes), t.dim);
+    }
   }
   rows_pulled_ += u.size();
   return Status::OK();

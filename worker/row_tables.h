@@ -65,8 +65,14 @@ class RowTables {
     uint32_t dim = 0;
     uint32_t elem = 4;
     uint32_t max_ids = 0;
-    uint64_t rows = 0;
+    uint64_t rows = 0;    // dense: ids < rows; hashed: the capacity
+    bool hashed = false;  // any 64-bit key (bucketed, wire/region_layout.h)
+    layout::RowGeometry geometry;  // shard 0's (ShardOf and BucketOf are the same for all)
+    EmbeddingOptions options;      // the initialiser: a hashed key without a row reads it
     uint64_t stride = 0;  // a row record's bytes (wire/region_layout.h RowHeader + values)
+    // A read unit: one record (dense) or one bucket of kBucketSlots records (hashed).
+    uint64_t unit_rows() const { return hashed ? layout::kBucketSlots : 1; }
+    uint64_t unit_bytes() const { return unit_rows() * stride; }
     std::vector<uint32_t> shard_chunk;  // chunk id of shard k
     // This step's gradient rows per shard: id -> index into ids/values (float32 sums).
     struct Pending {
@@ -80,11 +86,12 @@ class RowTables {
     std::unique_ptr<transport::MemoryRegion> header_staging;  // one ChunkHeader per shard
     std::unique_ptr<transport::MemoryRegion> pull_staging;    // grows to the largest pull
   };
-  // One shard's reads in flight: the distinct rows [begin, end) of the pull, in staging order.
+  // One shard's reads in flight: its read units (dense: rows; hashed: buckets), in staging
+  // order.
   struct ShardRead {
     uint32_t shard = 0;
-    std::vector<uint64_t> locals;  // local rows to (re)read, ascending
-    std::vector<uint32_t> slots;   // their places in the pull staging
+    std::vector<uint64_t> locals;  // first local row of each unit to (re)read, ascending
+    std::vector<uint32_t> slots;   // their places (in units) in the pull staging
   };
   Status PostShard(Table& t, const ShardRead& r, uint64_t handle, int* signaled);
 

@@ -36,8 +36,10 @@ class Dense(nn.Linear):
 
 
 class CTRModel(nn.Module):
-    def __init__(self, table, fields, dim, hidden=(128, 64), seed=0, impl="conv"):
+    def __init__(self, table, fields, dim, hidden=(128, 64), seed=0, impl="conv",
+                 interaction="fm"):
         super().__init__()
+        self.interaction = interaction
         self.table = table  # any module mapping ids (B x F) -> B x F x dim
         self.fields, self.dim = fields, dim
         torch.manual_seed(seed)  # the dense part's initial values, equal in both modes
@@ -50,7 +52,13 @@ class CTRModel(nn.Module):
 
     def forward(self, ids):
         e = self.table(ids)  # B x F x dim
-        return self.mlp(e.reshape(ids.shape[0], self.fields * self.dim)).squeeze(-1)
+        logit = self.mlp(e.reshape(ids.shape[0], self.fields * self.dim)).squeeze(-1)
+        if self.interaction == "fm":
+            # DeepFM's second-order term on the same embeddings: sum over field pairs f < g of
+            # <e_f, e_g> = (|sum_f e_f|^2 - sum_f |e_f|^2) / 2.
+            s = e.sum(1)
+            logit = logit + 0.5 * ((s * s).sum(1) - (e * e).sum((1, 2)))
+        return logit
 
 
 def local_table(rows, dim, init_scale, init_seed, block=1 << 16):

@@ -51,6 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--init-scale", type=float, default=0.05,
                     help="rows start N(0, init_scale^2)")
     ap.add_argument("--hidden", default="128,64", help="MLP hidden widths")
+    ap.add_argument("--interaction", choices=["fm", "none"], default="fm",
+                    help="fm: add DeepFM's pairwise term sum_{f<g} <e_f, e_g> to the MLP's "
+                    "logit; none: the MLP alone")
     ap.add_argument("--dense-impl", choices=["conv", "linear"], default="conv",
                     help="the MLP's layers as 1x1 convolutions (oneDNN; default) or nn.Linear "
                     "(BLAS: Debian's torch uses the slow reference BLAS)")
@@ -99,7 +102,7 @@ def main(argv=None):
     if a.mode == "local":
         table = ctr_model.local_table(a.rows, a.dim, a.init_scale, a.seed)
         model = ctr_model.CTRModel(table, a.fields, a.dim, hidden, seed=a.seed,
-                                     impl=a.dense_impl)
+                                     impl=a.dense_impl, interaction=a.interaction)
         opt_rows = torch.optim.Adagrad(model.table.parameters(), lr=a.emb_lr)
         opt_mlp = torch.optim.Adam(model.mlp.parameters(), lr=a.mlp_lr)
         optimizers = [opt_rows, opt_mlp]
@@ -118,7 +121,7 @@ def main(argv=None):
         max_ids = min(local_batch * a.fields, a.rows)
         table = ctr_model.shardps_table(a.rows, a.dim, a.init_scale, a.seed, a.emb_lr, max_ids)
         model = ctr_model.CTRModel(table, a.fields, a.dim, hidden, seed=a.seed,
-                                     impl=a.dense_impl)
+                                     impl=a.dense_impl, interaction=a.interaction)
         # The wrapped Adam is applied by the servers to the MLP; the table (found in the model)
         # is registered and its Adagrad rule sent by DistributedOptimizer.
         opt = spt.DistributedOptimizer(torch.optim.Adam(model.mlp.parameters(), lr=a.mlp_lr),

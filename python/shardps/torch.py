@@ -93,7 +93,7 @@ class _RowTable(torch.nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *, name=None, dtype=torch.float32,
                  max_ids=16384, init="normal", init_scale=1.0, init_seed=0, optimizer="server",
                  lr=0.0, eps=None, betas=(0.9, 0.999), lr_decay=0.0,
-                 initial_accumulator_value=0.0):
+                 initial_accumulator_value=0.0, hashed=False, admit_probability=1.0):
         super().__init__()
         if dtype not in _TABLE_DTYPES:
             raise TypeError(f"a row table is float32, float16 or bfloat16, not {dtype}")
@@ -107,6 +107,7 @@ class _RowTable(torch.nn.Module):
         self.eps = (1e-10 if optimizer == "adagrad" else 1e-8) if eps is None else float(eps)
         self.lr_decay = float(lr_decay)
         self.initial_accumulator_value = float(initial_accumulator_value)
+        self.hashed, self.admit_probability = bool(hashed), float(admit_probability)
         self._client = None
         self._sent = None
         # Makes the pulled rows part of the autograd graph (the table has no torch parameter).
@@ -122,7 +123,8 @@ class _RowTable(torch.nn.Module):
         client.register_embedding(self.table_name, self.num_embeddings, self.embedding_dim,
                                   dtype=_TABLE_DTYPES[self.dtype], max_ids=self.max_ids,
                                   init=self.init, init_scale=self.init_scale,
-                                  init_seed=self.init_seed)
+                                  init_seed=self.init_seed, hashed=self.hashed,
+                                  admit_probability=self.admit_probability)
         self._client = client
 
     def rule(self):
@@ -165,7 +167,10 @@ class Embedding(_RowTable):
     "server"), with `lr` (0: the servers' --lr) and its hyper-parameters; set `.lr` for a
     schedule. Rows start from `init` ("normal" N(0, init_scale^2) as torch's, "uniform",
     "zeros"), computed by the servers from (init_seed, row id): shardps.row_init gives the same
-    values. max_ids bounds the distinct rows of one step per shard.
+    values. max_ids bounds the distinct rows of one step per shard. hashed=True takes any int64
+    id (a feature hash): num_embeddings is then the capacity, rows are created on first touch
+    (with probability admit_probability) and a full bucket evicts its least recently updated
+    row (docs/embeddings.md).
     """
 
     def forward(self, ids):

@@ -18,6 +18,7 @@
 
 #include "common/row_init.h"
 #include "shardps/client.h"
+#include "tests/integration/hashed_table_model.h"
 #include "tests/integration/in_process_cluster.h"
 
 namespace shardps {
@@ -406,6 +407,134 @@ TEST_P(EmbeddingTest, HalfPrecisionTableKeepsFloat32Master) {
   EXPECT_EQ(out[1], 0x3E96);
   EXPECT_TRUE(cl.Close().ok());
 }
+
+// Hashed ids: any 64-bit key (negative ones too), rows created on first touch inside a small
+// capacity, evicted by the bucket's least recently updated row, admitted with probability p.
+// Two workers, BSP, two servers; every key any worker ever touched is read after every step
+// and compared, bit for bit, with HashedTableModel (the servers' policy and arithmetic in one
+// process): a missed admission, a different victim or a wrong value shows.
+class HashedTableTest : public ::testing::TestWithParam<std::tuple<std::string, float>> {
+ protected:
+  void SetUp() override {
+    const std::string why = SkipReason(std::get<0>(GetParam()));
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(HashedTableTest, RowsFollowTheAdmissionAndEvictionPolicy) {
+  const float admit = std::get<1>(GetParam());
+  ClusterSpec spec;
+  spec.transport = std::get<0>(GetParam());
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);
+  constexpr int kCapacity = 48, kDimH = 4, kSteps = 25;
+  EmbeddingOptions eo;
+  eo.hashed = true;
+  eo.admit_probability = admit;
+  eo.max_ids = 16;
+  eo.init = EmbeddingOptions::Init::kUniform;
+  eo.init_scale = 0.5f;
+  eo.init_seed = 77;
+  // Worker r's keys at step t: 3 fresh keys (large, some negative) and one of a few hot keys,
+  // so buckets fill, hot rows stay recent and cold ones are evicted.
+  auto keys_of = [](int r, int t) {
+    std::vector<int64_t> k;
+    for (int i = 0; i < 3; ++i) {
+      const uint64_t x = SplitMix64(uint64_t(t) * 131 + uint64_t(r) * 17 + i);
+      k.push_back(static_cast<int64_t>(i == 2 ? x | (1ull << 63) : x >> 1));
+    }
+    k.push_back(1000 + t % 3);
+    return k;
+  };
+  auto grad_of = [](int r, int t, int64_t key, int j) {
+    return static_cast<float>(((r + 1) * (t % 4 + 1) + static_cast<int>(key & 7) + j) % 5 - 2) *
+           0.25f;
+  };
+  test::HashedTableModel model(kCapacity, 2, kDimH, RowInitKind::kUniform, 0.5f, 77, admit);
+  std::vector<int64_t> seen;
+  // The model, step by step: reads before the step's update, then per shard the BSP sum of the
+  // workers' coalesced rows in rank order (keys in first-occurrence order).
+  std::vector<std::vector<std::vector<float>>> expect(kSteps + 1);
+  for (int t = 0; t <= kSteps; ++t) {
+    for (int r = 0; r < spec.workers && t < kSteps; ++r) {
+      for (int64_t k : keys_of(r, t)) {
+        if (std::find(seen.begin(), seen.end(), k) == seen.end()) seen.push_back(k);
+      }
+    }
+    for (int64_t k : seen) expect[t].push_back(model.Read(static_cast<uint64_t>(k)));
+    if (t == kSteps) break;
+    for (uint32_t shard = 0; shard < 2; ++shard) {
+      std::vector<uint64_t> order;
+      std::map<uint64_t, std::vector<float>> sum;
+      for (int r = 0; r < spec.workers; ++r) {
+        for (int64_t k : keys_of(r, t)) {
+          const uint64_t key = static_cast<uint64_t>(k);
+          if (model.ShardOf(key) != shard) continue;
+          auto [it, fresh] = sum.try_emplace(key, std::vector<float>(kDimH, 0.0f));
+          if (fresh) order.push_back(key);
+          for (int j = 0; j < kDimH; ++j) it->second[j] += grad_of(r, t, k, j);
+        }
+      }
+      std::vector<float> flat;
+      for (uint64_t k : order) flat.insert(flat.end(), sum[k].begin(), sum[k].end());
+      model.Apply(shard, order, flat, 0.5f, 0.5f);
+    }
+  }
+  ASSERT_GT(model.evicted(), 10u) << "the test must exercise eviction";
+  if (admit < 1.0f) {
+    ASSERT_GT(model.rejected(), 5u) << "the test must exercise admission";
+  }
+  std::atomic<int> mismatches{0};
+  std::vector<std::thread> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.emplace_back([&, r] {
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterEmbedding("h", kCapacity, kDimH, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      const int me = static_cast<int>(cl.rank());
+      for (int t = 0; t <= kSteps; ++t) {
+        // Every key touched by step t or before (step t's: before its update).
+        const size_t known = expect[t].size();
+        std::vector<int64_t> ids(seen.begin(), seen.begin() + static_cast<long>(known));
+        std::vector<float> got(ids.size() * kDimH);
+        Status st = cl.PullRows("h", ids.data(), ids.size(), got.data());
+        ASSERT_TRUE(st.ok()) << st;
+        for (size_t i = 0; i < ids.size(); ++i) {
+          for (int j = 0; j < kDimH; ++j) {
+            if (got[i * kDimH + j] != expect[t][i][j] && mismatches++ < 5) {
+              ADD_FAILURE() << "worker " << me << " step " << t << " key " << ids[i] << "["
+                            << j << "]: " << got[i * kDimH + j] << ", model "
+                            << expect[t][i][j];
+            }
+          }
+        }
+        if (t == kSteps) break;
+        const std::vector<int64_t> mine = keys_of(me, t);
+        std::vector<float> g(mine.size() * kDimH);
+        for (size_t i = 0; i < mine.size(); ++i) {
+          for (int j = 0; j < kDimH; ++j) g[i * kDimH + j] = grad_of(me, t, mine[i], j);
+        }
+        ASSERT_TRUE(cl.AddRowGradients("h", mine.data(), mine.size(), g.data()).ok());
+        st = cl.Step();
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(mismatches.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TransportsAdmission, HashedTableTest,
+    ::testing::Combine(::testing::Values("tcp", "shm", "verbs"), ::testing::Values(1.0f, 0.5f)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + (std::get<1>(info.param) < 1.0f ? "_admit_half" : "_admit_all");
+    });
 
 INSTANTIATE_TEST_SUITE_P(Transports, EmbeddingTest, ::testing::Values("tcp", "shm", "verbs"),
                          [](const auto& info) { return info.param; });

@@ -121,6 +121,12 @@ ShardSnapshot MakeSnapshot(uint64_t clock, uint32_t group, uint32_t num_groups,
       cs.state1.assign(floats_per_chunk, 0.5f + c);
       cs.state2.assign(floats_per_chunk / 2 + 1, 1e-6f * (c + 1));
     }
+    if (c == 2) {  // a hashed row shard: every slot's key and version (bit 63: occupied)
+      for (uint64_t k = 0; k < 8; ++k) {
+        cs.row_keys.push_back(k % 3 == 0 ? 0 : 0x9e3779b97f4a7c15ull * (k + clock));
+        cs.row_versions.push_back(k % 3 == 0 ? 0 : (1ull << 63) | (clock + k));
+      }
+    }
     s.chunks.push_back(std::move(cs));
   }
   for (uint32_t r = 0; r < 2; ++r) {
@@ -149,6 +155,8 @@ void ExpectSame(const ShardSnapshot& a, const ShardSnapshot& b) {
     EXPECT_TRUE(SameBytes(a.chunks[i].weights, b.chunks[i].weights)) << "chunk " << i;
     EXPECT_TRUE(SameBytes(a.chunks[i].state1, b.chunks[i].state1)) << "chunk " << i;
     EXPECT_TRUE(SameBytes(a.chunks[i].state2, b.chunks[i].state2)) << "chunk " << i;
+    EXPECT_EQ(a.chunks[i].row_keys, b.chunks[i].row_keys) << "chunk " << i;
+    EXPECT_EQ(a.chunks[i].row_versions, b.chunks[i].row_versions) << "chunk " << i;
   }
   ASSERT_EQ(a.workers.size(), b.workers.size());
   for (size_t i = 0; i < a.workers.size(); ++i) {
@@ -256,6 +264,28 @@ TEST(CheckpointFormatTest, RoundTripIsBitExactIncludingNaNPayloadsAndDenormals) 
   EXPECT_EQ(ReadSnapshot(path)->epoch, 9u);
 }
 
+// A format-1 file (no row keys; written by the previous build) still reads: the same bytes
+// with version 1 in the header and the trailer's crc recomputed.
+TEST(CheckpointFormatTest, FormatOneFilesStillRead) {
+  TempDir dir;
+  ShardSnapshot s = MakeSnapshot(7, 0, 1);
+  s.chunks[2].row_keys.clear();
+  s.chunks[2].row_versions.clear();
+  ASSERT_TRUE(WriteSnapshot(dir.path(), s).ok());
+  const std::string path = SnapshotPath(dir.path(), 7, 0, 1);
+  std::vector<uint8_t> bytes = Slurp(path);
+  uint32_t version = 1;
+  std::memcpy(&bytes[8], &version, 4);
+  Reseal(bytes);
+  {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  }
+  auto back = ReadSnapshot(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ExpectSame(s, *back);
+}
+
 TEST(CheckpointFormatTest, EmptySnapshotRoundTrips) {
   TempDir dir;
   ShardSnapshot s;
@@ -342,7 +372,9 @@ TEST(CheckpointFormatTest, HostileLengthsAreRefusedWithoutLargeAllocations) {
   // chunk 0's fixed part: id, reserved, version, steps, n_weights @+24, n_state1 @+32, ...
   const size_t fp_len = 64, chunk0 = 64 + 4 + 2 + 4 + 13;
   const size_t chunk_bytes = 48 + 4 * (64 + 64 + 33);
-  const size_t worker0 = chunk0 + 3 * chunk_bytes - 4 * (64 + 33);  // chunk 1 has no state
+  // Chunk 1 has no state; chunk 2 has 8 row keys and versions (a u64 count, then 16 B each).
+  const size_t keys2 = chunk0 + 3 * chunk_bytes - 4 * (64 + 33);
+  const size_t worker0 = keys2 + 8 + 16 * 8;
   struct Case {
     const char* name;
     size_t off;
@@ -358,6 +390,8 @@ TEST(CheckpointFormatTest, HostileLengthsAreRefusedWithoutLargeAllocations) {
       {"weights length 400 MB", chunk0 + 24, 8, 100000000, "chunk 0 weights length"},
       {"weights length wraps", chunk0 + 24, 8, UINT64_MAX, "chunk 0 weights length"},
       {"state2 length", chunk0 + 40, 8, uint64_t{1} << 40, "chunk 0 state2 length"},
+      {"row keys length", keys2, 8, uint64_t{1} << 59, "row keys length"},
+      {"row keys length 9", keys2, 8, 9, "worker 0 last_seq length"},  // 16 B too many
       {"last_seq length", worker0 + 16, 8, uint64_t{1} << 61, "worker 0 last_seq length"},
       {"applied length", worker0 + 24, 8, 3 + 1000, "worker 0 applied_clock length"},
   };

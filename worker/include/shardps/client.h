@@ -149,6 +149,13 @@ struct EmbeddingOptions {
   Init init = Init::kNormal;  // kNormal: N(0, scale^2) (torch.nn.Embedding: N(0, 1))
   float init_scale = 1.0f;    // kUniform: U(-scale, scale)
   uint64_t init_seed = 0;
+  // Hashed ids: any 64-bit id (a feature hash) instead of 0 <= id < rows; `rows` is then the
+  // capacity, the rows held at most. A key gets a row the first time its gradient is applied,
+  // with probability admit_probability (deterministic per key and step); a full bucket gives it
+  // the slot of its least recently updated row, whose key is forgotten (reads of a key without
+  // a row return its initial value). docs/embeddings.md, "Hashed ids".
+  bool hashed = false;
+  float admit_probability = 1.0f;
 };
 
 // Element types of registered tensors (the numbers are the wire's).
