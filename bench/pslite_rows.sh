@@ -79,12 +79,65 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() {  # a port nothing listens on
+free_port() {  # a port nothing listens on, below Linux's ephemeral range (32768-60999 here)
   local p
   while :; do
-    p=$((20000 + RANDOM % 30000))
+    p=$((10000 + RANDOM % 22000))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return; fi
   done
+}
+
+# One cluster: scheduler + $S servers + $W workers of layout $1, dim $2, logs in $3.
+# Returns 0, 1 (a process failed or timed out), or 2 (the scheduler could not bind its port).
+run_cluster() {
+  local layout=$1 dim=$2 run=$3
+  local S=${layout%x*} W=${layout#*x}
+  # Bound per cluster: start-up + per point (4 warm-up batches + the timed second + barriers).
+  local npoints=$(( ${#ID_LIST[@]} * 2 * 2 ))
+  local limit
+  limit=$(awk -v n="$npoints" -v s="$SECONDS_PER_POINT" 'BEGIN { printf "%d", 60 + n * (s + 10) }')
+  export DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=$(free_port) DMLC_NODE_HOST=127.0.0.1
+  export DMLC_NUM_SERVER=$S DMLC_NUM_WORKER=$W
+  local args=(--rows="$ROWS" --dim="$dim" --ids="$IDS" --dists="$DISTS"
+              --seconds="$SECONDS_PER_POINT" --inflight="$INFLIGHT" --layout="$layout"
+              --out="$RESULTS" --run_dir="$run")
+  PIDS=()
+  DMLC_ROLE=scheduler timeout "$limit" "$BIN" "${args[@]}" > "$run/scheduler.log" 2>&1 &
+  PIDS+=($!)
+  local i
+  for ((i = 0; i < S; ++i)); do
+    DMLC_ROLE=server timeout "$limit" "$BIN" "${args[@]}" > "$run/server$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  for ((i = 0; i < W; ++i)); do
+    DMLC_ROLE=worker timeout "$limit" "$BIN" "${args[@]}" > "$run/worker$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  echo "ps-lite $layout dim $dim: scheduler + $S server(s) + $W worker(s), port $DMLC_PS_ROOT_PORT," \
+       "logs in $run; load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+  # Wait for all; the first to fail (crash or timeout) takes the others down with it, since
+  # ps-lite's peers would otherwise wait for it until their own timeout.
+  local failed=0 live=("${PIDS[@]}") rest rc done_pid p
+  while [ "${#live[@]}" -gt 0 ]; do
+    rc=0
+    done_pid=""
+    wait -n -p done_pid "${live[@]}" || rc=$?
+    [ -n "$done_pid" ] || break  # nothing left to wait for
+    rest=()
+    for p in "${live[@]}"; do [ "$p" != "$done_pid" ] && rest+=("$p"); done
+    live=("${rest[@]+"${rest[@]}"}")
+    if [ "$rc" != 0 ] && [ "$failed" = 0 ]; then
+      failed=1
+      sleep 1
+      for p in "${live[@]+"${live[@]}"}"; do kill "$p" 2>/dev/null || true; done
+    fi
+  done
+  PIDS=()
+  if [ "$failed" = 0 ]; then return 0; fi
+  if grep -q "bind failed" "$run/scheduler.log"; then return 2; fi
+  echo "ps-lite $layout dim $dim: a process failed or timed out (limit ${limit}s); logs:" >&2
+  tail -n 5 "$run"/*.log >&2 || true
+  return 1
 }
 
 status=0
@@ -92,54 +145,16 @@ IFS=, read -r -a LAYOUT_LIST <<< "$LAYOUTS"
 IFS=, read -r -a DIM_LIST <<< "$DIMS"
 IFS=, read -r -a ID_LIST <<< "$IDS"
 for layout in "${LAYOUT_LIST[@]}"; do
-  S=${layout%x*}
-  W=${layout#*x}
   for dim in "${DIM_LIST[@]}"; do
-    run="$WORK_DIR/$layout-d$dim"
-    mkdir -p "$run"
-    # Bound per cluster: start-up + per point (4 warm-up batches + the timed second + barriers).
-    npoints=$(( ${#ID_LIST[@]} * 2 * 2 ))
-    limit=$(awk -v n="$npoints" -v s="$SECONDS_PER_POINT" 'BEGIN { printf "%d", 60 + n * (s + 10) }')
-    export DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=$(free_port) DMLC_NODE_HOST=127.0.0.1
-    export DMLC_NUM_SERVER=$S DMLC_NUM_WORKER=$W
-    args=(--rows="$ROWS" --dim="$dim" --ids="$IDS" --dists="$DISTS" --seconds="$SECONDS_PER_POINT"
-          --inflight="$INFLIGHT" --layout="$layout" --out="$RESULTS" --run_dir="$run")
-    PIDS=()
-    DMLC_ROLE=scheduler timeout "$limit" "$BIN" "${args[@]}" > "$run/scheduler.log" 2>&1 &
-    PIDS+=($!)
-    for ((i = 0; i < S; ++i)); do
-      DMLC_ROLE=server timeout "$limit" "$BIN" "${args[@]}" > "$run/server$i.log" 2>&1 &
-      PIDS+=($!)
-    done
-    for ((i = 0; i < W; ++i)); do
-      DMLC_ROLE=worker timeout "$limit" "$BIN" "${args[@]}" > "$run/worker$i.log" 2>&1 &
-      PIDS+=($!)
-    done
-    echo "ps-lite $layout dim $dim: scheduler + $S server(s) + $W worker(s), port $DMLC_PS_ROOT_PORT, logs in $run" >&2
-    # Wait for all; the first to fail (crash or timeout) takes the others down with it, since
-    # ps-lite's peers would otherwise wait for it until their own timeout.
-    failed=0
-    live=("${PIDS[@]}")
-    while [ "${#live[@]}" -gt 0 ]; do
+    for attempt in 1 2 3; do
+      run="$WORK_DIR/$layout-d$dim-try$attempt"
+      mkdir -p "$run"
       rc=0
-      done_pid=""
-      wait -n -p done_pid "${live[@]}" || rc=$?
-      [ -n "$done_pid" ] || break  # nothing left to wait for
-      rest=()
-      for p in "${live[@]}"; do [ "$p" != "$done_pid" ] && rest+=("$p"); done
-      live=("${rest[@]+"${rest[@]}"}")
-      if [ "$rc" != 0 ] && [ "$failed" = 0 ]; then
-        failed=1
-        sleep 1
-        for p in "${live[@]+"${live[@]}"}"; do kill "$p" 2>/dev/null || true; done
-      fi
+      run_cluster "$layout" "$dim" "$run" || rc=$?
+      [ "$rc" = 2 ] || break
+      echo "ps-lite $layout dim $dim: the scheduler's port was taken; again on another" >&2
     done
-    PIDS=()
-    if [ "$failed" = 1 ]; then
-      echo "ps-lite $layout dim $dim: a process failed or timed out (limit ${limit}s); logs:" >&2
-      tail -n 5 "$run"/*.log >&2 || true
-      status=1
-    fi
+    [ "$rc" = 0 ] || status=1
   done
 done
 

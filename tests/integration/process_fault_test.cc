@@ -156,6 +156,45 @@ TEST_P(ServerKillTest, BspRowTableIsBitIdenticalAfterAServerKill) {
   EXPECT_EQ(failovers, victim_rank < spec.servers ? spec.workers : 0);
 }
 
+// The same with a hashed row table (64-bit keys, a capacity of 120 rows, so buckets fill and
+// rows are evicted): the backup places, admits and evicts exactly as the primary did, and the
+// rows of every key end bit-identical to the one-process model of the policy.
+TEST_P(ServerKillTest, BspHashedRowTableIsBitIdenticalAfterAServerKill) {
+  const auto [transport, seed] = GetParam();
+  ClusterSpec spec;
+  spec.transport = transport;
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
+  std::mt19937 rng(static_cast<uint32_t>(seed) * 7919u + 31u);
+  const int victim_rank = seed % 4;
+  const int kSteps = 30;
+  const int kill_after = 4 + static_cast<int>(rng() % 16);
+  const std::vector<std::string> table = {"--embedding_rows=120", "--embedding_hashed"};
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps),
+                                    "--step_delay_ms=" + std::to_string(Emulated() ? 40 : 15)};
+  flags.insert(flags.end(), table.begin(), table.end());
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps, table);
+  for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
+  const int done = WaitProgress(Path("progress0"), kill_after, ProcessBound(), workers[0]);
+  ASSERT_GE(done, kill_after) << Tail(workers[0]);
+  ASSERT_LT(done, kSteps) << "training ended before the kill";
+  servers_[victim_rank]->Kill();
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  auto ref = StandaloneResult(standalone, ProcessBound());
+  ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
+  ASSERT_EQ(ref->tensors["E"].size(), (30u * 3 * 3 + 7) * 4) << "keys touched";
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    ExpectSameWeights(*res, *ref, r);
+  }
+}
+
 // Crashes at named points of start-up, training, checkpointing and failover, in every role:
 // tests/integration/crash_matrix_test.cc.
 

@@ -56,6 +56,7 @@
 
 #include "shardps/client.h"
 #include "tests/integration/fault_injecting_fabric.h"
+#include "tests/integration/hashed_table_model.h"
 #include "tests/integration/signature_check.h"
 #include "transport/flags.h"
 #include "worker/client_testing.h"
@@ -73,6 +74,8 @@ DEFINE_int32(dim, 64, "linreg: input features");
 DEFINE_int32(outputs, 8, "linreg: outputs");
 DEFINE_int32(embedding_rows, 0,
              "linreg: also train a row table E of this many rows x 4 (0: none); see RowTask");
+DEFINE_bool(embedding_hashed, false,
+            "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
 DEFINE_int32(staleness, 0, "counter: the SSP bound s to check");
 DEFINE_int32(max_delay_ms, 0, "Random sleep in [0, max) before each step (seeded by rank)");
@@ -161,13 +164,27 @@ struct RowTask {
   static std::vector<int64_t> Ids(int step, int rank, int rows) {
     std::vector<int64_t> ids;
     for (uint64_t k = 0; k < 3; ++k) {
-      ids.push_back(static_cast<int64_t>(SplitMix((uint64_t(step) * 64 + rank) * 8 + k) % rows));
+      const uint64_t x = SplitMix((uint64_t(step) * 64 + rank) * 8 + k);
+      // Hashed: any 64-bit key (negative ones included); dense: a row.
+      ids.push_back(static_cast<int64_t>(FLAGS_embedding_hashed ? x : x % rows));
     }
     ids.push_back(step % 7);
     ids.push_back(step % 7);
     return ids;
   }
   static float Target(int64_t id, int j) { return Uniform((5ull << 60) ^ (id * 8 + j)); }
+  // Hashed: every key any worker touches in `steps` steps, in a fixed order (the result's rows).
+  static std::vector<int64_t> AllKeys(int steps, int workers, int rows) {
+    std::vector<int64_t> all;
+    for (int t = 0; t < steps; ++t) {
+      for (int r = 0; r < workers; ++r) {
+        for (int64_t k : Ids(t, r, rows)) {
+          if (std::find(all.begin(), all.end(), k) == all.end()) all.push_back(k);
+        }
+      }
+    }
+    return all;
+  }
   // One worker's gradient rows for `ids`, given the rows it read, summed per id in the order
   // the client sums them (first occurrence order, from zero): (ids, sums).
   static void Coalesce(const std::vector<int64_t>& ids, const std::vector<float>& rows,
@@ -300,8 +317,38 @@ int RunStandalone() {
   float max_abs_grad = 0;
   const int erows = FLAGS_embedding_rows;
   std::vector<float> e(static_cast<size_t>(erows) * RowTask::kDim, 0.0f);  // zeros-initialised
+  // Hashed: the servers' placement, admission and eviction, in one process (2 shards: the
+  // cluster's --servers of these tests).
+  shardps::test::HashedTableModel hashed_e(static_cast<uint64_t>(std::max(erows, 1)), 2,
+                                           RowTask::kDim, shardps::RowInitKind::kZeros, 1.0f, 0,
+                                           1.0f);
   for (int t = 0; t < FLAGS_steps; ++t) {
-    if (erows > 0) {
+    if (erows > 0 && FLAGS_embedding_hashed) {
+      std::vector<std::vector<uint64_t>> order(2);
+      std::map<uint64_t, std::vector<float>> sum;
+      for (int r = 0; r < FLAGS_workers; ++r) {
+        const std::vector<int64_t> ids = RowTask::Ids(t, r, erows);
+        std::vector<float> rows(ids.size() * RowTask::kDim);
+        for (size_t i = 0; i < ids.size(); ++i) {
+          const std::vector<float> v = hashed_e.Read(static_cast<uint64_t>(ids[i]));
+          std::copy(v.begin(), v.end(), &rows[i * RowTask::kDim]);
+        }
+        std::vector<int64_t> uniq;
+        std::vector<float> sums;
+        RowTask::Coalesce(ids, rows, &uniq, &sums);
+        for (size_t u = 0; u < uniq.size(); ++u) {
+          const uint64_t key = static_cast<uint64_t>(uniq[u]);
+          auto [it, fresh] = sum.try_emplace(key, std::vector<float>(RowTask::kDim, 0.0f));
+          if (fresh) order[hashed_e.ShardOf(key)].push_back(key);
+          for (int j = 0; j < RowTask::kDim; ++j) it->second[j] += sums[u * RowTask::kDim + j];
+        }
+      }
+      for (uint32_t k = 0; k < 2; ++k) {
+        std::vector<float> flat;
+        for (uint64_t key : order[k]) flat.insert(flat.end(), sum[key].begin(), sum[key].end());
+        hashed_e.Apply(k, order[k], flat, scale, lr);
+      }
+    } else if (erows > 0) {
       // The servers' BSP clock of a row shard: each row's sum over the workers in rank order
       // (each worker's own sum first), then w - lr * (scale * sum) (server/row_shard.cc).
       std::map<int64_t, std::vector<float>> sum;
@@ -351,6 +398,13 @@ int RunStandalone() {
   r.workers = static_cast<uint32_t>(FLAGS_workers);
   r.max_abs_grad = max_abs_grad;
   r.tensors = {{"W", &w}, {"b", &b}};
+  if (erows > 0 && FLAGS_embedding_hashed) {
+    e.clear();
+    for (int64_t k : RowTask::AllKeys(FLAGS_steps, FLAGS_workers, erows)) {
+      const std::vector<float> v = hashed_e.Read(static_cast<uint64_t>(k));
+      e.insert(e.end(), v.begin(), v.end());
+    }
+  }
   if (erows > 0) r.tensors.push_back({"E", &e});
   return WriteResult(r);
 }
@@ -435,6 +489,7 @@ int RunCluster() {
     shardps::EmbeddingOptions eo;
     eo.max_ids = 16;
     eo.init = shardps::EmbeddingOptions::Init::kZeros;
+    eo.hashed = FLAGS_embedding_hashed;
     st = c.RegisterEmbedding("E", erows, RowTask::kDim, shardps::TensorDType::kFloat32, eo);
   }
   if (st.ok()) st = c.Start();
@@ -533,6 +588,7 @@ int RunCluster() {
   if (erows > 0) {
     std::vector<int64_t> all(static_cast<size_t>(erows));
     for (int i = 0; i < erows; ++i) all[i] = i;
+    if (FLAGS_embedding_hashed) all = RowTask::AllKeys(FLAGS_steps, FLAGS_workers, erows);
     e.resize(all.size() * RowTask::kDim);
     st = c.PullRows("E", all.data(), all.size(), e.data());
     if (!st.ok()) {
