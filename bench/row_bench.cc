@@ -44,6 +44,7 @@
 #include "bench/bounds.h"
 #include "bench/initiator.h"
 #include "bench/target.h"
+#include "common/row_init.h"
 #include "shardps/client.h"
 #include "tests/integration/child_process.h"
 #include "transport/flags.h"
@@ -54,6 +55,7 @@ DEFINE_string(layouts, "1x1,2x2", "servers x workers");
 DEFINE_string(ids, "1024,4096,16384,65536", "distinct ids per batch");
 DEFINE_string(dims, "16,64,256", "values per row");
 DEFINE_string(dists, "uniform,zipf", "id distributions");
+DEFINE_string(tables, "dense", "dense (ids < rows), hashed (64-bit keys; --rows is the capacity)");
 DEFINE_int64(rows, 1000000, "table rows");
 DEFINE_double(seconds, 1.0, "timed duration of each point (at least 3 batches)");
 DEFINE_string(json, "", "write every point as JSON lines here");
@@ -203,8 +205,9 @@ class Barrier {
 };
 
 Status RunLayout(const std::string& transport, int servers, int workers, int64_t dim,
-                 TransportInitiator* bound, std::vector<Point>* points) {
-  const std::string layout = std::to_string(servers) + "x" + std::to_string(workers);
+                 bool hashed, TransportInitiator* bound, std::vector<Point>* points) {
+  const std::string layout =
+      std::to_string(servers) + "x" + std::to_string(workers) + (hashed ? "-hashed" : "");
   const std::vector<int64_t> id_counts = Ints(FLAGS_ids);
   const std::vector<std::string> dists = SplitList(FLAGS_dists);
   const int64_t max_ids = *std::max_element(id_counts.begin(), id_counts.end());
@@ -253,6 +256,7 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
           eo.max_ids = static_cast<uint32_t>(max_ids);
           eo.init = EmbeddingOptions::Init::kUniform;
           eo.init_scale = 0.01f;
+          eo.hashed = hashed;
           st = c->RegisterEmbedding("E", FLAGS_rows, dim, TensorDType::kFloat32, eo);
           if (st.ok()) st = c->Start();
           if (!st.ok()) fail(st);
@@ -261,8 +265,13 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
       std::vector<float> buf(static_cast<size_t>(max_ids * dim), 0.001f);
       barrier.Wait();  // started
       for (size_t j = 0; j < jobs.size(); ++j) {
-        const auto batches =
-            MakeBatches(jobs[j].dist, FLAGS_rows, jobs[j].ids, 4, 1000 * (w + 1) + j);
+        auto batches = MakeBatches(jobs[j].dist, FLAGS_rows, jobs[j].ids, 4, 1000 * (w + 1) + j);
+        if (hashed) {
+          // 64-bit keys (a feature hash of the id): as many distinct keys, any value.
+          for (auto& b : batches) {
+            for (int64_t& id : b) id = static_cast<int64_t>(SplitMix64(static_cast<uint64_t>(id)));
+          }
+        }
         barrier.Wait();  // go
         if (!errors[w].ok() || stop_all) {
           barrier.Wait();
@@ -399,12 +408,15 @@ int Main() {
       const int servers = std::stoi(lay.substr(0, lay.find('x')));
       const int workers = std::stoi(lay.substr(lay.find('x') + 1));
       for (int64_t dim : dims) {
-        Status st = RunLayout(transport, servers, workers, dim, bound.get(), &points);
+       for (const std::string& table : SplitList(FLAGS_tables)) {
+        Status st = RunLayout(transport, servers, workers, dim, table == "hashed", bound.get(),
+                              &points);
         if (!st.ok()) {
           fprintf(stderr, "shardps_row_bench: %s %s dim %lld: %s\n", transport.c_str(),
                   lay.c_str(), static_cast<long long>(dim), st.ToString().c_str());
           return 1;
         }
+       }
       }
     }
   }
