@@ -162,7 +162,7 @@ class PyClient {
   void RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim,
                          const std::string& dtype, uint32_t max_ids, const std::string& init,
                          float init_scale, uint64_t init_seed, bool hashed,
-                         float admit_probability) {
+                         float admit_probability, uint32_t cache_rows) {
     shardps::TensorDType t;
     if (dtype == "float32") {
       t = shardps::TensorDType::kFloat32;
@@ -188,6 +188,7 @@ class PyClient {
     o.init_seed = init_seed;
     o.hashed = hashed;
     o.admit_probability = admit_probability;
+    o.cache_rows = cache_rows;
     Check(Live().RegisterEmbedding(name, rows, dim, t, o));
     tables_[name] = {dim, t};
   }
@@ -341,6 +342,9 @@ class PyClient {
     d["row_reads"] = k.row_reads;
     d["row_retries"] = k.row_retries;
     d["rows_pushed"] = k.rows_pushed;
+    d["row_cache_hits"] = k.row_cache_hits;
+    d["row_cache_misses"] = k.row_cache_misses;
+    d["row_cache_staleness"] = k.row_cache_staleness;
     return d;
   }
 
@@ -446,6 +450,7 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("dim"), py::arg("dtype") = "float32", py::arg("max_ids") = 16384,
            py::arg("init") = "normal", py::arg("init_scale") = 1.0f, py::arg("init_seed") = 0,
            py::arg("hashed") = false, py::arg("admit_probability") = 1.0f,
+           py::arg("cache_rows") = 0,
            "Registers a row table (an embedding) of rows x dim, sharded by row id over the "
            "servers and initialised there (init: 'normal' N(0, scale^2), 'uniform' "
            "U(-scale, scale), 'zeros'; shardps.row_init computes the same values).")

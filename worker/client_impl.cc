@@ -323,6 +323,9 @@ ClientCounters ClientImpl::counters() const {
     c.row_reads = rows_->row_reads();
     c.row_retries = rows_->row_retries();
     c.rows_pushed = rows_->rows_pushed();
+    c.row_cache_hits = rows_->cache_hits();
+    c.row_cache_misses = rows_->cache_misses();
+    c.row_cache_staleness = rows_->cache_staleness();
   }
   return c;
 }

@@ -95,6 +95,7 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
   for (size_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     Table::Pending& p = t.pending[t.geometry.ShardOf(static_cast<uint64_t>(id))];
+    if (!t.cache.empty()) t.cache.erase(id);  // this worker's own update: read it again
     auto [it, added] = p.index.try_emplace(id, static_cast<uint32_t>(p.ids.size()));
     if (added) {
       p.ids.push_back(id);
@@ -184,6 +185,52 @@ Status RowTables::PostShard(Table& t, const ShardRead& r, uint64_t handle, int* 
 Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
                        uint64_t required_plus1, const std::function<Status()>& recover) {
   Table& t = tables_[table_of_tensor_.at(tensor)];
+  const uint32_t cap = t.options.cache_rows;
+  if (cap == 0 || n == 0) return Read(tensor, ids, n, out, required_plus1, recover, nullptr);
+  // The cache first: a row read at a min clock that still meets the bound is served from it.
+  const uint64_t row_bytes = uint64_t{t.dim} * t.elem;
+  auto* dst = static_cast<char*>(out);
+  std::vector<int64_t> miss;
+  std::vector<size_t> miss_at;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = t.cache.find(ids[i]);
+    if (it != t.cache.end() && it->second.min_clock_plus1 >= required_plus1 &&
+        it->second.min_clock_plus1 > 0) {
+      std::memcpy(dst + i * row_bytes, it->second.row.data(), row_bytes);
+      ++cache_hits_;
+      cache_staleness_ += step_.clock + 1 - std::min(step_.clock + 1, it->second.min_clock_plus1);
+      continue;
+    }
+    miss.push_back(ids[i]);
+    miss_at.push_back(i);
+  }
+  if (miss.empty()) return Status::OK();
+  cache_misses_ += miss.size();
+  std::vector<char> got(miss.size() * row_bytes);
+  std::vector<uint64_t> mc;
+  RETURN_IF_ERROR(Read(tensor, miss.data(), miss.size(), got.data(), required_plus1, recover, &mc));
+  for (size_t m = 0; m < miss.size(); ++m) {
+    std::memcpy(dst + miss_at[m] * row_bytes, got.data() + m * row_bytes, row_bytes);
+    auto [it, fresh] = t.cache.try_emplace(miss[m]);
+    it->second.row.assign(got.data() + m * row_bytes, got.data() + (m + 1) * row_bytes);
+    it->second.min_clock_plus1 = mc[m];
+    if (fresh) t.cache_order.push_back(miss[m]);
+  }
+  while (t.cache.size() > cap && !t.cache_order.empty()) {
+    t.cache.erase(t.cache_order.front());
+    t.cache_order.pop_front();
+  }
+  if (t.cache_order.size() > 2 * uint64_t{cap} + 64) {  // ids dropped by own updates linger
+    t.cache_order.clear();
+    for (const auto& [id, c] : t.cache) t.cache_order.push_back(id);
+  }
+  return Status::OK();
+}
+
+Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
+                       uint64_t required_plus1, const std::function<Status()>& recover,
+                       std::vector<uint64_t>* id_min_clock_plus1) {
+  Table& t = tables_[table_of_tensor_.at(tensor)];
   const std::string& name = tensors_[tensor].name;
   if (n == 0) return Status::OK();
   if (ids == nullptr || out == nullptr) return InvalidArgumentError("null ids or output");
@@ -230,6 +277,8 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
   const auto deadline = SteadyClock::now() + options_.wait_timeout;
   const char* staging = static_cast<const char*>(t.pull_staging->data());
   const uint64_t row_bytes = uint64_t{t.dim} * t.elem;
+  // Per distinct unit: the min clock (+1) of the header read with it (the cache's freshness).
+  std::vector<uint64_t> unit_mc(u.size(), 0);
   while (!reads.empty()) {
     pull_handle_ = (pull_handle_ + 1) & 0xffffffffull;
     if (pull_handle_ == 0) pull_handle_ = 1;
@@ -266,7 +315,9 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
       // Every record of a unit must verify (a hashed lookup needs the whole bucket); a dense
       // record must also name the row asked for.
       ShardRead torn{r.shard, {}, {}};
+      const uint64_t mc = h->min_clock_plus1[0].load(std::memory_order_relaxed);
       for (size_t i = 0; i < r.locals.size(); ++i) {
+        unit_mc[r.slots[i]] = mc;
         bool ok = true;
         for (uint64_t q = 0; q < t.unit_rows() && ok; ++q) {
           const char* rec = staging + uint64_t{r.slots[i]} * unit_bytes + q * t.stride;
@@ -297,8 +348,10 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
   }
   auto* dst = static_cast<char*>(out);
   std::vector<float> init(t.hashed ? t.dim : 0);
+  if (id_min_clock_plus1 != nullptr) id_min_clock_plus1->assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     const size_t j = static_cast<size_t>(std::lower_bound(u.begin(), u.end(), units[i]) - u.begin());
+    if (id_min_clock_plus1 != nullptr) (*id_min_clock_plus1)[i] = unit_mc[j];
     const char* unit = staging + j * unit_bytes;
     if (!t.hashed) {
       std::memcpy(dst + i * row_bytes, unit + sizeof(layout::RowHeader), row_bytes);

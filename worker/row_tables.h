@@ -17,6 +17,7 @@
 #define SHARDPS_WORKER_ROW_TABLES_H_
 
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -57,6 +58,9 @@ class RowTables {
   uint64_t row_reads() const { return row_reads_; }
   uint64_t row_retries() const { return row_retries_; }
   uint64_t rows_pushed() const { return rows_pushed_; }
+  uint64_t cache_hits() const { return cache_hits_; }
+  uint64_t cache_misses() const { return cache_misses_; }
+  uint64_t cache_staleness() const { return cache_staleness_; }
 
  private:
   struct Table {
@@ -85,6 +89,14 @@ class RowTables {
     std::unique_ptr<transport::MemoryRegion> push_staging;
     std::unique_ptr<transport::MemoryRegion> header_staging;  // one ChunkHeader per shard
     std::unique_ptr<transport::MemoryRegion> pull_staging;    // grows to the largest pull
+    // The row cache (EmbeddingOptions::cache_rows): id -> its row bytes and the min clock (+1)
+    // of the read that brought it; FIFO eviction.
+    struct Cached {
+      std::vector<char> row;
+      uint64_t min_clock_plus1 = 0;
+    };
+    std::unordered_map<int64_t, Cached> cache;
+    std::deque<int64_t> cache_order;
   };
   // One shard's reads in flight: its read units (dense: rows; hashed: buckets), in staging
   // order.
@@ -94,6 +106,10 @@ class RowTables {
     std::vector<uint32_t> slots;   // their places (in units) in the pull staging
   };
   Status PostShard(Table& t, const ShardRead& r, uint64_t handle, int* signaled);
+  // Pull without the cache: the rows from the servers. `id_min_clock_plus1` (may be null): per
+  // id, the min clock (+1) its shard's header named when its row was read.
+  Status Read(uint32_t tensor, const int64_t* ids, size_t n, void* out, uint64_t required_plus1,
+              const std::function<Status()>& recover, std::vector<uint64_t>* id_min_clock_plus1);
 
   const ClientOptions& options_;
   const control::ClusterConfig& config_;
@@ -110,6 +126,7 @@ class RowTables {
   int completed_ = 0;
   bool failed_ = false;
   uint64_t rows_pulled_ = 0, row_reads_ = 0, row_retries_ = 0, rows_pushed_ = 0;
+  uint64_t cache_hits_ = 0, cache_misses_ = 0, cache_staleness_ = 0;
 };
 
 }  // namespace shardps::worker

@@ -93,7 +93,8 @@ class _RowTable(torch.nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *, name=None, dtype=torch.float32,
                  max_ids=16384, init="normal", init_scale=1.0, init_seed=0, optimizer="server",
                  lr=0.0, eps=None, betas=(0.9, 0.999), lr_decay=0.0,
-                 initial_accumulator_value=0.0, hashed=False, admit_probability=1.0):
+                 initial_accumulator_value=0.0, hashed=False, admit_probability=1.0,
+                 cache_rows=0):
         super().__init__()
         if dtype not in _TABLE_DTYPES:
             raise TypeError(f"a row table is float32, float16 or bfloat16, not {dtype}")
@@ -108,6 +109,7 @@ class _RowTable(torch.nn.Module):
         self.lr_decay = float(lr_decay)
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.hashed, self.admit_probability = bool(hashed), float(admit_probability)
+        self.cache_rows = int(cache_rows)
         self._client = None
         self._sent = None
         # Makes the pulled rows part of the autograd graph (the table has no torch parameter).
@@ -124,7 +126,8 @@ class _RowTable(torch.nn.Module):
                                   dtype=_TABLE_DTYPES[self.dtype], max_ids=self.max_ids,
                                   init=self.init, init_scale=self.init_scale,
                                   init_seed=self.init_seed, hashed=self.hashed,
-                                  admit_probability=self.admit_probability)
+                                  admit_probability=self.admit_probability,
+                                  cache_rows=self.cache_rows)
         self._client = client
 
     def rule(self):
@@ -170,7 +173,8 @@ class Embedding(_RowTable):
     values. max_ids bounds the distinct rows of one step per shard. hashed=True takes any int64
     id (a feature hash): num_embeddings is then the capacity, rows are created on first touch
     (with probability admit_probability) and a full bucket evicts its least recently updated
-    row (docs/embeddings.md).
+    row (docs/embeddings.md). cache_rows > 0 keeps that many rows read in a worker-side cache,
+    served while they meet the consistency bound (SSP/ASP; counters() reports hits).
     """
 
     def forward(self, ids):

@@ -232,6 +232,65 @@ TEST_P(EmbeddingModeTest, EveryReadHoldsTheModesBound) {
   }
 }
 
+// The worker cache (EmbeddingOptions::cache_rows) under SSP(s=3): reads it serves still hold
+// the bound (the counting rows of EveryReadHoldsTheModesBound), and it does serve some: hits,
+// with a reported staleness within s + 1 clocks (a row read at min clock m includes the clocks
+// before m; the bound asks m >= clock - s).
+TEST_P(EmbeddingTest, CacheServesRowsWithinTheBound) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.mode = control::SSP;
+  spec.staleness = 3;
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.optimizer.lr = 1.0f;
+  spec.average = false;
+  Cluster cluster(spec);
+  EmbeddingOptions eo;
+  eo.max_ids = 8;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  eo.cache_rows = 64;
+  std::atomic<int> violations{0};
+  std::vector<ClientCounters> counters(spec.workers);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.emplace_back([&, r] {
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterEmbedding("counts", 200, 4, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      const int me = static_cast<int>(cl.rank());
+      const std::vector<int64_t> rows = {100, 101, 50, 51};
+      std::vector<float> got(rows.size() * 4);
+      for (int t = 0; t < 30; ++t) {
+        const int64_t mine = 100 + me;
+        const std::vector<float> minus(4, -1.0f);
+        ASSERT_TRUE(cl.AddRowGradients("counts", &mine, 1, minus.data()).ok());
+        Status st = cl.Step();
+        ASSERT_TRUE(st.ok()) << st;
+        for (int rep = 0; rep < 2; ++rep) {  // the second read of a step: all hits
+          st = cl.PullRows("counts", rows.data(), rows.size(), got.data());
+          ASSERT_TRUE(st.ok()) << st;
+          const int64_t clock = static_cast<int64_t>(cl.clock());
+          for (int k = 0; k < 2; ++k) {
+            if (got[k * 4] < clock - 3) ++violations;
+          }
+        }
+      }
+      counters[r] = cl.counters();
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : workers) t.join();
+  EXPECT_EQ(violations.load(), 0);
+  for (const ClientCounters& k : counters) {
+    EXPECT_GT(k.row_cache_hits, 60u);
+    EXPECT_GT(k.row_cache_misses, 0u);
+    EXPECT_LE(k.row_cache_staleness, 4 * k.row_cache_hits);
+  }
+}
+
 // Bad input: each a clear error naming the table, nothing half-done, the client still running.
 TEST_P(EmbeddingTest, BadInputIsAClearError) {
   ClusterSpec spec;

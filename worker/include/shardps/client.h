@@ -111,6 +111,11 @@ struct ClientCounters {
   uint64_t row_reads = 0;        // one-sided reads posted for them (adjacent rows coalesced)
   uint64_t row_retries = 0;      // rows read again: torn (crc) or behind the consistency bound
   uint64_t rows_pushed = 0;      // distinct gradient rows pushed
+  uint64_t row_cache_hits = 0;   // rows served from the worker's cache (EmbeddingOptions)
+  uint64_t row_cache_misses = 0;
+  // Sum over hits of (the clock now - the clock the row's read included): staleness = this /
+  // hits, in clocks.
+  uint64_t row_cache_staleness = 0;
 };
 
 // Handle of an asynchronous Push or Pull.
@@ -156,6 +161,11 @@ struct EmbeddingOptions {
   // a row return its initial value). docs/embeddings.md, "Hashed ids".
   bool hashed = false;
   float admit_probability = 1.0f;
+  // Worker-side cache of rows read (0: none): a row read before is served from here while the
+  // min clock it was read at still meets the consistency bound (BSP: within the same clock;
+  // SSP: up to s clocks; ASP: until evicted); rows this worker adds gradients to are dropped
+  // from it (it reads its own updates). Hit rate and staleness: ClientCounters.
+  uint32_t cache_rows = 0;
 };
 
 // Element types of registered tensors (the numbers are the wire's).
