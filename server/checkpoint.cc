@@ -12,7 +12,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <set>
 
 #include <glog/logging.h>
 
@@ -183,6 +185,34 @@ CheckpointListing Examine(uint64_t clock, const std::string& path, uint32_t num_
   return l;
 }
 
+// Every checkpoint directory, newest first; a checkpoint whose group files are based on (hold
+// incremental chunks of) a checkpoint that is not complete is not complete either.
+std::vector<CheckpointListing> ExamineAll(const std::vector<std::pair<uint64_t, std::string>>& dirs,
+                                          uint32_t num_groups, const std::string& fingerprint) {
+  std::vector<CheckpointListing> out;
+  for (const auto& [k, p] : dirs) out.push_back(Examine(k, p, num_groups, fingerprint));
+  std::map<uint64_t, bool> complete;
+  for (auto it = out.rbegin(); it != out.rend(); ++it) {  // oldest first: bases come before
+    if (it->complete) {
+      for (const GroupFileStatus& f : it->files) {
+        if (!f.summary) continue;
+        for (uint64_t base : f.summary->base_clocks) {
+          if (!complete[base]) {
+            it->complete = false;
+            it->why_incomplete = "group " + std::to_string(f.group) + " is based on " +
+                                 Basename(CheckpointDirName("", base)) +
+                                 ", which is not complete";
+            break;
+          }
+        }
+        if (!it->complete) break;
+      }
+    }
+    complete[it->clock] = it->complete;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string CheckpointDirName(const std::string& dir, uint64_t clock) {
@@ -250,9 +280,87 @@ StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string& dir,
                                                          uint32_t num_groups,
                                                          const std::string& fingerprint) {
   ASSIGN_OR_RETURN(auto dirs, CkptDirs(dir));
-  std::vector<CheckpointListing> out;
-  for (const auto& [k, p] : dirs) out.push_back(Examine(k, p, num_groups, fingerprint));
-  return out;
+  return ExamineAll(dirs, num_groups, fingerprint);
+}
+
+Status ResolveIncremental(const std::string& dir, ShardSnapshot* s) {
+  std::map<uint64_t, ShardSnapshot> bases;  // read once each
+  for (size_t i = 0; i < s->chunks.size(); ++i) {
+    ChunkState& c = s->chunks[i];
+    // The chain of this chunk, newest first, down to a whole state.
+    std::vector<const ChunkState*> chain = {&c};
+    const ChunkState* at = &c;
+    uint64_t at_clock = s->clock;
+    while (at->base_clock != 0) {
+      if (chain.size() > 64) return DataLossError("a chain of more than 64 incremental checkpoints");
+      const uint64_t base = at->base_clock;
+      if (base >= at_clock) return DataLossError("a base clock that is not older");
+      auto it = bases.find(base);
+      if (it == bases.end()) {
+        const std::string path = SnapshotPath(dir, base, s->group, s->num_groups);
+        auto b = ReadSnapshot(path);
+        if (!b.ok()) {
+          return DataLossError("checkpoint at clock " + std::to_string(s->clock) +
+                               " is based on " + path + ": " + b.status().message());
+        }
+        if (b->plan_fingerprint != s->plan_fingerprint || b->chunks.size() != s->chunks.size()) {
+          return DataLossError(path + " is not of the same plan");
+        }
+        it = bases.emplace(base, std::move(*b)).first;
+      }
+      at = &it->second.chunks[i];
+      at_clock = base;
+      if (at->chunk_id != c.chunk_id) return DataLossError("a base holds another chunk");
+      chain.push_back(at);
+    }
+    if (chain.size() == 1) continue;
+    // Oldest (whole) first, then each increment's rows over it.
+    ChunkState whole = *chain.back();
+    const uint64_t rows_n = whole.row_keys.empty() ? 0 : whole.row_keys.size();
+    for (auto it = chain.rbegin() + 1; it != chain.rend(); ++it) {
+      const ChunkState& d = **it;
+      const uint64_t n = d.row_index.size();
+      if (n == 0) {
+        whole.version = d.version;
+        whole.optimizer_steps = d.optimizer_steps;
+        continue;
+      }
+      if (d.weights.size() % n != 0) return DataLossError("increment's rows do not divide");
+      const uint64_t dim = d.weights.size() / n;
+      auto overlay = [&](std::vector<float>& dst, const std::vector<float>& src,
+                         const char* what) -> Status {
+        if (src.empty()) return Status::OK();
+        if (dst.empty()) return DataLossError(std::string("an increment has ") + what +
+                                              " its base lacks");
+        if (src.size() != n * dim) return DataLossError(std::string("increment's ") + what);
+        for (uint64_t r = 0; r < n; ++r) {
+          const uint64_t row = d.row_index[r];
+          if ((row + 1) * dim > dst.size()) return DataLossError("increment row out of range");
+          std::copy_n(src.data() + r * dim, dim, dst.data() + row * dim);
+        }
+        return Status::OK();
+      };
+      RETURN_IF_ERROR(overlay(whole.weights, d.weights, "weights"));
+      RETURN_IF_ERROR(overlay(whole.state1, d.state1, "state 1"));
+      RETURN_IF_ERROR(overlay(whole.state2, d.state2, "state 2"));
+      if (!d.row_keys.empty()) {
+        if (d.row_keys.size() != n || d.row_versions.size() != n || rows_n == 0) {
+          return DataLossError("increment's row keys");
+        }
+        for (uint64_t r = 0; r < n; ++r) {
+          if (d.row_index[r] >= rows_n) return DataLossError("increment row out of range");
+          whole.row_keys[d.row_index[r]] = d.row_keys[r];
+          whole.row_versions[d.row_index[r]] = d.row_versions[r];
+        }
+      }
+      whole.version = d.version;
+      whole.optimizer_steps = d.optimizer_steps;
+    }
+    whole.base_clock = 0;
+    whole.row_index.clear();
+    c = std::move(whole);
+  }
+  return Status::OK();
 }
 
 StatusOr<uint64_t> LatestCompleteCheckpoint(const std::string& dir, uint32_t num_groups,
@@ -260,13 +368,12 @@ StatusOr<uint64_t> LatestCompleteCheckpoint(const std::string& dir, uint32_t num
   if (num_groups == 0) return InvalidArgumentError("num_groups must be at least 1");
   ASSIGN_OR_RETURN(auto dirs, CkptDirs(dir));
   std::string refused;
-  for (const auto& [k, p] : dirs) {
-    CheckpointListing l = Examine(k, p, num_groups, fingerprint);
+  for (const CheckpointListing& l : ExamineAll(dirs, num_groups, fingerprint)) {
     if (l.complete) {
-      if (report) *report = refused + "using " + Basename(p);
-      return k;
+      if (report) *report = refused + "using " + Basename(l.path);
+      return l.clock;
     }
-    refused += Basename(p) + ": " + l.why_incomplete + "; ";
+    refused += Basename(l.path) + ": " + l.why_incomplete + "; ";
   }
   std::string msg = "no complete checkpoint of " + std::to_string(num_groups) + " groups in " +
                     dir +
@@ -283,15 +390,25 @@ Status PruneCheckpoints(const std::string& dir, uint32_t group, uint32_t num_gro
                                 std::to_string(num_groups));
   }
   ASSIGN_OR_RETURN(auto dirs, CkptDirs(dir));
+  const std::vector<CheckpointListing> all = ExamineAll(dirs, num_groups, fingerprint);
   size_t kept = 0, i = 0;
-  for (; i < dirs.size() && kept < keep; ++i) {
-    if (Examine(dirs[i].first, dirs[i].second, num_groups, fingerprint).complete) ++kept;
+  for (; i < all.size() && kept < keep; ++i) {
+    if (all[i].complete) ++kept;
   }
   if (kept < keep) i = dirs.size();  // fewer complete than `keep`: delete nothing
+  // Checkpoints the kept ones are based on stay too (transitively: bases are older).
+  std::set<uint64_t> needed;
+  for (size_t j = 0; j < all.size(); ++j) {
+    if (j >= i && needed.count(all[j].clock) == 0) continue;
+    for (const GroupFileStatus& f : all[j].files) {
+      if (f.summary) needed.insert(f.summary->base_clocks.begin(), f.summary->base_clocks.end());
+    }
+  }
   size_t n = 0;
   Status first_error;
   const std::string mine = GroupFileName(group, num_groups);
   for (; i < dirs.size(); ++i) {
+    if (needed.count(dirs[i].first) != 0) continue;
     const std::string& p = dirs[i].second;
     for (const std::string& f : {p + "/" + mine, p + "/" + mine + ".tmp"}) {
       if (::unlink(f.c_str()) == 0) {

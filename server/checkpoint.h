@@ -38,6 +38,12 @@ struct ChunkState {
   // A hashed row shard (docs/embeddings.md): per slot its key and its version, bit 63 set
   // when the slot holds a row. Empty for every other chunk.
   std::vector<uint64_t> row_keys, row_versions;
+  // An incremental row shard state (base_clock != 0): only the local rows `row_index`
+  // (ascending) are here — weights, state1/state2 (when present) and the row keys/versions hold
+  // those rows only, in that order — and every other row is as in the same chunk of the group's
+  // checkpoint at base_clock (itself full or incremental). ResolveIncremental makes it whole.
+  uint64_t base_clock = 0;
+  std::vector<uint64_t> row_index;
 };
 
 // What the group knows of one worker: its clock and the exactly-once dedupe state per slot.
@@ -90,6 +96,7 @@ struct SnapshotSummary {
   uint64_t clock = 0, epoch = 0, file_bytes = 0;
   uint32_t num_chunks = 0, num_workers = 0;
   uint64_t num_floats = 0;  // weights + optimizer state over all chunks
+  std::vector<uint64_t> base_clocks;  // distinct base clocks of its incremental chunks
 };
 StatusOr<SnapshotSummary> VerifySnapshot(const std::string& path);
 
@@ -124,9 +131,14 @@ StatusOr<uint64_t> LatestCompleteCheckpoint(const std::string& dir, uint32_t num
                                             const std::string& plan_fingerprint,
                                             std::string* report = nullptr);
 
+// Replaces every incremental chunk of `snapshot` (read from `dir`) by its whole state, reading
+// the group's checkpoints it is based on (each verified; a chain of at most 64). DataLoss naming
+// the missing or bad base otherwise.
+Status ResolveIncremental(const std::string& dir, ShardSnapshot* snapshot);
+
 // Retention for one group: keeps this group's files of the newest `keep` complete checkpoints
-// (keep >= 1) and of every checkpoint newer than the newest complete one (possibly still being
-// written by other groups); deletes this group's files (and stale temp files) of every older
+// (keep >= 1), of every checkpoint newer than the newest complete one (possibly still being
+// written by other groups) and of every checkpoint a kept one is based on (incremental chunks); deletes this group's files (and stale temp files) of every older
 // checkpoint, complete or not, and removes ckpt directories left empty. *removed, if non-null,
 // gets the number of files deleted.
 Status PruneCheckpoints(const std::string& dir, uint32_t group, uint32_t num_groups, size_t keep,

@@ -52,6 +52,21 @@ class CheckpointCapture {
   std::optional<ShardSnapshot> Captured(uint32_t slot, ChunkState state,
                                         const WorkerTable& workers);
 
+  // Incremental checkpoints of row shards (docs/checkpoints.md): the base a capture of `slot`
+  // for the checkpoint being taken may be relative to — the clock and the version of its last
+  // capture — or nothing (a whole capture: the first, every `full_every`-th, after ForceFull,
+  // or when its optimizer state appeared since). has_state: whether the slot has state now.
+  struct Base {
+    uint64_t clock;
+    uint64_t version;
+  };
+  std::optional<Base> IncrementalBase(uint32_t slot, bool has_state) const;
+  // Records a capture of `slot` (its version, whether it was whole, whether it had state).
+  void NoteCapture(uint32_t slot, uint64_t version, bool whole, bool has_state);
+  // The next capture of every slot is whole (a write failed: its increments have no base).
+  void ForceFull();
+  void set_full_every(uint32_t n) { full_every_ = n; }
+
  private:
   Identity id_;
   uint32_t slots_;
@@ -61,6 +76,14 @@ class CheckpointCapture {
   std::unique_ptr<ShardSnapshot> pending_;
   std::vector<bool> captured_;
   uint32_t captured_count_ = 0;
+  struct SlotHistory {
+    uint64_t clock = 0;  // of its last capture (0: none)
+    uint64_t version = 0;
+    uint32_t since_whole = 0;  // increments since the last whole capture
+    bool had_state = false;
+  };
+  std::vector<SlotHistory> history_ = std::vector<SlotHistory>(slots_);
+  uint32_t full_every_ = 8;  // a whole capture at least every this many
 };
 
 }  // namespace shardps::server

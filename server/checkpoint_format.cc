@@ -33,6 +33,8 @@ constexpr uint64_t kChunkFixedBytes = 48;
 // A chunk record's flags (the u32 after its id): its row keys and versions follow its arrays
 // (format 2: a hashed row shard).
 constexpr uint32_t kChunkHasRowKeys = 1;
+// ... and an incremental chunk's base clock and row index follow them, before the keys.
+constexpr uint32_t kChunkIsIncremental = 2;
 constexpr uint64_t kWorkerFixedBytes = 32;
 constexpr uint64_t kMinFileBytes = kHeaderBytes + 8 + kTrailerBytes;  // two empty strings
 constexpr size_t kIoBuffer = 1 << 20;
@@ -157,6 +159,7 @@ uint64_t EncodedBytes(const ShardSnapshot& s) {
   for (const auto& c : s.chunks) {
     n += kChunkFixedBytes + 4 * (c.weights.size() + c.state1.size() + c.state2.size());
     if (!c.row_keys.empty()) n += 8 + 16 * c.row_keys.size();  // a hashed row shard's slots
+    if (c.base_clock != 0) n += 16 + 8 * c.row_index.size();
   }
   for (const auto& w : s.workers) {
     n += kWorkerFixedBytes + 8 * (w.last_seq.size() + w.applied_clock.size());
@@ -180,7 +183,8 @@ Status EncodeTo(Sink& out, const ShardSnapshot& s) {
   RETURN_IF_ERROR(out.String(s.optimizer));
   for (const auto& c : s.chunks) {
     RETURN_IF_ERROR(out.Pod<uint32_t>(c.chunk_id));
-    RETURN_IF_ERROR(out.Pod<uint32_t>(c.row_keys.empty() ? 0 : kChunkHasRowKeys));
+    RETURN_IF_ERROR(out.Pod<uint32_t>((c.row_keys.empty() ? 0 : kChunkHasRowKeys) |
+                                      (c.base_clock == 0 ? 0 : kChunkIsIncremental)));
     RETURN_IF_ERROR(out.Pod<uint64_t>(c.version));
     RETURN_IF_ERROR(out.Pod<uint64_t>(c.optimizer_steps));
     RETURN_IF_ERROR(out.Pod<uint64_t>(c.weights.size()));
@@ -189,6 +193,11 @@ Status EncodeTo(Sink& out, const ShardSnapshot& s) {
     RETURN_IF_ERROR(out.Array(c.weights));
     RETURN_IF_ERROR(out.Array(c.state1));
     RETURN_IF_ERROR(out.Array(c.state2));
+    if (c.base_clock != 0) {
+      RETURN_IF_ERROR(out.Pod<uint64_t>(c.base_clock));
+      RETURN_IF_ERROR(out.Pod<uint64_t>(c.row_index.size()));
+      RETURN_IF_ERROR(out.Array(c.row_index));
+    }
     if (!c.row_keys.empty()) {
       RETURN_IF_ERROR(out.Pod<uint64_t>(c.row_keys.size()));
       RETURN_IF_ERROR(out.Array(c.row_keys));
@@ -346,8 +355,27 @@ Status ParseBody(Source& in, const Header& h, ShardSnapshot* out, SnapshotSummar
     RETURN_IF_ERROR(in.Array(nw, out ? &c.weights : nullptr, tag + "weights"));
     RETURN_IF_ERROR(in.Array(n1, out ? &c.state1 : nullptr, tag + "state1"));
     RETURN_IF_ERROR(in.Array(n2, out ? &c.state2 : nullptr, tag + "state2"));
+    if ((reserved & ~(kChunkHasRowKeys | kChunkIsIncremental)) != 0 ||
+        (reserved != 0 && h.version < 2)) {
+      return DataLossError(tag + "flags " + std::to_string(reserved) + " unknown to format " +
+                           std::to_string(h.version));
+    }
+    if ((reserved & kChunkIsIncremental) != 0) {
+      uint64_t base = 0, ni = 0;
+      RETURN_IF_ERROR(in.Pod(&base));
+      RETURN_IF_ERROR(in.Pod(&ni));
+      if (base == 0 || base >= h.clock) {
+        return DataLossError(tag + "base clock " + std::to_string(base) + " is not before " +
+                             std::to_string(h.clock));
+      }
+      RETURN_IF_ERROR(in.Array(ni, out ? &c.row_index : nullptr, tag + "row index"));
+      c.base_clock = base;
+      if (std::find(sum->base_clocks.begin(), sum->base_clocks.end(), base) ==
+          sum->base_clocks.end()) {
+        sum->base_clocks.push_back(base);
+      }
+    }
     if ((reserved & kChunkHasRowKeys) != 0) {
-      if (h.version < 2) return DataLossError(tag + "has row keys in a format 1 file");
       uint64_t nk = 0;
       RETURN_IF_ERROR(in.Pod(&nk));
       if (nk > in.remaining() / 16) return in.Bad("row keys", nk, 16);

@@ -209,6 +209,16 @@ ChunkState ChunkStore::Capture(uint32_t slot) const {
   return cs;
 }
 
+ChunkState ChunkStore::CaptureIncrement(uint32_t slot, uint64_t since_version,
+                                        uint64_t base_clock) const {
+  const DenseChunk& c = chunks_[slot];
+  ChunkState cs = c.rows->CaptureSince(since_version);
+  cs.chunk_id = c.chunk_id;
+  cs.version = c.version;
+  cs.base_clock = base_clock;
+  return cs;
+}
+
 Status ChunkStore::Restore(uint32_t slot, const ChunkState& cs, uint64_t clock) {
   DenseChunk& c = chunks_[slot];
   if (cs.chunk_id != c.chunk_id || cs.weights.size() != c.elems || cs.version == 0) {

@@ -109,6 +109,14 @@ class ChunkStore {
 
   // Checkpoints: the published state of a slot, and a restore of one (published in buffer 0).
   ChunkState Capture(uint32_t slot) const;
+  // A row shard's rows written after `since_version`, as an increment on the checkpoint at
+  // `base_clock` (ChunkState::base_clock, row_index).
+  ChunkState CaptureIncrement(uint32_t slot, uint64_t since_version, uint64_t base_clock) const;
+  bool has_state(uint32_t slot) const {
+    return chunks_[slot].rows ? chunks_[slot].rows->has_state()
+                              : !chunks_[slot].optimizer->state1().empty() ||
+                                    !chunks_[slot].optimizer->state2().empty();
+  }
   Status Restore(uint32_t slot, const ChunkState& state, uint64_t clock);
   // Re-replication (server/replica_handoff.h): a slot's VSGD history (version -> weights,
   // oldest first), and replacing it.

@@ -325,6 +325,25 @@ ChunkState RowShard::Capture() const {
   return cs;
 }
 
+ChunkState RowShard::CaptureSince(uint64_t since_version) const {
+  ChunkState cs;
+  cs.optimizer_steps = steps_;
+  for (uint64_t r = 0; r < g_.rows; ++r) {
+    const auto* h = reinterpret_cast<const layout::RowHeader*>(record(r));
+    if (h->version <= since_version) continue;
+    cs.row_index.push_back(r);
+    const float* v = values(r);
+    cs.weights.insert(cs.weights.end(), v, v + g_.dim);
+    if (!s1_.empty()) cs.state1.insert(cs.state1.end(), &s1_[r * g_.dim], &s1_[r * g_.dim] + g_.dim);
+    if (!s2_.empty()) cs.state2.insert(cs.state2.end(), &s2_[r * g_.dim], &s2_[r * g_.dim] + g_.dim);
+    if (g_.hashed) {
+      cs.row_keys.push_back(h->key);
+      cs.row_versions.push_back(h->version | ((h->flags & layout::kRowOccupied) ? 1ull << 63 : 0));
+    }
+  }
+  return cs;
+}
+
 Status RowShard::Restore(const ChunkState& cs) {
   const uint64_t e = elems();
   if (cs.weights.size() != e || (!cs.state1.empty() && cs.state1.size() != e) ||

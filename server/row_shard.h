@@ -116,6 +116,10 @@ class RowShard {
   // Checkpoints and re-replication: every row's float32 value and the optimizer state, and
   // for a hashed shard every slot's key and version (with kRowOccupied in bit 63).
   ChunkState Capture() const;
+  // Only the rows written after `since_version` (record version > it), for an incremental
+  // checkpoint (ChunkState::row_index; base_clock is the caller's).
+  ChunkState CaptureSince(uint64_t since_version) const;
+  bool has_state() const { return !s1_.empty() || !s2_.empty(); }
   // Restores them (rows written with `version`; a hashed shard's records keep their own).
   Status Restore(const ChunkState& state);
   const HashedRowStats& hashed_stats() const { return hashed_; }

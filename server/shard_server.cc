@@ -466,6 +466,9 @@ Status ShardServer::Restore(const std::string& dir, const std::string& fingerpri
   LOG(WARNING) << "server rank " << rank_ << ": restore: " << report;
   const std::string path = SnapshotPath(dir, *k, group_, num_groups_);
   ASSIGN_OR_RETURN(ShardSnapshot snap, ReadSnapshot(path));
+  // Row shards checkpointed incrementally: their rows from the checkpoints they build on.
+  Status resolved = ResolveIncremental(dir, &snap);
+  if (!resolved.ok()) return resolved.WithContext("restoring group " + std::to_string(group_));
   if (snap.chunks.size() != chunks_->slots()) {
     return FailedPreconditionError(path + ": " + std::to_string(snap.chunks.size()) +
                                    " chunks, the plan gives this group " +

@@ -212,6 +212,7 @@ class ShardServer {
   std::unique_ptr<ReplicaApplier> applier_;    // backup side
   std::unique_ptr<CheckpointCapture> capture_;
   std::unique_ptr<CheckpointWriter> ckpt_writer_;  // the writer thread does the disk I/O
+  uint64_t ckpt_failures_seen_ = 0;                // writer failures already answered
   std::vector<PendingVersion> pending_;            // by slot: the version in flight
   std::deque<uint32_t> work_;                      // slots with a newly published version
 

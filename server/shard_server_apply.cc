@@ -504,7 +504,21 @@ void ShardServer::DrainWork() {
 void ShardServer::MaybeCapture(uint32_t slot) {
   if (!ckpt_writer_ || backup_) return;
   if (!capture_->Wants(slot, chunks_->published_min_clock_plus1(slot), control_->epoch())) return;
-  std::optional<ShardSnapshot> snap = capture_->Captured(slot, chunks_->Capture(slot), *workers_);
+  // A write that failed leaves increments without a base: every slot's next capture is whole.
+  const uint64_t failed = ckpt_writer_->stats().failed;
+  if (failed != ckpt_failures_seen_) {
+    ckpt_failures_seen_ = failed;
+    capture_->ForceFull();
+  }
+  // A row shard is captured as an increment (the rows written since its last capture) when
+  // the capture component allows; a dense chunk always whole.
+  const bool has_state = chunks_->has_state(slot);
+  std::optional<CheckpointCapture::Base> base;
+  if (chunks_->is_rows(slot)) base = capture_->IncrementalBase(slot, has_state);
+  ChunkState state = base ? chunks_->CaptureIncrement(slot, base->version, base->clock)
+                          : chunks_->Capture(slot);
+  capture_->NoteCapture(slot, chunks_->version(slot), !base.has_value(), has_state);
+  std::optional<ShardSnapshot> snap = capture_->Captured(slot, std::move(state), *workers_);
   if (!snap) return;
   VLOG(1) << "server rank " << rank_ << ": checkpoint of group " << group_ << " at clock "
           << snap->clock << " captured";

@@ -23,9 +23,9 @@ any model can reach on this data.
 
 The data set is a fixed sequence of samples: sample j lies in block j // BLOCK, and a block is
 generated on demand from its own generator (seed, block), so any range of samples costs only
-its blocks (vectorised; nothing of size n_train is ever held). Samples [0, n_train) are the
-training split, [n_train, n_train + n_test) the test split. The hidden parameters and the Zipf
-tables take about 36 bytes per id (36 MB for 1M ids).
+its blocks (vectorised; nothing of size n_train is ever held). Samples [0, n_test) are the test
+split (the same whatever n_train is), [n_test, n_test + n_train) the training split. The hidden
+parameters and the Zipf tables take about 36 bytes per id (36 MB for 1M ids).
 
     data = CTRData(rows=1_000_000, seed=1, n_train=8_000_000, n_test=100_000)
     ids, labels, probs = data.train_batch(step, global_batch, rank, world)
@@ -142,7 +142,7 @@ class CTRData:
         """`count` training samples from position `start` of the (cyclic) training split."""
         start %= self.n_train
         first = min(count, self.n_train - start)
-        a = self.samples(start, start + first)
+        a = self.samples(self.n_test + start, self.n_test + start + first)
         if first == count:
             return a
         b = self.train_range(0, count - first)
@@ -157,7 +157,7 @@ class CTRData:
         return self.train_range(step * global_batch + rank * local, local)
 
     def test_split(self):
-        return self.samples(self.n_train, self.n_train + self.n_test)
+        return self.samples(0, self.n_test)
 
     def describe(self):
         return (f"{self.rows} ids in {self.fields} fields (sizes {self.sizes.tolist()}), "

@@ -74,9 +74,10 @@ def local_table(rows, dim, init_scale, init_seed, block=1 << 16):
     return nn.Embedding(rows, dim, sparse=True, _weight=w)
 
 
-def shardps_table(rows, dim, init_scale, init_seed, lr, max_ids):
+def shardps_table(rows, dim, init_scale, init_seed, lr, initial_accumulator_value, max_ids):
     """The same table on the parameter servers, with the servers applying Adagrad (torch's
-    sparse Adagrad: lr, eps 1e-10, no lr decay, zero initial accumulator)."""
+    sparse Adagrad: lr, eps 1e-10, no lr decay, this initial accumulator)."""
     import shardps.torch as spt
     return spt.Embedding(rows, dim, name=TABLE_NAME, init="normal", init_scale=init_scale,
-                         init_seed=init_seed, optimizer="adagrad", lr=lr, max_ids=max_ids)
+                         init_seed=init_seed, optimizer="adagrad", lr=lr,
+                         initial_accumulator_value=initial_accumulator_value, max_ids=max_ids)

@@ -43,10 +43,14 @@ def parse_args(argv=None):
     ap.add_argument("--global-batch", type=int, default=4096,
                     help="samples per step over all workers (a multiple of the workers)")
     ap.add_argument("--seed", type=int, default=1, help="data set and model seed")
-    ap.add_argument("--n-train", type=int, default=8_000_000,
-                    help="training split (read cyclically if steps x batch exceed it)")
+    ap.add_argument("--n-train", type=int, default=0,
+                    help="training split, read cyclically (default 0: steps x global batch, "
+                    "one pass: every training sample is seen once, as in online CTR training; "
+                    "a second pass lets the rows memorise samples)")
     ap.add_argument("--n-test", type=int, default=100_000, help="test split")
     ap.add_argument("--emb-lr", type=float, default=0.05, help="Adagrad lr of the rows")
+    ap.add_argument("--emb-acc", type=float, default=0.0,
+                    help="Adagrad initial_accumulator_value of the rows")
     ap.add_argument("--mlp-lr", type=float, default=1e-3, help="Adam lr of the MLP")
     ap.add_argument("--init-scale", type=float, default=0.05,
                     help="rows start N(0, init_scale^2)")
@@ -95,6 +99,7 @@ def main(argv=None):
     threads = a.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
 
+    a.n_train = a.n_train or a.steps * a.global_batch
     data = ctr_data.CTRData(rows=a.rows, fields=a.fields, seed=a.seed, n_train=a.n_train,
                             n_test=a.n_test)
     hidden = tuple(int(h) for h in a.hidden.split(",") if h)
@@ -103,7 +108,8 @@ def main(argv=None):
         table = ctr_model.local_table(a.rows, a.dim, a.init_scale, a.seed)
         model = ctr_model.CTRModel(table, a.fields, a.dim, hidden, seed=a.seed,
                                      impl=a.dense_impl, interaction=a.interaction)
-        opt_rows = torch.optim.Adagrad(model.table.parameters(), lr=a.emb_lr)
+        opt_rows = torch.optim.Adagrad(model.table.parameters(), lr=a.emb_lr,
+                                       initial_accumulator_value=a.emb_acc)
         opt_mlp = torch.optim.Adam(model.mlp.parameters(), lr=a.mlp_lr)
         optimizers = [opt_rows, opt_mlp]
         rank = 0
@@ -119,7 +125,8 @@ def main(argv=None):
         import shardps.torch as spt
         # A shard gets at most the distinct ids of this worker's part of a step.
         max_ids = min(local_batch * a.fields, a.rows)
-        table = ctr_model.shardps_table(a.rows, a.dim, a.init_scale, a.seed, a.emb_lr, max_ids)
+        table = ctr_model.shardps_table(a.rows, a.dim, a.init_scale, a.seed, a.emb_lr,
+                                       a.emb_acc, max_ids)
         model = ctr_model.CTRModel(table, a.fields, a.dim, hidden, seed=a.seed,
                                      impl=a.dense_impl, interaction=a.interaction)
         # The wrapped Adam is applied by the servers to the MLP; the table (found in the model)
@@ -183,7 +190,9 @@ def main(argv=None):
         result = {
             "mode": a.mode, "workers": world, "rows": a.rows, "dim": a.dim, "fields": a.fields,
             "steps": a.steps, "global_batch": a.global_batch, "seed": a.seed,
-            "n_train": a.n_train, "n_test": a.n_test, "emb_lr": a.emb_lr, "mlp_lr": a.mlp_lr,
+            "n_train": a.n_train, "n_test": a.n_test, "emb_lr": a.emb_lr, "emb_acc": a.emb_acc,
+            "mlp_lr": a.mlp_lr,
+            "init_scale": a.init_scale, "interaction": a.interaction,
             "final_test_auc": final["test_auc"], "final_test_logloss": final["test_logloss"],
             "best_auc": best_auc, "history": history,
             "train_seconds": round(train_s, 2), "eval_seconds": round(eval_s, 2),

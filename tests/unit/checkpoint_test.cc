@@ -286,6 +286,80 @@ TEST(CheckpointFormatTest, FormatOneFilesStillRead) {
   ExpectSame(s, *back);
 }
 
+// Incremental row-shard checkpoints: a whole state at clock 10, increments at 20 (on 10) and
+// 30 (on 20). Reading 30 and resolving it gives the rows as the increments left them; a
+// checkpoint whose base is gone is not complete (the newest usable is then older); retention
+// keeps the bases of what it keeps.
+TEST(CheckpointDirTest, IncrementalChainsResolveAndGuardTheirBases) {
+  TempDir dir;
+  constexpr uint64_t kRows = 6, kDim = 2;
+  auto whole = [&](uint64_t clock) {
+    ShardSnapshot s = MakeSnapshot(clock, 0, 1);
+    ChunkState& c = s.chunks[2];  // the row shard
+    c.weights.assign(kRows * kDim, 0.0f);
+    for (uint64_t i = 0; i < c.weights.size(); ++i) c.weights[i] = static_cast<float>(i);
+    c.state1.assign(kRows * kDim, 1.0f);
+    c.state2.clear();
+    c.row_keys.assign(kRows, 7);
+    c.row_versions.assign(kRows, 1ull << 63);
+    return s;
+  };
+  auto increment = [&](uint64_t clock, uint64_t base, std::vector<uint64_t> rows, float v) {
+    ShardSnapshot s = whole(clock);
+    ChunkState& c = s.chunks[2];
+    c.base_clock = base;
+    c.row_index = rows;
+    c.weights.assign(rows.size() * kDim, v);
+    c.state1.assign(rows.size() * kDim, v + 0.5f);
+    c.row_keys.assign(rows.size(), static_cast<uint64_t>(clock));
+    c.row_versions.assign(rows.size(), (1ull << 63) | clock);
+    return s;
+  };
+  ASSERT_TRUE(WriteSnapshot(dir.path(), whole(10)).ok());
+  ASSERT_TRUE(WriteSnapshot(dir.path(), increment(20, 10, {1, 4}, 20.0f)).ok());
+  ASSERT_TRUE(WriteSnapshot(dir.path(), increment(30, 20, {4, 5}, 30.0f)).ok());
+  auto latest = LatestCompleteCheckpoint(dir.path(), 1, "plan-abc");
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, 30u);
+  auto got = ReadSnapshot(SnapshotPath(dir.path(), 30, 0, 1));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(ResolveIncremental(dir.path(), &*got).ok());
+  const ChunkState& c = got->chunks[2];
+  EXPECT_EQ(c.base_clock, 0u);
+  EXPECT_TRUE(c.row_index.empty());
+  ASSERT_EQ(c.weights.size(), kRows * kDim);
+  // rows 0, 2, 3 from clock 10; row 1 from 20; rows 4, 5 from 30.
+  const std::vector<float> want_w = {0, 1, 20, 20, 4, 5, 6, 7, 30, 30, 30, 30};
+  EXPECT_EQ(c.weights, want_w);
+  EXPECT_EQ(c.state1[2], 20.5f);
+  EXPECT_EQ(c.state1[8], 30.5f);
+  EXPECT_EQ(c.state1[0], 1.0f);
+  const std::vector<uint64_t> want_k = {7, 20, 7, 7, 30, 30};
+  EXPECT_EQ(c.row_keys, want_k);
+  EXPECT_EQ(c.row_versions[4], (1ull << 63) | 30u);
+  // The dense chunks of the snapshot are untouched.
+  EXPECT_EQ(got->chunks[0].weights, MakeSnapshot(30, 0, 1).chunks[0].weights);
+
+  // Retention keeps the chain: keep 1 deletes nothing that 30 needs.
+  size_t removed = 0;
+  ASSERT_TRUE(PruneCheckpoints(dir.path(), 0, 1, 1, "plan-abc", &removed).ok());
+  EXPECT_EQ(removed, 0u);
+  EXPECT_EQ(Names(dir.path()).size(), 3u);
+
+  // The middle of the chain gone: 30 is not complete, 10 is the newest usable.
+  ASSERT_EQ(::unlink(SnapshotPath(dir.path(), 20, 0, 1).c_str()), 0);
+  std::string report;
+  latest = LatestCompleteCheckpoint(dir.path(), 1, "plan-abc", &report);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, 10u);
+  EXPECT_NE(report.find("based on ckpt-000000000020"), std::string::npos) << report;
+  got = ReadSnapshot(SnapshotPath(dir.path(), 30, 0, 1));
+  ASSERT_TRUE(got.ok());
+  Status st = ResolveIncremental(dir.path(), &*got);
+  EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("ckpt-000000000020"), std::string::npos) << st;
+}
+
 TEST(CheckpointFormatTest, EmptySnapshotRoundTrips) {
   TempDir dir;
   ShardSnapshot s;
