@@ -347,26 +347,63 @@ void TcpEndpoint::OnReadable() {
       engine_->AddAgain(this);  // edge-triggered: nobody would come back otherwise
       break;
     }
-    if (rx_state_ == RxState::kHeader) {
-      if (hdr_got_ < kHeaderSize) {
-        const iovec one{hdr_buf_ + hdr_got_, kHeaderSize - hdr_got_};
-        const ssize_t n = tls_ != nullptr ? tls_->Readv(&one, 1)
-                                          : ::recv(fd_.get(), one.iov_base, one.iov_len, 0);
-        if (n <= 0) {
-          if (HandleIoError(n) == IoResult::kRetry) continue;
-          break;
-        }
-        hdr_got_ += static_cast<size_t>(n);
-        budget -= std::min<uint64_t>(budget, 4096);  // a header costs like a page
-        // A short read drained the socket: new data raises a new edge, no need to see EAGAIN.
-        if (hdr_got_ < kHeaderSize) break;
-      }
+    if (rx_state_ == RxState::kHeader && hdr_got_ == kHeaderSize) {  // read with a payload
       hdr_got_ = 0;
       std::memcpy(&rx_hdr_, hdr_buf_, kHeaderSize);
       HandleHeader();
       continue;
     }
-    // Payload straight into memory (or the scratch sink), plus the next header if it is there.
+    // Bytes already received into the buffer first: headers, and small payloads, come from
+    // one recv() for many frames (a stream of read requests, or of small read responses, costs
+    // one system call per buffer, not one per frame).
+    if (rxb_pos_ < rxb_len_) {
+      const size_t avail = rxb_len_ - rxb_pos_;
+      if (rx_state_ == RxState::kHeader) {
+        const size_t take = std::min(avail, kHeaderSize - hdr_got_);
+        std::memcpy(hdr_buf_ + hdr_got_, rxb_.get() + rxb_pos_, take);
+        rxb_pos_ += take;
+        hdr_got_ += take;
+        budget -= std::min<uint64_t>(budget, take + 256);  // a frame costs more than its bytes
+        if (hdr_got_ == kHeaderSize) {
+          hdr_got_ = 0;
+          std::memcpy(&rx_hdr_, hdr_buf_, kHeaderSize);
+          HandleHeader();
+        }
+        continue;
+      }
+      const uint64_t take = std::min<uint64_t>(avail, rx_left_);
+      if (rx_state_ == RxState::kPayload) {
+        std::memcpy(rx_dest_, rxb_.get() + rxb_pos_, take);
+        rx_dest_ += take;
+      }
+      rxb_pos_ += take;
+      rx_left_ -= take;
+      budget -= std::min(budget, take);
+      if (rx_left_ == 0) FinishPayload();
+      continue;
+    }
+    // The buffer is empty.
+    if (rx_sock_drained_) {
+      // The last recv() was short: the socket is drained, and new data raises a new edge.
+      rx_sock_drained_ = false;
+      break;
+    }
+    if (rx_state_ == RxState::kHeader || rx_left_ < kRxBufferBytes) {
+      if (!rxb_) rxb_.reset(new char[kRxBufferBytes]);
+      const iovec one{rxb_.get(), kRxBufferBytes};
+      const ssize_t n = tls_ != nullptr ? tls_->Readv(&one, 1)
+                                        : ::recv(fd_.get(), one.iov_base, one.iov_len, 0);
+      if (n <= 0) {
+        if (HandleIoError(n) == IoResult::kRetry) continue;
+        break;
+      }
+      rxb_pos_ = 0;
+      rxb_len_ = static_cast<size_t>(n);
+      rx_sock_drained_ = rxb_len_ < kRxBufferBytes;
+      continue;
+    }
+    // A large payload: straight into memory (or the scratch sink), plus the next header if it
+    // is there.
     const bool to_mem = rx_state_ == RxState::kPayload;
     const uint64_t cap = to_mem ? kMaxIovBytes : engine_->scratch_size();
     const uint64_t chunk = std::min(rx_left_, cap);
@@ -389,7 +426,12 @@ void TcpEndpoint::OnReadable() {
     if (to_mem) rx_dest_ += got;
     rx_left_ -= got;
     if (rx_left_ == 0) FinishPayload();
-    if (drained) break;
+    if (drained) {
+      // Like a short recv(): drained, unless a complete header came with it (then go on: it
+      // may be followed by frames the edge already announced).
+      if (hdr_got_ == kHeaderSize || rx_state_ != RxState::kHeader) continue;
+      break;
+    }
   }
   if (!rx_dead_) MaybeAck();
 }

@@ -334,6 +334,11 @@ class TcpEndpoint final : public Endpoint {
   FrameHeader rx_hdr_{};
   alignas(8) char hdr_buf_[kHeaderSize];
   size_t hdr_got_ = 0;
+  // Received and not yet consumed: [rxb_pos_, rxb_len_) of rxb_ (OnReadable).
+  static constexpr size_t kRxBufferBytes = 16 * 1024;
+  std::unique_ptr<char[]> rxb_;
+  size_t rxb_pos_ = 0, rxb_len_ = 0;
+  bool rx_sock_drained_ = false;  // the last buffer fill was short
   char* rx_dest_ = nullptr;
   uint64_t rx_left_ = 0;
   AccessCheck rx_refusal_ = AccessCheck::kOk;  // why the request being drained is refused
