@@ -177,6 +177,60 @@ Status Endpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice& r
   return PostChecked(type, local, remote, imm, context, flags);
 }
 
+Status Endpoint::PostReadList(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                              uint64_t context, uint32_t flags) {
+  if (pieces == nullptr || n == 0 || n > kMaxReadPieces) {
+    return InvalidArgumentError("post read list: " + std::to_string(n) + " pieces (1 to " +
+                                std::to_string(kMaxReadPieces) + ")");
+  }
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const ReadPiece& p = pieces[i];
+    if (p.length == 0 || p.length > max_operation_bytes_ ||
+        p.remote.addr + p.length - 1 < p.remote.addr) {
+      return OutOfRangeError("post read list: piece " + std::to_string(i) + " [0x" +
+                             ToHex(p.remote.addr) + ", +" + std::to_string(p.length) +
+                             ") is empty, too large or wraps");
+    }
+    total += p.length;
+  }
+  if (total != dst.length) {
+    return InvalidArgumentError("post read list: the pieces hold " + std::to_string(total) +
+                                " bytes, the local slice " + std::to_string(dst.length));
+  }
+  // The local slice as any read's (region, fabric, flags, size, bounds).
+  const MemoryRegion* region = dst.region;
+  if (region == nullptr || region->fabric() != fabric_) {
+    return InvalidArgumentError("post read list: the local slice names no region of this fabric");
+  }
+  if ((flags & ~static_cast<uint32_t>(kUnsignaled)) != 0) {
+    return InvalidArgumentError("post read list: unknown flags 0x" + ToHex(flags));
+  }
+  if (dst.length > max_operation_bytes_) {
+    return InvalidArgumentError("post read list: " + std::to_string(dst.length) +
+                                " bytes is more than one operation moves on this provider (" +
+                                std::to_string(max_operation_bytes_) + ")");
+  }
+  if (dst.offset > region->length() || dst.length > region->length() - dst.offset) {
+    return OutOfRangeError("post read list: local slice [" + std::to_string(dst.offset) + ", +" +
+                           std::to_string(dst.length) + ") exceeds its region of " +
+                           std::to_string(region->length()) + " bytes");
+  }
+  return PostReadListChecked(dst, pieces, n, context, flags);
+}
+
+Status Endpoint::PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                                     uint64_t context, uint32_t flags) {
+  uint64_t off = dst.offset;
+  for (size_t i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(PostChecked(OpType::kRead, {dst.region, off, pieces[i].length},
+                                pieces[i].remote, 0, context,
+                                i + 1 == n ? flags : static_cast<uint32_t>(kUnsignaled)));
+    off += pieces[i].length;
+  }
+  return Status::OK();
+}
+
 std::string CompiledProviders() {
   std::string s = "tcp,shm";
 #ifdef SHARDPS_HAVE_VERBS

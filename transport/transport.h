@@ -167,6 +167,14 @@ struct Completion {
   bool ok() const { return status == WcStatus::kSuccess; }
 };
 
+// One piece of a gathered read (Endpoint::PostReadList): `length` bytes of the peer at `remote`.
+struct ReadPiece {
+  RemoteSlice remote;
+  uint64_t length = 0;
+};
+// The most pieces one PostReadList may gather.
+constexpr size_t kMaxReadPieces = 4096;
+
 // Post flags.
 enum PostFlags : uint32_t {
   kSignaled = 0,
@@ -243,6 +251,16 @@ class Endpoint {
                   uint32_t flags = kSignaled) {
     return Post(OpType::kRead, dst, src, 0, context, flags);
   }
+  // A gathered read: pieces[0, n) of the peer's memory, concatenated into `dst` (whose length
+  // is their total). Like PostRead, it runs no code of the peer's application. The tcp provider
+  // does it in one exchange (one request frame listing the pieces, one response: one operation,
+  // one credit, one completion when signaled; a refused piece fails the whole operation with a
+  // remote access error and writes nothing... of the refused piece); the other providers post
+  // one read per piece (the last one with `flags`, the others unsignaled: n credits). Checked
+  // like the other posts, plus: 1 <= n <= kMaxReadPieces, every piece non-empty and not
+  // wrapping, and their total equal to dst.length.
+  Status PostReadList(const LocalSlice& dst, const ReadPiece* pieces, size_t n, uint64_t context,
+                      uint32_t flags = kSignaled);
   // The most bytes one operation may move on this endpoint's provider.
   uint64_t max_operation_bytes() const { return max_operation_bytes_; }
 
@@ -264,6 +282,10 @@ class Endpoint {
   void set_peer_identity(std::string identity) { peer_identity_ = std::move(identity); }
 
  protected:
+  // PostReadList past its checks (the same guarantees as PostChecked's). Default: one
+  // PostChecked read per piece.
+  virtual Status PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                                     uint64_t context, uint32_t flags);
   // fabric: the identity its regions carry (MemoryRegion::fabric()).
   Endpoint(uint64_t endpoint_id, const void* fabric, uint64_t max_operation_bytes)
       : endpoint_id_(endpoint_id), fabric_(fabric), max_operation_bytes_(max_operation_bytes) {}
@@ -279,6 +301,7 @@ class Endpoint {
   // operation itself are the provider's. Polling thread.
   virtual Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote,
                              uint32_t imm, uint64_t context, uint32_t flags) = 0;
+
 
   const uint64_t endpoint_id_;
   const void* const fabric_;

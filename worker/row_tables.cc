@@ -158,27 +158,57 @@ Status RowTables::PostShard(Table& t, const ShardRead& r, uint64_t handle, int* 
                           transport::kUnsignaled);
   }));
   const uint64_t unit = t.unit_bytes();
-  const uint64_t max_run = std::max<uint64_t>(1, s.ep->max_operation_bytes() / unit);
-  int since_signal = 0;
+  const uint64_t max_op = s.ep->max_operation_bytes();
+  const uint64_t max_run = std::max<uint64_t>(1, max_op / unit);
+  // Runs of adjacent units (one piece each) gathered into read lists: the units of a first
+  // read sit in consecutive staging slots, so a list's pieces land back to back (tcp: one
+  // request and one response per list). A retry's scattered slots read run by run.
+  constexpr size_t kPiecesPerList = 256;  // within any provider's credits when it reads per piece
+  std::vector<transport::ReadPiece> pieces;
+  uint32_t list_first_slot = 0;
+  uint64_t list_bytes = 0;
+  auto flush = [&](bool last) -> Status {
+    if (pieces.empty()) return Status::OK();
+    // Every list signaled: a provider that reads per piece returns the credits of the list's
+    // unsignaled pieces only with a signaled one (so at most kPiecesPerList are held).
+    (void)last;
+    const bool signal = true;
+    const uint32_t flags = transport::kSignaled;
+    Status st = sessions_.PostWithCredit([&] {
+      if (pieces.size() == 1) {
+        return s.ep->PostRead({t.pull_staging.get(), uint64_t{list_first_slot} * unit, list_bytes},
+                              pieces[0].remote, ctx, flags);
+      }
+      return s.ep->PostReadList({t.pull_staging.get(), uint64_t{list_first_slot} * unit,
+                                 list_bytes},
+                                pieces.data(), pieces.size(), ctx, flags);
+    });
+    row_reads_ += pieces.size();
+    if (signal) ++*signaled;
+    pieces.clear();
+    list_bytes = 0;
+    return st;
+  };
   for (size_t i = 0; i < r.locals.size();) {
     size_t j = i;
     while (j + 1 < r.locals.size() && r.locals[j + 1] == r.locals[j] + t.unit_rows() &&
            r.slots[j + 1] == r.slots[j] + 1 && j + 1 - i + 1 <= max_run) {
       ++j;
     }
-    const bool last = j + 1 == r.locals.size();
-    const bool signal = last || ++since_signal == 16;
-    if (signal) since_signal = 0;
-    RETURN_IF_ERROR(sessions_.PostWithCredit([&] {
-      return s.ep->PostRead(
-          {t.pull_staging.get(), uint64_t{r.slots[i]} * unit, (j - i + 1) * unit},
-          transport::AtOffset(s.weights, s.layout->row_offset(p.slot, r.locals[i])), ctx,
-          signal ? transport::kSignaled : transport::kUnsignaled);
-    }));
-    ++row_reads_;
-    if (signal) ++*signaled;
+    const uint64_t bytes = (j - i + 1) * unit;
+    const bool contiguous =
+        !pieces.empty() && r.slots[i] == list_first_slot + list_bytes / unit;
+    if (!pieces.empty() &&
+        (!contiguous || pieces.size() == kPiecesPerList || list_bytes + bytes > max_op)) {
+      RETURN_IF_ERROR(flush(false));
+    }
+    if (pieces.empty()) list_first_slot = r.slots[i];
+    pieces.push_back(transport::ReadPiece{
+        transport::AtOffset(s.weights, s.layout->row_offset(p.slot, r.locals[i])), bytes});
+    list_bytes += bytes;
     i = j + 1;
   }
+  RETURN_IF_ERROR(flush(true));
   return Status::OK();
 }
 
@@ -297,6 +327,7 @@ Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
                                      std::to_string(options_.wait_timeout.count()) + " ms");
       }
     }
+    if (!posted.ok() && !sessions_.AnyFailed()) return posted.WithContext("table '" + name + "'");
     if (!posted.ok() || failed_ || sessions_.AnyFailed()) {
       // A server failed: reconnect or fail over (or the reason why not), then read again.
       RETURN_IF_ERROR(recover());

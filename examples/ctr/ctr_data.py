@@ -113,10 +113,15 @@ class CTRData:
         self._cache[b] = out
         return out
 
-    def logit(self, ids):
-        """The hidden model's logit of samples `ids` (n x F global ids), float64."""
-        first = self.w[ids].astype(np.float64).sum(1)
+    def logit(self, ids, known=None):
+        """The hidden model's logit of samples `ids` (n x F global ids), float64. `known`
+        (n x F bool): ids whose hidden values are used; the others count as 0 (their mean)."""
+        w = self.w[ids].astype(np.float64)
         v = self.v[ids].astype(np.float64)  # n x F x k
+        if known is not None:
+            w = w * known
+            v = v * known[:, :, None]
+        first = w.sum(1)
         s = v.sum(1)
         pair = 0.5 * ((s * s).sum(1) - (v * v).sum((1, 2)))  # sum over f<g of <v_f, v_g>
         return self.bias + first + pair
@@ -159,6 +164,14 @@ class CTRData:
     def test_split(self):
         return self.samples(0, self.n_test)
 
+    def id_counts(self, n, chunk=1 << 20):
+        """How often each id occurs in the first n training samples."""
+        counts = np.zeros(self.rows, dtype=np.int64)
+        for lo in range(0, n, chunk):
+            ids, _, _ = self.train_range(lo, min(chunk, n - lo))
+            counts += np.bincount(ids.ravel(), minlength=self.rows)
+        return counts
+
     def describe(self):
         return (f"{self.rows} ids in {self.fields} fields (sizes {self.sizes.tolist()}), "
                 f"Zipf a={self.zipf_a}, hidden FM rank {self.rank}, "
@@ -175,6 +188,9 @@ def main():
     ap.add_argument("--n-test", type=int, default=100_000)
     ap.add_argument("--scan", type=int, default=1_000_000,
                     help="training samples to scan for id statistics")
+    ap.add_argument("--ceiling", type=int, default=0, metavar="N",
+                    help="also report the AUC of an oracle knowing the ids seen >= 1, 5, 20 "
+                    "times in the first N training samples")
     a = ap.parse_args()
     t0 = time.time()
     d = CTRData(rows=a.rows, fields=a.fields, seed=a.seed, n_train=a.n_train, n_test=a.n_test)
@@ -194,6 +210,14 @@ def main():
         c = np.sort(c)[::-1]
         print(f"  field {f}: {d.sizes[f]:>7} ids, {len(u):>7} seen, top id {c[0] / n:.3f} of "
               f"samples, ids seen < 5 times cover {c[c < 5].sum() / n:.3f}")
+    if a.ceiling:
+        d.n_train = max(d.n_train, a.ceiling)
+        counts = d.id_counts(a.ceiling)
+        ids, y, _ = d.test_split()
+        for k in (1, 5, 20):
+            known = counts[ids] >= k
+            print(f"oracle knowing the ids seen >= {k:>2} times in {a.ceiling:,} training samples "
+                  f"({known.mean():.3f} of the test ids): AUC {auc(y, d.logit(ids, known)):.4f}")
 
 
 if __name__ == "__main__":

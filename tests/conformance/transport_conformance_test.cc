@@ -294,6 +294,74 @@ TEST_P(TransportConformance, ReadAfterWriteSeesTheWrite) {
   }
 }
 
+// A gathered read (PostReadList): scattered pieces of the peer's memory, of odd sizes and in
+// any order, arrive concatenated; one completion for the list (the last piece's on providers
+// that post one read per piece), in post order with the reads around it; every byte checked.
+TEST_P(TransportConformance, ReadListGathersPiecesInOrder) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 1 << 18;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteRead);
+  auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(remote && dst);
+  FillPattern(remote->data(), n, 77);
+  const RegionDescriptor rd = remote->descriptor();
+  for (int round = 0; round < 20; ++round) {
+    std::vector<ReadPiece> pieces;
+    std::vector<std::pair<size_t, size_t>> want;  // (remote offset, length)
+    size_t total = 0;
+    const size_t count = 1 + (round * 37) % 120;  // within any provider's send depth
+    for (size_t i = 0; i < count; ++i) {
+      const size_t len = 1 + (i * 131 + round * 17) % 700;
+      const size_t off = (i * 7919 + round * 104729) % (n - len);
+      pieces.push_back(ReadPiece{AtOffset(rd, off), len});
+      want.emplace_back(off, len);
+      total += len;
+    }
+    std::memset(dst->data(), 0, n);
+    ASSERT_TRUE(iep_->PostReadList({dst.get(), 64, total}, pieces.data(), pieces.size(),
+                                   100 + round, transport::kSignaled)
+                    .ok());
+    auto cs = WaitInitiator(1);
+    ASSERT_EQ(cs.size(), 1u);
+    EXPECT_EQ(cs[0].context, 100u + round);
+    ASSERT_TRUE(cs[0].ok()) << WcStatusName(cs[0].status);
+    size_t at = 64;
+    for (const auto& [off, len] : want) {
+      ASSERT_EQ(FirstMismatch(static_cast<char*>(dst->data()) + at,
+                              static_cast<char*>(remote->data()) + off, len),
+                -1)
+          << "round " << round << " piece at " << off;
+      at += len;
+    }
+  }
+  // Refused before anything is posted: no pieces, a total that is not the slice's, too many.
+  ReadPiece one{AtOffset(rd, 0), 8};
+  EXPECT_EQ(iep_->PostReadList({dst.get(), 0, 8}, &one, 0, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(iep_->PostReadList({dst.get(), 0, 9}, &one, 1, 1).code(), StatusCode::kInvalidArgument);
+  std::vector<ReadPiece> many(kMaxReadPieces + 1, one);
+  EXPECT_EQ(iep_->PostReadList({dst.get(), 0, 8 * many.size()}, many.data(), many.size(), 1).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(iep_->status().ok());
+}
+
+// A read list with one piece outside the region fails as a whole with a remote access error.
+TEST_P(TransportConformance, ReadListWithABadPieceIsRejected) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 1 << 16;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteRead);
+  auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(remote && dst);
+  FillPattern(remote->data(), n, 9);
+  RemoteSlice bad = AtOffset(remote->descriptor(), n - 16);
+  const ReadPiece pieces[3] = {{AtOffset(remote->descriptor(), 0), 64},
+                               {AtOffset(remote->descriptor(), 128), 64},
+                               {bad, 64}};  // runs past the end
+  ASSERT_TRUE(iep_->PostReadList({dst.get(), 0, 192}, pieces, 3, 5).ok());
+  Completion c = WaitOne(env_.peer_death_bound);
+  EXPECT_EQ(c.status, WcStatus::kRemoteAccessError) << WcStatusName(c.status);
+  EXPECT_FALSE(iep_->status().ok());
+}
+
 // Hundreds of operations outstanding; completions in post order; the send queue refuses the
 // post past its depth without queueing it.
 TEST_P(TransportConformance, HundredsOutstandingCompleteInOrder) {

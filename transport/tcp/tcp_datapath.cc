@@ -80,6 +80,7 @@ TcpEndpoint::TcpEndpoint(std::shared_ptr<TcpEngine> engine, UniqueFd fd, TcpComp
       credits_(options.send_depth),
       cq_(cq),
       ring_(options.send_depth),
+      read_lists_(options.send_depth),
       txq_(static_cast<size_t>(options.send_depth) + 64) {
   MutexLock l(&engine_->setup_mu());
   cq_->attached().insert(this);
@@ -178,6 +179,65 @@ Status TcpEndpoint::PostChecked(OpType type, const LocalSlice& local, const Remo
   return Status::OK();
 }
 
+Status TcpEndpoint::PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                                        uint64_t context, uint32_t flags) {
+  for (size_t i = 0; i < n; ++i) {
+    if (pieces[i].length > UINT32_MAX) {
+      return Endpoint::PostReadListChecked(dst, pieces, n, context, flags);  // as single reads
+    }
+  }
+  const auto* region = static_cast<const TcpRegion*>(dst.region);  // checked: ours
+  RETURN_IF_ERROR(credits_.Take());
+  char* lptr = static_cast<char*>(region->data()) + dst.offset;
+  const PendingOp op{context,     dst.length, lptr, pieces[0].remote.addr,
+                     pieces[0].remote.rkey, 0, OpType::kRead, (flags & kUnsignaled) == 0};
+  Segment seg;
+  TcpCompletionQueue* cq = nullptr;
+  {
+    MutexLock l(&op_mu_);
+    cq = cq_;
+    if (errored_) {
+      CompleteLocked(op, WcStatus::kFlushed);
+      return Status::OK();
+    }
+    const uint64_t seq = ++post_seq_;
+    ring_[seq % send_depth_] = op;
+    std::vector<ReadListEntry>& list = read_lists_[seq % send_depth_];
+    list.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      list[i] = ReadListEntry{pieces[i].remote.addr, pieces[i].remote.rkey,
+                              static_cast<uint32_t>(pieces[i].length)};
+    }
+    seg.hdr = FrameHeader{};
+    seg.hdr.magic = kFrameMagic;
+    seg.hdr.opcode = kOpReadListReq;
+    seg.hdr.imm = static_cast<uint32_t>(n);
+    seg.hdr.length = dst.length;
+    seg.hdr.seq = seq;
+    // The list stays in read_lists_ until this slot of the ring is reused, which is after the
+    // operation completed, hence after the request was sent.
+    seg.payload = reinterpret_cast<const char*>(list.data());
+    seg.payload_len = n * sizeof(ReadListEntry);
+  }
+  const bool defer = (flags & kUnsignaled) != 0 && cq != nullptr;
+  {
+    MutexLock l(&send_mu_);
+    if (tx_closed_) return Status::OK();
+    PushSegmentLocked(seg);
+    if (!defer) {
+      Status s = FlushLocked();
+      if (!s.ok()) {
+        tx_error_ = s;
+        tx_closed_ = true;
+        ::shutdown(fd_.get(), SHUT_RDWR);
+      }
+      return Status::OK();
+    }
+  }
+  cq->AddDeferred(this);
+  return Status::OK();
+}
+
 void TcpEndpoint::FlushDeferred() {
   MutexLock l(&send_mu_);
   if (tx_closed_ || tx_count_ == 0) return;
@@ -238,16 +298,16 @@ Status TcpEndpoint::FlushLocked() {
     for (size_t i = 0; i < tx_count_ && cnt + 2 <= kMaxIov; ++i) {
       const Segment& s = txq_[(tx_head_ + i) % txq_.size()];
       bool capped = false;
-      if (off < kHeaderSize) {
-        iov[cnt++] = {const_cast<char*>(reinterpret_cast<const char*>(&s.hdr)) + off,
-                      kHeaderSize - off};
+      const uint64_t hb = s.headerless ? 0 : kHeaderSize;
+      if (off < hb) {
+        iov[cnt++] = {const_cast<char*>(reinterpret_cast<const char*>(&s.hdr)) + off, hb - off};
         if (s.payload_len > 0) {
           const uint64_t n = std::min(s.payload_len, kMaxIovBytes);
           iov[cnt++] = {const_cast<char*>(s.payload), n};
           capped = n < s.payload_len;
         }
       } else {
-        const uint64_t done = off - kHeaderSize;
+        const uint64_t done = off - hb;
         const uint64_t n = std::min(s.payload_len - done, kMaxIovBytes);
         iov[cnt++] = {const_cast<char*>(s.payload) + done, n};
         capped = n < s.payload_len - done;
@@ -272,7 +332,7 @@ Status TcpEndpoint::FlushLocked() {
     uint64_t left = static_cast<uint64_t>(n);
     while (left > 0 && tx_count_ > 0) {
       const Segment& s = txq_[tx_head_];
-      const uint64_t rest = kHeaderSize + s.payload_len - tx_off_;
+      const uint64_t rest = (s.headerless ? 0 : kHeaderSize) + s.payload_len - tx_off_;
       if (left >= rest) {
         left -= rest;
         tx_off_ = 0;
@@ -477,6 +537,21 @@ void TcpEndpoint::HandleHeader() {
       s.payload_len = h.length;
       return SendResponse(s);
     }
+    case kOpReadListReq: {
+      if (h.length > kMaxMessageBytes || h.imm == 0 || h.imm > kMaxReadPieces) {
+        return ProtocolError("read list of " + std::to_string(h.imm) + " pieces, " +
+                             Hex(h.length) + " bytes");
+      }
+      const uint64_t list_bytes = uint64_t{h.imm} * sizeof(ReadListEntry);
+      if (rx_discard_) return StartDrain(list_bytes, RxAction::kNone);
+      if (h.seq != exec_seq_ + 1) {
+        return ProtocolError("request seq " + std::to_string(h.seq) + ", expected " +
+                             std::to_string(exec_seq_ + 1));
+      }
+      read_list_rx_.resize(h.imm);
+      return StartPayload(reinterpret_cast<char*>(read_list_rx_.data()), list_bytes,
+                          RxAction::kReadList);
+    }
     case kOpReadResp: {
       char* dest = nullptr;
       bool ok = false;
@@ -569,6 +644,8 @@ void TcpEndpoint::FinishPayload() {
     }
     case RxAction::kNak:
       return SendNak(h, rx_refusal_);
+    case RxAction::kReadList:
+      return AnswerReadList();
     case RxAction::kReadRespGone:
       return Fail(WcStatus::kLocalError,
                   InternalError("tcp: the local region of a read was deregistered while the "
@@ -640,6 +717,48 @@ void TcpEndpoint::SendNak(const FrameHeader& req, AccessCheck why) {
   rx_discard_ = true;  // like an RC responder: nothing after the NAK is executed
   acked_sent_ = exec_seq_;
   SendResponse(s);
+}
+
+void TcpEndpoint::AnswerReadList() {
+  const FrameHeader& h = rx_hdr_;
+  // Every piece checked before anything is sent: a refused piece refuses the whole request.
+  std::vector<const char*> src(read_list_rx_.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < read_list_rx_.size(); ++i) {
+    const ReadListEntry& e = read_list_rx_[i];
+    char* p = nullptr;
+    const AccessCheck chk = e.length == 0 ? AccessCheck::kOutOfBounds
+                                          : engine_->Lookup(e.rkey, e.addr, e.length, false, &p);
+    if (chk != AccessCheck::kOk) return SendNak(h, chk);
+    src[i] = p;
+    total += e.length;
+  }
+  if (total != h.length) return ProtocolError("read list pieces do not sum to its length");
+  exec_seq_ = h.seq;
+  acked_sent_ = h.seq;  // READ_RESP acknowledges everything before it
+  unacked_bytes_ = 0;
+  MutexLock l(&send_mu_);
+  if (tx_closed_) return;
+  Segment s;
+  s.hdr = h;
+  s.hdr.opcode = kOpReadResp;
+  s.hdr.imm = 0;
+  s.payload = nullptr;
+  s.payload_len = 0;
+  PushSegmentLocked(s);
+  for (size_t i = 0; i < read_list_rx_.size(); ++i) {
+    // Adjacent pieces go out as one.
+    Segment p;
+    p.hdr = FrameHeader{};
+    p.headerless = true;
+    p.payload = src[i];
+    p.payload_len = read_list_rx_[i].length;
+    while (i + 1 < read_list_rx_.size() && src[i + 1] == p.payload + p.payload_len) {
+      p.payload_len += read_list_rx_[++i].length;
+    }
+    PushSegmentLocked(p);
+  }
+  resp_pending_ = true;
 }
 
 void TcpEndpoint::SendResponse(const Segment& s) {

@@ -275,13 +275,25 @@ class TcpEndpoint final : public Endpoint {
     FrameHeader hdr;
     const char* payload;
     uint64_t payload_len;
+    bool headerless = false;  // more payload of the previous segment's frame (a read list's)
   };
   enum class RxState : uint8_t { kHeader, kPayload, kDrain };
-  enum class RxAction : uint8_t { kNone, kWrite, kWriteImm, kReadResp, kNak, kReadRespGone };
+  enum class RxAction : uint8_t {
+    kNone,
+    kWrite,
+    kWriteImm,
+    kReadResp,
+    kNak,
+    kReadRespGone,
+    kReadList,  // a read list's pieces arrived (into read_list_rx_): answer it
+  };
   enum class IoResult : uint8_t { kAgain, kRetry, kDead };
 
   Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
                      uint64_t context, uint32_t flags) override;
+  Status PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                             uint64_t context, uint32_t flags) override;
+  void AnswerReadList() REQUIRES(engine_->progress_mu());
   void CompleteLocked(const PendingOp& op, WcStatus status) REQUIRES(op_mu_);
   void CompleteUpToLocked(uint64_t seq) REQUIRES(op_mu_);
   void PushSegmentLocked(const Segment& s) REQUIRES(send_mu_);
@@ -313,6 +325,9 @@ class TcpEndpoint final : public Endpoint {
   mutable Mutex op_mu_;
   TcpCompletionQueue* cq_ GUARDED_BY(op_mu_);       // written by the polling thread
   std::vector<PendingOp> ring_ GUARDED_BY(op_mu_);  // index seq % send_depth_
+  // A read list's encoded pieces, kept until its request is sent (index seq % send_depth_).
+  std::vector<std::vector<ReadListEntry>> read_lists_ GUARDED_BY(op_mu_);
+  std::vector<ReadListEntry> read_list_rx_;  // target: the pieces of the request being received
   uint64_t post_seq_ GUARDED_BY(op_mu_) = 0;        // last posted
   uint64_t acked_seq_ GUARDED_BY(op_mu_) = 0;       // last completed
   uint32_t unsignaled_credits_ GUARDED_BY(op_mu_) = 0;

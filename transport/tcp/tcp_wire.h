@@ -88,7 +88,17 @@ enum Opcode : uint8_t {
   kOpReadResp = 4,
   kOpAck = 5,
   kOpNak = 6,
+  // A gathered read: imm = n pieces; the payload is n x ReadListEntry; length = their total.
+  // Answered by one kOpReadResp of `length` bytes (the pieces, concatenated), or a NAK.
+  kOpReadListReq = 7,
 };
+
+struct ReadListEntry {
+  uint64_t addr;
+  uint32_t rkey;
+  uint32_t length;
+};
+static_assert(sizeof(ReadListEntry) == 16, "read list entry layout");
 
 enum NakReason : uint8_t {
   kNakRefused = 1,  // the only reason sent (see the grammar above)
