@@ -10,10 +10,13 @@
 #      runs under TCG at tens of MB/s);
 #   3. training: examples/digits_trainer on a local cluster (1 server, BSP = synchronous SGD,
 #      --optimizer sgd) with 1, 2 and 4 workers over tcp: step time and samples/s;
-#   4. bench/results/ps-<stamp>.json, docs/benchmarks.md (generated part) and docs/benchmarks.png.
+#   4. row tables (embeddings): scripts/bench-rows.sh (shardps_row_bench next to its bound and,
+#      with a ps-lite checkout, ps-lite's key-value pull/push of the same batches);
+#   5. bench/results/ps-<stamp>.json, docs/benchmarks.md (generated part) and docs/benchmarks.png.
 # Targets are reported, not enforced (--enforce: exit 3 when one is missed).
 #
-# usage: scripts/bench.sh [--quick] [--no-verbs] [--no-training] [--enforce] [-- shardps_bench args]
+# usage: scripts/bench.sh [--quick] [--no-verbs] [--no-training] [--no-rows] [--enforce]
+#                         [-- shardps_bench args]
 #   --quick   reps=1 and shorter points (a fast look, not for the committed figures)
 # Env: SHARDPS_BENCH_BUILD_DIR (default build), SOFTROCE_DIR, BENCH_GUEST_TIMEOUT (default 600).
 set -uo pipefail
@@ -24,11 +27,12 @@ BUILD=${SHARDPS_BENCH_BUILD_DIR:-build}
 SOFTROCE=${SOFTROCE_DIR:-$ROOT/../shared/softroce}
 PY=/usr/bin/python3
 REPORT="$ROOT/bench/ps_report.py"
-VERBS=1 TRAIN=1 QUICK=0 ENFORCE=0
+VERBS=1 TRAIN=1 QUICK=0 ENFORCE=0 ROWS=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-verbs) VERBS=0; shift ;;
     --no-training) TRAIN=0; shift ;;
+    --no-rows) ROWS=0; shift ;;
     --quick) QUICK=1; shift ;;
     --enforce) ENFORCE=1; shift ;;
     --) shift; break ;;
@@ -126,6 +130,12 @@ if [[ $TRAIN == 1 ]]; then
   done
   TRAIN_JSON="$WORK/training.json"
   $PY "$REPORT" training "$TRAIN_JSON" "${LOGS[@]}"
+fi
+
+if [[ $ROWS == 1 ]]; then
+  echo "=== row tables: scripts/bench-rows.sh ==="
+  SHARDPS_BENCH_BUILD_DIR="$BUILD" "$ROOT/scripts/bench-rows.sh" $([[ $QUICK == 1 ]] && echo --quick) ||
+    echo "bench.sh: the row-table benchmark failed" >&2
 fi
 
 if [[ ${#RUNS[@]} -eq 0 ]]; then
