@@ -488,8 +488,7 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
   recovery_ = std::make_unique<Recovery>(options_, config_, *control_, rank_, *sessions_, *push_,
                                          *pull_, step_);
   RETURN_IF_ERROR(sessions_->Configure(map, chunks_));
-  rows_ = std::make_unique<RowTables>(options_, config_, *fabric_, *sessions_, tensors_, chunks_,
-                                      step_);
+  rows_ = std::make_unique<RowTables>(options_, *fabric_, *sessions_, tensors_, chunks_, step_);
   RETURN_IF_ERROR(rows_->Setup());
   push_->set_row_tables(rows_.get());
   ASSIGN_OR_RETURN(const uint64_t small, sessions_->AllocateStaging(push_->SmallStagingBytes()));

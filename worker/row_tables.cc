@@ -14,12 +14,11 @@ namespace shardps::worker {
 
 using SteadyClock = std::chrono::steady_clock;
 
-RowTables::RowTables(const ClientOptions& options, const control::ClusterConfig& config,
+RowTables::RowTables(const ClientOptions& options,
                      transport::Fabric& fabric, ServerSessions& sessions,
                      std::vector<Tensor>& tensors, const std::vector<ChunkPlacement>& chunks,
                      const StepClock& step)
     : options_(options),
-      config_(config),
       fabric_(fabric),
       sessions_(sessions),
       tensors_(tensors),

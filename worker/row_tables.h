@@ -34,9 +34,9 @@ namespace shardps::worker {
 
 class RowTables {
  public:
-  RowTables(const ClientOptions& options, const control::ClusterConfig& config,
-            transport::Fabric& fabric, ServerSessions& sessions, std::vector<Tensor>& tensors,
-            const std::vector<ChunkPlacement>& chunks, const StepClock& step);
+  RowTables(const ClientOptions& options, transport::Fabric& fabric, ServerSessions& sessions,
+            std::vector<Tensor>& tensors, const std::vector<ChunkPlacement>& chunks,
+            const StepClock& step);
 
   // After the shard map: the staging of every table.
   Status Setup();
@@ -112,7 +112,6 @@ class RowTables {
               const std::function<Status()>& recover, std::vector<uint64_t>* id_min_clock_plus1);
 
   const ClientOptions& options_;
-  const control::ClusterConfig& config_;
   transport::Fabric& fabric_;
   ServerSessions& sessions_;
   std::vector<Tensor>& tensors_;
