@@ -1,6 +1,8 @@
-"""The CTR model: one embedding table over the global id space, per-field lookups, concat, MLP.
+"""The CTR model: one embedding table over the global id space, per-field lookups, concat, MLP,
+plus DeepFM's pairwise term on the same embeddings.
 
-    ids (B x F, global ids) -> table -> B x F x dim -> B x (F*dim) -> 128 -> 64 -> 1 (logit)
+    ids (B x F, global ids) -> table -> e: B x F x dim
+    logit = MLP(concat(e): B x (F*dim) -> 128 -> 64 -> 1) + sum_{f<g} <e_f, e_g>
 
 The table class is injected, so the same model runs in one process (torch.nn.Embedding with
 sparse gradients, optimised by torch.optim.Adagrad) and on a ShardPS cluster

@@ -39,7 +39,7 @@ def parse_args(argv=None):
                     help="ids in the global id space = embedding rows (default 1,000,000)")
     ap.add_argument("--dim", type=int, default=64, help="embedding dimension (default 64)")
     ap.add_argument("--fields", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--global-batch", type=int, default=4096,
                     help="samples per step over all workers (a multiple of the workers)")
     ap.add_argument("--seed", type=int, default=1, help="data set and model seed")
@@ -48,11 +48,11 @@ def parse_args(argv=None):
                     "one pass: every training sample is seen once, as in online CTR training; "
                     "a second pass lets the rows memorise samples)")
     ap.add_argument("--n-test", type=int, default=100_000, help="test split")
-    ap.add_argument("--emb-lr", type=float, default=0.05, help="Adagrad lr of the rows")
+    ap.add_argument("--emb-lr", type=float, default=0.03, help="Adagrad lr of the rows")
     ap.add_argument("--emb-acc", type=float, default=0.0,
                     help="Adagrad initial_accumulator_value of the rows")
     ap.add_argument("--mlp-lr", type=float, default=1e-3, help="Adam lr of the MLP")
-    ap.add_argument("--init-scale", type=float, default=0.05,
+    ap.add_argument("--init-scale", type=float, default=0.01,
                     help="rows start N(0, init_scale^2)")
     ap.add_argument("--hidden", default="128,64", help="MLP hidden widths")
     ap.add_argument("--interaction", choices=["fm", "none"], default="fm",
@@ -107,7 +107,7 @@ def main(argv=None):
     if a.mode == "local":
         table = ctr_model.local_table(a.rows, a.dim, a.init_scale, a.seed)
         model = ctr_model.CTRModel(table, a.fields, a.dim, hidden, seed=a.seed,
-                                     impl=a.dense_impl, interaction=a.interaction)
+                                   impl=a.dense_impl, interaction=a.interaction)
         opt_rows = torch.optim.Adagrad(model.table.parameters(), lr=a.emb_lr,
                                        initial_accumulator_value=a.emb_acc)
         opt_mlp = torch.optim.Adam(model.mlp.parameters(), lr=a.mlp_lr)
@@ -128,7 +128,7 @@ def main(argv=None):
         table = ctr_model.shardps_table(a.rows, a.dim, a.init_scale, a.seed, a.emb_lr,
                                        a.emb_acc, max_ids)
         model = ctr_model.CTRModel(table, a.fields, a.dim, hidden, seed=a.seed,
-                                     impl=a.dense_impl, interaction=a.interaction)
+                                   impl=a.dense_impl, interaction=a.interaction)
         # The wrapped Adam is applied by the servers to the MLP; the table (found in the model)
         # is registered and its Adagrad rule sent by DistributedOptimizer.
         opt = spt.DistributedOptimizer(torch.optim.Adam(model.mlp.parameters(), lr=a.mlp_lr),
@@ -156,14 +156,22 @@ def main(argv=None):
     t_train0 = time.time()
     t_mark, steps_mark = time.time(), 0
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    phases = dict.fromkeys(("data", "forward", "backward", "step"), 0.0)  # rank 0's seconds
+    counters0 = opt.client.counters() if a.mode == "shardps" else None
     for step in range(a.steps):
         t0 = time.time()
         ids, labels, _ = data.train_batch(step, a.global_batch, rank, world)
+        t1 = time.time()
         zero_fn()
-        loss = loss_fn(model(torch.from_numpy(ids)), torch.from_numpy(labels))
+        loss = loss_fn(model(torch.from_numpy(ids)), torch.from_numpy(labels))  # pulls rows
+        t2 = time.time()
         loss.backward()
-        step_fn()
-        train_s += time.time() - t0
+        t3 = time.time()
+        step_fn()  # shardps: pushes the MLP's and the rows' gradients, BSP clock, pulls the MLP
+        t4 = time.time()
+        for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[k] += dt
+        train_s += t4 - t0
         loss_sum += float(loss)
         loss_n += 1
         done = step + 1
@@ -184,6 +192,13 @@ def main(argv=None):
                 f"logloss {ll:.4f}, eval {time.time() - t0:.1f} s")
             t_mark = time.time()  # the eval's time is not training time
     t_end = time.time()
+    comm = None
+    if a.mode == "shardps":
+        # Rank 0's data path over the run (its evaluations' row reads included).
+        c1 = opt.client.counters()
+        comm = {k: c1[k] - counters0[k] for k in ("rows_pulled", "row_reads", "row_retries",
+                                                 "rows_pushed", "bytes_pushed", "bytes_pulled",
+                                                 "pushes", "pulls", "pull_retries")}
 
     if rank == 0:
         final = history[-1]
@@ -201,10 +216,16 @@ def main(argv=None):
             "rank0_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                         / 1024, 1),
             "threads": threads,
+            "rank0_phase_seconds": {k: round(v, 2) for k, v in phases.items()},
+            "rank0_counters": comm,
         }
         log(f"final: mode {a.mode} test AUC {final['test_auc']:.4f} best achievable "
             f"{best_auc:.4f} steps {a.steps} train {train_s:.1f} s "
             f"({result['samples_per_s']:,.0f} samples/s) wall {t_end - t_start:.1f} s")
+        log("final: rank 0's training seconds: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in phases.items()) + ("" if comm is None else
+            f"; rows pulled {comm['rows_pulled']:,} (incl. evaluation), rows pushed "
+            f"{comm['rows_pushed']:,}"))
         if a.out:
             with open(a.out + ".tmp", "w") as f:
                 json.dump(result, f, indent=1)

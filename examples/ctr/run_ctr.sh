@@ -8,18 +8,19 @@
 # then prints both test AUCs, the best achievable AUC (the true probabilities') and their
 # difference, and fails unless |AUC_cluster - AUC_local| < 0.005.
 #
-# usage: examples/ctr/run_ctr.sh [--small] [-- EXTRA ctr_train.py FLAGS...]
-#   --small (or CTR_SMALL=1): the CI version, 50,000 rows x 16, 400 steps of 1024 (about a
+# usage: examples/ctr/run_ctr.sh [--small] [--build DIR] [-- EXTRA ctr_train.py FLAGS...]
+#   --small (or CTR_SMALL=1): the CI version, 50,000 rows x 16, 800 steps of 1024 (about a
 #            minute on 2 cores); default: the full version, 1,000,000 rows x 64.
+#   --build DIR (or SHARDPS_BUILD_DIR): the build (default: the repository's build/);
+#            PYTHONPATH is set to its python/ directory
 # environment:
-#   SHARDPS_BUILD_DIR  the build (default: the repository's build/); PYTHONPATH is set to its
-#                      python/ directory
 #   SHARDPS_PYTHON     the interpreter (default /usr/bin/python3: Debian's torch, numpy, sklearn)
 #   CTR_SERVERS, CTR_WORKERS  cluster size (default 2 and 4)
-#   CTR_TIMEOUT        seconds allowed per mode (default 150 small, 900 full)
+#   CTR_TIMEOUT        seconds allowed per mode (default 300 small, 900 full)
 #   CTR_KEEP=1         keep the temporary directory (logs, JSON results) and print its path
 #   CTR_RESULTS=FILE   also write a JSON summary of both runs here
-# exit status: 0 the two runs agree; 1 they differ by >= 0.005 or a run failed; 2 usage.
+# exit status: 0 the two runs agree; 1 they differ by >= 0.005 or a run failed; 2 usage;
+# 77 (ctest's SKIP) when the interpreter cannot import torch and the built shardps.torch.
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -31,6 +32,7 @@ while (($#)); do
   case $1 in
     --small) SMALL=1 ;;
     --full) SMALL=0 ;;
+    --build) BUILD=${2:?--build needs a directory}; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_ctr.sh: unknown argument '$1' (ctr_train.py flags go after --)" >&2; exit 2 ;;
@@ -44,18 +46,22 @@ BUILD=$(cd "$BUILD" && pwd)
 export SHARDPS_BUILD_DIR=$BUILD
 export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel=${GLOG_minloglevel:-1}
+if ! "$PY" -c 'import numpy, torch, shardps.torch' 2>/dev/null; then
+  echo "SKIP: $PY cannot import numpy, torch and shardps.torch (PYTHONPATH=$PYTHONPATH)"
+  exit 77
+fi
 SERVERS=${CTR_SERVERS:-2}
 WORKERS=${CTR_WORKERS:-4}
 BOUND=0.005
 
 if ((SMALL)); then
-  ARGS=(--rows 50000 --dim 16 --steps 400 --global-batch 1024 --n-test 20000 --eval-every 100
-        --log-every 50)
-  TIMEOUT=${CTR_TIMEOUT:-150}
+  ARGS=(--rows 50000 --dim 16 --steps 800 --global-batch 1024 --emb-lr 0.05 --n-test 20000
+        --eval-every 200 --log-every 100)
+  TIMEOUT=${CTR_TIMEOUT:-300}
   SIZE=small
 else
-  ARGS=(--rows 1000000 --dim 64 --steps 2000 --global-batch 4096 --n-test 100000
-        --eval-every 250 --log-every 50)
+  ARGS=(--rows 1000000 --dim 64 --steps 1500 --global-batch 4096 --emb-lr 0.03
+        --n-test 100000 --eval-every 250 --log-every 50)
   TIMEOUT=${CTR_TIMEOUT:-900}
   SIZE=full
 fi
@@ -69,7 +75,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # Samples VmHWM (peak resident memory) of every process under $1 each second, until it ends:
-# lines "pid comm kB".
+# lines "pid role kB", role: server, coordinator, trainer (ctr_train.py) or other.
 descendants() {
   ps -eo pid=,ppid= | awk -v root="$1" '{ parent[$1] = $2 }
     END { for (p in parent) { q = p; n = 0
@@ -77,17 +83,25 @@ descendants() {
             if (q == root) print p } }'
 }
 monitor() {
-  local root=$1 out=$2 p comm hwm
+  local root=$1 out=$2 p role cmd hwm
   while kill -0 "$root" 2>/dev/null; do
     for p in $(descendants "$root"); do
-      comm=$(cat "/proc/$p/comm" 2>/dev/null) || continue
-      hwm=$(awk '/^VmHWM/ { print $2 }' "/proc/$p/status" 2>/dev/null) || continue
-      [[ -n $hwm ]] && echo "$p $comm $hwm"
+      cmd=$( { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null) || continue
+      case $cmd in
+        timeout\ *) role=other ;;
+        *\ -m\ shardps.run\ *) role=launcher ;;
+        */shardps_server\ *) role=server ;;
+        */shardps_coordinator\ *) role=coordinator ;;
+        *ctr_train.py*) role=trainer ;;
+        *) role=other ;;
+      esac
+      hwm=$( { awk '/^VmHWM/ { print $2 }' <"/proc/$p/status"; } 2>/dev/null) || continue
+      [[ -n $hwm ]] && echo "$p $role $hwm"
     done
     sleep 1
   done >"$out"
 }
-peaks() {  # "comm: pid N MiB, ..." of the processes named $2 in monitor file $1
+peaks() {  # the peak MiB of each process of role $2 in monitor file $1, space-separated
   awk -v want="$2" '$2 == want { if ($3 > m[$1]) m[$1] = $3 }
     END { s = ""; for (p in m) s = s sprintf("%s%.0f", (s == "" ? "" : " "), m[p] / 1024)
           print s }' "$1"
@@ -138,9 +152,9 @@ if ((CLUSTER_RC != 0)) || [[ ! -s $TMP/cluster.json ]]; then
   exit 1
 fi
 
-SERVER_MIB=$(peaks "$TMP/cluster.mem" shardps_server)
-WORKER_MIB=$(peaks "$TMP/cluster.mem" python3)
-LOCAL_MIB=$(peaks "$TMP/local.mem" python3)
+SERVER_MIB=$(peaks "$TMP/cluster.mem" server)
+WORKER_MIB=$(peaks "$TMP/cluster.mem" trainer)
+LOCAL_MIB=$(peaks "$TMP/local.mem" trainer)
 
 "$PY" - "$TMP/local.json" "$TMP/cluster.json" "$BOUND" "$SIZE" "$SERVERS" "$WORKERS" \
   "$LOCAL_SECS" "$CLUSTER_SECS" "$LOCAL_MIB" "$WORKER_MIB" "$SERVER_MIB" \
