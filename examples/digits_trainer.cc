@@ -25,6 +25,7 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
+#include "common/version.h"
 #include "examples/digits_model.h"
 #include "shardps/client.h"
 
@@ -306,10 +307,11 @@ int Main() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
+  shardps::ParseCommandLine(
+      &argc, &argv,
       "digits_trainer --coordinator=HOST:PORT --transport=tcp --data=build/data/digits_train.bin"
-      "  |  digits_trainer --standalone --workers=W");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+      "  |  digits_trainer --standalone --workers=W",
+      __FILE__);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   return Main();

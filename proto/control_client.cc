@@ -151,7 +151,11 @@ void ControlClient::Fail(const Status& s) {
   MutexLock l(&mu_);
   if (status_.ok()) {
     status_ = s;
-    LOG(WARNING) << "control: lost the coordinator: " << s;
+    if (leaving_.load()) {
+      VLOG(1) << "control: the coordinator closed the connection after Leave: " << s;
+    } else {
+      LOG(WARNING) << "control: lost the coordinator: " << s;
+    }
   }
   cv_.SignalAll();
 }
@@ -416,6 +420,7 @@ Status ControlClient::Leave(const std::string& reason) {
   Envelope e;
   e.mutable_leave()->set_member_id(reply_.member_id());
   e.mutable_leave()->set_reason(reason);
+  leaving_ = true;
   Status s = Send(e, std::chrono::milliseconds(0));  // a lost coordinator sees the close
   stop_ = true;
   if (thread_.joinable()) thread_.join();

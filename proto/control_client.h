@@ -114,6 +114,9 @@ class ControlClient {
   FrameDecoder decoder_;  // loop thread (Create before it starts)
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  // Set by Leave() before it sends: the coordinator closing the connection after that is the
+  // expected end, not a lost coordinator (logged at INFO, not WARNING).
+  std::atomic<bool> leaving_{false};
   std::atomic<bool> connected_{true};
   // Heartbeats sent and not yet acknowledged, oldest first (loop thread only): seq, sent at.
   std::deque<std::pair<uint64_t, Clock::time_point>> unacked_;

@@ -17,17 +17,22 @@
 #   --port P             coordinator port (default 7070)
 #   --remote-root DIR    the ShardPS checkout on every host (default: this one's path)
 #   --run-dir DIR        local logs, one per process (default BUILD/runs/<time>-<pid>)
-#   --timeout SEC        bound on the job and on every remote process (default 1800)
+#   --timeout SEC        bound on the job and on every remote process (default 600)
 #   --ssh CMD            ssh command (default "ssh -o BatchMode=yes -o ConnectTimeout=10")
 #   --dry-run            print the commands, run nothing
 # Env: SHARDPS_BUILD_DIR (relative to --remote-root, default build), SHARDPS_DATA_DIR (default
 #      BUILD/data, same path on every host), SHARDPS_CLUSTER_TOKEN (default: random).
+# Defaults: python/shardps/launch_defaults.env, shared by every launcher (an environment variable
+# of the same name, e.g. SHARDPS_WORKERS=4, overrides it; a flag overrides both).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD_REL=${SHARDPS_BUILD_DIR:-build}
 
-hostfile="" transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0 optimizer=momentum
-lr=0.2 port=7070 remote_root=$ROOT run_dir="" timeout_s=1800 dry_run=0
+# shellcheck source=defaults.sh
+. "$ROOT/scripts/defaults.sh"  # the shared launch defaults (python/shardps/launch_defaults.env)
+hostfile="" transport=$SHARDPS_TRANSPORT consistency=$SHARDPS_CONSISTENCY
+staleness=$SHARDPS_STALENESS optimizer=$SHARDPS_OPTIMIZER lr=$SHARDPS_LR port=$SHARDPS_PORT
+remote_root=$ROOT run_dir="" timeout_s=$SHARDPS_TIMEOUT_S dry_run=0
 ssh_cmd="ssh -o BatchMode=yes -o ConnectTimeout=10"
 trainer_args=()
 die() { echo "launch-hostfile: $*" >&2; exit 2; }

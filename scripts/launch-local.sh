@@ -23,22 +23,27 @@
 #                          devices on one host, put servers and workers on different ones
 #   --trainer PATH         trainer binary (default BUILD/examples/digits_trainer)
 #   --run-dir DIR          logs go here (default BUILD/runs/<time>-<pid>)
-#   --timeout SEC          bound on the whole training (default 300)
+#   --timeout SEC          bound on the whole training (default 600)
 #   --coordinator-arg A, --server-arg A   extra flag for those processes (repeatable)
 #   --quiet                do not stream progress (the final line is still printed)
 # Env: SHARDPS_BUILD_DIR (default build), SHARDPS_DATA_DIR (default BUILD/data),
 #      SHARDPS_CLUSTER_TOKEN (default: a random one for this run), SHARDPS_TRANSPORT.
 # The trainer gets --coordinator, --transport, --bind_ip and --data first, so TRAINER ARGS
 # override them. Exit status: 0 only if every process did its job and a "final:" line appeared.
+# Defaults: python/shardps/launch_defaults.env, shared by every launcher (an environment variable
+# of the same name, e.g. SHARDPS_WORKERS=4, overrides it; a flag overrides both).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${SHARDPS_BUILD_DIR:-build}
 [[ $BUILD == /* ]] || BUILD="$ROOT/$BUILD"
 
-replicas=1 spares=0 checkpoint_dir= checkpoint_every=
-servers=2 workers=2 transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0
-optimizer=momentum lr=0.2 partition_bytes="" bind_ip=127.0.0.1 server_bind_ip="" trainer="" run_dir=""
-timeout_s=300 quiet=0
+# shellcheck source=defaults.sh
+. "$ROOT/scripts/defaults.sh"  # the shared launch defaults (python/shardps/launch_defaults.env)
+replicas=$SHARDPS_REPLICAS spares=0 checkpoint_dir= checkpoint_every=
+servers=$SHARDPS_SERVERS workers=$SHARDPS_WORKERS transport=$SHARDPS_TRANSPORT
+consistency=$SHARDPS_CONSISTENCY staleness=$SHARDPS_STALENESS optimizer=$SHARDPS_OPTIMIZER
+lr=$SHARDPS_LR partition_bytes="" bind_ip=$SHARDPS_BIND_IP server_bind_ip="" trainer="" run_dir=""
+timeout_s=$SHARDPS_TIMEOUT_S quiet=0
 coord_extra=() server_extra=() trainer_args=()
 die() { echo "launch-local: $*" >&2; exit 2; }
 while (($#)); do

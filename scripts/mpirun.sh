@@ -16,7 +16,7 @@
 # mpirun returns.
 #
 # usage: scripts/mpirun.sh [options] [-- TRAINER ARGS...]
-#   --servers N, --workers M     default 2 and 4
+#   --servers N, --workers M     default 2 and 2
 #   --transport T                verbs, tcp, shm, auto (default $SHARDPS_TRANSPORT, else auto)
 #   --consistency C, --staleness S, --optimizer O, --lr X   as scripts/launch-local.sh
 #   --hostfile FILE              Open MPI hostfile (several hosts): the coordinator (MPI rank 0,
@@ -30,14 +30,19 @@
 #   --mpi-arg A                  extra mpirun argument (repeatable)
 # Env: SHARDPS_BUILD_DIR, SHARDPS_DATA_DIR, SHARDPS_CLUSTER_TOKEN (default: random),
 #      GLOG_minloglevel (default 2: errors only; the normal teardown logs warnings).
+# Defaults: python/shardps/launch_defaults.env, shared by every launcher (an environment variable
+# of the same name, e.g. SHARDPS_WORKERS=4, overrides it; a flag overrides both).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${SHARDPS_BUILD_DIR:-build}
 [[ $BUILD == /* ]] || BUILD="$ROOT/$BUILD"
 DATA_DIR=${SHARDPS_DATA_DIR:-$BUILD/data}
 
-servers=2 workers=4 transport=${SHARDPS_TRANSPORT:-auto} consistency=bsp staleness=0
-optimizer=momentum lr=0.2 hostfile="" port="" timeout_s=600 dry_run=0 trainer_bin=""
+# shellcheck source=defaults.sh
+. "$ROOT/scripts/defaults.sh"  # the shared launch defaults (python/shardps/launch_defaults.env)
+servers=$SHARDPS_SERVERS workers=$SHARDPS_WORKERS transport=$SHARDPS_TRANSPORT
+consistency=$SHARDPS_CONSISTENCY staleness=$SHARDPS_STALENESS optimizer=$SHARDPS_OPTIMIZER
+lr=$SHARDPS_LR hostfile="" port="" timeout_s=$SHARDPS_TIMEOUT_S dry_run=0 trainer_bin=""
 mpi_extra=() trainer_args=()
 die() { echo "mpirun.sh: $*" >&2; exit 2; }
 while (($#)); do

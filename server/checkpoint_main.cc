@@ -19,6 +19,8 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
+#include "common/version.h"
+#include "proto/json_string.h"
 #include "server/checkpoint.h"
 
 DEFINE_bool(json, false, "Print JSON instead of plain words");
@@ -34,22 +36,7 @@ namespace {
 using namespace shardps;
 using namespace shardps::server;
 
-std::string Json(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof(b), "\\u%04x", c);
-      o += b;
-    } else {
-      o += static_cast<char>(c);
-    }
-  }
-  return o + "\"";
-}
+std::string Json(const std::string& s) { return control::JsonQuote(s); }
 
 bool IsDir(const std::string& p) {
   struct stat st;
@@ -295,9 +282,9 @@ int Bench(const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "shardps_checkpoint list DIR | verify PATH|DIR | dump PATH | bench DIR  [--json]");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  shardps::ParseCommandLine(
+      &argc, &argv,
+      "shardps_checkpoint list DIR | verify PATH|DIR | dump PATH | bench DIR  [--json]", __FILE__);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   if (argc != 3) {

@@ -482,10 +482,17 @@ void Coordinator::AdmitMember(Conn* c, const JoinRequest& j) {
 void Coordinator::Close(Conn* c, const std::string& why, bool protocol_error) {
   if (c->closing) return;
   c->closing = true;
+  // A member that goes without a Leave (its lease ran out, it is unreachable, its connection
+  // broke) is the one departure an operator may have to act on: WARNING. A Leave is INFO.
+  const bool unannounced = c->joined && why.rfind("left: ", 0) != 0;
   if (protocol_error) {
     LOG(WARNING) << "coordinator: closing " << c->peer << ": " << why;
     MutexLock l(&mu_);
     ++counters_.protocol_errors;
+  } else if (unannounced) {
+    LOG(WARNING) << "coordinator: member " << c->member.member_id() << " ("
+                 << (c->member.role() == ROLE_SERVER ? "server" : "worker") << " rank "
+                 << c->member.rank() << ", " << c->peer << ") is gone without leaving: " << why;
   } else {
     LOG(INFO) << "coordinator: closing " << c->peer << ": " << why;
   }

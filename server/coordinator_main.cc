@@ -14,6 +14,7 @@
 
 #include "proto/etcd_client.h"
 
+#include "common/version.h"
 #include "server/coordinator.h"
 
 DEFINE_string(listen, "0.0.0.0:7070", "Control-plane listen address (host:port; port 0 picks)");
@@ -122,8 +123,8 @@ void KeepLeadership(std::string endpoints, int64_t lease) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("shardps_coordinator --listen=HOST:PORT --cluster_token=SECRET");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  shardps::ParseCommandLine(
+      &argc, &argv, "shardps_coordinator --listen=HOST:PORT --cluster_token=SECRET", __FILE__);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
 

@@ -415,9 +415,14 @@ void Coordinator::ServerDeparted(const Member& m) {
         MutexLock l(&mu_);
         ++counters_.promotions;
       }
-      LOG(WARNING) << "coordinator: group " << g << ": primary server rank " << r
-                   << " is gone; PROMOTING its backup, server rank " << br << " ("
-                   << b->member.data_address() << "), at epoch " << epoch();
+      // After the job's workers are done a primary leaving is the job's end (INFO); the
+      // backup takes over all the same, so the group's state stays served.
+      LOG_IF(WARNING, !done) << "coordinator: group " << g << ": primary server rank " << r
+                             << " is gone; PROMOTING its backup, server rank " << br << " ("
+                             << b->member.data_address() << "), at epoch " << epoch();
+      LOG_IF(INFO, done) << "coordinator: group " << g << ": primary server rank " << r
+                         << " left after the job's workers were done; its backup, server rank "
+                         << br << ", takes the group over";
       if (shard_map_ready_ && static_cast<int>(g) < shard_map_.servers_size()) {
         FillServerEntry(g, br, shard_map_.mutable_servers(g));
         BroadcastShardMap();

@@ -251,15 +251,20 @@ std::optional<uint32_t> ReplicationStream::OnCompletion(const transport::Complet
   }
 }
 
-void ReplicationStream::CheckEndpoint() {
+void ReplicationStream::CheckEndpoint(const std::function<bool()>& expected_end) {
   if (endpoint_ && state_ == State::kConnected && !endpoint_->status().ok()) {
-    Failed(endpoint_->status());
+    Failed(endpoint_->status(), expected_end());
   }
 }
 
-void ReplicationStream::Failed(const Status& why) {
+void ReplicationStream::Failed(const Status& why, bool expected_end) {
   if (state_ != State::kConnected) return;
   state_ = State::kFailed;
+  if (expected_end) {
+    LOG(INFO) << "replication to the backup of group " << group_ << " ended after the job's "
+              << "workers were done: " << why;
+    return;
+  }
   LOG(WARNING) << "replication to the backup of group " << group_ << " failed: " << why
                << "; new versions wait until the coordinator declares the backup gone";
 }

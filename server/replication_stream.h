@@ -103,7 +103,9 @@ class ReplicationStream {
   // record completed: its version may be published.
   std::optional<uint32_t> OnCompletion(const transport::Completion& c);
   // Checks the endpoint's health (a failure means versions wait for the coordinator).
-  void CheckEndpoint();
+  // `expected_end` is asked only on a failure: true when the job's workers are done, so the
+  // backup going away is the job's end (logged at INFO, not WARNING).
+  void CheckEndpoint(const std::function<bool()>& expected_end);
   // The coordinator declared the backup gone: returns true if versions were waiting on it
   // (every version in flight is then to be published).
   bool OnBackupGone();
@@ -118,7 +120,7 @@ class ReplicationStream {
   enum class State { kNone, kConnected, kFailed, kGone };
   void PostWaiting();
   void Post(uint32_t slot);
-  void Failed(const Status& why);
+  void Failed(const Status& why, bool expected_end = false);
   char* stage(uint32_t slot) const;
 
   transport::Fabric* fabric_;

@@ -11,6 +11,7 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
+#include "common/version.h"
 #include "server/shard_server.h"
 #include "transport/flags.h"
 
@@ -54,8 +55,8 @@ void OnSignal(int sig) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("shardps_server --coordinator=HOST:PORT --transport=verbs|tcp|shm");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  shardps::ParseCommandLine(
+      &argc, &argv, "shardps_server --coordinator=HOST:PORT --transport=verbs|tcp|shm", __FILE__);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   using namespace shardps::server;

@@ -509,7 +509,8 @@ void ShardServer::RefreshMembership() {
     // Its endpoints are closed: a worker declared dead that is in fact alive (stopped past its
     // lease) must not go on writing into this server; it learns it is out of the cluster.
     const int closed = endpoints_->CloseWorker(r);
-    LOG(WARNING) << "server rank " << rank_ << ": worker " << r << " left (epoch " << e
+    // INFO: the coordinator logs a worker that went without leaving as a WARNING.
+    LOG(INFO) << "server rank " << rank_ << ": worker " << r << " left (epoch " << e
                  << "); BSP/SSP waits go on without it (" << closed << " endpoint(s) closed)";
   }
   if (options_.exit_when_workers_done && now.empty() &&
@@ -556,7 +557,7 @@ Status ShardServer::Serve() {
       last_accept = Clock::now();
       if (!Housekeeping(&fenced)) stop_ = true;
     }
-    stream_->CheckEndpoint();
+    stream_->CheckEndpoint([this] { return WorkersDone(); });
     DropFailedEndpoints();
   }
   LOG(INFO) << "server rank " << rank_ << ": stopping";
@@ -666,13 +667,34 @@ bool ShardServer::Housekeeping(Status* fenced) {
   return true;
 }
 
+bool ShardServer::WorkersDone() const {
+  if (control_ == nullptr ||
+      workers_->most_members_seen() < std::max<size_t>(1, config_.num_workers())) {
+    return false;
+  }
+  const control::Membership m = control_->membership();
+  for (const auto& mem : m.members()) {
+    if (mem.role() == control::ROLE_WORKER) return false;
+  }
+  return true;
+}
+
 void ShardServer::DropFailedEndpoints() {
-  // Drop endpoints that failed (a dead worker); membership decides what it means.
+  // Drop endpoints that failed (a dead worker); membership decides what it means. A worker's
+  // endpoint closing is logged at INFO: its departure (left, or declared dead: a WARNING) is
+  // what matters, and comes with the next membership. So is the primary's stream ending once
+  // the job's workers are done.
   const uint64_t primary = applier_ ? applier_->primary_endpoint() : 0;
   for (const auto& [id, why] : endpoints_->DropFailed()) {
-    LOG(WARNING) << "server rank " << rank_ << ": endpoint " << id
-                 << (id == primary && primary != 0 ? " (the primary's replication stream)" : "")
-                 << " failed: " << why;
+    const bool is_primary = id == primary && primary != 0;
+    const bool expected =
+        is_primary ? WorkersDone() : endpoints_->WorkerOf(id).has_value();
+    LOG_IF(WARNING, !expected) << "server rank " << rank_ << ": endpoint " << id
+                               << (is_primary ? " (the primary's replication stream)" : "")
+                               << " failed: " << why;
+    LOG_IF(INFO, expected) << "server rank " << rank_ << ": endpoint " << id
+                           << (is_primary ? " (the primary's replication stream)" : "")
+                           << " closed: " << why;
     if (backup_ && id == primary) applier_->MarkBroken();
     stats_.Bump(&ShardServerCounters::endpoint_errors);
   }

@@ -127,6 +127,9 @@ class ShardServer {
   // apply or publish anything. Logs and counts the transitions.
   bool LeaseLapsed();
   void DropFailedEndpoints();
+  // Every expected worker has been in the cluster and none is in the current membership: the
+  // job's end, when peers closing their endpoints is expected.
+  bool WorkersDone() const;
   void AcceptPending();
   void PollControl();
   void RefreshMembership();

@@ -191,7 +191,6 @@ std::string FormatTable(const Report& r);
 std::string FormatJson(const Report& r);  // schema: docs/doctor.md
 // The link model `shardps plan` reads (schema: docs/doctor.md).
 std::string FormatProbeFile(const std::vector<PairResult>& pairs);
-std::string JsonEscape(const std::string& s);
 
 // "connect h:p: Connection refused" -> "connection refused"; a timeout -> "no answer within N
 // ms".

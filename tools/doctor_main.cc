@@ -18,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/version.h"
 #include "tools/doctor.h"
 #include "tools/subcommands.h"
 #include "transport/flags.h"
@@ -73,7 +74,9 @@ bool KnownFlags(int argc, char** argv, std::string* bad) {
     if (a.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(a.substr(2).c_str(), &info)) {
       continue;
     }
-    if (a == "help" || a == "helpfull" || a == "version") continue;
+    if (a == "help" || a == "h" || a == "helpshort" || a == "helpfull" || a == "version") {
+      continue;
+    }
     *bad = "unknown flag --" + a;
     return false;
   }
@@ -369,17 +372,18 @@ int Mpi(DoctorOptions o) {
 }  // namespace
 
 int DoctorMain(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "shardps doctor [--transport verbs|tcp|shm|auto] [--coordinator HOST:PORT] "
-      "[--peer HOST:PORT,...] [--model SIZE|FILE] [--json] [--probe_out FILE]\n"
-      "  shardps doctor --serve [--serve_port P] [--address_file F]\n"
-      "  mpirun -np N shardps doctor --mpi --rendezvous_dir DIR");
   std::string bad;
   if (!KnownFlags(argc, argv, &bad)) {
     std::cerr << "shardps doctor: " << bad << " (shardps doctor --help)\n";
     return 2;
   }
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  shardps::ParseCommandLine(
+      &argc, &argv,
+      "shardps doctor [--transport verbs|tcp|shm|auto] [--coordinator HOST:PORT] "
+      "[--peer HOST:PORT,...] [--model SIZE|FILE] [--json] [--probe_out FILE]\n"
+      "  shardps doctor --serve [--serve_port P] [--address_file F]\n"
+      "  mpirun -np N shardps doctor --mpi --rendezvous_dir DIR",
+      __FILE__);
   if (argc > 1) {
     std::cerr << "shardps doctor: unexpected argument '" << argv[1] << "'\n";
     return 2;

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "proto/json_string.h"
 #include "tools/doctor.h"
 
 namespace shardps::tools {
@@ -16,7 +17,7 @@ std::string Num(double v) {
   return buf;
 }
 
-std::string Q(const std::string& s) { return "\"" + JsonEscape(s) + "\""; }
+std::string Q(const std::string& s) { return control::JsonQuote(s); }
 
 void Figures(std::ostringstream& os, const OpFigures& f) {
   os << "{\"alpha_us\": " << Num(f.alpha_us) << ", \"p99_us\": " << Num(f.p99_us)
@@ -37,28 +38,6 @@ void Pair(std::ostringstream& os, const PairResult& p) {
 }
 
 }  // namespace
-
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out.push_back(static_cast<char>(c));
-        }
-    }
-  }
-  return out;
-}
 
 std::string FormatTable(const Report& r) {
   size_t wn = 5;

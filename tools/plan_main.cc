@@ -13,6 +13,7 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
+#include "common/version.h"
 #include "tools/plan.h"
 
 DEFINE_bool(probe, false, "Measure link, contention and update costs on this host");
@@ -251,8 +252,8 @@ int Main() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("shardps_plan --probe | --probe_file=F (--model=F | --digits) ...");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  shardps::ParseCommandLine(
+      &argc, &argv, "shardps_plan --probe | --probe_file=F (--model=F | --digits) ...", __FILE__);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   return Main();

@@ -2,7 +2,9 @@
 // row in kSubcommands (and its declaration in tools/subcommands.h).
 #include <cstdio>
 #include <cstring>
+#include <string>
 
+#include "common/version.h"
 #include "tools/subcommands.h"
 
 namespace {
@@ -20,7 +22,9 @@ const Subcommand kSubcommands[] = {
 };
 
 int Usage(FILE* out) {
-  std::fprintf(out, "usage: shardps SUBCOMMAND [--flags]   (shardps SUBCOMMAND --help)\n\n");
+  std::fprintf(out,
+               "usage: shardps SUBCOMMAND [--flags]   (shardps SUBCOMMAND --help)\n"
+               "       shardps --version\n\n");
   for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.help);
   return 2;
 }
@@ -34,8 +38,18 @@ int main(int argc, char** argv) {
     Usage(stdout);
     return 0;
   }
+  if (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "version")) {
+    std::printf("shardps %s\n", shardps::BuildVersion());
+    return 0;
+  }
   for (const Subcommand& s : kSubcommands) {
-    if (!std::strcmp(argv[1], s.name)) return s.main(argc - 1, argv + 1);
+    if (!std::strcmp(argv[1], s.name)) {
+      // The subcommand's argv[0] names it as its user typed it ("shardps doctor"): its --help
+      // and --version say so.
+      std::string name = std::string("shardps ") + s.name;
+      argv[1] = name.data();
+      return s.main(argc - 1, argv + 1);
+    }
   }
   std::fprintf(stderr, "shardps: unknown subcommand '%s'\n\n", argv[1]);
   return Usage(stderr);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/version.h"
 #include "shardps/client.h"
 
 struct shardps_client {
@@ -97,6 +98,8 @@ const char* shardps_code_name(int code) {
   if (code < 0 || code > SHARDPS_DATA_LOSS || code == 2) return "UNKNOWN";
   return shardps::StatusCodeName(static_cast<StatusCode>(code));
 }
+
+const char* shardps_version(void) { return shardps::BuildVersion(); }
 
 int shardps_client_connect(const shardps_options* o, shardps_client** out, shardps_error* err) {
   if (out != nullptr) *out = nullptr;

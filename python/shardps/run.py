@@ -63,34 +63,42 @@ import tempfile
 import time
 
 from . import daemons
+from . import defaults as defaults_mod
 from . import hostfile as hostfile_mod
 from .launch import LocalCluster
 
 
 def _parser():
+    d = defaults_mod.load()  # launch_defaults.env: the defaults every launcher shares
     ap = argparse.ArgumentParser(
         prog="python -m shardps.run", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hostfile", default=None,
                     help="run on the hosts of this role hostfile (grammar above) over --rsh")
     ap.add_argument("--servers", type=int, default=None,
-                    help="local: shard server groups (default 2)")
-    ap.add_argument("--replicas", type=int, default=1, choices=[1, 2],
-                    help="2: every group also has a backup server (default 1)")
+                    help=f"local: shard server groups (default {d['SHARDPS_SERVERS']})")
+    ap.add_argument("--replicas", type=int, default=int(d["SHARDPS_REPLICAS"]), choices=[1, 2],
+                    help="2: every group also has a backup server (default %(default)s)")
     ap.add_argument("--spares", type=int, default=None,
                     help="local: spare servers that become a group's new backup after a failover")
     ap.add_argument("--workers", "--nproc", type=int, default=None, dest="workers",
-                    help="local: copies of the trainer (default 2)")
-    ap.add_argument("--transport", default="tcp", choices=["tcp", "shm", "verbs", "auto"])
-    ap.add_argument("--consistency", default="bsp", choices=["bsp", "ssp", "asp", "vsgd"])
-    ap.add_argument("--staleness", type=int, default=0)
-    ap.add_argument("--optimizer", default="sgd", help="the servers' optimizer (default sgd)")
-    ap.add_argument("--lr", type=float, default=0.1, help="the servers' learning rate")
+                    help=f"local: copies of the trainer (default {d['SHARDPS_WORKERS']})")
+    ap.add_argument("--transport", default=d["SHARDPS_TRANSPORT"],
+                    choices=["tcp", "shm", "verbs", "auto"], help="(default %(default)s)")
+    ap.add_argument("--consistency", default=d["SHARDPS_CONSISTENCY"],
+                    choices=["bsp", "ssp", "asp", "vsgd"], help="(default %(default)s)")
+    ap.add_argument("--staleness", type=int, default=int(d["SHARDPS_STALENESS"]))
+    ap.add_argument("--optimizer", default=d["SHARDPS_OPTIMIZER"],
+                    help="the servers' optimizer for tensors without their own rule "
+                         "(default %(default)s)")
+    ap.add_argument("--lr", type=float, default=float(d["SHARDPS_LR"]),
+                    help="the servers' learning rate (default %(default)s)")
     ap.add_argument("--partition-bytes", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=600.0, help="bound on the run (seconds)")
+    ap.add_argument("--timeout", type=float, default=float(d["SHARDPS_TIMEOUT_S"]),
+                    help="bound on the run (seconds, default %(default)s)")
     ap.add_argument("--run-dir", default=None, help="logs go here (default: a new temp dir)")
     ap.add_argument("--port", type=int, default=None,
-                    help="hostfile: the coordinator's port (default 7070)")
+                    help=f"hostfile: the coordinator's port (default {d['SHARDPS_PORT']})")
     ap.add_argument("--rsh", default=None,
                     help=f"hostfile: remote shell, run as RSH HOST COMMAND "
                          f"(default '{hostfile_mod.DEFAULT_RSH}')")
@@ -132,8 +140,8 @@ def _main_local(ap, a, cmd):
                     ("--dry-run", a.dry_run or None)):
         if v is not None:
             ap.error(f"{flag} is for --hostfile")
-    servers = 2 if a.servers is None else a.servers
-    workers = 2 if a.workers is None else a.workers
+    servers = defaults_mod.get("SHARDPS_SERVERS", int) if a.servers is None else a.servers
+    workers = defaults_mod.get("SHARDPS_WORKERS", int) if a.workers is None else a.workers
     spares = a.spares or 0
     if spares and a.replicas != 2:
         ap.error("--spares needs --replicas 2")
@@ -217,7 +225,7 @@ def _main_hostfile(ap, a, cmd):
                 for b in ("shardps_coordinator", "shardps_server")]
     else:
         bins = [daemons.path("shardps_coordinator"), daemons.path("shardps_server")]
-    port = 7070 if a.port is None else a.port
+    port = defaults_mod.get("SHARDPS_PORT", int) if a.port is None else a.port
     try:
         hf = hostfile_mod.load(a.hostfile)
         addr, sessions = hostfile_mod.plan(

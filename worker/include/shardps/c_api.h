@@ -35,6 +35,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "shardps/export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -102,25 +104,31 @@ typedef enum shardps_tensor_path {
 
 typedef struct shardps_client shardps_client; /* opaque */
 
-void shardps_options_init(shardps_options* options);
+SHARDPS_EXPORT void shardps_options_init(shardps_options* options);
 /* "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a value that is no code. Static storage. */
-const char* shardps_code_name(int code);
+SHARDPS_EXPORT const char* shardps_code_name(int code);
+/* The library's version and build options, e.g. "0.1.0 (git 531ef90; RelWithDebInfo; verbs on;
+ * cuda on; gcc 12.2.0)". Static storage. Compare with SHARDPS_VERSION_STRING (version.h) to
+ * check that the headers and the library agree. */
+SHARDPS_EXPORT const char* shardps_version(void);
 
 /* Joins the cluster. On success *out is a new client; on failure *out is NULL. */
-int shardps_client_connect(const shardps_options* options, shardps_client** out,
-                           shardps_error* err);
+SHARDPS_EXPORT int shardps_client_connect(const shardps_options* options, shardps_client** out,
+                                          shardps_error* err);
 /* Leaves the cluster (if not yet closed) and frees the client. NULL is a no-op. */
-void shardps_client_destroy(shardps_client* client);
+SHARDPS_EXPORT void shardps_client_destroy(shardps_client* client);
 
 /* Registers a float32 tensor of ndim dimensions (shape[0..ndim)); see shardps::Client. */
-int shardps_client_register_tensor(shardps_client* client, const char* name, float* weights,
-                                   float* grads, const int64_t* shape, size_t ndim,
-                                   shardps_error* err);
+SHARDPS_EXPORT int shardps_client_register_tensor(shardps_client* client, const char* name,
+                                                  float* weights, float* grads,
+                                                  const int64_t* shape, size_t ndim,
+                                                  shardps_error* err);
 /* The same for a tensor of element type dtype: 0 float32, 1 float16, 2 bfloat16 (16-bit
  * tensors travel as they are; the servers keep float32 master weights). */
-int shardps_client_register_tensor_typed(shardps_client* client, const char* name,
-                                         void* weights, void* grads, const int64_t* shape,
-                                         size_t ndim, uint32_t dtype, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_register_tensor_typed(shardps_client* client, const char* name,
+                                                        void* weights, void* grads,
+                                                        const int64_t* shape, size_t ndim,
+                                                        uint32_t dtype, shardps_error* err);
 /* Row tables (embeddings; docs/embeddings.md, shardps::Client::RegisterEmbedding). init: 0 normal
  * N(0, init_scale^2), 1 uniform U(-init_scale, init_scale), 2 zeros. */
 typedef struct shardps_embedding_options {
@@ -129,39 +137,41 @@ typedef struct shardps_embedding_options {
   float init_scale;
   uint64_t init_seed;
 } shardps_embedding_options;
-void shardps_embedding_options_init(shardps_embedding_options* options);
+SHARDPS_EXPORT void shardps_embedding_options_init(shardps_embedding_options* options);
 /* A row table of rows x dim values of dtype (0 float32, 1 float16, 2 bfloat16); before start.
  * options may be NULL (the defaults). */
-int shardps_client_register_embedding(shardps_client* client, const char* name, int64_t rows,
-                                      int64_t dim, uint32_t dtype,
-                                      const shardps_embedding_options* options,
-                                      shardps_error* err);
+SHARDPS_EXPORT int shardps_client_register_embedding(shardps_client* client, const char* name,
+                                                     int64_t rows, int64_t dim, uint32_t dtype,
+                                                     const shardps_embedding_options* options,
+                                                     shardps_error* err);
 /* Reads rows ids[0, n) into out (n x dim values of the table's dtype), at the consistency
  * bound of the current clock (Client::PullRows). */
-int shardps_client_pull_rows(shardps_client* client, const char* name, const int64_t* ids,
-                             size_t n, void* out, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_pull_rows(shardps_client* client, const char* name,
+                                            const int64_t* ids, size_t n, void* out,
+                                            shardps_error* err);
 /* Adds gradient rows (n x dim, the table's dtype) for ids[0, n) to the table's gradient of this
  * step, summed per id; the next push or step sends it (Client::AddRowGradients). */
-int shardps_client_add_row_gradients(shardps_client* client, const char* name,
-                                     const int64_t* ids, size_t n, const void* grads,
-                                     shardps_error* err);
-int shardps_client_start(shardps_client* client, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_add_row_gradients(shardps_client* client, const char* name,
+                                                    const int64_t* ids, size_t n, const void* grads,
+                                                    shardps_error* err);
+SHARDPS_EXPORT int shardps_client_start(shardps_client* client, shardps_error* err);
 /* Client::MarkNonFinite: the next pushes come from a step with non-finite gradients. */
-int shardps_client_mark_non_finite(shardps_client* client, int non_finite, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_mark_non_finite(shardps_client* client, int non_finite,
+                                                  shardps_error* err);
 /* Asynchronous push / pull of one tensor; *handle is then passed to shardps_client_wait. */
-int shardps_client_push(shardps_client* client, const char* name, uint64_t* handle,
-                        shardps_error* err);
-int shardps_client_pull(shardps_client* client, const char* name, uint64_t* handle,
-                        shardps_error* err);
-int shardps_client_wait(shardps_client* client, uint64_t handle, shardps_error* err);
-int shardps_client_clock(shardps_client* client, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_push(shardps_client* client, const char* name, uint64_t* handle,
+                                       shardps_error* err);
+SHARDPS_EXPORT int shardps_client_pull(shardps_client* client, const char* name, uint64_t* handle,
+                                       shardps_error* err);
+SHARDPS_EXPORT int shardps_client_wait(shardps_client* client, uint64_t handle, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_clock(shardps_client* client, shardps_error* err);
 /* Push every tensor, wait, clock, pull every tensor, wait. */
-int shardps_client_step(shardps_client* client, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_step(shardps_client* client, shardps_error* err);
 /* The learning rate the servers apply to this worker's next pushes of tensor `name` (NULL or
  * "": every tensor; lr 0: the servers' --lr); it travels with the pushes (Client::
  * SetLearningRate). */
-int shardps_client_set_learning_rate(shardps_client* client, const char* name, float lr,
-                                     shardps_error* err);
+SHARDPS_EXPORT int shardps_client_set_learning_rate(shardps_client* client, const char* name,
+                                                    float lr, shardps_error* err);
 /* The update rule the servers apply to tensor `name`'s next pushes (NULL or "": every tensor),
  * torch.optim semantics (Client::SetUpdateRule). kind: 0 the servers' --optimizer, 1 SGD,
  * 2 Adam, 3 AdamW, 4 store, 5 Adagrad (momentum carries lr_decay and dampening
@@ -172,31 +182,35 @@ typedef struct shardps_update_rule {
   int nesterov;
   float weight_decay, beta1, beta2, eps;
 } shardps_update_rule;
-int shardps_client_set_update_rule(shardps_client* client, const char* name,
-                                   const shardps_update_rule* rule, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_set_update_rule(shardps_client* client, const char* name,
+                                                  const shardps_update_rule* rule,
+                                                  shardps_error* err);
 /* Asks every server for a checkpoint at the next clock, into the cluster's checkpoint
  * directory or dir (NULL or "": the cluster's); *clock receives that clock (may be NULL). */
-int shardps_client_request_checkpoint(shardps_client* client, const char* dir, uint64_t* clock,
-                                      shardps_error* err);
+SHARDPS_EXPORT int shardps_client_request_checkpoint(shardps_client* client, const char* dir,
+                                                     uint64_t* clock, shardps_error* err);
 /* Leaves the cluster. Closing again is OK; after it every other call but the accessors
  * returns SHARDPS_FAILED_PRECONDITION ("Push() after Close()"), until shardps_client_destroy.
  * The states and what each call does in each: shardps/client.h, "Lifecycle". A NULL client
  * is SHARDPS_INVALID_ARGUMENT for every call; a destroyed one must not be used. */
-int shardps_client_close(shardps_client* client, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_close(shardps_client* client, shardps_error* err);
 
 /* Accessors. Strings are copied into buf (capacity bytes, NUL-terminated, truncated);
  * SHARDPS_OUT_OF_RANGE if it had to be truncated. */
-int shardps_client_rank(const shardps_client* client, uint32_t* rank, shardps_error* err);
-int shardps_client_num_workers(const shardps_client* client, uint32_t* n, shardps_error* err);
-int shardps_client_clock_value(const shardps_client* client, uint64_t* clock, shardps_error* err);
-int shardps_client_consistency(const shardps_client* client, char* buf, size_t capacity,
-                               shardps_error* err);
-int shardps_client_transport(const shardps_client* client, char* buf, size_t capacity,
-                             shardps_error* err);
-int shardps_client_counters(const shardps_client* client, shardps_counters* out,
-                            shardps_error* err);
-int shardps_client_tensor_path(const shardps_client* client, const char* name, int* path,
-                               shardps_error* err);
+SHARDPS_EXPORT int shardps_client_rank(const shardps_client* client, uint32_t* rank,
+                                       shardps_error* err);
+SHARDPS_EXPORT int shardps_client_num_workers(const shardps_client* client, uint32_t* n,
+                                              shardps_error* err);
+SHARDPS_EXPORT int shardps_client_clock_value(const shardps_client* client, uint64_t* clock,
+                                              shardps_error* err);
+SHARDPS_EXPORT int shardps_client_consistency(const shardps_client* client, char* buf,
+                                              size_t capacity, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_transport(const shardps_client* client, char* buf,
+                                            size_t capacity, shardps_error* err);
+SHARDPS_EXPORT int shardps_client_counters(const shardps_client* client, shardps_counters* out,
+                                           shardps_error* err);
+SHARDPS_EXPORT int shardps_client_tensor_path(const shardps_client* client, const char* name,
+                                              int* path, shardps_error* err);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -48,6 +48,7 @@
 #include <string>
 #include <vector>
 
+#include "shardps/export.h"
 #include "shardps/status.h"
 
 namespace shardps {
@@ -83,7 +84,8 @@ struct ClientOptions {
 //   transport       "auto" <- SHARDPS_TRANSPORT
 // What the caller set always wins. `sources`, if given, gets "field from VARIABLE" for each
 // value taken. Client::Connect applies it (and logs the sources).
-ClientOptions WithEnvironmentDefaults(ClientOptions options, std::string* sources = nullptr);
+SHARDPS_EXPORT ClientOptions WithEnvironmentDefaults(ClientOptions options,
+                                                     std::string* sources = nullptr);
 
 // How a registered tensor's memory reaches the network (logged at RegisterTensor).
 enum class TensorPath {
@@ -91,7 +93,7 @@ enum class TensorPath {
   kCudaDirect = 1,  // device memory registered with the NIC (verbs: ibv_reg_dmabuf_mr)
   kCudaStaged = 2,  // device memory staged through pinned host buffers (chunked pipeline)
 };
-const char* TensorPathName(TensorPath p);
+SHARDPS_EXPORT const char* TensorPathName(TensorPath p);
 
 struct ClientCounters {
   uint64_t control_messages_sent = 0;  // excluding periodic heartbeats
@@ -175,7 +177,7 @@ struct Handle {
   uint64_t id = 0;
 };
 
-class Client {
+class SHARDPS_EXPORT Client {
  public:
   static StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
   virtual ~Client() = default;

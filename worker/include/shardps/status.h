@@ -16,6 +16,8 @@
 #include <string_view>
 #include <utility>
 
+#include "shardps/export.h"
+
 namespace shardps {
 
 enum class StatusCode : int {
@@ -36,14 +38,14 @@ enum class StatusCode : int {
   kDataLoss = 15,
 };
 
-const char* StatusCodeName(StatusCode code);
+SHARDPS_EXPORT const char* StatusCodeName(StatusCode code);
 
 namespace internal {
 // Aborts with a message: value() on an error StatusOr is a programmer error.
-[[noreturn]] void StatusOrValueOnError(const char* what, const std::string& status);
+[[noreturn]] SHARDPS_EXPORT void StatusOrValueOnError(const char* what, const std::string& status);
 }  // namespace internal
 
-class [[nodiscard]] Status {
+class [[nodiscard]] SHARDPS_EXPORT Status {
  public:
   Status() = default;  // OK
   Status(StatusCode code, std::string_view message);
@@ -81,25 +83,25 @@ class [[nodiscard]] Status {
   std::unique_ptr<Rep> rep_;
 };
 
-std::ostream& operator<<(std::ostream& os, const Status& s);
+SHARDPS_EXPORT std::ostream& operator<<(std::ostream& os, const Status& s);
 
 // Convenience constructors, named after the code.
-Status InvalidArgumentError(std::string_view msg);
-Status NotFoundError(std::string_view msg);
-Status AlreadyExistsError(std::string_view msg);
-Status PermissionDeniedError(std::string_view msg);
-Status ResourceExhaustedError(std::string_view msg);
-Status FailedPreconditionError(std::string_view msg);
-Status AbortedError(std::string_view msg);
-Status OutOfRangeError(std::string_view msg);
-Status UnimplementedError(std::string_view msg);
-Status InternalError(std::string_view msg);
-Status UnavailableError(std::string_view msg);
-Status DeadlineExceededError(std::string_view msg);
-Status DataLossError(std::string_view msg);
-Status CancelledError(std::string_view msg);
+SHARDPS_EXPORT Status InvalidArgumentError(std::string_view msg);
+SHARDPS_EXPORT Status NotFoundError(std::string_view msg);
+SHARDPS_EXPORT Status AlreadyExistsError(std::string_view msg);
+SHARDPS_EXPORT Status PermissionDeniedError(std::string_view msg);
+SHARDPS_EXPORT Status ResourceExhaustedError(std::string_view msg);
+SHARDPS_EXPORT Status FailedPreconditionError(std::string_view msg);
+SHARDPS_EXPORT Status AbortedError(std::string_view msg);
+SHARDPS_EXPORT Status OutOfRangeError(std::string_view msg);
+SHARDPS_EXPORT Status UnimplementedError(std::string_view msg);
+SHARDPS_EXPORT Status InternalError(std::string_view msg);
+SHARDPS_EXPORT Status UnavailableError(std::string_view msg);
+SHARDPS_EXPORT Status DeadlineExceededError(std::string_view msg);
+SHARDPS_EXPORT Status DataLossError(std::string_view msg);
+SHARDPS_EXPORT Status CancelledError(std::string_view msg);
 // An error from a failed system call: "what: strerror(err)", code chosen from errno.
-Status ErrnoError(std::string_view what, int err);
+SHARDPS_EXPORT Status ErrnoError(std::string_view what, int err);
 
 // StatusOr<T>: a T or a non-OK Status.
 template <typename T>
