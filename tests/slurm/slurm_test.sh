@@ -13,13 +13,13 @@
 # usage: tests/slurm/slurm_test.sh [--keep]   (--keep: leave the temp dir for inspection)
 # Env: SHARDPS_BUILD_DIR (default ROOT/build; needs shardps_coordinator, shardps_server and
 #      examples/digits_trainer built), SHARDPS_DATA_DIR (default BUILD/data),
-#      SLURM_TEST_EPOCHS (default 5), SLURM_TEST_TIMEOUT_S (bound on the job, default 420).
+#      SLURM_TEST_EPOCHS (default 15), SLURM_TEST_TIMEOUT_S (bound on the job, default 420).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BUILD=${SHARDPS_BUILD_DIR:-build}
 [[ $BUILD == /* ]] || BUILD="$ROOT/$BUILD"
 DATA_DIR=${SHARDPS_DATA_DIR:-$BUILD/data}
-EPOCHS=${SLURM_TEST_EPOCHS:-5}
+EPOCHS=${SLURM_TEST_EPOCHS:-15}
 JOB_TIMEOUT=${SLURM_TEST_TIMEOUT_S:-420}
 keep=0
 [[ ${1:-} == --keep ]] && keep=1
@@ -184,9 +184,10 @@ run_dir="$T/jobs/run"
 out="$T/jobs/job.out"
 start=$SECONDS
 sbatch_rc=0
-# Env overrides of the launch defaults: a free coordinator port (0), tcp is what auto picks here.
-(cd "$ROOT" && SHARDPS_BUILD_DIR="$BUILD" SHARDPS_DATA_DIR="$DATA_DIR" SHARDPS_PORT=0 \
-   SHARDPS_SERVERS=2 SHARDPS_REPLICAS=1 GLOG_minloglevel=0 \
+# Env overrides of the launch defaults: a free coordinator port (0), 2 servers without backups;
+# the workers are the tasks left (5 - 1 - 2), so SHARDPS_WORKERS must not be set.
+(cd "$ROOT" && env -u SHARDPS_WORKERS SHARDPS_BUILD_DIR="$BUILD" SHARDPS_DATA_DIR="$DATA_DIR" \
+   SHARDPS_PORT=0 SHARDPS_SERVERS=2 SHARDPS_REPLICAS=1 GLOG_minloglevel=0 \
    timeout $((JOB_TIMEOUT + 60)) sbatch --wait --parsable -N 1 -n 5 --time=10 \
      --output="$out" "$ROOT/scripts/slurm/shardps.sbatch" --run-dir "$run_dir" \
      --timeout "$JOB_TIMEOUT" -- --epochs "$EPOCHS" --batch_size 32 --log_every 22) \
@@ -222,12 +223,14 @@ check "coordinator log" test -s "$run_dir/coordinator.log"
 for i in 0 1; do check "server-$i log" test -s "$run_dir/server-$i.log"; done
 check "no third server log" test ! -e "$run_dir/server-2.log"
 for i in 0 1; do
-  check "worker-$i log with its held-out accuracy" grep -q 'test accuracy [0-9.]* (' "$run_dir/worker-$i.log"
+  check "worker-$i log (task $i of the workers' step)" test -s "$run_dir/worker-$i.log"
+  check "rank $i's held-out accuracy line" \
+    grep -q "^\[worker $i/2\] test accuracy [0-9.]* (360 samples)" "$run_dir"/worker-*[0-9].log
+  check "server rank $i joined" grep -q "server rank $i: joined" "$run_dir"/server-*.log
 done
-ranks=$(grep -ho 'rank [0-9]*' "$run_dir"/worker-*[0-9].log 2>/dev/null | sort -u | tr '\n' ' ' || true)
-say "worker ranks seen in the logs: ${ranks:-none}"
-check "the servers joined one cluster (2 servers registered)" \
-  grep -q 'num_servers=2\|2 server' "$run_dir/coordinator.log"
+check "the coordinator saw 2 workers and 2 servers join" \
+  test "$(grep -c 'joined as worker rank\|joined as server rank' "$run_dir/coordinator.log")" -eq 4
+check "the servers logged the transport choice" grep -q 'transport: auto picked' "$run_dir/server-0.log"
 if ((errors)); then
   for f in "$run_dir"/*.log; do
     [[ -e $f ]] && { echo "----- ${f#"$run_dir"/} (last 10 lines) -----" >&2; tail -n 10 "$f" >&2; }
