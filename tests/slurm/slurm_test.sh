@@ -224,8 +224,9 @@ for i in 0 1; do check "server-$i log" test -s "$run_dir/server-$i.log"; done
 check "no third server log" test ! -e "$run_dir/server-2.log"
 for i in 0 1; do
   check "worker-$i log (task $i of the workers' step)" test -s "$run_dir/worker-$i.log"
-  check "rank $i's held-out accuracy line" \
-    grep -q "^\[worker $i/2\] test accuracy [0-9.]* (360 samples)" "$run_dir"/worker-*[0-9].log
+  # Task i asks for rank i through SLURM_PROCID (the client's rank hint); the coordinator grants it.
+  check "worker-$i.log is rank $i's, with its held-out accuracy" \
+    grep -q "^\[worker $i/2\] test accuracy [0-9.]* (360 samples)" "$run_dir/worker-$i.log"
   check "server rank $i joined" grep -q "server rank $i: joined" "$run_dir"/server-*.log
 done
 check "the coordinator saw 2 workers and 2 servers join" \
