@@ -7,8 +7,10 @@
 # node to be idle, submits the digits job (coordinator + 2 servers + 2 workers) with
 # `sbatch --wait`, and asserts on the results: the job's state COMPLETED with exit code 0:0,
 # rank 0's "final:" line with test accuracy >= 0.9, a log for the coordinator, each server and
-# each worker, and every worker's own held-out accuracy line. Every daemon and job is stopped
-# on exit. Skips (77) only when a component cannot be installed or started, saying which.
+# each worker, and every worker's own held-out accuracy line. Then a job whose trainer fails
+# (/bin/false) must end FAILED at once (its coordinator and servers stopped by the script, not by
+# a bound). Every daemon and job is stopped on exit. Skips (77) only without root or when a
+# component cannot be installed or started, saying which.
 #
 # usage: tests/slurm/slurm_test.sh [--keep]   (--keep: leave the temp dir for inspection)
 # Env: SHARDPS_BUILD_DIR (default ROOT/build; needs shardps_coordinator, shardps_server and
@@ -168,7 +170,7 @@ pids+=($!)
 slurmd -D -N localhost -f "$SLURM_CONF" >"$T/slurmd.out" 2>&1 &
 pids+=($!)
 state=""
-for _ in $(seq 60); do  # 30 s for the node to register and go idle
+for _ in $(seq 120); do  # 60 s for the node to register and go idle
   for p in "${pids[@]}"; do
     kill -0 "$p" 2>/dev/null || { tail -n 20 "$T"/slurm*.out "$T"/slurm*.log 2>/dev/null; skip "a Slurm daemon exited during start-up (logs above)"; }
   done
@@ -176,7 +178,7 @@ for _ in $(seq 60); do  # 30 s for the node to register and go idle
   [[ $state == idle ]] && break
   sleep 0.5
 done
-[[ $state == idle ]] || skip "the node did not become idle within 30 s (sinfo says '${state:-nothing}')"
+[[ $state == idle ]] || skip "the node did not become idle within 60 s (sinfo says '${state:-nothing}')"
 say "slurm up: $(sinfo -h -N -o '%N %T cpus=%c') (slurmctld :$ctld_port, slurmd :$slurmd_port)"
 
 # --- the job -------------------------------------------------------------------------------------
@@ -232,10 +234,42 @@ done
 check "the coordinator saw 2 workers and 2 servers join" \
   test "$(grep -c 'joined as worker rank\|joined as server rank' "$run_dir/coordinator.log")" -eq 4
 check "the servers logged the transport choice" grep -q 'transport: auto picked' "$run_dir/server-0.log"
+
+# --- a job whose trainer fails: FAILED at once, its other steps stopped --------------------------
+# /bin/false as the trainer: the workers' step fails immediately while the coordinator and the
+# servers would wait for workers until the 300 s bound; the script must stop them and fail.
+bad_dir="$T/jobs/bad"
+bad_out="$T/jobs/bad.out"
+start=$SECONDS
+bad_rc=0
+(cd "$ROOT" && env -u SHARDPS_WORKERS SHARDPS_BUILD_DIR="$BUILD" SHARDPS_DATA_DIR="$DATA_DIR" \
+   SHARDPS_PORT=0 SHARDPS_SERVERS=2 SHARDPS_REPLICAS=1 \
+   timeout 200 sbatch --wait --parsable -N 1 -n 5 --time=5 --output="$bad_out" \
+     "$ROOT/scripts/slurm/shardps.sbatch" --run-dir "$bad_dir" --timeout 300 --trainer /bin/false) \
+  >"$T/jobs/bad-sbatch.out" 2>&1 || bad_rc=$?
+bad_s=$((SECONDS - start))
+bad_job=$(grep -m1 -o '^[0-9]\+' "$T/jobs/bad-sbatch.out" || true)
+bad_line=$(timeout 10 scontrol -o show job "${bad_job:-0}" 2>/dev/null || true)
+say "failing job ${bad_job:-?}: sbatch returned $bad_rc after $bad_s s;" \
+    "$(grep -o 'RunTime=[^ ]*' <<<"$bad_line")" \
+    "$(grep -o 'JobState=[A-Z_]*' <<<"$bad_line") $(grep -o ' ExitCode=[0-9:]*' <<<"$bad_line");" \
+    "$(grep -m1 'FAILED:' "$bad_out" 2>/dev/null || echo 'no FAILED line')"
+check "failing job: sbatch --wait exited non-zero" test "$bad_rc" -ne 0
+check "failing job: state FAILED" grep -q 'JobState=FAILED' <<<"$bad_line"
+check "failing job: exit code 1:0" grep -q ' ExitCode=1:0' <<<"$bad_line"
+check "failing job: the worker step's failure is the reason" \
+  grep -q 'FAILED: the worker step failed' "$bad_out"
+# Slurm's RunTime, not sbatch --wait's return (it polls at growing intervals): the servers and the
+# coordinator would otherwise have lingered 30 s after the workers, or until the 300 s bound.
+bad_run=$(grep -o 'RunTime=[0-9:-]*' <<<"$bad_line" | cut -d= -f2)
+bad_run_s=$(awk -F: '/-/ { print 86400; next } { s = 0; for (i = 1; i <= NF; i++) s = s * 60 + $i; print s }' <<<"${bad_run:-99:99:99}")
+check "failing job: ran ${bad_run:-?} (< 20 s: stopped at once, not by a bound)" test "$bad_run_s" -lt 20
+check "failing job: no final line" bash -c "! grep -q 'final:' '$bad_out'"
+
 if ((errors)); then
   for f in "$run_dir"/*.log; do
     [[ -e $f ]] && { echo "----- ${f#"$run_dir"/} (last 10 lines) -----" >&2; tail -n 10 "$f" >&2; }
   done
   fail "$errors check(s) failed"
 fi
-say "PASS: job $job COMPLETED, $final"
+say "PASS: job $job COMPLETED, $final; job $bad_job (trainer /bin/false) FAILED after ${bad_run:-?}"
