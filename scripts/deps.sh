@@ -14,6 +14,7 @@ PKGS=(
   python3-pip python3-setuptools python3-wheel python3-venv
   clang libclang-rt-14-dev
   stress-ng etcd-server etcd-client
+  prometheus
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -164,6 +164,8 @@ class CheckpointWriter {
     std::string dir;
     size_t keep = 0;  // 0: no retention
     WriteFn write;    // test seam; empty = WriteSnapshot
+    // Called on the writer thread after each write (metrics): success, bytes, seconds.
+    std::function<void(bool ok, uint64_t bytes, double seconds)> observe;
   };
   struct Stats {
     uint64_t submitted = 0, written = 0, failed = 0, superseded = 0;

@@ -71,6 +71,7 @@ void CheckpointWriter::Run() {
                                : WriteSnapshot(options_.dir, s, &bytes);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (options_.observe) options_.observe(st.ok(), bytes, secs);
     if (st.ok() && options_.keep > 0) {
       Status p =
           PruneCheckpoints(options_.dir, s.group, s.num_groups, options_.keep, s.plan_fingerprint);
