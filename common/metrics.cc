@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include <glog/logging.h>
@@ -158,7 +159,12 @@ std::string FormatValue(double v) {
   if (v == std::floor(v) && std::fabs(v) < 9.007199254740992e15) {
     std::snprintf(buf, sizeof(buf), "%.0f", v);
   } else {
-    std::snprintf(buf, sizeof(buf), "%.17g", v);
+    // The shortest of %.15g..%.17g that reads back as the same double (1.6e-05, not
+    // 1.6000000000000001e-05).
+    for (int digits = 15; digits <= 17; ++digits) {
+      std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+      if (std::strtod(buf, nullptr) == v) break;
+    }
   }
   return buf;
 }

@@ -140,6 +140,12 @@ TEST(MetricsText, CountersGaugesAndEscaping) {
   EXPECT_EQ(Find(p, "shardps_test_bytes_total", {{"dir", "in"}})->value, 1234567890123.0);
   EXPECT_NE(text.find("shardps_test_bytes_total{dir=\"in\"} 1234567890123\n"), std::string::npos);
   EXPECT_DOUBLE_EQ(Find(p, "shardps_test_ratio")->value, 0.1);
+  EXPECT_NE(text.find("shardps_test_ratio 0.1\n"), std::string::npos) << text;
+  EXPECT_EQ(FormatValue(1e-6 * 16), "1.6e-05");
+  EXPECT_EQ(FormatValue(0.1 + 0.2), "0.30000000000000004");  // 17 digits where needed
+  EXPECT_EQ(FormatValue(INFINITY), "+Inf");
+  EXPECT_EQ(FormatValue(-INFINITY), "-Inf");
+  EXPECT_EQ(FormatValue(NAN), "NaN");
 }
 
 TEST(MetricsText, HistogramBucketsAreCumulative) {
