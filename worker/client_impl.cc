@@ -617,7 +617,10 @@ Status ClientImpl::Wait(Handle handle) {
     if (s.ok()) s = synced;
   }
   handles_.Erase(handle.id);
-  if (metrics_ && metrics_->PublishDue()) metrics_->Publish(counters(), rank_, step_.clock);
+  // Outside Step() (which publishes once at its end): at most every 100 ms.
+  if (metrics_ && !step_.in_step && metrics_->PublishDue()) {
+    metrics_->Publish(counters(), rank_, step_.clock);
+  }
   return s;
 }
 
@@ -805,6 +808,7 @@ Status ClientImpl::Clock() {
 Status ClientImpl::Step() {
   RETURN_IF_ERROR(lifecycle_.Require("Step()", {ClientState::kRunning}));
   Status st = StepOnce();
+  if (metrics_) metrics_->Publish(counters(), rank_, step_.clock);  // one copy per step
   // A step during which the client broke reports why (e.g. DATA_LOSS), not the refusal of the
   // call it made after the break (a push's error can surface in its handle first).
   if (!st.ok() && lifecycle_.state() == ClientState::kBroken) return lifecycle_.cause();

@@ -1,6 +1,7 @@
 // ClientMetrics: a client's /metrics endpoint (ClientOptions::metrics_port; docs/operations.md,
-// "Metrics"). The training thread publishes a copy of its counters (at most every 100 ms, from
-// Wait and Step) and observes each step's staleness; the endpoint's thread renders them.
+// "Metrics"). The training thread publishes a copy of its counters (once per Step, and at most
+// every 100 ms from a Wait outside Step) and observes each step's staleness; the endpoint's
+// thread renders them.
 //
 // Thread safety: Publish, PublishDue and ObserveStepStaleness from the client's (training)
 // thread; the render runs on the endpoint's thread. mu_ guards the published copy only.
