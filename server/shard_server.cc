@@ -448,12 +448,11 @@ Status ShardServer::EnsureCheckpointWriter(const std::string& dir) {
   o.dir = dir;
   o.keep = std::max<uint32_t>(1, config_.checkpoint_keep() ? config_.checkpoint_keep() : 3);
   ServerStats::Histograms* h = &stats_.histograms();  // outlives the writer (declared before)
-  o.observe = [h](bool ok, uint64_t bytes, double seconds) {
+  ckpt_writer_ = std::make_unique<CheckpointWriter>(o, [h](bool ok, uint64_t bytes, double s) {
     if (!ok) return;
-    h->checkpoint_seconds.Observe(seconds);
+    h->checkpoint_seconds.Observe(s);
     h->checkpoint_bytes.Observe(static_cast<double>(bytes));
-  };
-  ckpt_writer_ = std::make_unique<CheckpointWriter>(o);
+  });
   LOG(INFO) << "server rank " << rank_ << ": checkpoints of group " << group_ << " go to " << dir
             << (config_.checkpoint_every()
                     ? " every " + std::to_string(config_.checkpoint_every()) + " clocks"
