@@ -120,7 +120,8 @@ class PyClient {
   PyClient(const std::string& coordinator, const std::string& cluster_token, int rank,
            const std::string& transport, const std::string& bind_ip, const std::string& rdma_device,
            int rdma_gid_index, int64_t setup_timeout_ms, int64_t wait_timeout_ms,
-           uint64_t cuda_pipeline_bytes) {
+           uint64_t cuda_pipeline_bytes, int metrics_port, const std::string& metrics_address,
+           const std::string& metrics_address_file) {
     shardps::ClientOptions o;
     o.coordinator = coordinator;
     o.cluster_token = cluster_token;
@@ -132,6 +133,9 @@ class PyClient {
     o.setup_timeout = std::chrono::milliseconds(setup_timeout_ms);
     o.wait_timeout = std::chrono::milliseconds(wait_timeout_ms);
     o.cuda_pipeline_bytes = cuda_pipeline_bytes;
+    o.metrics_port = metrics_port;
+    o.metrics_address = metrics_address;
+    o.metrics_address_file = metrics_address_file;
     shardps::StatusOr<std::unique_ptr<shardps::Client>> c = shardps::InternalError("unset");
     {
       py::gil_scoped_release nogil;
@@ -434,16 +438,21 @@ PYBIND11_MODULE(_shardps, m) {
       "The initial values the servers give rows `ids` of a table (float32, len(ids) x dim).");
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
-                    const std::string&, const std::string&, int, int64_t, int64_t, uint64_t>(),
+                    const std::string&, const std::string&, int, int64_t, int64_t, uint64_t,
+                    int, const std::string&, const std::string&>(),
            py::arg("coordinator") = "", py::arg("cluster_token") = "", py::arg("rank") = -1,
            py::arg("transport") = "auto", py::arg("bind_ip") = "", py::arg("rdma_device") = "",
            py::arg("rdma_gid_index") = -1,
            py::arg("setup_timeout_ms") = static_cast<int64_t>(d.setup_timeout.count()),
            py::arg("wait_timeout_ms") = static_cast<int64_t>(d.wait_timeout.count()),
            py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes,
+           py::arg("metrics_port") = d.metrics_port, py::arg("metrics_address") = d.metrics_address,
+           py::arg("metrics_address_file") = d.metrics_address_file,
            "Joins the cluster at coordinator (host:port). Unset settings come from the "
-           "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, and the "
-           "rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
+           "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, "
+           "SHARDPS_METRICS_PORT (metrics_port: serve Prometheus /metrics; 0 off, -1 any free "
+           "port), and the rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID "
+           "or RANK.")
       .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
       .def("register_embedding", &PyClient::RegisterEmbedding, py::arg("name"), py::arg("rows"),

@@ -15,6 +15,7 @@ PKGS=(
   clang libclang-rt-14-dev
   stress-ng etcd-server etcd-client
   slurm-wlm munge
+  prometheus
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -165,6 +165,8 @@ class CheckpointWriter {
     size_t keep = 0;  // 0: no retention
     WriteFn write;    // test seam; empty = WriteSnapshot
   };
+  // Called on the writer thread after each write (metrics): success, bytes, seconds.
+  using ObserveFn = std::function<void(bool ok, uint64_t bytes, double seconds)>;
   struct Stats {
     uint64_t submitted = 0, written = 0, failed = 0, superseded = 0;
     uint64_t bytes_written = 0;  // sum over successful writes
@@ -173,7 +175,7 @@ class CheckpointWriter {
     Status last_error;  // OK if no write has failed
   };
 
-  explicit CheckpointWriter(Options options);
+  explicit CheckpointWriter(Options options, ObserveFn observe = nullptr);
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -190,6 +192,7 @@ class CheckpointWriter {
       REQUIRES(mu_);
 
   const Options options_;
+  const ObserveFn observe_;
   mutable Mutex mu_;
   CondVar cv_;       // signalled on Submit and on stop
   CondVar idle_cv_;  // signalled when a write ends

@@ -12,8 +12,8 @@
 
 namespace shardps::server {
 
-CheckpointWriter::CheckpointWriter(Options options)
-    : options_(std::move(options)), thread_([this] { Run(); }) {}
+CheckpointWriter::CheckpointWriter(Options options, ObserveFn observe)
+    : options_(std::move(options)), observe_(std::move(observe)), thread_([this] { Run(); }) {}
 
 CheckpointWriter::~CheckpointWriter() {
   {
@@ -71,6 +71,7 @@ void CheckpointWriter::Run() {
                                : WriteSnapshot(options_.dir, s, &bytes);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (observe_) observe_(st.ok(), bytes, secs);
     if (st.ok() && options_.keep > 0) {
       Status p =
           PruneCheckpoints(options_.dir, s.group, s.num_groups, options_.keep, s.plan_fingerprint);

@@ -227,6 +227,10 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
       // Forwarded to every server; each checkpoints its group at that clock.
       LOG(INFO) << "coordinator: checkpoint at clock " << e.checkpoint().clock()
                 << " requested by member " << c->member.member_id();
+      {
+        MutexLock l(&mu_);
+        ++counters_.checkpoints_requested;
+      }
       for (auto& [fd, o] : conns_) {
         if (o->joined && !o->closing && o->member.role() == ROLE_SERVER) Queue(o.get(), e);
       }
@@ -615,6 +619,10 @@ void Coordinator::CheckTimeouts() {
 
 void Coordinator::HandleHeartbeat(Conn* c, const Heartbeat& hb) {
   const auto now = Clock::now();
+  {
+    MutexLock l(&mu_);
+    ++counters_.heartbeats;
+  }
   std::chrono::microseconds member_interval(0);
   if (hb.sent_us() > c->last_sent_us && c->last_sent_us != 0) {
     member_interval = std::chrono::microseconds(hb.sent_us() - c->last_sent_us);

@@ -81,6 +81,8 @@ struct CoordinatorCounters {
   // Re-replication (docs/fault-tolerance.md, "Redundancy restored").
   uint64_t backups_assigned = 0;  // spares or replacements made a training group's backup
   uint64_t backups_synced = 0;    // ... that copied the snapshot and follow the stream
+  uint64_t heartbeats = 0;              // heartbeats received from members
+  uint64_t checkpoints_requested = 0;   // worker checkpoint requests forwarded to the servers
 };
 
 class Coordinator {

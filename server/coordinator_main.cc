@@ -14,8 +14,10 @@
 
 #include "proto/etcd_client.h"
 
+#include "common/metrics_flags.h"
 #include "common/version.h"
 #include "server/coordinator.h"
+#include "server/coordinator_metrics.h"
 
 DEFINE_string(listen, "0.0.0.0:7070", "Control-plane listen address (host:port; port 0 picks)");
 DEFINE_string(cluster_token, "",
@@ -224,6 +226,14 @@ int main(int argc, char** argv) {
     f << (*c)->address() << "\n";
     f.close();
     std::rename((FLAGS_address_file + ".tmp").c_str(), FLAGS_address_file.c_str());
+  }
+  // /metrics (--metrics_port): reads the coordinator's snapshots at scrape time.
+  shardps::metrics::Registry registry;
+  shardps::control::AddCoordinatorMetrics(c->get(), &registry);
+  auto metrics = shardps::metrics::StartMetricsFromFlags([&registry] { return registry.Render(); });
+  if (!metrics.ok()) {
+    LOG(ERROR) << "coordinator: " << metrics.status();
+    return 2;
   }
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);

@@ -11,7 +11,9 @@
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 
+#include "common/metrics_flags.h"
 #include "common/version.h"
+#include "server/server_metrics.h"
 #include "server/shard_server.h"
 #include "transport/flags.h"
 
@@ -104,6 +106,14 @@ int main(int argc, char** argv) {
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.restore_dir = FLAGS_restore_from;
   ShardServer server(o);
+  // /metrics (--metrics_port): reads the server's counters at scrape time, on its own thread.
+  shardps::metrics::Registry registry;
+  AddServerMetrics(&server, &registry);
+  auto metrics = shardps::metrics::StartMetricsFromFlags([&registry] { return registry.Render(); });
+  if (!metrics.ok()) {
+    LOG(ERROR) << "shardps_server: " << metrics.status();
+    return 2;
+  }
   g_server = &server;
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);

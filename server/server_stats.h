@@ -1,12 +1,17 @@
 // ShardServerCounters and ServerStats, the one lock of the server: the apply thread and its
-// components bump counters; any thread may take a snapshot.
+// components bump counters; any thread may take a snapshot. ServerStats also holds the
+// server's histograms (lock-free, common/metrics.h), read by the /metrics endpoint.
 //
-// Thread safety: ServerStats is thread-safe; mu_ guards the counters and nothing else.
+// Thread safety: ServerStats is thread-safe; mu_ guards the counters and the per-peer error
+// counts and nothing else; the histograms are atomics.
 #ifndef SHARDPS_SERVER_SERVER_STATS_H_
 #define SHARDPS_SERVER_SERVER_STATS_H_
 
 #include <cstdint>
+#include <map>
+#include <string>
 
+#include "common/metrics.h"
 #include "common/thread_annotations.h"
 
 namespace shardps::server {
@@ -37,6 +42,11 @@ struct ShardServerCounters {
   uint64_t checkpoints_written = 0;
   uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on
   uint64_t restored_clock = 0;       // the checkpoint clock restored at start (0: none)
+  uint64_t bytes_applied = 0;        // gradient payload bytes of the pushes applied
+  uint64_t checkpoint_bytes = 0;     // bytes of the checkpoints written
+  uint64_t heartbeats_sent = 0;      // to the coordinator (copied at housekeeping)
+  uint64_t heartbeat_acks = 0;       // leases granted by the coordinator
+  uint64_t pushes_waiting = 0;       // now: pushes deferred in the consistency gate
   bool backup = false;               // currently holds a backup copy (not serving workers)
   bool replicating = false;          // currently replicating to a backup
   uint32_t group = 0;
@@ -59,10 +69,37 @@ class ServerStats {
     MutexLock l(&mu_);
     return counters_;
   }
+  // Data-path errors by peer ("worker-3", "primary", ...).
+  void BumpPeerError(const std::string& peer) EXCLUDES(mu_) {
+    MutexLock l(&mu_);
+    ++peer_errors_[peer];
+  }
+  std::map<std::string, uint64_t> PeerErrors() const EXCLUDES(mu_) {
+    MutexLock l(&mu_);
+    return peer_errors_;
+  }
+
+  // Observed where they happen, on the apply thread (the checkpoint ones on the writer thread).
+  struct Histograms {
+    // Computing and committing one new version of a chunk (SSP/ASP: one push; BSP: a clock's
+    // sum), from the push taken to the version handed to replication/publication.
+    metrics::Histogram apply_seconds{metrics::Histogram::ExponentialBounds(1e-6, 4, 10)};
+    // A gradient push's clock minus the oldest clock of its chunk not yet complete on every
+    // worker (published min clock + 1), at 0 when behind: BSP 0, SSP at most s.
+    metrics::Histogram push_clock_lag{{0, 1, 2, 3, 4, 6, 8, 16, 32, 64}};
+    // VSGD: the relative weight drift since the version a push's gradient was computed on.
+    metrics::Histogram vsgd_drift{metrics::Histogram::ExponentialBounds(0.001, 2, 11)};
+    metrics::Histogram checkpoint_seconds{metrics::Histogram::ExponentialBounds(0.001, 4, 10)};
+    metrics::Histogram checkpoint_bytes{metrics::Histogram::ExponentialBounds(4096, 4, 12)};
+  };
+  Histograms& histograms() { return histograms_; }
+  const Histograms& histograms() const { return histograms_; }
 
  private:
   mutable Mutex mu_;
   ShardServerCounters counters_ GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> peer_errors_ GUARDED_BY(mu_);
+  Histograms histograms_;
 };
 
 }  // namespace shardps::server

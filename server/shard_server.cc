@@ -447,7 +447,12 @@ Status ShardServer::EnsureCheckpointWriter(const std::string& dir) {
   CheckpointWriter::Options o;
   o.dir = dir;
   o.keep = std::max<uint32_t>(1, config_.checkpoint_keep() ? config_.checkpoint_keep() : 3);
-  ckpt_writer_ = std::make_unique<CheckpointWriter>(o);
+  ServerStats::Histograms* h = &stats_.histograms();  // outlives the writer (declared before)
+  ckpt_writer_ = std::make_unique<CheckpointWriter>(o, [h](bool ok, uint64_t bytes, double s) {
+    if (!ok) return;
+    h->checkpoint_seconds.Observe(s);
+    h->checkpoint_bytes.Observe(static_cast<double>(bytes));
+  });
   LOG(INFO) << "server rank " << rank_ << ": checkpoints of group " << group_ << " go to " << dir
             << (config_.checkpoint_every()
                     ? " every " + std::to_string(config_.checkpoint_every()) + " clocks"
@@ -550,6 +555,7 @@ Status ShardServer::Serve() {
         OnCatchUpRead(wc[i]);
       } else if (!wc[i].ok()) {
         stats_.Bump(&ShardServerCounters::endpoint_errors);
+        stats_.BumpPeerError(PeerOf(wc[i].endpoint_id));
       }
       DrainWork();
     }
@@ -653,6 +659,21 @@ bool ShardServer::Housekeeping(Status* fenced) {
     stats_.Update([&](ShardServerCounters& c) {
       c.checkpoints_written = st.written;
       c.checkpoint_failures = st.failed;
+      c.checkpoint_bytes = st.bytes_written;
+    });
+  }
+  if (Clock::now() - gauges_published_ > std::chrono::milliseconds(200)) {
+    // Gauges of apply-thread state, for counters() and /metrics: a few times a second.
+    gauges_published_ = Clock::now();
+    uint64_t waiting = 0;
+    if (gate_ && chunks_) {
+      for (uint32_t s = 0; s < chunks_->slots(); ++s) waiting += gate_->deferred(s);
+    }
+    const control::ControlCounters cc = control_->counters();
+    stats_.Update([&](ShardServerCounters& c) {
+      c.pushes_waiting = waiting;
+      c.heartbeats_sent = cc.heartbeats_sent;
+      c.heartbeat_acks = cc.heartbeat_acks;
     });
   }
   Status cs = control_->status();
@@ -697,7 +718,16 @@ void ShardServer::DropFailedEndpoints() {
                            << " closed: " << why;
     if (backup_ && id == primary) applier_->MarkBroken();
     stats_.Bump(&ShardServerCounters::endpoint_errors);
+    stats_.BumpPeerError(id == primary && primary != 0 ? "primary" : PeerOf(id));
   }
+}
+
+std::string ShardServer::PeerOf(uint64_t endpoint_id) const {
+  if (const std::optional<uint32_t> w = endpoints_->WorkerOf(endpoint_id)) {
+    return "worker-" + std::to_string(*w);
+  }
+  if (applier_ && endpoint_id == applier_->primary_endpoint()) return "primary";
+  return "endpoint-" + std::to_string(endpoint_id);
 }
 
 void ShardServer::AcceptPending() {

@@ -106,6 +106,8 @@ class ShardServer {
 
   // Snapshots, for tests and logs (safe from any thread).
   ShardServerCounters counters() const { return stats_.Snapshot(); }
+  // The counters, per-peer errors and histograms (the /metrics endpoint reads them).
+  const ServerStats& stats() const { return stats_; }
   uint32_t rank() const { return rank_.load(); }
 
  private:
@@ -167,6 +169,10 @@ class ShardServer {
   bool HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
                      const layout::PushHeader& h);
   void HandleClock(uint32_t worker, uint32_t clock_low);
+  // Counts a gradient push taken (applied now, or summed into its BSP clock) and its clock lag.
+  void ObservePushApplied(uint32_t slot, const layout::PushHeader& h);
+  // "worker-<rank>", "primary" or "endpoint-<id>": whose data-path endpoint `id` is.
+  std::string PeerOf(uint64_t endpoint_id) const;
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
   void MaybeApplyBsp(uint32_t slot);
   // A new version of `slot` sits in `r`'s buffer: replicate it, then publish it.
@@ -216,6 +222,7 @@ class ShardServer {
   std::unique_ptr<CheckpointCapture> capture_;
   std::unique_ptr<CheckpointWriter> ckpt_writer_;  // the writer thread does the disk I/O
   uint64_t ckpt_failures_seen_ = 0;                // writer failures already answered
+  Clock::time_point gauges_published_{};           // Housekeeping's last gauge update
   std::vector<PendingVersion> pending_;            // by slot: the version in flight
   std::deque<uint32_t> work_;                      // slots with a newly published version
 

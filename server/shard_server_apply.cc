@@ -242,18 +242,23 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     case ConsistencyGate::Decision::kAggregate:
       newest_push_epoch_ = std::max(newest_push_epoch_, h.epoch);
       workers_->Consume(worker, slot, h.seq, clock);
-      stats_.Bump(&ShardServerCounters::pushes_applied);
+      ObservePushApplied(slot, h);
       MaybeApplyBsp(slot);
       return true;
     case ConsistencyGate::Decision::kApply:
       break;
   }
+  const auto t0 = Clock::now();
   const size_t live = std::max<size_t>(1, workers_->Live().size());
   ReplRecord r;
   r.slot = slot;
   r.scale = options_.average ? 1.0f / live : 1.0f;
   if (gate_->value_staleness()) {
     r.lr_scale = chunks_->ValueStalenessScale(slot, h.base_version, options_.vsgd_lambda);
+    // lr_scale = 1 / (1 + lambda * drift) (server/optimizer.h): the drift it measured.
+    if (options_.vsgd_lambda > 0 && r.lr_scale > 0) {
+      stats_.histograms().vsgd_drift.Observe((1.0 / r.lr_scale - 1.0) / options_.vsgd_lambda);
+    }
   }
   r.rule = h.rule;
   r.skip = (h.flags & layout::kPushNonFinite) != 0 && h.rule.kind() != layout::RuleKind::kStore;
@@ -284,11 +289,23 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
   const uint32_t buffer = chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule, r.skip);
   workers_->Consume(worker, slot, h.seq, clock);
-  stats_.Bump(&ShardServerCounters::pushes_applied);
+  ObservePushApplied(slot, h);
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
   r.contributors = {push};
   Commit(buffer, std::move(r));
+  stats_.histograms().apply_seconds.Observe(
+      std::chrono::duration<double>(Clock::now() - t0).count());
   return true;
+}
+
+void ShardServer::ObservePushApplied(uint32_t slot, const layout::PushHeader& h) {
+  stats_.Update([&](ShardServerCounters& c) {
+    ++c.pushes_applied;
+    c.bytes_applied += h.bytes;
+  });
+  const uint64_t oldest_open = chunks_->published_min_clock_plus1(slot);
+  stats_.histograms().push_clock_lag.Observe(
+      h.clock > oldest_open ? static_cast<double>(h.clock - oldest_open) : 0.0);
 }
 
 bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
@@ -396,6 +413,7 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   if (newest_push_epoch_ > seen_epoch_) return;
   std::optional<BspAggregate> a = gate_->TakeBspClock(slot, *workers_);
   if (!a) return;
+  const auto t0 = Clock::now();
   // Sum in worker-rank order, straight from the inbox slots (a worker reuses an inbox slot
   // only after its push is acknowledged, which happens at publication), so the sum does not
   // depend on arrival order: runs are reproducible bit for bit, failovers included.
@@ -448,6 +466,8 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
   r.contributors = std::move(a->contributors);
   Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.rule, r.skip), std::move(r));
+  stats_.histograms().apply_seconds.Observe(
+      std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {

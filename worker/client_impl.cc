@@ -44,6 +44,22 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
       break;
     }
   }
+  // Metrics, for trainers that cannot change code (torchrun): the one place these are read.
+  if (o.metrics_port == 0) {
+    std::string port;
+    if (take(&port, "SHARDPS_METRICS_PORT", "metrics port")) {
+      char* end = nullptr;
+      const long p = std::strtol(port.c_str(), &end, 10);
+      // An unparsable value becomes an out-of-range port: Connect reports it.
+      o.metrics_port = (*end == '\0' && p >= -1 && p <= 65535) ? static_cast<int>(p) : -2;
+    }
+  }
+  if (o.metrics_address.empty() || o.metrics_address == "127.0.0.1") {
+    take(&o.metrics_address, "SHARDPS_METRICS_ADDRESS", "metrics address");
+  }
+  if (o.metrics_address_file.empty()) {
+    take(&o.metrics_address_file, "SHARDPS_METRICS_ADDRESS_FILE", "metrics address file");
+  }
   if (sources != nullptr) *sources = from;
   return o;
 }
@@ -109,6 +125,8 @@ StatusOr<std::unique_ptr<Client>> ConnectOverFabric(const ClientOptions& options
 ClientImpl::~ClientImpl() { Close().IgnoreError(); }
 
 Status ClientImpl::Init(std::unique_ptr<transport::Fabric> fabric) {
+  // First: a metrics port that cannot be bound fails Connect before the cluster sees a join.
+  ASSIGN_OR_RETURN(metrics_, ClientMetrics::Start(options_));
   if (fabric != nullptr) {
     fabric_ = std::move(fabric);
   } else {
@@ -599,6 +617,10 @@ Status ClientImpl::Wait(Handle handle) {
     if (s.ok()) s = synced;
   }
   handles_.Erase(handle.id);
+  // Outside Step() (which publishes once at its end): at most every 100 ms.
+  if (metrics_ && !step_.in_step && metrics_->PublishDue()) {
+    metrics_->Publish(counters(), rank_, step_.clock);
+  }
   return s;
 }
 
@@ -786,6 +808,7 @@ Status ClientImpl::Clock() {
 Status ClientImpl::Step() {
   RETURN_IF_ERROR(lifecycle_.Require("Step()", {ClientState::kRunning}));
   Status st = StepOnce();
+  if (metrics_) metrics_->Publish(counters(), rank_, step_.clock);  // one copy per step
   // A step during which the client broke reports why (e.g. DATA_LOSS), not the refusal of the
   // call it made after the break (a push's error can surface in its handle first).
   if (!st.ok() && lifecycle_.state() == ClientState::kBroken) return lifecycle_.cause();
@@ -822,6 +845,10 @@ Status ClientImpl::StepOnce() {
     if (first.ok() && !s.ok()) first = s;
   }
   RETURN_IF_ERROR(first);
+  if (metrics_) {
+    const uint64_t oldest = pull_->OldestPulledPlus1();
+    if (oldest != 0) metrics_->ObserveStepStaleness(step_.clock > oldest ? step_.clock - oldest : 0);
+  }
   // "Step() never loses a push" (docs/fault-tolerance.md): once Step returns, the trainer
   // overwrites its gradient buffers, so a push that is not yet replicated then could not be
   // resent after a failover. BSP's pull already implies it (the version it waits for holds this

@@ -37,6 +37,7 @@
 #include "worker/pull_pipeline.h"
 #include "worker/push_pipeline.h"
 #include "worker/recovery.h"
+#include "worker/client_metrics.h"
 #include "worker/row_tables.h"
 #include "worker/server_sessions.h"
 
@@ -114,6 +115,7 @@ class ClientImpl final : public Client, private CompletionSink {
   // Declared in dependency order: the components (endpoints, staging) are destroyed before the
   // tensors whose memory they access, the control client and the fabric.
   ClientOptions options_;
+  std::unique_ptr<ClientMetrics> metrics_;  // null unless options_.metrics_port != 0
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;

@@ -172,6 +172,15 @@ uint64_t PullPipeline::ClusterClock() const {
   return clock;
 }
 
+uint64_t PullPipeline::OldestPulledPlus1() const {
+  uint64_t oldest = 0;
+  for (const ChunkPull& c : pull_) {
+    if (c.pulled_version == 0) continue;
+    if (oldest == 0 || c.pulled_min_clock_plus1 < oldest) oldest = c.pulled_min_clock_plus1;
+  }
+  return oldest;
+}
+
 uint64_t PullPipeline::RequiredPlus1() const {
   switch (config_.mode()) {
     case control::BSP:

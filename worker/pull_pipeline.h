@@ -46,6 +46,9 @@ class PullPipeline {
   uint64_t pulled_version(uint32_t chunk) const { return pull_[chunk].pulled_version; }
   // The cluster's clock as seen by the pulls so far: the highest min clock (+1) read.
   uint64_t ClusterClock() const;
+  // The lowest min clock (+1) among the chunks pulled so far (0: none): the step staleness
+  // of the weights a trainer holds is its clock minus this.
+  uint64_t OldestPulledPlus1() const;
 
   // The min clock (+1) a pull at the current clock must see (the consistency bound).
   uint64_t RequiredPlus1() const;

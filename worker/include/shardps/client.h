@@ -73,6 +73,13 @@ struct ClientOptions {
   // CUDA tensors that the fabric cannot register directly are staged through pinned host
   // buffers in pieces of this many bytes: the copy of piece k+1 overlaps the write of piece k.
   uint64_t cuda_pipeline_bytes = 1u << 20;
+  // Prometheus metrics of this client (docs/operations.md, "Metrics"), served at
+  // http://metrics_address:metrics_port/metrics from a thread of the client: 0 = off, -1 = any
+  // free port (written to metrics_address_file; "%p" in it becomes the process id). A port that
+  // cannot be bound fails Connect.
+  int metrics_port = 0;
+  std::string metrics_address = "127.0.0.1";
+  std::string metrics_address_file;
 };
 
 // Fills in what `options` leaves unset from the environment, as launchers set it (shardps.run,
@@ -82,6 +89,9 @@ struct ClientOptions {
 //   requested_rank  < 0    <- the first set of SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK,
 //                             SLURM_PROCID, RANK (a non-negative integer)
 //   transport       "auto" <- SHARDPS_TRANSPORT
+//   metrics_port    0      <- SHARDPS_METRICS_PORT (an integer, -1..65535)
+//   metrics_address "127.0.0.1" <- SHARDPS_METRICS_ADDRESS
+//   metrics_address_file "" <- SHARDPS_METRICS_ADDRESS_FILE
 // What the caller set always wins. `sources`, if given, gets "field from VARIABLE" for each
 // value taken. Client::Connect applies it (and logs the sources).
 SHARDPS_EXPORT ClientOptions WithEnvironmentDefaults(ClientOptions options,
