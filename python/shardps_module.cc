@@ -120,7 +120,8 @@ class PyClient {
   PyClient(const std::string& coordinator, const std::string& cluster_token, int rank,
            const std::string& transport, const std::string& bind_ip, const std::string& rdma_device,
            int rdma_gid_index, int64_t setup_timeout_ms, int64_t wait_timeout_ms,
-           uint64_t cuda_pipeline_bytes) {
+           uint64_t cuda_pipeline_bytes, const std::string& trace_file,
+           uint64_t trace_max_events) {
     shardps::ClientOptions o;
     o.coordinator = coordinator;
     o.cluster_token = cluster_token;
@@ -132,6 +133,8 @@ class PyClient {
     o.setup_timeout = std::chrono::milliseconds(setup_timeout_ms);
     o.wait_timeout = std::chrono::milliseconds(wait_timeout_ms);
     o.cuda_pipeline_bytes = cuda_pipeline_bytes;
+    o.trace_file = trace_file;
+    o.trace_max_events = trace_max_events;
     shardps::StatusOr<std::unique_ptr<shardps::Client>> c = shardps::InternalError("unset");
     {
       py::gil_scoped_release nogil;
@@ -434,16 +437,18 @@ PYBIND11_MODULE(_shardps, m) {
       "The initial values the servers give rows `ids` of a table (float32, len(ids) x dim).");
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
-                    const std::string&, const std::string&, int, int64_t, int64_t, uint64_t>(),
+                    const std::string&, const std::string&, int, int64_t, int64_t, uint64_t,
+                    const std::string&, uint64_t>(),
            py::arg("coordinator") = "", py::arg("cluster_token") = "", py::arg("rank") = -1,
            py::arg("transport") = "auto", py::arg("bind_ip") = "", py::arg("rdma_device") = "",
            py::arg("rdma_gid_index") = -1,
            py::arg("setup_timeout_ms") = static_cast<int64_t>(d.setup_timeout.count()),
            py::arg("wait_timeout_ms") = static_cast<int64_t>(d.wait_timeout.count()),
-           py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes,
+           py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes, py::arg("trace_file") = "",
+           py::arg("trace_max_events") = d.trace_max_events,
            "Joins the cluster at coordinator (host:port). Unset settings come from the "
-           "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, and the "
-           "rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
+           "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, SHARDPS_TRACE_FILE "
+           "(trace_file: a timeline trace, docs/tracing.md), and the rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
       .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
       .def("register_embedding", &PyClient::RegisterEmbedding, py::arg("name"), py::arg("rows"),

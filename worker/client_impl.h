@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "common/trace.h"
 #include "proto/control_client.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
@@ -114,6 +115,7 @@ class ClientImpl final : public Client, private CompletionSink {
   // Declared in dependency order: the components (endpoints, staging) are destroyed before the
   // tensors whose memory they access, the control client and the fabric.
   ClientOptions options_;
+  trace::ScopedTrace trace_;  // options_.trace_file: stopped (flushed) at Close, or last
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;

@@ -72,6 +72,11 @@ struct ClientOptions {
   // CUDA tensors that the fabric cannot register directly are staged through pinned host
   // buffers in pieces of this many bytes: the copy of piece k+1 overlaps the write of piece k.
   uint64_t cuda_pipeline_bytes = 1u << 20;
+  // Timeline trace of this process (docs/tracing.md): Chrome-trace JSON of its steps, pushes,
+  // pulls and waits, written at Close(), when its buffer fills, and as the client goes away.
+  // "" = off. "{rank}" or "%r" in the name become "<rank>-<pid>" (one file per worker).
+  std::string trace_file;
+  uint64_t trace_max_events = 1000000;  // events kept; later ones are dropped (and counted)
 };
 
 // Fills in what `options` leaves unset from the environment, as launchers set it (shardps.run,
@@ -81,6 +86,7 @@ struct ClientOptions {
 //   requested_rank  < 0    <- the first set of SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK,
 //                             SLURM_PROCID, RANK (a non-negative integer)
 //   transport       "auto" <- SHARDPS_TRANSPORT
+//   trace_file      ""     <- SHARDPS_TRACE_FILE (docs/tracing.md)
 // What the caller set always wins. `sources`, if given, gets "field from VARIABLE" for each
 // value taken. Client::Connect applies it (and logs the sources).
 ClientOptions WithEnvironmentDefaults(ClientOptions options, std::string* sources = nullptr);
