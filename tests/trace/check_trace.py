@@ -127,6 +127,22 @@ def main():
     publishes = [e for e in events if e.get("name") == "publish" and e["pid"] in group_of]
     check(len(publishes) >= len(applies), "%d publishes for %d applies" %
           (len(publishes), len(applies)))
+    # The other direction: a pull that read version v of a chunk ended after the server
+    # published v. With the check above, the clocks of the workers and the servers are aligned
+    # both ways (an offset either way breaks one of them).
+    published = {(e["args"]["chunk"], e["args"]["version"]): e["ts"] for e in publishes}
+    read = 0
+    for w, pl in pulls.items():
+        for e in pl:
+            key = (e["args"]["chunk"], e["args"]["version"])
+            if key not in published:
+                continue  # the initial weights (published before the server's trace began)
+            read += 1
+            check(e["ts"] + e["dur"] >= published[key],
+                  "worker %d's pull of chunk %d version %d ended at %.3f, before the server "
+                  "published it (%.3f)" % ((w,) + key + (e["ts"] + e["dur"], published[key])))
+    check(read >= len(chunks) * a.steps * a.workers,
+          "%d pulls matched a publish, expected >= %d" % (read, len(chunks) * a.steps * a.workers))
 
     if a.summary:
         text = open(a.summary).read()
@@ -140,8 +156,8 @@ def main():
     if failures:
         return 1
     print("check_trace: %d workers x %d steps x %d chunks: push/pull spans complete; %d applies "
-          "after their pushes; %d events" % (a.workers, a.steps, len(chunks), checked,
-                                              len(events)))
+          "after their pushes; %d pulls after their versions' publication; %d events" %
+          (a.workers, a.steps, len(chunks), checked, read, len(events)))
     return 0
 
 

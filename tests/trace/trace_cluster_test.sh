@@ -64,13 +64,19 @@ for r in $(seq 0 $((WORKERS - 1))); do
   WORKER_PIDS+=($!)
 done
 for p in "${WORKER_PIDS[@]}"; do wait "$p" || fail "a worker failed (exit $?)"; done
-# The servers and the coordinator leave by themselves (--exit_when_done), bounded (the
-# coordinator may take its exit grace when it never saw both workers at once: short jobs).
-for p in "${SERVER_PIDS[@]}" $COORD_PID; do
-  for _ in $(seq 400); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$p" 2>/dev/null && fail "pid $p did not exit within 40 s"
-  wait "$p" || fail "pid $p exited with $?"
-done
+# The servers leave by themselves once every worker has left (--exit_when_done); the
+# coordinator is stopped with SIGTERM (its --exit_when_done needs to have seen every worker at
+# once, which a job this short may never show it). A clean stop writes each trace file whole.
+stop() {  # stop PID WHAT SECONDS: wait for PID to exit (SIGTERM first if SECONDS is 0)
+  local p=$1 what=$2 n=$(($3 * 10)) rc=0
+  ((n > 0)) || { kill -TERM "$p" 2>/dev/null || true; n=100; }
+  for _ in $(seq $n); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$p" 2>/dev/null && fail "$what (pid $p) did not exit"
+  wait "$p" || rc=$?
+  ((rc == 0)) || fail "$what (pid $p) exited with $rc"
+}
+for i in "${!SERVER_PIDS[@]}"; do stop "${SERVER_PIDS[i]}" "server $i" 30; done
+stop $COORD_PID coordinator 0
 
 ls "$TMP/trace"
 n=$(ls "$TMP/trace" | wc -l)
