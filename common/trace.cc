@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -36,7 +38,7 @@ int64_t RealtimeNs() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-void AppendEscaped(std::string* out, const std::string& s) {
+void AppendEscaped(std::string* out, std::string_view s) {
   out->push_back('"');
   for (unsigned char ch : s) {
     switch (ch) {
@@ -63,11 +65,19 @@ void AppendEscaped(std::string* out, const std::string& s) {
 }
 
 // Microseconds with 3 decimals from nanoseconds (non-negative).
+void AppendInt(std::string* out, int64_t v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  out->append(buf, r.ptr);
+}
+
 void AppendMicros(std::string* out, int64_t ns) {
-  char buf[40];
   if (ns < 0) ns = 0;
-  snprintf(buf, sizeof(buf), "%" PRId64 ".%03" PRId64, ns / 1000, ns % 1000);
-  out->append(buf);
+  AppendInt(out, ns / 1000);
+  const int64_t frac = ns % 1000;
+  const char digits[4] = {'.', static_cast<char>('0' + frac / 100),
+                          static_cast<char>('0' + frac / 10 % 10), static_cast<char>('0' + frac % 10)};
+  out->append(digits, 4);
 }
 
 void AppendEvent(std::string* out, const Event& e, int64_t pid) {
@@ -79,8 +89,11 @@ void AppendEvent(std::string* out, const Event& e, int64_t pid) {
     out->append(",\"cat\":");
     AppendEscaped(out, e.cat);
   }
-  out->append(",\"pid\":" + std::to_string(pid) + ",\"tid\":" + std::to_string(e.tid) +
-              ",\"ts\":");
+  out->append(",\"pid\":");
+  AppendInt(out, pid);
+  out->append(",\"tid\":");
+  AppendInt(out, e.tid);
+  out->append(",\"ts\":");
   AppendMicros(out, e.ts_ns);
   if (e.ph == 'X') {
     out->append(",\"dur\":");
@@ -97,7 +110,7 @@ void AppendEvent(std::string* out, const Event& e, int64_t pid) {
       if (e.args[i].is_string) {
         AppendEscaped(out, e.args[i].s);
       } else {
-        out->append(std::to_string(e.args[i].i));
+        AppendInt(out, e.args[i].i);
       }
     }
     out->push_back('}');
@@ -187,6 +200,7 @@ class Tracer {
         }
         ++accepted_;
       }
+      if (buffer_.capacity() == 0) buffer_.reserve(options_.flush_events);
       buffer_.push_back(std::move(e));
       flush = buffer_.size() >= options_.flush_events;
     }

@@ -47,6 +47,7 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
@@ -156,31 +157,30 @@ class Span {
  public:
   Span(const char* name, const char* cat) {
     if (Enabled()) {
-      active_ = true;
-      e_.name = name;
-      e_.cat = cat;
-      e_.ts_ns = internal::MonotonicNs();
+      e_.emplace();
+      e_->name = name;
+      e_->cat = cat;
+      e_->ts_ns = internal::MonotonicNs();
     }
   }
   ~Span() {
-    if (!active_) return;
-    e_.dur_ns = internal::MonotonicNs() - e_.ts_ns;
-    e_.tid = ThreadId();
-    Record(std::move(e_));
+    if (!e_) return;
+    e_->dur_ns = internal::MonotonicNs() - e_->ts_ns;
+    e_->tid = ThreadId();
+    Record(std::move(*e_));
   }
   Span(const Span&) = delete;
   Span& operator=(const Span&) = delete;
 
   template <typename T>
   Span& Arg(const char* key, T value) {
-    if (active_) e_.Add(trace::Arg(key, value));
+    if (e_) e_->Add(trace::Arg(key, value));
     return *this;
   }
-  bool active() const { return active_; }
+  bool active() const { return e_.has_value(); }
 
  private:
-  bool active_ = false;
-  Event e_;
+  std::optional<Event> e_;  // engaged while tracing: nothing is constructed when off
 };
 
 // Starts tracing for its lifetime if options.path is set (and no trace runs yet); stops it
