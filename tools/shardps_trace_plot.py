@@ -89,6 +89,9 @@ def main(argv=None):
             s, d = max(e["ts"], lo), min(e["ts"] + e["dur"], hi) - max(e["ts"], lo)
             ax.barh(y, d / 1000.0, left=to_ms(s), height=h,
                     color=COLORS.get(e["name"], "#bcbd22"), edgecolor="white", linewidth=0.3)
+            if e["name"] == "step":
+                ax.text(to_ms(s) + 0.005 * (hi - lo) / 1000.0, y - h / 2 + 0.02,
+                        "step %d" % e["args"]["step"], fontsize=7, va="top", color="#555555")
         else:
             ax.plot([to_ms(e["ts"])] * 2, [y - 0.42, y + 0.42],
                     color=INSTANT_COLORS.get(e["name"], "#17becf"), linewidth=0.8)
