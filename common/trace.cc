@@ -244,9 +244,11 @@ class Tracer {
   Status FlushLocked() REQUIRES(file_mu_) EXCLUDES(mu_) {
     std::vector<Event> events;
     std::string trailer;
+    int64_t pid = 0;
     {
       MutexLock l(&mu_);
       if (!running_) return Status::OK();
+      pid = pid_;
       events.swap(buffer_);
       if (write_failed_) return Status::OK();  // reported once
       if (fd_ < 0) {
@@ -272,7 +274,7 @@ class Tracer {
     for (const Event& e : events) {
       if (!first_event_) body.append(",\n");
       first_event_ = false;
-      AppendEvent(&body, e, pid_);
+      AppendEvent(&body, e, pid);
       if (e.ph != 'M') ++written_;
     }
     {
