@@ -85,4 +85,23 @@ n=$(ls "$TMP/trace" | wc -l)
 "$PY" "$MERGE" --summary "$TMP/trace" | tee "$TMP/summary.txt" || fail "summary"
 "$PY" "$HERE/check_trace.py" "$TMP/merged.json" --workers $WORKERS --servers $SERVERS \
   --steps $STEPS --summary "$TMP/summary.txt"
+# A file cut short (its process killed during a write): the merge keeps the whole event lines
+# before the cut, with the anchor from the header line, and says so.
+f=$(ls "$TMP"/trace/worker-0-*.json)
+size=$(stat -c %s "$f")
+mkdir "$TMP/cut"
+head -c $((size * 2 / 3)) "$f" >"$TMP/cut/worker-0.json"
+"$PY" "$MERGE" -o "$TMP/cut.json" "$TMP/cut" 2>"$TMP/cut.err" || fail "merge of a cut file"
+grep -q "cut short" "$TMP/cut.err" || fail "the merge did not report the cut file"
+"$PY" - "$f" "$TMP/cut.json" <<'PYEOF' || fail "the cut file's events"
+import json, sys
+whole = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e["ph"] != "M"]
+cut = json.load(open(sys.argv[2]))
+kept = [e for e in cut["traceEvents"] if e["ph"] != "M"]
+assert cut["shardps_merge"]["processes"][0]["repaired"], "not marked repaired"
+assert len(whole) / 2 < len(kept) < len(whole), (len(kept), len(whole))
+names = sorted({e["name"] for e in kept})
+assert names == ["pull", "push", "step", "wait"], names
+print("cut file: %d of %d events kept" % (len(kept), len(whole)))
+PYEOF
 echo "PASS"
