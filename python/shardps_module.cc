@@ -121,7 +121,8 @@ class PyClient {
            const std::string& transport, const std::string& bind_ip, const std::string& rdma_device,
            int rdma_gid_index, int64_t setup_timeout_ms, int64_t wait_timeout_ms,
            uint64_t cuda_pipeline_bytes, int metrics_port, const std::string& metrics_address,
-           const std::string& metrics_address_file) {
+           const std::string& metrics_address_file, const std::string& trace_file,
+           uint64_t trace_max_events) {
     shardps::ClientOptions o;
     o.coordinator = coordinator;
     o.cluster_token = cluster_token;
@@ -136,6 +137,8 @@ class PyClient {
     o.metrics_port = metrics_port;
     o.metrics_address = metrics_address;
     o.metrics_address_file = metrics_address_file;
+    o.trace_file = trace_file;
+    o.trace_max_events = trace_max_events;
     shardps::StatusOr<std::unique_ptr<shardps::Client>> c = shardps::InternalError("unset");
     {
       py::gil_scoped_release nogil;
@@ -439,7 +442,7 @@ PYBIND11_MODULE(_shardps, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
                     const std::string&, const std::string&, int, int64_t, int64_t, uint64_t,
-                    int, const std::string&, const std::string&>(),
+                    int, const std::string&, const std::string&, const std::string&, uint64_t>(),
            py::arg("coordinator") = "", py::arg("cluster_token") = "", py::arg("rank") = -1,
            py::arg("transport") = "auto", py::arg("bind_ip") = "", py::arg("rdma_device") = "",
            py::arg("rdma_gid_index") = -1,
@@ -447,12 +450,13 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("wait_timeout_ms") = static_cast<int64_t>(d.wait_timeout.count()),
            py::arg("cuda_pipeline_bytes") = d.cuda_pipeline_bytes,
            py::arg("metrics_port") = d.metrics_port, py::arg("metrics_address") = d.metrics_address,
-           py::arg("metrics_address_file") = d.metrics_address_file,
+           py::arg("metrics_address_file") = d.metrics_address_file, py::arg("trace_file") = "",
+           py::arg("trace_max_events") = d.trace_max_events,
            "Joins the cluster at coordinator (host:port). Unset settings come from the "
            "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, "
            "SHARDPS_METRICS_PORT (metrics_port: serve Prometheus /metrics; 0 off, -1 any free "
-           "port), and the rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID "
-           "or RANK.")
+           "port), SHARDPS_TRACE_FILE (trace_file: a timeline trace, docs/tracing.md), and the "
+           "rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
       .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")
       .def("register_embedding", &PyClient::RegisterEmbedding, py::arg("name"), py::arg("rows"),

@@ -9,7 +9,7 @@ PKGS=(
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest
   iperf3 python3
-  python3-sklearn openmpi-bin
+  python3-sklearn openmpi-bin python3-matplotlib
   python3-dev pybind11-dev python3-numpy python3-torch python3-pytest
   python3-pip python3-setuptools python3-wheel python3-venv
   clang libclang-rt-14-dev

@@ -8,6 +8,7 @@
 
 #include <glog/logging.h>
 
+#include "common/trace.h"
 #include "server/checkpoint.h"
 
 namespace shardps::server {
@@ -57,6 +58,7 @@ CheckpointWriter::Stats CheckpointWriter::stats() const {
 }
 
 void CheckpointWriter::Run() {
+  trace::NameThread("checkpoint writer");
   mu_.Lock();
   for (;;) {
     cv_.Wait(&mu_, [this]() REQUIRES(mu_) { return stop_ || !queued_.empty(); });
@@ -67,6 +69,8 @@ void CheckpointWriter::Run() {
     mu_.Unlock();
     const auto t0 = std::chrono::steady_clock::now();
     uint64_t bytes = 0;
+    trace::Span span("ckpt_write", "server");
+    span.Arg("group", s.group).Arg("clock", s.clock);
     Status st = options_.write ? options_.write(options_.dir, s, &bytes)
                                : WriteSnapshot(options_.dir, s, &bytes);
     const double secs =

@@ -16,6 +16,7 @@
 
 #include "common/crypto.h"
 #include "common/net.h"
+#include "common/trace.h"
 #include "proto/credentials.h"
 
 namespace shardps::control {
@@ -569,6 +570,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
     m->set_epoch(membership_.epoch() + 1);
   }
   m->set_reason(reason);
+  trace::Instant("membership", "coordinator", {{"epoch", m->epoch()}, {"reason", reason}});
   m->set_workers_complete(most_workers_ >= std::max<uint32_t>(1, options_.config.num_workers()));
   if (departed != 0) m->add_departed(departed);
   for (auto& [fd, c] : conns_) {

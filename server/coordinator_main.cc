@@ -15,6 +15,7 @@
 #include "proto/etcd_client.h"
 
 #include "common/metrics_flags.h"
+#include "common/trace.h"
 #include "common/version.h"
 #include "server/coordinator.h"
 #include "server/coordinator_metrics.h"
@@ -62,6 +63,9 @@ DEFINE_string(state_file, "",
 DEFINE_int32(rejoin_grace_ms, 0,
              "After a restart: members of the saved state that do not rejoin within this are "
              "declared departed (0: the lease; it may not be shorter)");
+DEFINE_string(trace_file, "",
+              "Write a timeline trace (Chrome-trace JSON, docs/tracing.md) here; empty = off");
+DEFINE_uint64(trace_max_events, 1000000, "Trace events kept; later ones are dropped (counted)");
 DEFINE_int32(exit_grace_ms, 10000, "--exit_when_done: how long to wait for servers to leave");
 DEFINE_string(etcd, "",
               "HA: etcd client endpoints (host:port,...). Several coordinators with the same "
@@ -183,6 +187,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  shardps::trace::ScopedTrace tracing;  // flushed and closed when main returns
+  if (shardps::Status t = tracing.Begin({FLAGS_trace_file, FLAGS_trace_max_events}); !t.ok()) {
+    LOG(ERROR) << "--trace_file: " << t;
+    return 2;
+  }
+  shardps::trace::SetIdentity("coordinator", -1);
   std::thread keeper;
   if (!FLAGS_etcd.empty()) {
     auto etcd = shardps::etcd::Client::Create(FLAGS_etcd);

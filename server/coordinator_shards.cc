@@ -9,6 +9,7 @@
 #include <glog/logging.h>
 
 #include "common/crash_point.h"
+#include "common/trace.h"
 #include "proto/credentials.h"
 #include "proto/shard_plan.h"
 #include "wire/region_layout.h"
@@ -410,6 +411,7 @@ void Coordinator::ServerDeparted(const Member& m) {
       e.mutable_promote()->set_group(g);
       e.mutable_promote()->set_epoch(epoch());
       Queue(b, e);
+      trace::Instant("promote", "coordinator", {{"group", g}, {"server_rank", br}});
       CrashPoint("coordinator.after_promote");
       {
         MutexLock l(&mu_);

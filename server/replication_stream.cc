@@ -7,6 +7,8 @@
 
 #include <glog/logging.h>
 
+#include "common/trace.h"
+
 namespace shardps::server {
 
 namespace {
@@ -220,6 +222,8 @@ void ReplicationStream::Post(uint32_t slot) {
     return;
   }
   stats_->Bump(&ShardServerCounters::records_sent);
+  trace::Instant("repl_send", "server",
+                 {{"slot", slot}, {"version", r.version}, {"seq", seq}, {"bytes", r.bytes}});
 }
 
 std::optional<uint32_t> ReplicationStream::OnCompletion(const transport::Completion& wc) {

@@ -12,6 +12,7 @@
 #include <glog/logging.h>
 
 #include "common/metrics_flags.h"
+#include "common/trace.h"
 #include "common/version.h"
 #include "server/server_metrics.h"
 #include "server/shard_server.h"
@@ -37,6 +38,10 @@ DEFINE_string(restore_from, "",
               "incomplete newer one is refused and reported)");
 DEFINE_bool(exit_when_done, false,
             "Exit once every expected worker has joined and all have left (batch jobs, mpirun)");
+DEFINE_string(trace_file, "",
+              "Write a timeline trace (Chrome-trace JSON, docs/tracing.md) here; empty = off. "
+              "{rank} or %r become <rank>-<pid>");
+DEFINE_uint64(trace_max_events, 1000000, "Trace events kept; later ones are dropped (counted)");
 DEFINE_bool(spare, false,
             "Join as a spare: no shards at start; become the new backup of a group that lost one "
             "(re-replication while training goes on; docs/fault-tolerance.md)");
@@ -105,6 +110,12 @@ int main(int argc, char** argv) {
   o.spare = FLAGS_spare;
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.restore_dir = FLAGS_restore_from;
+  shardps::trace::ScopedTrace tracing;  // flushed and closed when main returns
+  if (shardps::Status t = tracing.Begin({FLAGS_trace_file, FLAGS_trace_max_events}); !t.ok()) {
+    LOG(ERROR) << "--trace_file: " << t;
+    return 2;
+  }
+  if (tracing.owns()) shardps::trace::NameThread("apply");
   ShardServer server(o);
   // /metrics (--metrics_port): reads the server's counters at scrape time, on its own thread.
   shardps::metrics::Registry registry;

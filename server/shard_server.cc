@@ -3,6 +3,7 @@
 #include "proto/shard_plan.h"
 
 #include "common/crash_point.h"
+#include "common/trace.h"
 
 #include "proto/credentials.h"
 
@@ -104,6 +105,7 @@ Status ShardServer::Setup() {
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
+  trace::SetIdentity("server", rank_);
   timeouts_ = control::FaultTimeouts::Of(config_);
   if (control_->reply().credential().empty()) {
     return FailedPreconditionError(
@@ -163,6 +165,7 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   group_ = a.group();
   num_groups_ = a.num_groups();
   backup_ = a.backup();
+  trace::SetIdentity(backup_ ? "backup" : "server", rank_, group_);
   std::vector<uint64_t> bytes(a.chunk_bytes().begin(), a.chunk_bytes().end());
   dtypes_.assign(a.chunk_dtypes().begin(), a.chunk_dtypes().end());
   if (!dtypes_.empty() && dtypes_.size() != bytes.size()) {
@@ -804,6 +807,8 @@ void ShardServer::Promote(const control::Promote& p) {
     ++c.promotions;
     c.backup = false;
   });
+  trace::Instant("promote", "server", {{"group", group_}, {"epoch", p.epoch()}});
+  trace::SetIdentity("server", rank_, group_);
   LOG(WARNING) << "server rank " << rank_ << ": PROMOTED to primary of group " << group_
                << " at epoch " << p.epoch() << " after " << applier_->applied()
                << " replicated records (drained in "

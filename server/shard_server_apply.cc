@@ -12,6 +12,7 @@
 #include "server/shard_server.h"
 
 #include "common/crash_point.h"
+#include "common/trace.h"
 #include "proto/credentials.h"
 
 namespace shardps::server {
@@ -107,6 +108,8 @@ void ShardServer::HandleReplication(const Completion& c, layout::ImmKind kind, u
 }
 
 void ShardServer::ApplyRecord(uint32_t arg) {
+  trace::Span span("repl_apply", "server");  // a backup applies its primary's record
+  span.Arg("entry", arg);
   Status st = applier_->Apply(arg, fence_epoch_, *chunks_, *workers_, *gate_, *ack_board_);
   if (!st.ok()) {
     LOG(ERROR) << "server rank " << rank_ << ": replication record in entry " << arg
@@ -240,6 +243,8 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
       stats_.Bump(&ShardServerCounters::stale_pushes);
       return true;
     case ConsistencyGate::Decision::kAggregate:
+      trace::Instant("push_in", "server",
+                     {{"chunk", h.chunk_id}, {"clock", clock}, {"worker", worker}, {"seq", h.seq}});
       newest_push_epoch_ = std::max(newest_push_epoch_, h.epoch);
       workers_->Consume(worker, slot, h.seq, clock);
       ObservePushApplied(slot, h);
@@ -249,6 +254,8 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
       break;
   }
   const auto t0 = Clock::now();
+  trace::Span span("apply", "server");  // one push applied (ASP, SSP, VSGD)
+  span.Arg("chunk", h.chunk_id).Arg("clock", clock).Arg("worker", worker).Arg("seq", h.seq);
   const size_t live = std::max<size_t>(1, workers_->Live().size());
   ReplRecord r;
   r.slot = slot;
@@ -414,6 +421,12 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   std::optional<BspAggregate> a = gate_->TakeBspClock(slot, *workers_);
   if (!a) return;
   const auto t0 = Clock::now();
+  trace::Span span("apply", "server");  // one BSP clock of a chunk: its pushes summed, applied
+  if (span.active()) {
+    std::string who;
+    for (const Contributor& k : a->contributors) who += (who.empty() ? "" : ",") + std::to_string(k.worker);
+    span.Arg("chunk", chunks_->chunk_id(slot)).Arg("clock", a->clock).Arg("workers", who);
+  }
   // Sum in worker-rank order, straight from the inbox slots (a worker reuses an inbox slot
   // only after its push is acknowledged, which happens at publication), so the sum does not
   // depend on arrival order: runs are reproducible bit for bit, failovers included.
@@ -488,6 +501,9 @@ void ShardServer::FinishCommit(uint32_t slot) {
   chunks_->Publish(slot, v.buffer,
                    gate_->PublishMinClockPlus1(slot, v.min_clock_plus1, initialised, *workers_));
   stats_.Bump(&ShardServerCounters::versions_published);
+  trace::Instant("publish", "server",
+                 {{"chunk", chunks_->chunk_id(slot)}, {"version", chunks_->version(slot)},
+                  {"min_clock_plus1", chunks_->published_min_clock_plus1(slot)}});
   CrashPoint("server.after_publish");  // "@N": the Nth version published (mid-training)
   // The pushes folded into this version are acknowledged only now: their inbox slots (and, for
   // a failover, the workers' own buffers) may be reused once the version is replicated.
@@ -532,6 +548,8 @@ void ShardServer::MaybeCapture(uint32_t slot) {
   }
   // A row shard is captured as an increment (the rows written since its last capture) when
   // the capture component allows; a dense chunk always whole.
+  trace::Span span("ckpt_capture", "server");
+  span.Arg("chunk", chunks_->chunk_id(slot)).Arg("version", chunks_->version(slot));
   const bool has_state = chunks_->has_state(slot);
   std::optional<CheckpointCapture::Base> base;
   if (chunks_->is_rows(slot)) base = capture_->IncrementalBase(slot, has_state);

@@ -10,6 +10,7 @@
 #include <glog/logging.h>
 
 #include "common/crash_point.h"
+#include "common/trace.h"
 #include "proto/shard_plan.h"
 #include <cmath>
 #include "worker/client_testing.h"
@@ -31,6 +32,7 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
     take(&o.transport, "SHARDPS_TRANSPORT", "transport");
   }
   if (o.bind_ip.empty()) take(&o.bind_ip, "SHARDPS_BIND_IP", "data-path address");
+  if (o.trace_file.empty()) take(&o.trace_file, "SHARDPS_TRACE_FILE", "trace file");
   if (o.requested_rank < 0) {
     for (const char* var :
          {"SHARDPS_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK"}) {
@@ -145,6 +147,14 @@ Status ClientImpl::Init(std::unique_ptr<transport::Fabric> fabric) {
   CrashPoint("worker.after_join");
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
+  if (!options_.trace_file.empty()) {
+    RETURN_IF_ERROR(trace_.Begin({options_.trace_file, options_.trace_max_events}));
+    if (trace_.owns()) {
+      trace::SetIdentity("worker", rank_);
+      trace::NameThread("trainer");
+      LOG(INFO) << "worker rank " << rank_ << ": tracing to " << trace::CurrentPath();
+    }
+  }
   LOG(INFO) << "worker rank " << rank_ << ": joined (member " << control_->member_id()
             << "), data path " << fabric_->name() << ", " << consistency();
   return Status::OK();
@@ -590,6 +600,8 @@ Status ClientImpl::Wait(Handle handle) {
   RETURN_IF_ERROR(lifecycle_.Require("Wait()", {ClientState::kStarting, ClientState::kRunning}));
   HandleState* hs = handles_.Find(handle.id);
   if (hs == nullptr) return NotFoundError("unknown handle");
+  trace::Span span("wait", "worker");
+  span.Arg("handle", handle.id).Arg("clock", step_.clock);
   // Bounded: every pending chunk has its own deadline, and endpoints fail within the
   // transport's bound when a server dies (their operations then complete in error). Two
   // backstops: an endpoint that has been in the error state for a grace period fails the wait
@@ -822,6 +834,8 @@ Status ClientImpl::StepOnce() {
   } guard{&step_.in_step};
   step_.in_step = true;
   ++step_.step_id;
+  trace::Span span("step", "worker");
+  span.Arg("step", step_.step_id).Arg("clock", step_.clock);
   std::vector<Handle> hs;
   for (const Tensor& t : tensors_) {
     ASSIGN_OR_RETURN(Handle h, Push(t.name));
@@ -872,6 +886,7 @@ StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {
 Status ClientImpl::Close() {
   if (!lifecycle_.Close()) return Status::OK();
   if (sessions_ != nullptr) sessions_->Disconnect();
+  trace_.End();
   if (control_) return control_->Leave("worker closing");
   return Status::OK();
 }

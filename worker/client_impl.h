@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "common/trace.h"
 #include "proto/control_client.h"
 #include "shardps/client.h"
 #include "transport/transport.h"
@@ -116,6 +117,7 @@ class ClientImpl final : public Client, private CompletionSink {
   // tensors whose memory they access, the control client and the fabric.
   ClientOptions options_;
   std::unique_ptr<ClientMetrics> metrics_;  // null unless options_.metrics_port != 0
+  trace::ScopedTrace trace_;  // options_.trace_file: stopped (flushed) at Close, or last
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;

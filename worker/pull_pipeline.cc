@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include "common/trace.h"
+
 namespace shardps::worker {
 
 using SteadyClock = std::chrono::steady_clock;
@@ -41,6 +43,7 @@ StatusOr<Handle> PullPipeline::Pull(uint32_t tensor) {
       break;
     }
     c.handle = h;
+    c.trace_start_ns = trace::NowNs();
     c.required_plus1 = RequiredPlus1();
     c.deadline = SteadyClock::now() + options_.wait_timeout;
     // Each version goes to the other buffer; guess that as many versions (mod 2) were
@@ -137,6 +140,10 @@ void PullPipeline::EvaluatePull(uint32_t id) {
 }
 
 void PullPipeline::Finish(uint32_t id, const Status& s) {
+  trace::Complete("pull", "worker", pull_[id].trace_start_ns,  // posted -> consistent (or failed)
+                  {{"chunk", id}, {"clock", step_.clock}, {"bytes", chunks_[id].bytes},
+                   {"server", chunks_[id].server}, {"version", pull_[id].pulled_version},
+                   {"ok", s.ok() ? 1 : 0}});
   const uint64_t h = pull_[id].handle;
   pull_[id].handle = 0;
   handles_.FinishChunk(h, s);

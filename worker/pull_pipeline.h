@@ -73,6 +73,7 @@ class PullPipeline {
     uint32_t guess = 0;
     uint64_t required_plus1 = 0;
     std::chrono::steady_clock::time_point deadline;
+    int64_t trace_start_ns = 0;  // trace::NowNs() at Pull (0: not traced)
   };
 
   void StartPull(uint32_t id, Phase phase);

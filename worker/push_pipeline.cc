@@ -6,6 +6,7 @@
 
 #include <glog/logging.h>
 
+#include "common/trace.h"
 #include "worker/row_tables.h"
 
 namespace shardps::worker {
@@ -79,6 +80,9 @@ Status PushPipeline::PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg
 
 Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover,
                                layout::PushOp op, uint64_t arg) {
+  trace::Span span("push", "worker");  // waiting for the inbox slot, then posting
+  span.Arg("chunk", id).Arg("clock", step_.clock).Arg("step", step_.in_step ? step_.step_id : 0)
+      .Arg("bytes", chunks_[id].bytes).Arg("server", chunks_[id].server);
   ChunkPush& c = push_[id];
   const uint64_t seq = c.seq + 1;
   const uint32_t parity = static_cast<uint32_t>(seq & 1);

@@ -7,6 +7,7 @@
 #include <glog/logging.h>
 
 #include "common/crash_point.h"
+#include "common/trace.h"
 
 namespace shardps::worker {
 
@@ -145,6 +146,7 @@ Status Recovery::ReconnectLiveServers(bool reconnect_due) {
       if (st.ok()) st = Resync(i);
       if (st.ok()) {
         ++reconnects_;
+        trace::Instant("reconnect", "worker", {{"server", i}, {"clock", step_.clock}});
         LOG(WARNING) << "worker rank " << rank_ << ": reconnected to server group " << i
                      << " (server rank " << s.server_rank << ", still a member) after a "
                      << "data-path failure";
@@ -193,6 +195,9 @@ Status Recovery::MoveToBackups(SteadyClock::time_point t0, SteadyClock::time_poi
       return st;
     }
     ++failovers_;
+    trace::Instant("failover", "worker",
+                   {{"server", se.rank()}, {"server_rank", se.server_rank()},
+                    {"epoch", newest_.epoch()}, {"clock", step_.clock}});
     LOG(WARNING) << "worker rank " << rank_ << ": server group " << se.rank()
                  << " failed over to server rank " << se.server_rank() << " at "
                  << se.data_address() << " (epoch " << newest_.epoch() << ") in "

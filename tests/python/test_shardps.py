@@ -68,6 +68,33 @@ class NumpyTest(unittest.TestCase):
             k = c.counters()
             self.assertEqual(k["bytes_pushed"], 3 * (200 + 7) * 4)
 
+    def test_trace_file(self):
+        # Client(trace_file=...): the worker's timeline (docs/tracing.md), written at close.
+        with tempfile.TemporaryDirectory() as d:
+            with cluster() as cl, connect(cl, trace_file=os.path.join(d, "w-{rank}.json")) as c:
+                w = np.zeros(100, dtype=np.float32)
+                g = np.ones_like(w)
+                c.register("w", w, g)
+                c.start()
+                for _ in range(3):
+                    c.step()
+            files = os.listdir(d)
+            self.assertEqual(files, ["w-0-%d.json" % os.getpid()])
+            with open(os.path.join(d, files[0])) as f:
+                doc = json.load(f)
+            self.assertEqual(doc["shardps"]["role"], "worker")
+            self.assertEqual(doc["shardps"]["rank"], 0)
+            ev = doc["traceEvents"]
+            steps = [e for e in ev if e["name"] == "step"]
+            self.assertEqual([e["args"]["step"] for e in steps], [1, 2, 3])
+            pushes = [e for e in ev if e["name"] == "push"]
+            chunks = sorted({e["args"]["chunk"] for e in pushes})
+            self.assertEqual(len(chunks), 4)  # 400 bytes in 128-byte chunks
+            self.assertEqual(len(pushes), 3 * len(chunks))
+            self.assertEqual(sum(e["args"]["bytes"] for e in pushes), 3 * 400)
+            pulls = [e for e in ev if e["name"] == "pull" and e["args"]["clock"] >= 1]
+            self.assertEqual(len(pulls), 3 * len(chunks))
+
     def test_refuses_what_would_need_a_copy(self):
         with cluster() as cl, connect(cl) as c:
             good = np.zeros(8, np.float32)

@@ -80,6 +80,11 @@ struct ClientOptions {
   int metrics_port = 0;
   std::string metrics_address = "127.0.0.1";
   std::string metrics_address_file;
+  // Timeline trace of this process (docs/tracing.md): Chrome-trace JSON of its steps, pushes,
+  // pulls and waits, written at Close(), when its buffer fills, and as the client goes away.
+  // "" = off. "{rank}" or "%r" in the name become "<rank>-<pid>" (one file per worker).
+  std::string trace_file;
+  uint64_t trace_max_events = 1000000;  // events kept; later ones are dropped (and counted)
 };
 
 // Fills in what `options` leaves unset from the environment, as launchers set it (shardps.run,
@@ -92,6 +97,7 @@ struct ClientOptions {
 //   metrics_port    0      <- SHARDPS_METRICS_PORT (an integer, -1..65535)
 //   metrics_address "127.0.0.1" <- SHARDPS_METRICS_ADDRESS
 //   metrics_address_file "" <- SHARDPS_METRICS_ADDRESS_FILE
+//   trace_file      ""     <- SHARDPS_TRACE_FILE (docs/tracing.md)
 // What the caller set always wins. `sources`, if given, gets "field from VARIABLE" for each
 // value taken. Client::Connect applies it (and logs the sources).
 SHARDPS_EXPORT ClientOptions WithEnvironmentDefaults(ClientOptions options,
