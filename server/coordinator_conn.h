@@ -39,6 +39,17 @@ struct Coordinator::Conn {
   // While suspected: since when the member's kernel has had our data unacknowledged without a
   // break (time_point{} = nothing outstanding at the last look).
   Clock::time_point unacked_since{};
+  // A status asker (StatusRequest, never joined): answered once, closed once the reply is out.
+  bool status_answered = false;
+  // A member's latest heartbeat stats (MemberStats) and its rates over the last window of
+  // heartbeats (>= 1 s): rate_base is the sample at the window's start.
+  bool has_stats = false;
+  MemberStats stats;
+  Clock::time_point stats_at{};
+  MemberStats rate_base;
+  Clock::time_point rate_base_at{};
+  double bytes_per_second = 0;
+  double pushes_per_second = 0;
 
   Conn(size_t max_frame, const PhiAccrualDetector::Options& liveness)
       : decoder(max_frame), detector(liveness) {}

@@ -242,7 +242,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     case ConsistencyGate::Decision::kAggregate:
       newest_push_epoch_ = std::max(newest_push_epoch_, h.epoch);
       workers_->Consume(worker, slot, h.seq, clock);
-      stats_.Bump(&ShardServerCounters::pushes_applied);
+      CountApplied(h.bytes, h.clock);
       MaybeApplyBsp(slot);
       return true;
     case ConsistencyGate::Decision::kApply:
@@ -284,7 +284,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
   const uint32_t buffer = chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule, r.skip);
   workers_->Consume(worker, slot, h.seq, clock);
-  stats_.Bump(&ShardServerCounters::pushes_applied);
+  CountApplied(h.bytes, h.clock);
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
   r.contributors = {push};
   Commit(buffer, std::move(r));
