@@ -4,6 +4,7 @@
 #define SHARDPS_SERVER_COORDINATOR_CONN_H_
 
 #include <chrono>
+#include <deque>
 #include <string>
 
 #include "common/failure_detector.h"
@@ -41,13 +42,18 @@ struct Coordinator::Conn {
   Clock::time_point unacked_since{};
   // A status asker (StatusRequest, never joined): answered once, closed once the reply is out.
   bool status_answered = false;
-  // A member's latest heartbeat stats (MemberStats) and its rates over the last window of
-  // heartbeats (>= 1 s): rate_base is the sample at the window's start.
+  // A member's latest heartbeat stats (MemberStats), and the (time, bytes, pushes) samples of
+  // its heartbeats of the last 1-2 s, oldest first (at most kMaxRateSamples): its rates are
+  // measured over them (a sliding window, moved at every heartbeat).
+  struct RateSample {
+    Clock::time_point at;
+    uint64_t bytes = 0;
+    uint64_t pushes = 0;
+  };
+  static constexpr size_t kMaxRateSamples = 64;
   bool has_stats = false;
   MemberStats stats;
-  Clock::time_point stats_at{};
-  MemberStats rate_base;
-  Clock::time_point rate_base_at{};
+  std::deque<RateSample> rate_samples;
   double bytes_per_second = 0;
   double pushes_per_second = 0;
 

@@ -24,7 +24,8 @@ uint64_t UnixMs() {
                                    .count());
 }
 
-// Rates are measured over at least this window of heartbeats (one interval if longer).
+// Rates are measured over the heartbeats of the last kRateWindow (and one more: the window
+// spans at least kRateWindow once that much has passed, or one interval if longer).
 constexpr auto kRateWindow = std::chrono::seconds(1);
 
 }  // namespace
@@ -70,26 +71,24 @@ void Coordinator::HandleStatusRequest(Conn* c, const StatusRequest& r) {
 
 void Coordinator::NoteStats(Conn* c, const MemberStats& s) {
   const auto now = Clock::now();
+  c->has_stats = true;
   c->stats = s;
-  c->stats_at = now;
-  if (!c->has_stats) {
-    c->has_stats = true;
-    c->rate_base = s;
-    c->rate_base_at = now;
-  } else if (now - c->rate_base_at >= kRateWindow) {
-    const double dt = std::chrono::duration<double>(now - c->rate_base_at).count();
-    auto delta = [](uint64_t a, uint64_t b) { return a >= b ? static_cast<double>(a - b) : 0.0; };
-    if (c->member.role() == ROLE_SERVER) {
-      c->bytes_per_second = delta(s.bytes_applied(), c->rate_base.bytes_applied()) / dt;
-      c->pushes_per_second = delta(s.pushes_applied(), c->rate_base.pushes_applied()) / dt;
-    } else {
-      c->bytes_per_second = (delta(s.bytes_pushed(), c->rate_base.bytes_pushed()) +
-                             delta(s.bytes_pulled(), c->rate_base.bytes_pulled())) /
-                            dt;
-      c->pushes_per_second = 0;
-    }
-    c->rate_base = s;
-    c->rate_base_at = now;
+  const bool server = c->member.role() == ROLE_SERVER;
+  Conn::RateSample sample{now, server ? s.bytes_applied() : s.bytes_pushed() + s.bytes_pulled(),
+                          server ? s.pushes_applied() : 0};
+  auto& w = c->rate_samples;
+  // Counters only grow within one member process: one that went back (never expected) starts
+  // a new window rather than giving a negative rate.
+  if (!w.empty() && (sample.bytes < w.back().bytes || sample.pushes < w.back().pushes)) w.clear();
+  w.push_back(sample);
+  // Keep the newest sample that is at least kRateWindow old as the window's start.
+  while (w.size() > 2 && (now - w[1].at >= kRateWindow || w.size() > Conn::kMaxRateSamples)) {
+    w.pop_front();
+  }
+  const double dt = std::chrono::duration<double>(now - w.front().at).count();
+  if (w.size() >= 2 && dt > 0) {
+    c->bytes_per_second = static_cast<double>(sample.bytes - w.front().bytes) / dt;
+    c->pushes_per_second = static_cast<double>(sample.pushes - w.front().pushes) / dt;
   }
   if (c->member.role() == ROLE_SERVER && s.has_checkpoint() &&
       (!checkpoint_seen_ || s.last_checkpoint_clock() > checkpoint_seen_clock_)) {
