@@ -665,16 +665,21 @@ bool ShardServer::Housekeeping(Status* fenced) {
     // 100 ms, not every pass (it walks workers x slots).
     min_clock_at_ = Clock::now();
     bool any = false;
-    int64_t min_clock = 0;
+    int64_t min_clock = 0, max_clock = 0;
     for (uint32_t rank : workers_->Live()) {
       const WorkerState* w = workers_->Find(rank);
       if (w == nullptr || w->applied_clock.empty()) continue;
       const int64_t newest = *std::max_element(w->applied_clock.begin(), w->applied_clock.end());
       if (newest < 0) continue;
       min_clock = any ? std::min(min_clock, newest) : newest;
+      max_clock = std::max(max_clock, newest);
       any = true;
     }
-    stats_.Update([&](ShardServerCounters& c) { c.min_applied_clock = static_cast<uint64_t>(min_clock); });
+    // A backup applies records, not pushes: its clocks come from the records it folded in.
+    stats_.Update([&](ShardServerCounters& c) {
+      c.min_applied_clock = static_cast<uint64_t>(min_clock);
+      c.max_applied_clock = std::max(c.max_applied_clock, static_cast<uint64_t>(max_clock));
+    });
   }
   Status cs = control_->status();
   if (!cs.ok()) {

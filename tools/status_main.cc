@@ -10,6 +10,7 @@
 // already defines --coordinator, --json and --timeout_ms with other help texts.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -195,6 +196,18 @@ std::string UtcTime(uint64_t unix_ms) {
   return buf;
 }
 
+// The joined members of `role`, by rank.
+std::vector<control::StatusMember> ByRank(const StatusReply& r, control::Role role) {
+  std::vector<control::StatusMember> v;
+  for (const control::StatusMember& m : r.members()) {
+    if (m.role() == role && m.joined()) v.push_back(m);
+  }
+  std::sort(v.begin(), v.end(), [](const control::StatusMember& a, const control::StatusMember& b) {
+    return a.rank() < b.rank();
+  });
+  return v;
+}
+
 void PrintTable(const StatusReply& r, const std::string& coordinator) {
   const control::StatusConfig& c = r.config();
   std::printf("cluster    %s  %s", coordinator.c_str(), Mode(c.mode()).c_str());
@@ -242,22 +255,26 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
     std::printf("\nshard map  not ready (waiting for the model or for servers)\n");
   }
 
-  std::printf("\nservers\n  %-4s %-5s %-14s %-12s %-10s %s\n", "RANK", "GROUP", "PUSHES APPLIED",
-              "BYTES/S", "PUSHES/S", "APPLIED CLOCKS");
-  for (const control::StatusMember& m : r.members()) {
-    if (m.role() != control::ROLE_SERVER || !m.joined()) continue;
+  std::printf("\nservers    (a backup applies its primary's records, not pushes)\n"
+              "  %-4s %-5s %-8s %-14s %-12s %-10s %s\n",
+              "RANK", "GROUP", "ROLE", "PUSHES APPLIED", "BYTES/S", "PUSHES/S", "APPLIED CLOCKS");
+  for (const control::StatusMember& m : ByRank(r, control::ROLE_SERVER)) {
     const std::string group = m.group() < 0 ? "-" : std::to_string(m.group());
+    std::string role = m.spare() ? "spare" : "-";
+    for (const control::StatusGroup& g : r.groups()) {
+      if (g.primary_rank() == static_cast<int32_t>(m.rank())) role = "primary";
+      if (g.backup_rank() == static_cast<int32_t>(m.rank())) role = "backup";
+    }
     const control::MemberStats& s = m.stats();
-    std::printf("  %-4u %-5s %-14" PRIu64 " %-12s %-10.1f %" PRIu64 "..%" PRIu64 "\n", m.rank(),
-                group.c_str(), s.pushes_applied(),
+    std::printf("  %-4u %-5s %-8s %-14" PRIu64 " %-12s %-10.1f %" PRIu64 "..%" PRIu64 "\n",
+                m.rank(), group.c_str(), role.c_str(), s.pushes_applied(),
                 (Bytes(m.bytes_per_second()) + "/s").c_str(), m.pushes_per_second(),
                 s.min_applied_clock(), s.max_applied_clock());
   }
   std::printf("\nworkers    clocks %" PRIu64 "..%" PRIu64 "\n  %-4s %-8s %-5s %-12s %-12s %s\n",
               r.min_clock(), r.max_clock(), "RANK", "CLOCK", "LAG", "BYTES/S", "PUSHED",
               "PULLED");
-  for (const control::StatusMember& m : r.members()) {
-    if (m.role() != control::ROLE_WORKER || !m.joined()) continue;
+  for (const control::StatusMember& m : ByRank(r, control::ROLE_WORKER)) {
     const control::MemberStats& s = m.stats();
     std::printf("  %-4u %-8" PRIu64 " %-5" PRIu64 " %-12s %-12s %s\n", m.rank(), s.clock(),
                 m.clock_lag(), (Bytes(m.bytes_per_second()) + "/s").c_str(),
