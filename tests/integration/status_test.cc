@@ -75,8 +75,8 @@ TEST_P(StatusTest, ReportsTheRunningCluster) {
   spec.heartbeat_interval_ms = 50;  // a worker's clock in a heartbeat is <= 50 ms old
   spec.checkpoint_dir = Path("ckpt");
   spec.checkpoint_every = 4;
-  // 200 ms per step: a heartbeat is at most one step behind, so the clock lag it shows is at
-  // most the staleness bound + 1.
+  // 200 ms per step, heartbeats every 50 ms: a worker's clock in the reply is about one step
+  // old at most, so the lag it shows is within the staleness bound + 1 (on an idle host).
   const int kSteps = 40, kStepDelayMs = 200;
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers =
@@ -164,7 +164,11 @@ TEST_P(StatusTest, ReportsTheRunningCluster) {
       EXPECT_GT(m.stats().clock(), 0u) << m.ShortDebugString();
       EXPECT_LE(m.stats().clock(), static_cast<uint64_t>(kSteps));
       EXPECT_EQ(m.clock_lag(), st.max_clock() - m.stats().clock());
-      EXPECT_LE(m.clock_lag(), spec.staleness + 1u) << m.ShortDebugString();
+      // SSP keeps the true lag within the staleness bound; the clock in a heartbeat is as old
+      // as the heartbeat, at most one step (200 ms) on an idle host, more on a loaded one.
+      const uint64_t stale_steps =
+          std::max<uint64_t>(1, (m.heartbeat_age_ms() + kStepDelayMs - 1) / kStepDelayMs);
+      EXPECT_LE(m.clock_lag(), spec.staleness + stale_steps) << m.ShortDebugString();
       EXPECT_GT(m.bytes_per_second(), 0.0) << m.ShortDebugString();
       EXPECT_GT(m.stats().bytes_pushed(), 0u);
       EXPECT_GT(m.stats().bytes_pulled(), 0u);
@@ -191,7 +195,8 @@ TEST_P(StatusTest, ReportsTheRunningCluster) {
   EXPECT_EQ(table.exit_code, 0) << table.err;
   EXPECT_NE(table.out.find("2 servers, 3 workers joined"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("checkpoint clock "), std::string::npos) << table.out;
-  EXPECT_NE(table.out.find("complete (2/2 groups)"), std::string::npos) << table.out;
+  // (A newer checkpoint may be half reported by now: complete or not, it counts both groups.)
+  EXPECT_NE(table.out.find("/2 groups)"), std::string::npos) << table.out;
 
   // A stranger: refused with a one-line reason, exit 1; the membership is unchanged.
   const control::StatusReply before = Json();
@@ -301,7 +306,13 @@ TEST_P(StatusTest, SurvivesMalformedAndRepeatedRequests) {
   const auto t0 = Clock::now();
   const StatusRun down = RunStatus({"--timeout_ms", "2000"});
   EXPECT_EQ(down.exit_code, 1);
-  EXPECT_NE(down.err.find("cannot reach the coordinator"), std::string::npos) << down.err;
+  // Refused at connect, or (the killed process's socket not closed yet) no reply: one line
+  // naming the address.
+  EXPECT_TRUE(down.err.find("cannot reach the coordinator") != std::string::npos ||
+              down.err.find("no status reply") != std::string::npos)
+      << down.err;
+  EXPECT_NE(down.err.find(coordinator_address_), std::string::npos) << down.err;
+  EXPECT_EQ(std::count(down.err.begin(), down.err.end(), '\n'), 1) << down.err;
   EXPECT_LT(Clock::now() - t0, milliseconds(10000));
 }
 
