@@ -146,9 +146,9 @@ StatusReply Coordinator::BuildStatus() const {
     int32_t group = -1;
     if (m.role() == ROLE_SERVER && shards_assigned_) {
       const uint32_t g = GroupOf(m.rank());
-      const bool serves = g < primary_of_.size() &&
-                          (primary_of_[g] == static_cast<int64_t>(m.rank()) ||
-                           backup_of_[g] == static_cast<int64_t>(m.rank()));
+      const bool serves =
+          g < primary_of_.size() && (primary_of_[g] == static_cast<int64_t>(m.rank()) ||
+                                     backup_of_[g] == static_cast<int64_t>(m.rank()));
       if (serves) group = static_cast<int32_t>(g);
     }
     s->set_group(group);
@@ -247,7 +247,8 @@ StatusReply Coordinator::BuildStatus() const {
       for (const auto& [fd, c] : conns_) {
         if (c->joined && !c->closing && c->member.role() == ROLE_SERVER &&
             c->member.rank() == static_cast<uint32_t>(primary_of_[g]) && c->has_stats &&
-            c->stats.has_checkpoint() && c->stats.last_checkpoint_clock() >= checkpoint_seen_clock_) {
+            c->stats.has_checkpoint() &&
+            c->stats.last_checkpoint_clock() >= checkpoint_seen_clock_) {
           ++written;
           break;
         }

@@ -117,8 +117,8 @@ int ParseArgs(int argc, char** argv, StatusOptions* o) {
     std::stringstream ss;
     ss << in.rdbuf();
     o->token = ss.str();
-    while (!o->token.empty() && (o->token.back() == '\n' || o->token.back() == '\r' ||
-                                 o->token.back() == ' ')) {
+    while (!o->token.empty() &&
+           (o->token.back() == '\n' || o->token.back() == '\r' || o->token.back() == ' ')) {
       o->token.pop_back();
     }
   } else if (const char* env = std::getenv("SHARDPS_CLUSTER_TOKEN"); env != nullptr && *env) {
@@ -127,8 +127,9 @@ int ParseArgs(int argc, char** argv, StatusOptions* o) {
     o->token = token_flag;
   }
   if (o->token.empty()) {
-    return UsageError("no cluster token (--cluster_token_file, $SHARDPS_CLUSTER_TOKEN or "
-                      "--cluster_token)");
+    return UsageError(
+        "no cluster token (--cluster_token_file, $SHARDPS_CLUSTER_TOKEN or "
+        "--cluster_token)");
   }
   return 0;
 }
@@ -163,9 +164,8 @@ StatusOr<StatusReply> Ask(const StatusOptions& o) {
                                  " refused: " + reply->error().message());
   }
   if (!reply->has_status_reply()) {
-    return UnavailableError(std::string("the coordinator at ") + o.coordinator +
-                            " answered with " + control::BodyName(*reply) +
-                            ", not a status reply");
+    return UnavailableError(std::string("the coordinator at ") + o.coordinator + " answered with " +
+                            control::BodyName(*reply) + ", not a status reply");
   }
   return std::move(*reply->mutable_status_reply());
 }
@@ -229,8 +229,8 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
               "PID", "TRANS", "DATA ADDRESS", "STATE", "HB AGE");
   for (const control::StatusMember& m : r.members()) {
     const char* state = !m.joined() ? "expected" : m.suspected() ? "SUSPECT" : "alive";
-    std::string role = m.role() == control::ROLE_SERVER ? (m.spare() ? "spare" : "server")
-                                                        : "worker";
+    std::string role =
+        m.role() == control::ROLE_SERVER ? (m.spare() ? "spare" : "server") : "worker";
     std::printf("  %-4u %-6s %-4u %-16s %-8u %-6s %-22s %-9s %s\n", m.member_id(), role.c_str(),
                 m.rank(), m.hostname().substr(0, 16).c_str(), m.pid(), m.transport().c_str(),
                 m.data_address().empty() ? "-" : m.data_address().c_str(), state,
@@ -243,21 +243,25 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
     std::printf("  %-5s %-7s %-7s %-7s %-6s %-10s %s\n", "GROUP", "PRIMARY", "BACKUP", "SYNCED",
                 "CHUNKS", "BYTES", "ROW SHARDS");
     for (const control::StatusGroup& g : r.groups()) {
-      const std::string primary = g.lost() ? "LOST"
+      const std::string primary = g.lost()               ? "LOST"
                                   : g.primary_rank() < 0 ? "-"
                                                          : std::to_string(g.primary_rank());
       const std::string backup = g.backup_rank() < 0 ? "-" : std::to_string(g.backup_rank());
       std::printf("  %-5u %-7s %-7s %-7s %-6u %-10s %u\n", g.group(), primary.c_str(),
-                  backup.c_str(), g.backup_rank() < 0 ? "-" : g.backup_in_sync() ? "yes" : "NO",
+                  backup.c_str(),
+                  g.backup_rank() < 0  ? "-"
+                  : g.backup_in_sync() ? "yes"
+                                       : "NO",
                   g.chunks(), Bytes(static_cast<double>(g.bytes())).c_str(), g.row_shards());
     }
   } else {
     std::printf("\nshard map  not ready (waiting for the model or for servers)\n");
   }
 
-  std::printf("\nservers    (a backup applies its primary's records, not pushes)\n"
-              "  %-4s %-5s %-8s %-14s %-12s %-10s %s\n",
-              "RANK", "GROUP", "ROLE", "PUSHES APPLIED", "BYTES/S", "PUSHES/S", "APPLIED CLOCKS");
+  std::printf(
+      "\nservers    (a backup applies its primary's records, not pushes)\n"
+      "  %-4s %-5s %-8s %-14s %-12s %-10s %s\n",
+      "RANK", "GROUP", "ROLE", "PUSHES APPLIED", "BYTES/S", "PUSHES/S", "APPLIED CLOCKS");
   for (const control::StatusMember& m : ByRank(r, control::ROLE_SERVER)) {
     const std::string group = m.group() < 0 ? "-" : std::to_string(m.group());
     std::string role = m.spare() ? "spare" : "-";
@@ -272,8 +276,7 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
                 s.min_applied_clock(), s.max_applied_clock());
   }
   std::printf("\nworkers    clocks %" PRIu64 "..%" PRIu64 "\n  %-4s %-8s %-5s %-12s %-12s %s\n",
-              r.min_clock(), r.max_clock(), "RANK", "CLOCK", "LAG", "BYTES/S", "PUSHED",
-              "PULLED");
+              r.min_clock(), r.max_clock(), "RANK", "CLOCK", "LAG", "BYTES/S", "PUSHED", "PULLED");
   for (const control::StatusMember& m : ByRank(r, control::ROLE_WORKER)) {
     const control::MemberStats& s = m.stats();
     std::printf("  %-4u %-8" PRIu64 " %-5" PRIu64 " %-12s %-12s %s\n", m.rank(), s.clock(),
@@ -288,11 +291,11 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
                 UtcTime(k.unix_ms()).c_str(), k.complete() ? "complete" : "INCOMPLETE",
                 k.groups_written(), k.groups());
   } else {
-    std::printf("\ncheckpoint none written since the coordinator started%s\n",
-                r.config().checkpoint_every() > 0
-                    ? (" (every " + std::to_string(r.config().checkpoint_every()) + " clocks)")
-                          .c_str()
-                    : "");
+    std::printf(
+        "\ncheckpoint none written since the coordinator started%s\n",
+        r.config().checkpoint_every() > 0
+            ? (" (every " + std::to_string(r.config().checkpoint_every()) + " clocks)").c_str()
+            : "");
   }
 }
 

@@ -792,8 +792,12 @@ Status ClientImpl::Clock() {
 
 void ClientImpl::PublishBoard() {
   board_->clock.store(step_.clock, std::memory_order_relaxed);
-  if (push_ != nullptr) board_->bytes_pushed.store(push_->bytes_pushed(), std::memory_order_relaxed);
-  if (pull_ != nullptr) board_->bytes_pulled.store(pull_->bytes_pulled(), std::memory_order_relaxed);
+  if (push_ != nullptr) {
+    board_->bytes_pushed.store(push_->bytes_pushed(), std::memory_order_relaxed);
+  }
+  if (pull_ != nullptr) {
+    board_->bytes_pulled.store(pull_->bytes_pulled(), std::memory_order_relaxed);
+  }
 }
 
 Status ClientImpl::Step() {

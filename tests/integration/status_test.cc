@@ -21,7 +21,7 @@ struct StatusRun {
   std::string out, err;
 };
 
-class StatusTest : public ProcessClusterTest {
+class ShardpsStatusTest : public ProcessClusterTest {
  protected:
   // Runs `shardps status --coordinator ... <extra>` with the token in a file; stdout and stderr
   // apart (sh redirects them).
@@ -66,7 +66,7 @@ class StatusTest : public ProcessClusterTest {
 };
 
 // A training SSP cluster with periodic checkpoints, as `shardps status --json` reports it.
-TEST_P(StatusTest, ReportsTheRunningCluster) {
+TEST_P(ShardpsStatusTest, ReportsTheRunningCluster) {
   ClusterSpec spec = Spec();
   spec.consistency = "ssp";
   spec.staleness = 1;
@@ -79,9 +79,9 @@ TEST_P(StatusTest, ReportsTheRunningCluster) {
   // old at most, so the lag it shows is within the staleness bound + 1 (on an idle host).
   const int kSteps = 40, kStepDelayMs = 200;
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers =
-      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
-                          "--step_delay_ms=" + std::to_string(kStepDelayMs)});
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec,
+      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(kStepDelayMs)});
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
   // Past a rate window (1 s) of training, and past two checkpoints.
   for (int r = 0; r < spec.workers; ++r) {
@@ -218,7 +218,7 @@ TEST_P(StatusTest, ReportsTheRunningCluster) {
 
 // Malformed status requests, a second request on the same connection and an unreachable
 // coordinator: the coordinator survives them all, nobody joins, and the tool says why.
-TEST_P(StatusTest, SurvivesMalformedAndRepeatedRequests) {
+TEST_P(ShardpsStatusTest, SurvivesMalformedAndRepeatedRequests) {
   ClusterSpec spec = Spec();
   spec.workers = 1;
   ASSERT_TRUE(StartCluster(spec));
@@ -316,7 +316,7 @@ TEST_P(StatusTest, SurvivesMalformedAndRepeatedRequests) {
   EXPECT_LT(Clock::now() - t0, milliseconds(10000));
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, StatusTest, ::testing::Values("tcp", "shm"),
+INSTANTIATE_TEST_SUITE_P(Transports, ShardpsStatusTest, ::testing::Values("tcp", "shm"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace
