@@ -216,8 +216,9 @@ TEST_P(ShardpsStatusTest, ReportsTheRunningCluster) {
   for (ChildProcess* w : workers) EXPECT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
 }
 
-// Malformed status requests, a second request on the same connection and an unreachable
-// coordinator: the coordinator survives them all, nobody joins, and the tool says why.
+// Malformed status requests, a second request on the same connection, a burst of askers (rate
+// limited) and an unreachable coordinator: the coordinator survives them all, nobody joins, and
+// the tool says why.
 TEST_P(ShardpsStatusTest, SurvivesMalformedAndRepeatedRequests) {
   ClusterSpec spec = Spec();
   spec.workers = 1;
@@ -295,6 +296,46 @@ TEST_P(ShardpsStatusTest, SurvivesMalformedAndRepeatedRequests) {
     e.mutable_status_reply()->set_epoch(99);
     EXPECT_TRUE(exchange(magic + *control::EncodeFrame(e)).empty());
   }
+  // A burst of 30 askers at once: at most kMaxStatusPerSecond (20) answered within a second,
+  // the others told to retry; every one gets exactly one reply.
+  {
+    control::Envelope e;
+    e.mutable_status_request()->set_cluster_token(kToken);
+    const std::string request = magic + *control::EncodeFrame(e);
+    std::vector<UniqueFd> fds;
+    for (int i = 0; i < 30; ++i) {
+      auto fd = net::ConnectTcp(coordinator_address_, "", milliseconds(3000));
+      ASSERT_TRUE(fd.ok()) << fd.status();
+      timeval tv{5, 0};
+      setsockopt(fd->get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      fds.push_back(std::move(*fd));
+    }
+    for (UniqueFd& fd : fds) {
+      ASSERT_EQ(send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL),
+                static_cast<ssize_t>(request.size()));
+    }
+    int answered = 0, retry = 0;
+    for (UniqueFd& fd : fds) {
+      std::string got;
+      char buf[4096];
+      for (ssize_t k; (k = recv(fd.get(), buf, sizeof(buf), 0)) > 0;) {
+        got.append(buf, static_cast<size_t>(k));
+      }
+      control::FrameDecoder d;
+      d.Feed(got.data(), got.size());
+      control::Envelope reply;
+      auto ok = d.Next(&reply);
+      ASSERT_TRUE(ok.ok() && *ok) << "no reply";
+      answered += reply.has_status_reply();
+      retry += reply.has_error() &&
+               reply.error().message().find("retry later") != std::string::npos;
+    }
+    EXPECT_LE(answered, 20);
+    EXPECT_GE(retry, 10);
+    EXPECT_EQ(answered + retry, 30);
+  }
+  std::this_thread::sleep_for(milliseconds(1100));  // the rate window passes
+
   ASSERT_TRUE(coordinator_->Running()) << coordinator_->LogTail();
   const control::StatusReply again = Json();
   EXPECT_EQ(again.epoch(), epoch);
