@@ -223,6 +223,7 @@ void ControlClient::SendHeartbeat(Status* error) {
   hb.mutable_heartbeat()->set_seq(++heartbeat_seq_);
   hb.mutable_heartbeat()->set_sent_us(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count()));
+  if (options_.heartbeat_stats) options_.heartbeat_stats(hb.mutable_heartbeat()->mutable_stats());
   // Recorded before sending: the lease counts from before the coordinator could see it.
   unacked_.emplace_back(heartbeat_seq_, now);
   if (unacked_.size() > 256) unacked_.pop_front();  // a coordinator that never answers

@@ -35,6 +35,11 @@ struct ControlClientOptions {
   // member (JoinRequest.previous_member_id) for up to this long before giving up; 0 = never.
   // A coordinator that declared this member dead refuses: status() then says so.
   std::chrono::milliseconds rejoin_window{60000};
+  // Optional: fills the MemberStats each periodic heartbeat carries (`shardps status`). Called
+  // on the control client's own thread before every heartbeat: it must be thread-safe, quick and
+  // must not call back into the ControlClient. Heartbeats stay periodic: a training step still
+  // sends no control message.
+  std::function<void(MemberStats*)> heartbeat_stats;
 };
 
 struct ControlCounters {

@@ -129,6 +129,10 @@ const char* BodyName(const Envelope& e) {
       return "heartbeat_ack";
     case Envelope::kReplicaSynced:
       return "replica_synced";
+    case Envelope::kStatusRequest:
+      return "status_request";
+    case Envelope::kStatusReply:
+      return "status_reply";
     case Envelope::BODY_NOT_SET:
       return "none";
   }

@@ -191,6 +191,14 @@ void Coordinator::ReadFrom(Conn* c) {
 
 void Coordinator::Handle(Conn* c, const Envelope& e) {
   if (!c->joined) {
+    if (c->status_answered) {
+      Close(c, std::string("a message after a status request: ") + BodyName(e), true);
+      return;
+    }
+    if (e.body_case() == Envelope::kStatusRequest) {
+      HandleStatusRequest(c, e.status_request());
+      return;
+    }
     if (e.body_case() != Envelope::kJoin) {
       Close(c, std::string("expected join, got ") + BodyName(e), true);
       return;
@@ -232,6 +240,7 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
         MutexLock l(&mu_);
         ++counters_.checkpoints_requested;
       }
+      last_checkpoint_request_ = e.checkpoint();
       for (auto& [fd, o] : conns_) {
         if (o->joined && !o->closing && o->member.role() == ROLE_SERVER) Queue(o.get(), e);
       }
@@ -555,6 +564,8 @@ void Coordinator::FlushOutput(Conn* c) {
     Close(c, std::string("send: ") + strerror(errno), false);
     return;
   }
+  // A status reply is the connection's only message: closed once it is out.
+  if (c->status_answered && !c->closing) Close(c, "status answered", false);
 }
 
 void Coordinator::Publish(const std::string& reason, uint32_t departed) {
@@ -631,6 +642,7 @@ void Coordinator::HandleHeartbeat(Conn* c, const Heartbeat& hb) {
   }
   if (hb.sent_us() != 0) c->last_sent_us = hb.sent_us();
   c->detector.Heartbeat(now, member_interval);
+  if (hb.has_stats()) NoteStats(c, hb.stats());
   if (c->suspected) {
     c->suspected = false;
     {

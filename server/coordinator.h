@@ -25,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <set>
 #include <memory>
@@ -83,7 +84,15 @@ struct CoordinatorCounters {
   uint64_t backups_synced = 0;    // ... that copied the snapshot and follow the stream
   uint64_t heartbeats = 0;              // heartbeats received from members
   uint64_t checkpoints_requested = 0;   // worker checkpoint requests forwarded to the servers
+  // `shardps status` (StatusRequest): answered, and refused (wrong token or over the rate).
+  uint64_t status_answered = 0;
+  uint64_t status_refused = 0;
 };
+
+// At most this many StatusRequests are answered per second (the rest get an Error), and a
+// reply lists at most kMaxStatusMembers members: a status asker never slows the loop.
+inline constexpr int kMaxStatusPerSecond = 20;
+inline constexpr int kMaxStatusMembers = 4096;
 
 class Coordinator {
  public:
@@ -157,6 +166,11 @@ class Coordinator {
   void FailStartUp(const std::string& why);
   void FillServerEntry(uint32_t group, uint32_t server_rank, ServerEntry* e);
   void BroadcastShardMap();
+  // `shardps status` (coordinator_status.cc): a StatusRequest on a connection that did not
+  // join, answered once and closed; a member's heartbeat stats kept for it; the reply.
+  void HandleStatusRequest(Conn* c, const StatusRequest& r);
+  void NoteStats(Conn* c, const MemberStats& s);
+  StatusReply BuildStatus() const;
   // Restart support (a state file, or etcd for HA coordinators).
   bool Persistent() const { return !options_.state_file.empty() || !options_.etcd_endpoints.empty(); }
   void SaveState();
@@ -223,6 +237,14 @@ class Coordinator {
   };
   std::map<uint32_t, Pending> pending_;
   bool dirty_ = false;
+  // Status (loop thread): when this coordinator started, the answers of the last second (rate
+  // limit), the newest checkpoint clock a server reported and when, the last requested one.
+  std::chrono::steady_clock::time_point started_at_ = std::chrono::steady_clock::now();
+  std::deque<std::chrono::steady_clock::time_point> status_times_;
+  bool checkpoint_seen_ = false;
+  uint64_t checkpoint_seen_clock_ = 0;
+  uint64_t checkpoint_seen_unix_ms_ = 0;
+  CheckpointRequest last_checkpoint_request_;
 
   mutable Mutex mu_;  // guards the snapshot below (written by the loop thread, read by anyone)
   Membership membership_ GUARDED_BY(mu_);  // epoch + members

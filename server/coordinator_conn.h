@@ -4,6 +4,7 @@
 #define SHARDPS_SERVER_COORDINATOR_CONN_H_
 
 #include <chrono>
+#include <deque>
 #include <string>
 
 #include "common/failure_detector.h"
@@ -39,6 +40,22 @@ struct Coordinator::Conn {
   // While suspected: since when the member's kernel has had our data unacknowledged without a
   // break (time_point{} = nothing outstanding at the last look).
   Clock::time_point unacked_since{};
+  // A status asker (StatusRequest, never joined): answered once, closed once the reply is out.
+  bool status_answered = false;
+  // A member's latest heartbeat stats (MemberStats), and the (time, bytes, pushes) samples of
+  // its heartbeats of the last 1-2 s, oldest first (at most kMaxRateSamples): its rates are
+  // measured over them (a sliding window, moved at every heartbeat).
+  struct RateSample {
+    Clock::time_point at;
+    uint64_t bytes = 0;
+    uint64_t pushes = 0;
+  };
+  static constexpr size_t kMaxRateSamples = 64;
+  bool has_stats = false;
+  MemberStats stats;
+  std::deque<RateSample> rate_samples;
+  double bytes_per_second = 0;
+  double pushes_per_second = 0;
 
   Conn(size_t max_frame, const PhiAccrualDetector::Options& liveness)
       : decoder(max_frame), detector(liveness) {}

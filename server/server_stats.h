@@ -18,6 +18,11 @@ namespace shardps::server {
 
 struct ShardServerCounters {
   uint64_t pushes_applied = 0;
+  uint64_t bytes_applied = 0;      // gradient bytes of the pushes applied
+  uint64_t max_applied_clock = 0;  // the newest clock of any push applied
+  uint64_t min_applied_clock = 0;  // over live workers, the lowest of their newest applied clock
+  bool has_checkpoint = false;     // a checkpoint was written since start ...
+  uint64_t last_checkpoint_clock = 0;  // ... at this clock
   uint64_t duplicate_pushes = 0;  // same (worker, chunk, seq) seen again: dropped
   uint64_t rejected_pushes = 0;   // malformed header, wrong chunk, unknown worker
   uint64_t versions_published = 0;
@@ -42,7 +47,6 @@ struct ShardServerCounters {
   uint64_t checkpoints_written = 0;
   uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on
   uint64_t restored_clock = 0;       // the checkpoint clock restored at start (0: none)
-  uint64_t bytes_applied = 0;        // gradient payload bytes of the pushes applied
   uint64_t checkpoint_bytes = 0;     // bytes of the checkpoints written
   uint64_t heartbeats_sent = 0;      // to the coordinator (copied at housekeeping)
   uint64_t heartbeat_acks = 0;       // leases granted by the coordinator

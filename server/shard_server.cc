@@ -102,6 +102,8 @@ Status ShardServer::Setup() {
   co.connect_timeout = std::chrono::milliseconds(10000);
   // A restarted coordinator takes the server back; training goes on meanwhile.
   co.rejoin_window = std::chrono::milliseconds(300000);
+  // stats_ outlives control_ (declared before it): the control thread may read it until then.
+  co.heartbeat_stats = [this](control::MemberStats* s) { FillHeartbeatStats(s); };
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
   rank_ = control_->reply().rank();
   config_ = control_->reply().config();
@@ -663,6 +665,10 @@ bool ShardServer::Housekeeping(Status* fenced) {
       c.checkpoints_written = st.written;
       c.checkpoint_failures = st.failed;
       c.checkpoint_bytes = st.bytes_written;
+      if (st.last_written_clock.has_value()) {
+        c.has_checkpoint = true;
+        c.last_checkpoint_clock = *st.last_written_clock;
+      }
     });
   }
   if (Clock::now() - gauges_published_ > std::chrono::milliseconds(200)) {
@@ -677,6 +683,27 @@ bool ShardServer::Housekeeping(Status* fenced) {
       c.pushes_waiting = waiting;
       c.heartbeats_sent = cc.heartbeats_sent;
       c.heartbeat_acks = cc.heartbeat_acks;
+    });
+  }
+  if (workers_ != nullptr && Clock::now() - min_clock_at_ > std::chrono::milliseconds(100)) {
+    // For `shardps status` (heartbeats): the slowest live worker's newest applied clock; every
+    // 100 ms, not every pass (it walks workers x slots).
+    min_clock_at_ = Clock::now();
+    bool any = false;
+    int64_t min_clock = 0, max_clock = 0;
+    for (uint32_t rank : workers_->Live()) {
+      const WorkerState* w = workers_->Find(rank);
+      if (w == nullptr || w->applied_clock.empty()) continue;
+      const int64_t newest = *std::max_element(w->applied_clock.begin(), w->applied_clock.end());
+      if (newest < 0) continue;
+      min_clock = any ? std::min(min_clock, newest) : newest;
+      max_clock = std::max(max_clock, newest);
+      any = true;
+    }
+    // A backup applies records, not pushes: its clocks come from the records it folded in.
+    stats_.Update([&](ShardServerCounters& c) {
+      c.min_applied_clock = static_cast<uint64_t>(min_clock);
+      c.max_applied_clock = std::max(c.max_applied_clock, static_cast<uint64_t>(max_clock));
     });
   }
   Status cs = control_->status();
@@ -701,6 +728,16 @@ bool ShardServer::WorkersDone() const {
     if (mem.role() == control::ROLE_WORKER) return false;
   }
   return true;
+}
+
+void ShardServer::FillHeartbeatStats(control::MemberStats* s) const {
+  const ShardServerCounters c = stats_.Snapshot();
+  s->set_pushes_applied(c.pushes_applied);
+  s->set_bytes_applied(c.bytes_applied);
+  s->set_min_applied_clock(c.min_applied_clock);
+  s->set_max_applied_clock(c.max_applied_clock);
+  s->set_has_checkpoint(c.has_checkpoint);
+  s->set_last_checkpoint_clock(c.last_checkpoint_clock);
 }
 
 void ShardServer::DropFailedEndpoints() {

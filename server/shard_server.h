@@ -31,6 +31,7 @@
 #ifndef SHARDPS_SERVER_SHARD_SERVER_H_
 #define SHARDPS_SERVER_SHARD_SERVER_H_
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -185,6 +186,8 @@ class ShardServer {
   // clock as pending and drop the deferred earlier one as stale).
   void DrainWork();
   void MaybeCapture(uint32_t slot);
+  // The MemberStats of this server's heartbeats (`shardps status`); any thread.
+  void FillHeartbeatStats(control::MemberStats* s) const;
 
   ShardServerOptions options_;
   std::atomic<bool> stop_{false};
@@ -204,6 +207,7 @@ class ShardServer {
   uint64_t seen_epoch_ = 0;
   uint64_t newest_push_epoch_ = 0;  // the newest membership epoch a BSP push was sent in
   Clock::time_point epoch_wait_since_{};  // since when BSP waits for that epoch
+  Clock::time_point min_clock_at_{};      // last min_applied_clock update (Housekeeping)
 
   // Registered regions (wire/region_layout.h).
   std::unique_ptr<layout::ServerLayout> layout_;

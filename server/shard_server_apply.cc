@@ -309,6 +309,7 @@ void ShardServer::ObservePushApplied(uint32_t slot, const layout::PushHeader& h)
   stats_.Update([&](ShardServerCounters& c) {
     ++c.pushes_applied;
     c.bytes_applied += h.bytes;
+    c.max_applied_clock = std::max<uint64_t>(c.max_applied_clock, h.clock);
   });
   const uint64_t oldest_open = chunks_->published_min_clock_plus1(slot);
   stats_.histograms().push_clock_lag.Observe(

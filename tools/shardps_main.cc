@@ -19,6 +19,8 @@ const Subcommand kSubcommands[] = {
     {"doctor", shardps::tools::DoctorMain,
      "check this host (RDMA devices, GIDs, memlock, huge pages, fork safety), the "
      "coordinator and peers; probe one-sided bandwidth and latency per pair"},
+    {"status", shardps::tools::StatusMain,
+     "ask a running cluster's coordinator who is in it and how it is doing"},
 };
 
 int Usage(FILE* out) {

@@ -6,6 +6,7 @@
 namespace shardps::tools {
 
 int DoctorMain(int argc, char** argv);  // tools/doctor_main.cc
+int StatusMain(int argc, char** argv);  // tools/status_main.cc
 
 }  // namespace shardps::tools
 

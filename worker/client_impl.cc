@@ -143,6 +143,11 @@ Status ClientImpl::Init(std::unique_ptr<transport::Fabric> fabric) {
   co.join.set_transport(fabric_->name());
   co.join.set_requested_rank(options_.requested_rank);
   co.connect_timeout = std::min(options_.setup_timeout, std::chrono::milliseconds(30000));
+  co.heartbeat_stats = [board = board_](control::MemberStats* s) {
+    s->set_clock(board->clock.load(std::memory_order_relaxed));
+    s->set_bytes_pushed(board->bytes_pushed.load(std::memory_order_relaxed));
+    s->set_bytes_pulled(board->bytes_pulled.load(std::memory_order_relaxed));
+  };
   ASSIGN_OR_RETURN(control_, control::ControlClient::Join(co));
   CrashPoint("worker.after_join");
   rank_ = control_->reply().rank();
@@ -555,6 +560,7 @@ Status ClientImpl::PullInitialWeights() {
   if (cluster_clock > step_.clock) {
     LOG(INFO) << "worker rank " << rank_ << ": joined a running cluster at clock " << cluster_clock;
     step_.clock = cluster_clock;
+    PublishBoard();
     for (uint32_t s = 0; s < sessions_->size(); ++s) {
       RETURN_IF_ERROR(sessions_->SendClock(s, step_.clock));
     }
@@ -804,6 +810,7 @@ Status ClientImpl::GetState(const std::string& name, float* weights, float* stat
 Status ClientImpl::Clock() {
   RETURN_IF_ERROR(lifecycle_.Require("Clock()", {ClientState::kRunning}));
   ++step_.clock;
+  PublishBoard();
   RETURN_IF_ERROR(MaybeRecover());
   // Tell every server, one-sidedly: write the clock into this worker's clock slot with an
   // immediate. It follows this clock's pushes on the same endpoint, so the server knows every
@@ -815,6 +822,16 @@ Status ClientImpl::Clock() {
     }
   }
   return Status::OK();
+}
+
+void ClientImpl::PublishBoard() {
+  board_->clock.store(step_.clock, std::memory_order_relaxed);
+  if (push_ != nullptr) {
+    board_->bytes_pushed.store(push_->bytes_pushed(), std::memory_order_relaxed);
+  }
+  if (pull_ != nullptr) {
+    board_->bytes_pulled.store(pull_->bytes_pulled(), std::memory_order_relaxed);
+  }
 }
 
 Status ClientImpl::Step() {

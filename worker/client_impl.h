@@ -22,6 +22,7 @@
 #ifndef SHARDPS_WORKER_CLIENT_IMPL_H_
 #define SHARDPS_WORKER_CLIENT_IMPL_H_
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -118,6 +119,13 @@ class ClientImpl final : public Client, private CompletionSink {
   ClientOptions options_;
   std::unique_ptr<ClientMetrics> metrics_;  // null unless options_.metrics_port != 0
   trace::ScopedTrace trace_;  // options_.trace_file: stopped (flushed) at Close, or last
+  // What this worker's heartbeats report (`shardps status`): written by the trainer's thread
+  // at every Clock(), read by the control client's thread (hence atomics, and shared).
+  struct HeartbeatBoard {
+    std::atomic<uint64_t> clock{0}, bytes_pushed{0}, bytes_pulled{0};
+  };
+  std::shared_ptr<HeartbeatBoard> board_ = std::make_shared<HeartbeatBoard>();
+  void PublishBoard();  // trainer thread
   std::unique_ptr<transport::Fabric> fabric_;
   std::unique_ptr<control::ControlClient> control_;
   control::ClusterConfig config_;

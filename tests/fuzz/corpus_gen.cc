@@ -152,6 +152,21 @@ std::vector<std::pair<std::string, Envelope>> Bodies() {
   sm->set_max_workers(4);
   sm->set_partition_bytes(8192);
   v.emplace_back("shard_map", e);
+
+  // `shardps status`: a request with the fuzz coordinator's token (answered), and a member's
+  // heartbeat carrying its counters.
+  e.Clear();
+  e.mutable_status_request()->set_cluster_token("fuzz-token");
+  v.emplace_back("status_request", e);
+
+  e.Clear();
+  e.mutable_heartbeat()->set_member_id(1);
+  e.mutable_heartbeat()->set_epoch(9);
+  e.mutable_heartbeat()->set_seq(1);
+  e.mutable_heartbeat()->mutable_stats()->set_clock(12);
+  e.mutable_heartbeat()->mutable_stats()->set_bytes_pushed(4096);
+  e.mutable_heartbeat()->mutable_stats()->set_bytes_pulled(4096);
+  v.emplace_back("heartbeat_stats", e);
   return v;
 }
 
@@ -198,7 +213,7 @@ int main(int argc, char** argv) {
     // fuzz_coordinator: the body right after the magic, and after a (prefixed) worker join.
     ok &= Write(co, "raw_" + name, std::string(1, '\0') + std::string(kMagic) + f);
     ok &= Write(co, "worker_" + name, std::string(1, '\1') + f);
-    if (name == "shards_ready" || name == "heartbeat") {
+    if (name == "shards_ready" || name == "heartbeat" || name == "heartbeat_stats") {
       ok &= Write(co, "server_" + name, std::string(1, '\3') + f);
     }
   }
