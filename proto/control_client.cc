@@ -251,7 +251,8 @@ std::chrono::milliseconds ControlClient::LeaseLeft() const {
 }
 
 bool ControlClient::Rejoin(const Status& why) {
-  if (options_.rejoin_window.count() <= 0 || stop_.load()) {
+  // Leaving: the coordinator closing after our Leave is the end, not a reason to rejoin.
+  if (options_.rejoin_window.count() <= 0 || stop_.load() || leaving_.load()) {
     Fail(why);
     return false;
   }

@@ -259,17 +259,30 @@ void ReplicationStream::CheckEndpoint(const std::function<bool()>& expected_end)
   if (endpoint_ && state_ == State::kConnected && !endpoint_->status().ok()) {
     Failed(endpoint_->status(), expected_end());
   }
+  // A failure not yet known to be the job's end is logged once the membership had time to say
+  // so: at the job's end the backup may close before this server sees the workers leave.
+  if (!failure_logged_ && std::chrono::steady_clock::now() - failed_at_ > kFailureGrace) {
+    LogFailure(expected_end());
+  }
 }
 
 void ReplicationStream::Failed(const Status& why, bool expected_end) {
   if (state_ != State::kConnected) return;
   state_ = State::kFailed;
+  failure_ = why;
+  failed_at_ = std::chrono::steady_clock::now();
+  failure_logged_ = false;
+  if (expected_end) LogFailure(true);
+}
+
+void ReplicationStream::LogFailure(bool expected_end) {
+  failure_logged_ = true;
   if (expected_end) {
     LOG(INFO) << "replication to the backup of group " << group_ << " ended after the job's "
-              << "workers were done: " << why;
+              << "workers were done: " << failure_;
     return;
   }
-  LOG(WARNING) << "replication to the backup of group " << group_ << " failed: " << why
+  LOG(WARNING) << "replication to the backup of group " << group_ << " failed: " << failure_
                << "; new versions wait until the coordinator declares the backup gone";
 }
 

@@ -16,6 +16,7 @@
 #ifndef SHARDPS_SERVER_REPLICATION_STREAM_H_
 #define SHARDPS_SERVER_REPLICATION_STREAM_H_
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -121,6 +122,12 @@ class ReplicationStream {
   void PostWaiting();
   void Post(uint32_t slot);
   void Failed(const Status& why, bool expected_end = false);
+  void LogFailure(bool expected_end);
+  // A failure is logged at once if it is the job's end, else after this grace (CheckEndpoint).
+  static constexpr std::chrono::milliseconds kFailureGrace{1000};
+  Status failure_;
+  std::chrono::steady_clock::time_point failed_at_;
+  bool failure_logged_ = true;
   char* stage(uint32_t slot) const;
 
   transport::Fabric* fabric_;

@@ -364,9 +364,11 @@ Status ShardServer::ConnectReplication() {
     t = std::move(*next);
     if (t.replica_target().none()) {
       stream_->NoBackup();
-      LOG(WARNING) << "server rank " << rank_ << ": the backup of group " << group_
-                   << " is gone (died during start-up); going on WITHOUT replication: a failure "
-                      "of this server now loses its state (checkpoints are the only copy)";
+      // At the job's end (every worker done) the backup leaving is expected: INFO.
+      LOG_IF(WARNING, !WorkersDone())
+          << "server rank " << rank_ << ": the backup of group " << group_
+          << " is gone (died during start-up); going on WITHOUT replication: a failure "
+             "of this server now loses its state (checkpoints are the only copy)";
       return Status::OK();
     }
   }
@@ -512,8 +514,9 @@ void ShardServer::RefreshMembership() {
   }
   authenticator_->SetMembership(std::move(member_ids));  // a departed member's key is spent
   if (stream_->failed() && !backup_present) {
-    LOG(WARNING) << "server rank " << rank_ << ": backup member " << stream_->backup_member()
-                 << " left the membership (epoch " << e << ")";
+    LOG_IF(WARNING, !WorkersDone())
+        << "server rank " << rank_ << ": backup member " << stream_->backup_member()
+        << " left the membership (epoch " << e << ")";
   }
   for (uint32_t r : workers_->SetMembers(now)) {
     // Its endpoints are closed: a worker declared dead that is in fact alive (stopped past its
@@ -748,8 +751,9 @@ void ShardServer::DropFailedEndpoints() {
   const uint64_t primary = applier_ ? applier_->primary_endpoint() : 0;
   for (const auto& [id, why] : endpoints_->DropFailed()) {
     const bool is_primary = id == primary && primary != 0;
-    const bool expected =
-        is_primary ? WorkersDone() : endpoints_->WorkerOf(id).has_value();
+    // The primary's stream failing is followed by a promotion (or is the job's end): the
+    // coordinator logs the primary's loss, this backup its promotion.
+    const bool expected = is_primary || endpoints_->WorkerOf(id).has_value();
     LOG_IF(WARNING, !expected) << "server rank " << rank_ << ": endpoint " << id
                                << (is_primary ? " (the primary's replication stream)" : "")
                                << " failed: " << why;
@@ -846,11 +850,12 @@ void ShardServer::Promote(const control::Promote& p) {
   });
   trace::Instant("promote", "server", {{"group", group_}, {"epoch", p.epoch()}});
   trace::SetIdentity("server", rank_, group_);
-  LOG(WARNING) << "server rank " << rank_ << ": PROMOTED to primary of group " << group_
-               << " at epoch " << p.epoch() << " after " << applier_->applied()
-               << " replicated records (drained in "
-               << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()
-               << " ms); the group has no backup now";
+  // The coordinator promotes at the job's end too (its primary left first): INFO then.
+  LOG_IF(WARNING, !WorkersDone())
+      << "server rank " << rank_ << ": PROMOTED to primary of group " << group_ << " at epoch "
+      << p.epoch() << " after " << applier_->applied() << " replicated records (drained in "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()
+      << " ms); the group has no backup now";
   std::vector<Completion> early;
   early.swap(early_);
   for (const Completion& c : early) {

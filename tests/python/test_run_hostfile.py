@@ -194,7 +194,7 @@ class HostfileTrainTest(unittest.TestCase):
                               "localhost  worker          # rank 0\n"
                               "127.0.0.1  worker:2        # ranks 1, 2\n")
         try:
-            p = r.start("--lr", str(lr), "--timeout", "150",
+            p = r.start("--optimizer", "sgd", "--lr", str(lr), "--timeout", "150",
                         trainer=[sys.executable, "-c", TRAINER, r.out, str(steps)])
             # While it runs: no process's argv may hold the token (ps on this "every host").
             seen_sessions, leaks = False, {}
@@ -365,14 +365,15 @@ class HostfileDryRunTest(unittest.TestCase):
         for i, s in enumerate(scripts[1:3]):
             self.assertIn("--coordinator=10.0.0.1:7171", s)
             self.assertIn(f"--rank={i}", s)
-            self.assertIn("--transport=tcp", s)
+            # The shared launch default (launch_defaults.env: SHARDPS_TRANSPORT=auto).
+            self.assertIn("--transport=auto", s)
         self.assertIn("--bind_ip=10.0.0.1", scripts[1])
         self.assertIn("--bind_ip=10.0.0.3", scripts[2])
         for rank, s in enumerate(scripts[3:]):
             env = dict(re.findall(r"export (SHARDPS_\w+)=(\S+?);", s))
             want = {"SHARDPS_COORDINATOR": "10.0.0.1:7171", "SHARDPS_RANK": str(rank),
                     "SHARDPS_LOCAL_RANK": str([0, 1, 0][rank]),
-                    "SHARDPS_NUM_WORKERS": "3", "SHARDPS_TRANSPORT": "tcp"}
+                    "SHARDPS_NUM_WORKERS": "3", "SHARDPS_TRANSPORT": "auto"}
             if rank == 2:  # node3's ip=: the trainer's data-path address (verbs: its NIC)
                 want["SHARDPS_BIND_IP"] = "10.0.0.3"
             self.assertEqual(env, want)

@@ -956,7 +956,8 @@ class RunLauncherTest(unittest.TestCase):
             for v in ("SHARDPS_COORDINATOR", "SHARDPS_CLUSTER_TOKEN", "SHARDPS_RANK"):
                 env.pop(v, None)
             r = subprocess.run([sys.executable, "-m", "shardps.run", "--servers", "2",
-                                "--workers", "2", "--lr", "0.5", "--timeout", "90",
+                                "--workers", "2", "--optimizer", "sgd", "--lr", "0.5",
+                                "--timeout", "90",
                                 "--run-dir", d, "--", sys.executable, script],
                                env=env, capture_output=True, text=True, timeout=120)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)

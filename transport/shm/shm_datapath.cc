@@ -209,8 +209,10 @@ void ShmEndpoint::Fail(Status why, WcStatus front_status) {
   if (!error_) {
     error_ = true;
     status_ = std::move(why);
-    LOG(WARNING) << description_ << ": endpoint " << endpoint_id()
-                 << " entered the error state: " << status_;
+    // INFO, as tcp's: the owner learns it from status() and decides what it means (a peer
+    // that left at the job's end is no warning).
+    LOG(INFO) << description_ << ": endpoint " << endpoint_id()
+              << " entered the error state: " << status_;
   }
   FlushBacklog(front_status);
 }

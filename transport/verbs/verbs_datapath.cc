@@ -326,8 +326,9 @@ void VerbsEndpoint::enterError(Status why, WcStatus first_status) {
   // An EOF stays readable: stop watching, or Wait would wake up for it forever. The socket
   // itself stays open until destruction, which is when the peer learns we are gone.
   if (bootstrap_.get() >= 0) cq_->unwatchBootstrap(bootstrap_.get());
-  LOG(WARNING) << "verbs: endpoint " << endpoint_id() << " entered the error state: " << error_
-               << " (" << (head_seq_ - tail_seq_) << " ops outstanding)";
+  // INFO, as tcp's: the owner learns it from status() and decides what it means.
+  LOG(INFO) << "verbs: endpoint " << endpoint_id() << " entered the error state: " << error_ << " ("
+            << (head_seq_ - tail_seq_) << " ops outstanding)";
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_ERR;
   if (int rc = ibv_modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
