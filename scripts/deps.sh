@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PKGS=(
-  cmake make g++ pkg-config git
+  cmake make g++ pkg-config git ccache
   libgflags-dev libgoogle-glog-dev libprotobuf-dev protobuf-compiler libssl-dev
   libgtest-dev libgmock-dev
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest

@@ -26,6 +26,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include "common/net.h"
+#include "common/version.h"
 #include "proto/control.pb.h"
 #include "proto/framing.h"
 #include "tools/subcommands.h"
@@ -65,6 +66,10 @@ int ParseArgs(int argc, char** argv, StatusOptions* o) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h" || a == "--helpfull") {
       std::fputs(kUsage, stdout);
+      return -1;
+    }
+    if (a == "--version") {
+      std::printf("shardps status %s\n", BuildVersion());
       return -1;
     }
     if (a.rfind("--", 0) != 0) return UsageError("unexpected argument '" + a + "'");
