@@ -19,7 +19,9 @@ install(FILES worker/include/shardps/client.h worker/include/shardps/status.h
 install(TARGETS shardps_server shardps_coordinator_bin shardps_checkpoint_cli shardps_plan
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
-# The CMake package.
+# The CMake package. The static library pins the protobuf it was generated with.
+find_package(Protobuf REQUIRED)
+set(SHARDPS_PROTOBUF_VERSION ${Protobuf_VERSION})
 configure_package_config_file(cmake/shardpsConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/sdk/shardpsConfig.cmake
                               INSTALL_DESTINATION ${SHARDPS_CMAKE_DIR}
@@ -45,6 +47,7 @@ if(SHARDPS_HAVE_CUDA)
   string(APPEND SHARDPS_PC_LIBS_PRIVATE " -L${cudart_dir} -Wl,-rpath,${cudart_dir} -lcudart")
 endif()
 string(APPEND SHARDPS_PC_LIBS_PRIVATE " -lstdc++ -lm -lpthread")
+set(SHARDPS_PC_REQUIRES_PRIVATE "protobuf = ${Protobuf_VERSION}")
 configure_file(cmake/shardps.pc.in ${PROJECT_BINARY_DIR}/sdk/shardps.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/sdk/shardps.pc DESTINATION ${pc_dir})
 

@@ -21,6 +21,8 @@ namespace shardps::metrics {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// How long the listener is left out of the poll after accept4 ran out of descriptors.
+constexpr std::chrono::milliseconds kAcceptPause{100};
 // After a response: how long, and how many unread bytes, to drain before closing.
 constexpr std::chrono::milliseconds kLingerTime{1000};
 constexpr size_t kMaxDrainBytes = 1u << 20;
@@ -132,6 +134,8 @@ void MetricsHttpServer::Loop() {
   std::list<Conn> conns;  // oldest first
   std::vector<pollfd> pfds;
   std::vector<std::list<Conn>::iterator> order;
+  std::string cached;  // the last rendering, and when it was made
+  Clock::time_point cached_at;
   const auto respond = [&](Conn& c, std::string text, bool ok) {
     c.out = std::move(text);
     c.sent = 0;
@@ -168,11 +172,20 @@ void MetricsHttpServer::Loop() {
     } else if (path != "/metrics") {
       respond(c, Response(404, "Not Found", "text/plain", "not found; try /metrics\n"), false);
     } else {
-      respond(c, Response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", render_()),
-              true);
+      // Rendered at most every min_render_interval (HttpServerOptions).
+      const auto t = Clock::now();
+      if (cached_at == Clock::time_point() || t - cached_at >= options_.min_render_interval) {
+        cached = render_();
+        cached_at = t;
+      }
+      respond(c, Response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", cached), true);
     }
   };
 
+  // After accept4 fails for want of descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM) the pending
+  // connection stays readable: the listener is left out of the poll until then, or the loop
+  // would spin.
+  Clock::time_point accept_paused_until;
   for (;;) {
     const auto now = Clock::now();
     // Deadlines.
@@ -188,7 +201,9 @@ void MetricsHttpServer::Loop() {
     pfds.clear();
     order.clear();
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
-    pfds.push_back({listen_fd_.get(), POLLIN, 0});
+    const bool accepting = now >= accept_paused_until;
+    pfds.push_back({accepting ? listen_fd_.get() : -1, POLLIN, 0});  // fd -1: ignored by poll
+    if (!accepting) next = std::min(next, accept_paused_until);
     for (auto it = conns.begin(); it != conns.end(); ++it) {
       const bool out = it->responding && !it->lingering;
       pfds.push_back({it->fd.get(), static_cast<short>(out ? POLLOUT : POLLIN), 0});
@@ -243,8 +258,14 @@ void MetricsHttpServer::Loop() {
       for (int k = 0; k < 64; ++k) {
         const int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-          if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR &&
-              errno != ECONNABORTED) {
+          const int err = errno;
+          if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+            if (accept_paused_until <= now) {
+              PLOG(WARNING) << "metrics: accept (out of descriptors or memory); not accepting "
+                            << "for " << kAcceptPause.count() << " ms";
+            }
+            accept_paused_until = Clock::now() + kAcceptPause;
+          } else if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR && err != ECONNABORTED) {
             PLOG_EVERY_N(WARNING, 100) << "metrics: accept";
           }
           break;

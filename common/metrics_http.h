@@ -42,6 +42,9 @@ struct HttpServerOptions {
   size_t max_request_bytes = 8192;
   std::chrono::milliseconds request_timeout{3000};
   int max_connections = 16;
+  // A rendering is reused for this long: a client looping GETs cannot make the render
+  // callback (which takes the daemons' counter locks) run more often. 0: every GET renders.
+  std::chrono::milliseconds min_render_interval{250};
 };
 
 class MetricsHttpServer {

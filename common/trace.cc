@@ -256,7 +256,7 @@ class Tracer {
       }
     }
     if (fd_ < 0) {
-      fd_ = open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      fd_ = open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
       if (fd_ < 0) return WriteFailed(ErrnoError("trace: open " + path_, errno));
       std::string head;
       {

@@ -76,8 +76,9 @@ const char* BuildVersion() {
 }
 
 void ParseCommandLine(int* argc, char*** argv, const char* usage, const char* main_file) {
-  const char* slash = std::strrchr((*argv)[0], '/');
-  const char* program = slash ? slash + 1 : (*argv)[0];
+  const char* argv0 = (*argc > 0 && (*argv)[0] != nullptr) ? (*argv)[0] : "shardps";
+  const char* slash = std::strrchr(argv0, '/');
+  const char* program = slash ? slash + 1 : argv0;
   gflags::SetUsageMessage(usage);
   gflags::SetVersionString(BuildVersion());
   for (int i = 1; i < *argc; ++i) {

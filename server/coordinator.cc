@@ -280,6 +280,10 @@ std::string Coordinator::JoinRefusal(const JoinRequest& j) const {
     refuse = "join without a valid role";
   } else if (j.spare() && j.role() != ROLE_SERVER) {
     refuse = "only a server can be a spare";
+  } else if (j.hostname().size() > 255 || j.data_address().size() > 255 ||
+             j.transport().size() > 64) {
+    // Published to every member and shown by `shardps status`: bounded.
+    refuse = "hostname, data address or transport name too long";
   } else if (j.requested_rank() >= 65536) {
     refuse = "requested rank " + std::to_string(j.requested_rank()) + " is out of range";
   } else if (!options_.config.transport().empty() && !j.transport().empty() &&

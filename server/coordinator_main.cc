@@ -259,14 +259,19 @@ int main(int argc, char** argv) {
       servers += m.role() == ROLE_SERVER;
     }
     most_workers = std::max(most_workers, workers);
+    // workers_complete: the coordinator saw every expected worker at once, even if this
+    // 100 ms poll never did (a job shorter than a poll).
     const bool done =
-        workers == 0 && most_workers >= static_cast<size_t>(std::max(1, FLAGS_num_workers));
+        workers == 0 && (most_workers >= static_cast<size_t>(std::max(1, FLAGS_num_workers)) ||
+                         membership.workers_complete());
     if (!done) continue;
     const auto now = std::chrono::steady_clock::now();
     if (workers_gone_at == std::chrono::steady_clock::time_point::max()) {
       workers_gone_at = now;
-      LOG(INFO) << "coordinator: all " << most_workers << " workers have left; waiting for "
-                << servers << " server(s) to leave (--exit_when_done)";
+      LOG(INFO) << "coordinator: all "
+                << std::max(most_workers, static_cast<size_t>(std::max(1, FLAGS_num_workers)))
+                << " workers have left; waiting for " << servers
+                << " server(s) to leave (--exit_when_done)";
     }
     if (servers == 0) break;
     if (now - workers_gone_at > std::chrono::milliseconds(FLAGS_exit_grace_ms)) {

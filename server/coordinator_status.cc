@@ -66,6 +66,14 @@ void Coordinator::HandleStatusRequest(Conn* c, const StatusRequest& r) {
     ++counters_.status_answered;
   }
   VLOG(1) << "coordinator: status answered to " << c->peer;
+  if (reply.ByteSizeLong() + 64 > options_.max_frame_bytes) {
+    // Never leave the asker waiting for a reply that cannot be framed.
+    Envelope err;
+    err.mutable_error()->set_message("status reply of " + std::to_string(reply.ByteSizeLong()) +
+                                     " bytes exceeds the control frame limit");
+    Queue(c, err);
+    return;
+  }
   Queue(c, reply);
 }
 
@@ -73,6 +81,9 @@ void Coordinator::NoteStats(Conn* c, const MemberStats& s) {
   const auto now = Clock::now();
   c->has_stats = true;
   c->stats = s;
+  // Only the fields this coordinator knows go into status replies: a member's unknown fields
+  // (a newer version, or garbage) must not grow every reply.
+  c->stats.DiscardUnknownFields();
   const bool server = c->member.role() == ROLE_SERVER;
   Conn::RateSample sample{now, server ? s.bytes_applied() : s.bytes_pushed() + s.bytes_pulled(),
                           server ? s.pushes_applied() : 0};

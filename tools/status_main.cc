@@ -34,6 +34,16 @@
 namespace shardps::tools {
 namespace {
 
+// Text from the wire, made safe for a terminal: control bytes (ESC included) become '?'.
+std::string Printable(const std::string& s) {
+  std::string out = s;
+  for (char& ch : out) {
+    const unsigned char u = static_cast<unsigned char>(ch);
+    if (u < 0x20 || u == 0x7f) ch = '?';
+  }
+  return out;
+}
+
 using control::StatusReply;
 
 struct StatusOptions {
@@ -222,10 +232,10 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
   std::printf(", %u groups x %u replicas, %u workers expected, transport %s, epoch %" PRIu64
               ", up %.1f s\n",
               c.num_servers(), c.replicas(), c.num_workers(),
-              c.transport().empty() ? "(any)" : c.transport().c_str(), r.epoch(),
+              c.transport().empty() ? "(any)" : Printable(c.transport()).c_str(), r.epoch(),
               static_cast<double>(r.uptime_ms()) / 1000.0);
   if (!r.startup_failure().empty()) {
-    std::printf("STARTUP FAILED: %s\n", r.startup_failure().c_str());
+    std::printf("STARTUP FAILED: %s\n", Printable(r.startup_failure()).c_str());
   }
 
   std::printf("\nmembers    %u servers, %u workers joined%s\n", r.servers(), r.workers(),
@@ -237,8 +247,9 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
     std::string role =
         m.role() == control::ROLE_SERVER ? (m.spare() ? "spare" : "server") : "worker";
     std::printf("  %-4u %-6s %-4u %-16s %-8u %-6s %-22s %-9s %s\n", m.member_id(), role.c_str(),
-                m.rank(), m.hostname().substr(0, 16).c_str(), m.pid(), m.transport().c_str(),
-                m.data_address().empty() ? "-" : m.data_address().c_str(), state,
+                m.rank(), Printable(m.hostname().substr(0, 16)).c_str(), m.pid(),
+                Printable(m.transport()).c_str(),
+                m.data_address().empty() ? "-" : Printable(m.data_address()).c_str(), state,
                 m.joined() ? (std::to_string(m.heartbeat_age_ms()) + " ms").c_str() : "-");
   }
 
@@ -292,7 +303,7 @@ void PrintTable(const StatusReply& r, const std::string& coordinator) {
   if (r.has_checkpoint()) {
     const control::StatusCheckpoint& k = r.checkpoint();
     std::printf("\ncheckpoint clock %" PRIu64 " in %s at %s, %s (%u/%u groups)\n", k.clock(),
-                k.dir().empty() ? "(server --checkpoint_dir)" : k.dir().c_str(),
+                k.dir().empty() ? "(server --checkpoint_dir)" : Printable(k.dir()).c_str(),
                 UtcTime(k.unix_ms()).c_str(), k.complete() ? "complete" : "INCOMPLETE",
                 k.groups_written(), k.groups());
   } else {
@@ -330,7 +341,8 @@ int StatusMain(int argc, char** argv) {
   while (true) {
     StatusOr<StatusReply> r = Ask(o);
     if (!r.ok()) {
-      std::fprintf(stderr, "shardps status: %s\n", std::string(r.status().message()).c_str());
+      std::fprintf(stderr, "shardps status: %s\n",
+                   Printable(std::string(r.status().message())).c_str());
       return 1;
     }
     if (o.json) {

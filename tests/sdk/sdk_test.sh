@@ -55,7 +55,7 @@ echo '#include <shardps/c_api.h>' | cc -std=c11 -fsyntax-only -I"$P/include" -x 
 step "installed: $(cd "$P" && find . -type f | wc -l) files; $("$P/bin/shardps" --version)"
 
 # 2. Exported symbols.
-nm -D --defined-only "$LIBDIR/libshardps.so" | awk '$2 != "A" {print $3}' | sed 's/@@SHARDPS_0$//' >"$T/syms"
+nm -D --defined-only "$LIBDIR/libshardps.so" | awk '$2 != "A" {print $3}' | sed 's/@@SHARDPS_[0-9.]*$//' >"$T/syms"
 total=$(wc -l <"$T/syms")
 c_api=$(grep -c '^shardps_' "$T/syms" || true)
 declared=$(grep -oE '\bshardps_[a-z_]+\(' "$P/include/shardps/c_api.h" | sort -u | wc -l)

@@ -245,6 +245,7 @@ std::unique_ptr<MetricsHttpServer> StartServer(HttpServerOptions o, std::atomic<
 TEST(MetricsHttp, ServesMetricsAndRefusesTheRest) {
   std::atomic<int> renders{0};
   HttpServerOptions o;
+  o.min_render_interval = std::chrono::milliseconds(0);  // every GET renders (counted below)
   o.address_file = ::testing::TempDir() + "/metrics-%p.addr";
   auto s = StartServer(o, &renders);
   ASSERT_NE(s, nullptr);
@@ -293,6 +294,24 @@ TEST(MetricsHttp, ServesMetricsAndRefusesTheRest) {
   const auto st = s->stats();
   EXPECT_EQ(st.scrapes, 2u);
   EXPECT_EQ(st.errors_sent, 105u);
+}
+
+TEST(MetricsHttp, AClientLoopingGetsDoesNotRenderMoreOftenThanTheInterval) {
+  std::atomic<int> renders{0};
+  HttpServerOptions o;
+  o.min_render_interval = std::chrono::milliseconds(200);
+  auto s = StartServer(o, &renders);
+  ASSERT_NE(s, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  int ok = 0;
+  for (int i = 0; i < 50; ++i) {
+    ok += Fetch(s->address(), "GET /metrics HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 200", 0) == 0;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(ok, 50);
+  // One rendering per started 200 ms window, at most.
+  EXPECT_LE(renders.load(), static_cast<int>(secs / 0.2) + 1) << secs << " s";
+  EXPECT_GE(renders.load(), 1);
 }
 
 TEST(MetricsHttp, StrangersCannotBlockAScrape) {
