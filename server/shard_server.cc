@@ -386,8 +386,10 @@ void ShardServer::PollControl() {
     if (!t.ok()) break;
     const control::ReplicaTarget& rt = t->replica_target();
     if (rt.none() && stream_->has_backup()) {
-      LOG(WARNING) << "server rank " << rank_ << ": the backup of group " << group_
-                   << " is gone (epoch " << rt.epoch() << "); going on without replication";
+      // At the job's end (every worker done) the backup leaving is expected: no WARNING.
+      LOG_IF(WARNING, !WorkersDone())
+          << "server rank " << rank_ << ": the backup of group " << group_ << " is gone (epoch "
+          << rt.epoch() << "); going on without replication";
       DropBackup();
       handoff_.reset();
     } else if (!rt.none()) {
@@ -526,8 +528,11 @@ void ShardServer::RefreshMembership() {
     LOG(INFO) << "server rank " << rank_ << ": worker " << r << " left (epoch " << e
                  << "); BSP/SSP waits go on without it (" << closed << " endpoint(s) closed)";
   }
+  // workers_complete: the coordinator saw every expected worker at once, even if this server's
+  // polls never did (a job shorter than the gaps between them).
   if (options_.exit_when_workers_done && now.empty() &&
-      workers_->most_members_seen() >= std::max<size_t>(1, config_.num_workers())) {
+      (workers_->most_members_seen() >= std::max<size_t>(1, config_.num_workers()) ||
+       m.workers_complete())) {
     LOG(INFO) << "server rank " << rank_ << ": all " << workers_->most_members_seen()
               << " workers have left (epoch " << e << "); stopping (--exit_when_done)";
     stop_ = true;
@@ -722,11 +727,12 @@ bool ShardServer::Housekeeping(Status* fenced) {
 }
 
 bool ShardServer::WorkersDone() const {
-  if (control_ == nullptr ||
-      workers_->most_members_seen() < std::max<size_t>(1, config_.num_workers())) {
+  if (control_ == nullptr) return false;
+  const control::Membership m = control_->membership();
+  if (workers_->most_members_seen() < std::max<size_t>(1, config_.num_workers()) &&
+      !m.workers_complete()) {
     return false;
   }
-  const control::Membership m = control_->membership();
   for (const auto& mem : m.members()) {
     if (mem.role() == control::ROLE_WORKER) return false;
   }

@@ -200,7 +200,12 @@ until grep -qE ": unreachable|its lease \(" "$TMP/coordinator2.log"; do
   ((SECONDS < deadline)) || fail "the cut-off server was not declared dead within 15 s"
   sleep 0.01
 done
-cut_ms=$((($(date +%s%N) - t0) / 1000000))
+# Measured to the coordinator's own log timestamp (local time, as date's), not to when this
+# shell's polling noticed it: a loaded CI host may not run this loop for seconds.
+line=$(grep -m1 -E ": unreachable|its lease \(" "$TMP/coordinator2.log")
+stamp=$(sed -E 's/^[IWEF]([0-9]{4})([0-9]{2})([0-9]{2}) ([0-9:.]+) .*/\1-\2-\3 \4/' <<<"$line")
+t1=$(date -d "$stamp" +%s%N 2>/dev/null) || t1=$(date +%s%N)
+cut_ms=$(((t1 - t0) / 1000000))
 grep -q ": unreachable" "$TMP/coordinator2.log" ||
   fail "the cut-off server was declared dead by its lease, not as unreachable"
 ((cut_ms < 3000)) || fail "declared unreachable after $cut_ms ms, not before its 3 s lease"
