@@ -38,6 +38,20 @@ int64_t RealtimeNs() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// A metadata event ("M") naming this process or thread, as Perfetto reads them.
+Event MetadataEvent(const char* name, const std::string& value) {
+  Event e;
+  e.ph = 'M';
+  e.name = name;
+  e.tid = ThreadId();
+  e.Add(Arg("name", value));
+  return e;
+}
+
+// A JSON string literal of `s`. Not control::JsonQuote (protobuf's JSON printer, which the tools
+// use): this runs for every name and argument of up to a million events per flush, where building
+// a google.protobuf.Value per string would cost more than the event itself. The strings are the
+// code's own names, numbers and the host's name.
 void AppendEscaped(std::string* out, std::string_view s) {
   out->push_back('"');
   for (unsigned char ch : s) {
@@ -221,12 +235,7 @@ class Tracer {
       if (rank >= 0) label += " r" + std::to_string(rank);
       label += " (" + hostname_ + ":" + std::to_string(pid_) + ")";
     }
-    Event e;
-    e.ph = 'M';
-    e.name = "process_name";
-    e.tid = ThreadId();
-    e.Add(Arg("name", label));
-    Record(std::move(e));
+    Record(MetadataEvent("process_name", label));
     Status st = Flush();  // creates the file, under its final name
     if (!st.ok()) LOG(ERROR) << "trace: " << st;
   }
@@ -384,12 +393,7 @@ uint32_t ThreadId() {
 
 void NameThread(const std::string& name) {
   if (!Enabled()) return;
-  Event e;
-  e.ph = 'M';
-  e.name = "thread_name";
-  e.tid = ThreadId();
-  e.Add(Arg("name", name));
-  Record(std::move(e));
+  Record(MetadataEvent("thread_name", name));
 }
 
 std::string ExpandPath(const std::string& path, int64_t rank, int64_t pid) {
