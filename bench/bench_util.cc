@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -43,6 +44,74 @@ double ProcessCpuSeconds(pid_t pid) {
     if (i == 15) stime = std::stoull(field);
   }
   return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+ProcCounters& ProcCounters::operator+=(const ProcCounters& o) {
+  cpu_s += o.cpu_s;
+  minor_faults += o.minor_faults;
+  major_faults += o.major_faults;
+  voluntary_switches += o.voluntary_switches;
+  involuntary_switches += o.involuntary_switches;
+  return *this;
+}
+
+ProcCounters ProcCounters::operator-(const ProcCounters& o) const {
+  ProcCounters d;
+  d.cpu_s = cpu_s - o.cpu_s;
+  d.minor_faults = minor_faults - o.minor_faults;
+  d.major_faults = major_faults - o.major_faults;
+  d.voluntary_switches = voluntary_switches - o.voluntary_switches;
+  d.involuntary_switches = involuntary_switches - o.involuntary_switches;
+  return d;
+}
+
+ProcCounters SelfCounters() {
+  rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  ProcCounters c;
+  c.cpu_s = SelfCpuSeconds();
+  c.minor_faults = static_cast<uint64_t>(ru.ru_minflt);
+  c.major_faults = static_cast<uint64_t>(ru.ru_majflt);
+  c.voluntary_switches = static_cast<uint64_t>(ru.ru_nvcsw);
+  c.involuntary_switches = static_cast<uint64_t>(ru.ru_nivcsw);
+  return c;
+}
+
+bool ReadProcCounters(pid_t pid, ProcCounters* out) {
+  if (pid <= 0) return false;
+  const std::string dir = "/proc/" + std::to_string(pid);
+  std::ifstream f(dir + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return false;
+  const size_t rp = line.rfind(')');
+  if (rp == std::string::npos) return false;
+  std::istringstream is(line.substr(rp + 2));
+  std::string field;
+  ProcCounters c;
+  unsigned long long utime = 0, stime = 0;
+  // Fields from 3 on: minflt(10) majflt(12) utime(14) stime(15); whole-process sums.
+  for (int i = 3; i <= 15 && is >> field; ++i) {
+    if (i == 10) c.minor_faults = std::stoull(field);
+    if (i == 12) c.major_faults = std::stoull(field);
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) stime = std::stoull(field);
+  }
+  c.cpu_s = static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  // /proc/PID/status counts the leader's switches only: sum the threads'.
+  std::error_code ec;
+  for (const auto& t : std::filesystem::directory_iterator(dir + "/task", ec)) {
+    std::ifstream st(t.path() / "status");
+    while (std::getline(st, line)) {
+      unsigned long long v = 0;
+      if (sscanf(line.c_str(), "voluntary_ctxt_switches: %llu", &v) == 1) {
+        c.voluntary_switches += v;
+      } else if (sscanf(line.c_str(), "nonvoluntary_ctxt_switches: %llu", &v) == 1) {
+        c.involuntary_switches += v;
+      }
+    }
+  }
+  *out = c;
+  return true;
 }
 
 double Percentile(std::vector<double>* samples, double p) {

@@ -28,6 +28,19 @@ double SelfCpuSeconds();
 // CPU seconds of another process from /proc/PID/stat; -1 when unknown (pid <= 0, gone).
 double ProcessCpuSeconds(pid_t pid);
 
+// What a process has cost the machine so far: CPU, page faults, context switches.
+struct ProcCounters {
+  double cpu_s = 0;
+  uint64_t minor_faults = 0, major_faults = 0;
+  uint64_t voluntary_switches = 0, involuntary_switches = 0;  // summed over threads
+  ProcCounters& operator+=(const ProcCounters& o);
+  ProcCounters operator-(const ProcCounters& o) const;
+};
+// This process (getrusage: all threads, live and gone).
+ProcCounters SelfCounters();
+// Another process from /proc/PID/stat and /proc/PID/task/*/status; false when it is gone.
+bool ReadProcCounters(pid_t pid, ProcCounters* out);
+
 // Percentile p in [0, 100] of samples (nearest rank); sorts samples. 0 if empty.
 double Percentile(std::vector<double>* samples, double p);
 

@@ -81,6 +81,10 @@ struct Row {
   int reps = 0;
   double gbps = NAN, gbps_pslite = NAN, us_per_key = NAN, p50 = NAN, p99 = NAN;
   double server_cpu_s_per_gb = NAN;
+  // Page faults (minor + major) and context switches (voluntary + involuntary) per GB moved in
+  // the timed window: the server processes summed, and this process (the worker threads).
+  double server_faults_per_gb = NAN, worker_faults_per_gb = NAN;
+  double server_switches_per_gb = NAN, worker_switches_per_gb = NAN;
   double bound_gbps = NAN, bound_p50 = NAN;
   std::string bound_name;
   double ratio = NAN;  // throughput: gbps / bound; latency: p50 / bound p50

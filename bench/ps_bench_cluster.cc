@@ -412,9 +412,12 @@ class Cluster {
     for (auto it = children_.rbegin(); it != children_.rend(); ++it) (*it)->Kill();
   }
   const std::string& address() const { return address_; }
-  double ServerCpuSeconds() const {
-    double sum = 0;
-    for (pid_t p : server_pids_) sum += std::max(0.0, ProcessCpuSeconds(p));
+  ProcCounters ServerCounters() const {
+    ProcCounters sum;
+    for (pid_t p : server_pids_) {
+      ProcCounters c;
+      if (ReadProcCounters(p, &c)) sum += c;
+    }
     return sum;
   }
   std::string LogTails() const {
@@ -456,6 +459,7 @@ Status RunCluster(const ClusterSpec& spec, const Layout& lay, const std::vector<
       r.keys = lat ? 1 : spec.keys;
       r.reps = FLAGS_reps;
       std::vector<double> gbps, gbps_ps, uspk, p50, p99, cpu, bgb, bp50;
+      std::vector<double> srv_flt, wrk_flt, srv_csw, wrk_csw;
       for (int rep = 0; rep < FLAGS_reps; ++rep) {
         if (FLAGS_bounds) {
           ASSIGN_OR_RETURN(BoundResult b, bounds->Measure(spec, mode, lat));
@@ -463,13 +467,17 @@ Status RunCluster(const ClusterSpec& spec, const Layout& lay, const std::vector<
           bgb.push_back(b.gbps);
           bp50.push_back(b.lat_p50);
         }
-        double cpu0 = 0;
+        ProcCounters srv0, wrk0;
         Task t;
         t.kind = lat ? TaskKind::kLatency : TaskKind::kThroughput;
         t.mode = mode;
         t.seconds = lat ? FLAGS_lat_seconds : FLAGS_seconds;
-        std::vector<WorkerOut> outs = team.Run(t, [&] { cpu0 = cluster->ServerCpuSeconds(); });
-        const double cpu1 = cluster->ServerCpuSeconds();
+        std::vector<WorkerOut> outs = team.Run(t, [&] {
+          srv0 = cluster->ServerCounters();
+          wrk0 = SelfCounters();
+        });
+        const ProcCounters srv = cluster->ServerCounters() - srv0;
+        const ProcCounters wrk = SelfCounters() - wrk0;
         double g = 0, gp = 0, bytes = 0, u = 0;
         std::vector<double> lats;
         for (const WorkerOut& o : outs) {
@@ -489,7 +497,12 @@ Status RunCluster(const ClusterSpec& spec, const Layout& lay, const std::vector<
         gbps.push_back(g);
         gbps_ps.push_back(gp);
         uspk.push_back(u);
-        cpu.push_back((cpu1 - cpu0) / (bytes / 1e9));
+        const double gb = bytes / 1e9;
+        cpu.push_back(srv.cpu_s / gb);
+        srv_flt.push_back(static_cast<double>(srv.minor_faults + srv.major_faults) / gb);
+        wrk_flt.push_back(static_cast<double>(wrk.minor_faults + wrk.major_faults) / gb);
+        srv_csw.push_back(static_cast<double>(srv.voluntary_switches + srv.involuntary_switches) / gb);
+        wrk_csw.push_back(static_cast<double>(wrk.voluntary_switches + wrk.involuntary_switches) / gb);
         if (lat) {
           p50.push_back(Percentile(&lats, 50));
           p99.push_back(Percentile(&lats, 99));
@@ -501,6 +514,10 @@ Status RunCluster(const ClusterSpec& spec, const Layout& lay, const std::vector<
       r.p50 = Median(p50);
       r.p99 = Median(p99);
       r.server_cpu_s_per_gb = Median(cpu);
+      r.server_faults_per_gb = Median(srv_flt);
+      r.worker_faults_per_gb = Median(wrk_flt);
+      r.server_switches_per_gb = Median(srv_csw);
+      r.worker_switches_per_gb = Median(wrk_csw);
       r.bound_gbps = Median(bgb);
       r.bound_p50 = Median(bp50);
       r.rep_gbps = gbps;

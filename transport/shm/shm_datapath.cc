@@ -17,6 +17,7 @@
 #include <glog/logging.h>
 
 #include "common/net.h"
+#include "transport/populate.h"
 #include "transport/shm/shm_internal.h"
 
 namespace shardps::transport::shm {
@@ -100,7 +101,7 @@ Status ShmEndpoint::PostChecked(OpType type, const LocalSlice& local, const Remo
 }
 
 bool ShmEndpoint::Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_t** out,
-                          std::string* why) const {
+                          std::string* why) {
   const TableEntry& e = peer_entries_[r.rkey & kRkeySlotMask];
   const uint64_t s1 = e.state.load(std::memory_order_acquire);
   if (!StateLive(s1) || StateGeneration(s1) != (r.rkey >> kRkeySlotBits)) {
@@ -139,8 +140,15 @@ bool ShmEndpoint::Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_
     return false;
   }
   // A read from the read-only arena only ever reads through this pointer.
-  *out = in_ro ? const_cast<uint8_t*>(peer_ro_arena_) + off + (r.addr - va)
-               : peer_arena_ + off + (r.addr - va);
+  uint8_t* base = in_ro ? const_cast<uint8_t*>(peer_ro_arena_) + off : peer_arena_ + off;
+  if (populated_.insert(static_cast<uint64_t>(r.rkey) << 1 | (write ? 1 : 0)).second) {
+    if (populated_.size() > 4096) populated_ = {static_cast<uint64_t>(r.rkey) << 1 | write};
+    // Best effort: a failure leaves demand paging, as before.
+    const Status s = PopulatePages(base, length, write ? PopulateFor::kWrite : PopulateFor::kRead,
+                                   "shm: the peer's region");
+    if (!s.ok()) VLOG(1) << s.message();
+  }
+  *out = base + (r.addr - va);
   return true;
 }
 

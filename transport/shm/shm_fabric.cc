@@ -27,6 +27,7 @@
 
 #include <glog/logging.h>
 
+#include "transport/populate.h"
 #include "transport/providers.h"
 #include "transport/shm/shm_internal.h"
 
@@ -456,6 +457,12 @@ StatusOr<FabricCore::Range> FabricCore::Carve(uint64_t length, bool read_only) {
     return ErrnoError("shm: fallocate(PUNCH_HOLE) arena", err);
   }
   if (r.bytes >= kHugePage) madvise(Address(r), r.bytes, MADV_HUGEPAGE);  // best effort
+  // Committed now, not at a peer's first write inside a step (populate.h).
+  Status populated = PopulatePages(Address(r), r.bytes, PopulateFor::kWriteFresh, "shm");
+  if (!populated.ok()) {
+    Release(r);
+    return populated;
+  }
   return r;
 }
 
@@ -768,8 +775,10 @@ class ShmFabric final : public Fabric {
       const size_t bytes = RoundUp(length, kPage);
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) return ErrnoError("shm: mmap of " + std::to_string(bytes), errno);
-      return std::unique_ptr<MemoryRegion>(new ShmRegion(core_, p, length, access, 0, false,
+      std::unique_ptr<MemoryRegion> region(new ShmRegion(core_, p, length, access, 0, false,
                                                          FabricCore::Range{}, false, bytes));
+      RETURN_IF_ERROR(PopulatePages(p, bytes, PopulateFor::kWriteFresh, "shm"));
+      return region;
     }
     // Regions peers may not write (remote-read-only) live in the read-only arena: the kernel,
     // not only the initiator's check, keeps peers from writing them.

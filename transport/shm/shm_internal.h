@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "common/thread_annotations.h"
@@ -215,9 +216,11 @@ class ShmEndpoint final : public Endpoint {
                      uint64_t context, uint32_t flags) override;
   Outcome Execute(Op& op);
   // Resolves [addr, addr+len) of the peer's region named by rkey to a local pointer, or
-  // explains why the access is refused.
+  // explains why the access is refused. The first resolution of a region (per access kind)
+  // maps all of it into this process's page tables (populate.h), so that later operations on
+  // it take no page fault.
   bool Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_t** out,
-               std::string* why) const;
+               std::string* why);
   void Complete(const Op& op, WcStatus st);
   // Moves into the error state (once): the backlog's front op gets front_status, the rest
   // kFlushed.
@@ -236,6 +239,8 @@ class ShmEndpoint final : public Endpoint {
   const uint8_t* peer_ro_arena_ = nullptr;  // PROT_READ
   uint64_t peer_arena_size_ = 0;            // each of the two
   const TableEntry* peer_entries_ = nullptr;
+  // (rkey << 1 | write) of the peer's regions already populated in this process's mapping.
+  std::unordered_set<uint64_t> populated_;
   RingView out_;  // this side produces
   RingView in_;   // this side consumes
 

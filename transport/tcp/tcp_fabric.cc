@@ -24,6 +24,7 @@
 
 #include "common/crypto.h"
 #include "common/net.h"
+#include "transport/populate.h"
 #include "transport/providers.h"
 #include "transport/tcp/tcp_internal.h"
 
@@ -624,6 +625,11 @@ class TcpFabric final : public Fabric {
     if (reinterpret_cast<uint64_t>(addr) + length < reinterpret_cast<uint64_t>(addr)) {
       return InvalidArgumentError("tcp: RegisterMemory: range wraps around");
     }
+    // Best effort on the caller's memory (what ibv_reg_mr's pinning does): its first touch by a
+    // receive is then no page fault inside a step. Never rewritten (the caller may be writing).
+    const Status populated = PopulatePages(
+        addr, length, AllowsRemoteWrite(access) ? PopulateFor::kWrite : PopulateFor::kRead, "tcp");
+    if (!populated.ok()) VLOG(1) << populated.message();
     return std::unique_ptr<MemoryRegion>(new TcpRegion(engine_, addr, length, access, 0));
   }
 
@@ -633,7 +639,9 @@ class TcpFabric final : public Fabric {
     const size_t map = (length + page - 1) / page * page;
     void* p = mmap(nullptr, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return ErrnoError("tcp: mmap of " + std::to_string(map) + " bytes", errno);
-    return std::unique_ptr<MemoryRegion>(new TcpRegion(engine_, p, length, access, map));
+    std::unique_ptr<MemoryRegion> region(new TcpRegion(engine_, p, length, access, map));
+    RETURN_IF_ERROR(PopulatePages(p, map, PopulateFor::kWriteFresh, "tcp"));  // no fault later
+    return region;
   }
 
   StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(int depth) override {

@@ -16,6 +16,7 @@
 #endif
 
 #include "common/net.h"
+#include "transport/populate.h"
 #include "transport/providers.h"
 #include "transport/verbs/verbs_internal.h"
 #include "transport/verbs/verbs_testing.h"
@@ -166,6 +167,9 @@ StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::AllocateMemory(size_t lengt
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return ErrnoError("verbs: mmap " + std::to_string(mapped), errno);
   VerbsMemoryRegion::MappingPtr mapping(p, {mapped});
+  // Written before it is pinned: a read-only registration of untouched anonymous memory would
+  // otherwise pin the shared zero page. ibv_reg_mr then faults nothing in.
+  RETURN_IF_ERROR(PopulatePages(p, mapped, PopulateFor::kWriteFresh, "verbs"));
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(MrPtr mr, createMr(device_->pd(), p, length, IbvAccess(access)));
   return std::unique_ptr<MemoryRegion>(new VerbsMemoryRegion(
