@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Glue for scripts/bench.sh (Debian's python3; matplotlib from python3-matplotlib for `plot`).
 
-  ps_report.py merge OUT IN.json...              one results file from several shardps_bench runs
+  ps_report.py merge OUT IN.json|IN.jsonl...     one results file from several shardps_bench runs
+                                                 (.jsonl: bench/pslite_dense.sh's ps-lite rows)
   ps_report.py training OUT.json LOG...          digits_trainer "final:" lines -> JSON
   ps_report.py markdown RESULTS.json TRAIN.json DOC.md PNG
                                                  rewrites the generated part of docs/benchmarks.md
@@ -17,23 +18,11 @@ import os
 import re
 import sys
 
-# dmlc/ps-lite (ZeroMQ over TCP) on this kind of machine, "quiet" columns of
-# ../shared/baselines/README.md (2026-11-22): (series, layout, mode, size) -> (Gbit/s, us/key).
-# Goodput under ps-lite's convention (push-pull counts len once).
 KIB, MIB = 1024, 1 << 20
-PSLITE = {}
-def _add(series, layout, mode, rows):
-    for size, gbps, uspk in rows:
-        PSLITE[(series, layout, mode, size)] = (gbps, uspk)
-_add("throughput", "1x1", "push", [(4*KIB, 2.732, 12), (64*KIB, 14.336, 37), (MIB, 33.467, 251), (4*MIB, 29.626, 1133), (16*MIB, 32.535, 4125)])
-_add("throughput", "1x1", "pull", [(4*KIB, 2.269, 14), (64*KIB, 11.134, 47), (MIB, 28.009, 299), (4*MIB, 28.751, 1167), (16*MIB, 21.445, 6259)])
-_add("throughput", "1x1", "push-pull", [(4*KIB, 1.675, 20), (64*KIB, 5.932, 88), (MIB, 12.368, 678), (4*MIB, 15.507, 2164), (16*MIB, 12.969, 10349)])
-_add("throughput", "2x2", "push", [(4*KIB, 3.848, 17), (64*KIB, 11.964, 88), (MIB, 25.262, 664), (4*MIB, 32.925, 2038), (16*MIB, 28.332, 9475)])
-_add("throughput", "2x2", "pull", [(4*KIB, 4.292, 15), (64*KIB, 11.492, 91), (MIB, 23.506, 725), (4*MIB, 26.099, 2571), (16*MIB, 23.829, 11265)])
-_add("throughput", "2x2", "push-pull", [(4*KIB, 2.338, 28), (64*KIB, 7.013, 150), (MIB, 11.883, 1412), (4*MIB, 14.911, 4501), (16*MIB, 11.926, 22516)])
-_add("latency", "1x1", "push", [(4*KIB, 0.176, 186), (64*KIB, 2.315, 227), (MIB, 24.106, 348), (4*MIB, 29.316, 1145), (16*MIB, 31.967, 4199)])
-_add("latency", "1x1", "pull", [(4*KIB, 0.181, 181), (64*KIB, 2.604, 201), (MIB, 19.109, 439), (4*MIB, 26.627, 1260), (16*MIB, 23.619, 5683)])
-_add("latency", "1x1", "push-pull", [(4*KIB, 0.169, 194), (64*KIB, 2.158, 243), (MIB, 14.584, 575), (4*MIB, 15.039, 2231), (16*MIB, 13.373, 10036)])
+# Peers are compared only where they were measured in the same run: dmlc ps-lite's rows come from
+# bench/pslite_dense.sh (JSON lines with "system": "ps-lite"), merged into the results file under
+# "pslite". A run without them shows no ps-lite column figures.
+FAULTS_PER_GB_MAX = 100  # "no page fault on the data path": allows stray heap growth, not paging
 
 MODES = ["push", "pull", "push-pull"]
 
@@ -58,13 +47,28 @@ def load(path):
 
 
 def merge(out, inputs):
-    rows, metas = [], []
+    rows, metas, pslite = [], [], []
     for p in inputs:
+        if p.endswith(".jsonl"):
+            with open(p) as f:
+                pslite.extend(json.loads(l) for l in f if l.strip())
+            continue
         d = load(p)
         metas.append(d.get("meta", {}))
         rows.extend(d.get("rows", []))
     with open(out, "w") as f:
-        json.dump({"meta": metas, "rows": rows}, f, indent=1)
+        json.dump({"meta": metas, "rows": rows, "pslite": pslite}, f, indent=1)
+
+
+def pslite_index(d):
+    """(series, layout, mode, size) -> ps-lite row of the same run."""
+    return {(r["series"], r["layout"], r["mode"], r["size"]): r for r in d.get("pslite", [])}
+
+
+def ratio(a, b):
+    if a is None or b is None or b == 0 or (isinstance(a, float) and math.isnan(a)):
+        return None
+    return a / b
 
 
 def training(out, logs):
@@ -89,28 +93,43 @@ def training(out, logs):
         json.dump(res, f, indent=1)
 
 
-# (transport, series, mode predicate, size predicate, kind, threshold, text)
-def targets(rows):
-    """Yields (text, row, value, threshold, ok) for every row a target applies to."""
+def targets(rows, ps=None):
+    """Yields (text, row, value, threshold, ok) for every row a target applies to (issue 19's
+    targets: ratios in one run, tcp loopback, 1x1 and 2x2)."""
+    ps = ps or {}
+    by_layout = {(r["transport"], r["layout"], r["series"], r["mode"], r["size"]): r for r in rows}
     for r in rows:
         t, s, m, n = r["transport"], r["series"], r["mode"], r["size"]
-        ps = PSLITE.get((s, r["layout"], m, n))
-        if t == "tcp" and s == "throughput" and n >= MIB and r.get("ratio") is not None:
-            yield ("tcp ≥ 0.9× raw TCP bound, 1 MiB and up", r, r["ratio"], 0.9, r["ratio"] >= 0.9)
-        if t == "tcp" and s == "throughput" and ps and r.get("gbps_pslite") is not None:
-            v = r["gbps_pslite"] / ps[0]
-            yield ("tcp ≥ ps-lite (same convention), every size", r, v, 1.0, v >= 1.0)
-        if t == "tcp" and s == "latency" and m == "push" and n == 4 * KIB and r["layout"] == "1x1":
-            if ps and r.get("lat_p50_us") is not None:
-                v = r["lat_p50_us"] / ps[1]
-                yield ("tcp 4 KiB push latency ≤ 0.5× ps-lite", r, v, 0.5, v <= 0.5)
-            if r.get("ratio") is not None:
-                yield ("tcp 4 KiB push latency ≤ 1.3× raw TCP ping-pong", r, r["ratio"], 1.3,
-                       r["ratio"] <= 1.3)
-        if t == "shm" and s == "throughput" and n >= MIB and r.get("ratio") is not None:
-            yield ("shm ≥ 0.7× memcpy, 1 MiB and up", r, r["ratio"], 0.7, r["ratio"] >= 0.7)
-        if t == "verbs" and s == "throughput" and r.get("ratio") is not None:
-            yield ("verbs ≥ 0.85× perftest", r, r["ratio"], 0.85, r["ratio"] >= 0.85)
+        rv = r.get("ratio")
+        if t == "tcp" and s == "throughput" and n >= 64 * KIB and rv is not None:
+            yield ("tcp ≥ 0.9× raw TCP stream bound, 64 KiB and up", r, rv, 0.9, rv >= 0.9)
+        if t == "tcp" and s == "throughput" and n == 4 * KIB and rv is not None:
+            yield ("tcp 4 KiB pipelined ≥ 0.5× raw TCP stream bound", r, rv, 0.5, rv >= 0.5)
+        if t == "tcp" and s == "latency" and n == 4 * KIB and rv is not None:
+            yield ("tcp 4 KiB one in flight: p50 ≤ 1.2× raw ping-pong", r, rv, 1.2, rv <= 1.2)
+        if s == "throughput":
+            for side in ("server", "worker"):
+                v = r.get(f"{side}_faults_per_gb")
+                if v is not None:
+                    yield (f"no page fault on the data path ({side}, faults/GB)", r, v,
+                           FAULTS_PER_GB_MAX, v <= FAULTS_PER_GB_MAX)
+        p = ps.get((s, r["layout"], m, n))
+        if t == "tcp" and s == "throughput" and p and r.get("gbps_pslite") and p.get("gbps_pslite"):
+            v = r["gbps_pslite"] / p["gbps_pslite"]
+            yield ("tcp ≥ ps-lite of the same run (its convention)", r, v, 1.0, v >= 1.0)
+        if (t == "tcp" and s == "throughput" and m == "push" and n >= 64 * KIB and p
+                and r.get("server_cpu_s_per_gb") and p.get("server_cpu_s_per_gb")):
+            v = r["server_cpu_s_per_gb"] / p["server_cpu_s_per_gb"]
+            yield ("tcp push server CPU/GB ≤ ps-lite's (same run)", r, v, 1.0, v <= 1.0)
+        if r["layout"].endswith("r2") and s == "throughput":
+            base = by_layout.get((t, r["layout"][:-2], s, m, n))
+            v = ratio(r.get("gbps"), base.get("gbps") if base else None)
+            if v is not None:
+                yield ("replication goodput ≥ 0.8× without a backup", r, v, 0.8, v >= 0.8)
+        if t == "shm" and s == "throughput" and n >= MIB and rv is not None:
+            yield ("shm ≥ 0.7× memcpy, 1 MiB and up", r, rv, 0.7, rv >= 0.7)
+        if t == "verbs" and s == "throughput" and rv is not None:
+            yield ("verbs ≥ 0.85× perftest", r, rv, 0.85, rv >= 0.85)
 
 
 def rowkey(r):
@@ -118,36 +137,43 @@ def rowkey(r):
             r["size"])
 
 
-def throughput_table(rows, transport):
-    out = ["| layout | mode | size | keys/round | ours Gbit/s | ps-lite conv. Gbit/s | µs/key | "
-           "server CPU s/GB | bound Gbit/s | ours ÷ bound | ps-lite Gbit/s | ours ÷ ps-lite |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def throughput_table(rows, transport, ps):
+    out = ["| layout | mode | size | keys/round | ours Gbit/s | µs/key | server CPU s/GB | "
+           "page faults/GB server + worker | context switches/GB server + worker | "
+           "bound Gbit/s | ours ÷ bound | ps-lite Gbit/s | ours ÷ ps-lite | "
+           "ps-lite server CPU s/GB | ps-lite server faults/GB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["transport"] == transport and
                      r["series"] == "throughput"), key=rowkey):
-        ps = PSLITE.get(("throughput", r["layout"], r["mode"], r["size"]))
-        vs = r["gbps_pslite"] / ps[0] if ps and r.get("gbps_pslite") else None
+        p = ps.get(("throughput", r["layout"], r["mode"], r["size"])) if transport == "tcp" else None
+        vs = ratio(r.get("gbps_pslite"), p.get("gbps_pslite") if p else None)
         out.append(f"| {r['layout']} | {r['mode']} | {size_name(r['size'])} | "
                    f"{r['keys_per_round']} | {fmt(r['gbps'], '.3f')} | "
-                   f"{fmt(r['gbps_pslite'], '.3f')} | {fmt(r['us_per_key'], '.1f')} | "
-                   f"{fmt(r['server_cpu_s_per_gb'], '.3f')} | {fmt(r['bound_gbps'], '.3f')} | "
-                   f"**{fmt(r['ratio'])}** | {fmt(ps[0], '.3f') if ps else '–'} | "
-                   f"{fmt(vs)} |")
+                   f"{fmt(r['us_per_key'], '.1f')} | {fmt(r['server_cpu_s_per_gb'], '.3f')} | "
+                   f"{fmt(r.get('server_faults_per_gb'), '.0f')} + "
+                   f"{fmt(r.get('worker_faults_per_gb'), '.0f')} | "
+                   f"{fmt(r.get('server_switches_per_gb'), '.0f')} + "
+                   f"{fmt(r.get('worker_switches_per_gb'), '.0f')} | "
+                   f"{fmt(r['bound_gbps'], '.3f')} | **{fmt(r['ratio'])}** | "
+                   f"{fmt(p['gbps_pslite'], '.3f') if p else '–'} | {fmt(vs)} | "
+                   f"{fmt(p.get('server_cpu_s_per_gb'), '.3f') if p else '–'} | "
+                   f"{fmt(p.get('server_faults_per_gb'), '.0f') if p else '–'} |")
     return out
 
 
-def latency_table(rows, transport):
+def latency_table(rows, transport, ps):
     out = ["| layout | mode | size | p50 µs | p99 µs | Gbit/s | server CPU s/GB | bound p50 µs | "
-           "ours ÷ bound (p50) | ps-lite µs | ours ÷ ps-lite |",
+           "ours ÷ bound (p50) | ps-lite p50 µs | ours ÷ ps-lite |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["transport"] == transport and r["series"] == "latency"),
                     key=rowkey):
-        ps = PSLITE.get(("latency", r["layout"], r["mode"], r["size"]))
-        vs = r["lat_p50_us"] / ps[1] if ps and r.get("lat_p50_us") else None
+        p = ps.get(("latency", r["layout"], r["mode"], r["size"])) if transport == "tcp" else None
+        vs = ratio(r.get("lat_p50_us"), p.get("lat_p50_us") if p else None)
         out.append(f"| {r['layout']} | {r['mode']} | {size_name(r['size'])} | "
                    f"{fmt(r['lat_p50_us'], '.1f')} | {fmt(r['lat_p99_us'], '.1f')} | "
                    f"{fmt(r['gbps'], '.3f')} | {fmt(r['server_cpu_s_per_gb'], '.3f')} | "
                    f"{fmt(r['bound_lat_p50_us'], '.1f')} | **{fmt(r['ratio'])}** | "
-                   f"{fmt(ps[1], '.0f') if ps else '–'} | {fmt(vs)} |")
+                   f"{fmt(p.get('lat_p50_us'), '.1f') if p else '–'} | {fmt(vs)} |")
     return out
 
 
@@ -160,6 +186,7 @@ def bound_names(rows, transport):
 def markdown(results, train, doc, png):
     d = load(results)
     rows = d["rows"]
+    ps = pslite_index(d)
     metas = d["meta"] if isinstance(d["meta"], list) else [d["meta"]]
     lines = ["<!-- BEGIN GENERATED -->", "",
              f"Generated by `scripts/bench.sh` from `{os.path.relpath(results, os.path.dirname(doc) + '/..')}`.", ""]
@@ -169,21 +196,25 @@ def markdown(results, train, doc, png):
                      f"medians of {m.get('reps')} reps, throughput points ≥ {m.get('seconds')} s, "
                      f"latency points ≥ {m.get('lat_seconds')} s, {m.get('wall_s')} s wall, "
                      f"{m.get('failures')} failed clusters")
+    lines.append(f"- ps-lite (dmlc, ZeroMQ tcp): {len(ps)} points measured in this run by "
+                 "`bench/pslite_dense.sh`" if ps else
+                 "- ps-lite: not measured in this run (set PSLITE_DIR to a checkout); no column "
+                 "compares with figures from another day")
     lines.append("")
     transports = [t for t in ("tcp", "shm", "verbs") if any(r["transport"] == t for r in rows)]
     for t in transports:
         lines += [f"### {t}: throughput series (keys_per_server × servers requests per worker per round)", ""]
-        lines += throughput_table(rows, t) + [""]
+        lines += throughput_table(rows, t, ps) + [""]
         if any(r["transport"] == t and r["series"] == "latency" for r in rows):
             lines += [f"### {t}: latency series (one request in flight)", ""]
-            lines += latency_table(rows, t) + [""]
+            lines += latency_table(rows, t, ps) + [""]
         lines += [f"Bounds used for {t}:"] + bound_names(rows, t) + [""]
         verified = sum(r.get("verified_bytes", 0) for r in rows if r["transport"] == t
                        and r["series"] == "throughput" and r["mode"] == "push")
         lines += [f"Verified for {t}: {verified} bytes pushed and pulled back byte for byte "
                   "(each cluster, after its timed series).", ""]
     lines += ["### Targets", "", "| target | row | value | threshold | met |", "|---|---|---|---|---|"]
-    for text, r, v, thr, ok in targets(rows):
+    for text, r, v, thr, ok in targets(rows, ps):
         lines.append(f"| {text} | {r['transport']} {r['layout']} {r['series']} {r['mode']} "
                      f"{size_name(r['size'])} | {v:.2f} | {thr} | {'yes' if ok else '**no**'} |")
     lines.append("")
@@ -222,7 +253,9 @@ def plot(results, png):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [r for r in load(results)["rows"] if r["series"] == "throughput"]
+    d = load(results)
+    rows = [r for r in d["rows"] if r["series"] == "throughput"]
+    psrows = [r for r in d.get("pslite", []) if r["series"] == "throughput"]
     transports = [t for t in ("tcp", "shm", "verbs") if any(r["transport"] == t for r in rows)]
     fig, axes = plt.subplots(1, len(transports), figsize=(6.5 * len(transports), 5), squeeze=False)
     colors = {"push": "tab:blue", "pull": "tab:green", "push-pull": "tab:red"}
@@ -241,12 +274,13 @@ def plot(results, png):
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", color=colors[m],
                         alpha=0.6, label=f"bound {m} 1x1")
-        if t == "tcp":
+        if t == "tcp":  # ps-lite of the same run, our convention (push-pull counts both ways)
             for m in MODES:
-                pts = sorted((k[3], v[0]) for k, v in PSLITE.items()
-                             if k[0] == "throughput" and k[1] == "1x1" and k[2] == m)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-.", marker="x",
-                        color=colors[m], alpha=0.45, label=f"ps-lite {m} 1x1 (own conv.)")
+                pts = sorted((r["size"], r["gbps"]) for r in psrows
+                             if r["layout"] == "1x1" and r["mode"] == m and r.get("gbps"))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "-.", marker="x",
+                            color=colors[m], alpha=0.45, label=f"ps-lite {m} 1x1 (same run)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         sizes = sorted({r["size"] for r in rt})
@@ -262,9 +296,10 @@ def plot(results, png):
 
 
 def summary(results):
-    rows = load(results)["rows"]
+    d = load(results)
+    rows = d["rows"]
     missed = 0
-    for text, r, v, thr, ok in targets(rows):
+    for text, r, v, thr, ok in targets(rows, pslite_index(d)):
         missed += not ok
         print(f"{'ok    ' if ok else 'MISSED'} {text}: {r['transport']} {r['layout']} "
               f"{r['series']} {r['mode']} {size_name(r['size'])} = {v:.2f} (threshold {thr})")

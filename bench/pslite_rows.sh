@@ -10,10 +10,8 @@
 #                                                [--dims 16,64,256] [--ids 1024,...]
 #
 # Needs: g++, protoc + libprotobuf-dev, libzmq3-dev (Debian 12: apt-get install -y
-# libzmq3-dev protobuf-compiler libprotobuf-dev). Nothing is built in ShardPS's build tree:
-# ps-lite's library goes to $PSLITE_DIR/build-sys (its own sources, compiled directly with g++
-# against the system protobuf and ZeroMQ; ps-lite's Makefile would download its own), the
-# driver and the run logs to $WORK_DIR (default: a fresh mktemp -d).
+# libzmq3-dev protobuf-compiler libprotobuf-dev). ps-lite's library: bench/pslite_lib.sh; the
+# driver and the run logs go to $WORK_DIR (default: a fresh mktemp -d).
 set -euo pipefail
 
 PSLITE_DIR=${PSLITE_DIR:-/work/pslite}
@@ -48,47 +46,19 @@ fi
 WORK_DIR=${WORK_DIR:-$(mktemp -d /tmp/pslite-rows.XXXXXX)}
 mkdir -p "$WORK_DIR"
 
-# ---- ps-lite's library (once per checkout) -----------------------------------------------------
-[ -f "$PSLITE_DIR/include/ps/ps.h" ] || { echo "no ps-lite checkout at $PSLITE_DIR" >&2; exit 1; }
-LIB="$PSLITE_DIR/build-sys"
-if [ ! -f "$LIB/libps.a" ]; then
-  echo "building ps-lite ($(git -C "$PSLITE_DIR" rev-parse HEAD 2>/dev/null || echo '?')) in $LIB" >&2
-  mkdir -p "$LIB/gen"
-  protoc --cpp_out="$LIB/gen" --proto_path="$PSLITE_DIR/src" "$PSLITE_DIR/src/meta.proto"
-  for f in customer postoffice van; do
-    g++ -std=c++14 -O3 -fPIC -pthread -w -I"$PSLITE_DIR/include" -I"$PSLITE_DIR/src" \
-      -I"$LIB/gen" -c "$PSLITE_DIR/src/$f.cc" -o "$LIB/$f.o"
-  done
-  g++ -std=c++14 -O3 -fPIC -w -I"$LIB/gen" -c "$LIB/gen/meta.pb.cc" -o "$LIB/meta.pb.o"
-  rm -f "$LIB/libps.a.tmp"
-  ar crs "$LIB/libps.a.tmp" "$LIB"/customer.o "$LIB"/postoffice.o "$LIB"/van.o "$LIB"/meta.pb.o
-  mv "$LIB/libps.a.tmp" "$LIB/libps.a"
-fi
-
-# ---- the driver ---------------------------------------------------------------------------------
+# ---- ps-lite's library (once per checkout) and the driver ----------------------------------------
+# shellcheck source=pslite_lib.sh
+. "$HERE/pslite_lib.sh"
+pslite_build_lib
 BIN="$WORK_DIR/pslite_rows_bench"
-g++ -std=c++14 -O3 -pthread -w -I"$PSLITE_DIR/include" -I"$LIB/gen" \
-  "$HERE/pslite_rows_bench.cc" "$LIB/libps.a" -lprotobuf -lzmq -o "$BIN"
+pslite_build_driver "$HERE/pslite_rows_bench.cc" "$BIN"
 
 # ---- the matrix: one ps-lite cluster per (layout, dim) -----------------------------------------
 RESULTS="$WORK_DIR/results.jsonl"
 : > "$RESULTS"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
+trap pslite_cleanup EXIT
 
-free_port() {  # a port nothing listens on, below Linux's ephemeral range (32768-60999 here)
-  local p
-  while :; do
-    p=$((10000 + RANDOM % 22000))
-    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return; fi
-  done
-}
-
-# One cluster: scheduler + $S servers + $W workers of layout $1, dim $2, logs in $3.
-# Returns 0, 1 (a process failed or timed out), or 2 (the scheduler could not bind its port).
+# One cluster of layout $1, dim $2, logs in $3 (pslite_run_cluster's return codes).
 run_cluster() {
   local layout=$1 dim=$2 run=$3
   local S=${layout%x*} W=${layout#*x}
@@ -96,48 +66,9 @@ run_cluster() {
   local npoints=$(( ${#ID_LIST[@]} * 2 * 2 ))
   local limit
   limit=$(awk -v n="$npoints" -v s="$SECONDS_PER_POINT" 'BEGIN { printf "%d", 60 + n * (s + 10) }')
-  export DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=$(free_port) DMLC_NODE_HOST=127.0.0.1
-  export DMLC_NUM_SERVER=$S DMLC_NUM_WORKER=$W
-  local args=(--rows="$ROWS" --dim="$dim" --ids="$IDS" --dists="$DISTS"
-              --seconds="$SECONDS_PER_POINT" --inflight="$INFLIGHT" --layout="$layout"
-              --out="$RESULTS" --run_dir="$run")
-  PIDS=()
-  DMLC_ROLE=scheduler timeout "$limit" "$BIN" "${args[@]}" > "$run/scheduler.log" 2>&1 &
-  PIDS+=($!)
-  local i
-  for ((i = 0; i < S; ++i)); do
-    DMLC_ROLE=server timeout "$limit" "$BIN" "${args[@]}" > "$run/server$i.log" 2>&1 &
-    PIDS+=($!)
-  done
-  for ((i = 0; i < W; ++i)); do
-    DMLC_ROLE=worker timeout "$limit" "$BIN" "${args[@]}" > "$run/worker$i.log" 2>&1 &
-    PIDS+=($!)
-  done
-  echo "ps-lite $layout dim $dim: scheduler + $S server(s) + $W worker(s), port $DMLC_PS_ROOT_PORT," \
-       "logs in $run; load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
-  # Wait for all; the first to fail (crash or timeout) takes the others down with it, since
-  # ps-lite's peers would otherwise wait for it until their own timeout.
-  local failed=0 live=("${PIDS[@]}") rest rc done_pid p
-  while [ "${#live[@]}" -gt 0 ]; do
-    rc=0
-    done_pid=""
-    wait -n -p done_pid "${live[@]}" || rc=$?
-    [ -n "$done_pid" ] || break  # nothing left to wait for
-    rest=()
-    for p in "${live[@]}"; do [ "$p" != "$done_pid" ] && rest+=("$p"); done
-    live=("${rest[@]+"${rest[@]}"}")
-    if [ "$rc" != 0 ] && [ "$failed" = 0 ]; then
-      failed=1
-      sleep 1
-      for p in "${live[@]+"${live[@]}"}"; do kill "$p" 2>/dev/null || true; done
-    fi
-  done
-  PIDS=()
-  if [ "$failed" = 0 ]; then return 0; fi
-  if grep -q "bind failed" "$run/scheduler.log"; then return 2; fi
-  echo "ps-lite $layout dim $dim: a process failed or timed out (limit ${limit}s); logs:" >&2
-  tail -n 5 "$run"/*.log >&2 || true
-  return 1
+  pslite_run_cluster "$S" "$W" "$limit" "$run" "$BIN" --rows="$ROWS" --dim="$dim" --ids="$IDS" \
+    --dists="$DISTS" --seconds="$SECONDS_PER_POINT" --inflight="$INFLIGHT" --layout="$layout" \
+    --out="$RESULTS" --run_dir="$run"
 }
 
 status=0

@@ -8,6 +8,10 @@
 #      runs perftest ib_write_bw / ib_read_bw / *_lat between rxe0 and rxe1 and then
 #      shardps_bench --transports=verbs with those figures as bounds (a reduced matrix: the guest
 #      runs under TCG at tens of MB/s);
+#   2b. ps-lite (unless --no-pslite, and only with a ps-lite checkout at $PSLITE_DIR, default
+#      ../pslite): bench/pslite_dense.sh runs dmlc ps-lite's push/pull over the same matrix in
+#      this run, so that every ps-lite column compares figures of the same run (none from
+#      another day);
 #   3. training: examples/digits_trainer on a local cluster (1 server, BSP = synchronous SGD,
 #      --optimizer sgd) with 1, 2 and 4 workers over tcp: step time and samples/s;
 #   4. row tables (embeddings): scripts/bench-rows.sh (shardps_row_bench next to its bound and,
@@ -15,10 +19,11 @@
 #   5. bench/results/ps-<stamp>.json, docs/benchmarks.md (generated part) and docs/benchmarks.png.
 # Targets are reported, not enforced (--enforce: exit 3 when one is missed).
 #
-# usage: scripts/bench.sh [--quick] [--no-verbs] [--no-training] [--no-rows] [--enforce]
+# usage: scripts/bench.sh [--quick] [--no-verbs] [--no-training] [--no-rows] [--no-pslite] [--enforce]
 #                         [-- shardps_bench args]
 #   --quick   reps=1 and shorter points (a fast look, not for the committed figures)
-# Env: SHARDPS_BENCH_BUILD_DIR (default build), SOFTROCE_DIR, BENCH_GUEST_TIMEOUT (default 600).
+# Env: SHARDPS_BENCH_BUILD_DIR (default build), SOFTROCE_DIR, BENCH_GUEST_TIMEOUT (default 600),
+#      PSLITE_DIR (default ../pslite: a dmlc/ps-lite checkout; bench/pslite_lib.sh builds it).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -27,12 +32,14 @@ BUILD=${SHARDPS_BENCH_BUILD_DIR:-build}
 SOFTROCE=${SOFTROCE_DIR:-$ROOT/../shared/softroce}
 PY=/usr/bin/python3
 REPORT="$ROOT/bench/ps_report.py"
-VERBS=1 TRAIN=1 QUICK=0 ENFORCE=0 ROWS=1
+VERBS=1 TRAIN=1 QUICK=0 ENFORCE=0 ROWS=1 PSLITE=1
+PSLITE_DIR=${PSLITE_DIR:-$ROOT/../pslite}
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --no-verbs) VERBS=0; shift ;;
     --no-training) TRAIN=0; shift ;;
     --no-rows) ROWS=0; shift ;;
+    --no-pslite) PSLITE=0; shift ;;
     --quick) QUICK=1; shift ;;
     --enforce) ENFORCE=1; shift ;;
     --) shift; break ;;
@@ -65,6 +72,18 @@ echo "=== host: tcp and shm (nproc $(nproc), kernel $(uname -r), load $(cut -d' 
 rc=${PIPESTATUS[0]}
 [[ $rc -eq 0 ]] || { tail -30 "$WORK/host.log" >&2; echo "bench.sh: host run: rc $rc" >&2; }
 [[ -s "$WORK/host.json" ]] && RUNS+=("$WORK/host.json")
+
+if [[ $PSLITE == 1 && -f "$PSLITE_DIR/include/ps/ps.h" ]]; then
+  echo "=== ps-lite (dmlc, ZeroMQ tcp), same matrix, this run: bench/pslite_dense.sh ==="
+  if [[ $QUICK == 1 ]]; then PARGS=(--reps 1 --seconds 0.4 --lat-seconds 0.2); else PARGS=(--reps 3); fi
+  PSLITE_DIR="$PSLITE_DIR" WORK_DIR="$WORK/pslite" "$ROOT/bench/pslite_dense.sh" "${PARGS[@]}" \
+    --out "$WORK/pslite-dense.jsonl" > "$WORK/pslite.out" 2> "$WORK/pslite.log" ||
+    { tail -20 "$WORK/pslite.log" >&2; echo "bench.sh: the ps-lite run failed (partial rows kept)" >&2; }
+  [[ -s "$WORK/pslite-dense.jsonl" ]] && RUNS+=("$WORK/pslite-dense.jsonl")
+  echo "  $(wc -l < "$WORK/pslite-dense.jsonl" 2>/dev/null || echo 0) ps-lite points"
+elif [[ $PSLITE == 1 ]]; then
+  echo "=== ps-lite: not run (no checkout at $PSLITE_DIR; set PSLITE_DIR); no ps-lite columns ==="
+fi
 
 if [[ $VERBS == 1 && -x "$SOFTROCE/run-in-guest.sh" ]]; then
   echo "=== SoftRoCE guest: perftest + shardps_bench --transports=verbs (one boot) ==="
