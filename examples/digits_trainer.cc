@@ -336,13 +336,15 @@ int Main() {
   std::printf("%s test accuracy %.4f (%u samples), train accuracy %.4f\n", tag, accuracy, test->n,
               model->Accuracy(*train));
   if (FLAGS_eval_every > 0 || slowed || compute_delay.count() > 0) {
-    // Per-step means of each phase, for checking the heterogeneity flags and for steps/s.
+    // Per-step means of each phase, for checking the heterogeneity flags and for steps/s;
+    // pull_retries per step counts the header re-reads of pulls that waited for the bound.
     std::printf("timing: rank %u steps %" PRIu64
                 " elapsed %.4f s compute %.4f ms delay %.4f ms slowdown %.4f ms (factor %g) "
-                "step %.4f ms eval %.4f s\n",
+                "step %.4f ms eval %.4f s pull_retries %.2f\n",
                 run.rank, step, elapsed, Seconds(in_compute) * 1e3 / step,
                 Seconds(in_delay) * 1e3 / step, Seconds(in_slowdown) * 1e3 / step, slowdown,
-                Seconds(in_step) * 1e3 / step, Seconds(in_eval));
+                Seconds(in_step) * 1e3 / step, Seconds(in_eval),
+                run.client ? static_cast<double>(run.client->counters().pull_retries) / step : 0.0);
   }
   if (run.rank == 0) {
     std::printf("final: test accuracy %.4f after %" PRIu64
