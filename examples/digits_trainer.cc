@@ -20,6 +20,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gflags/gflags.h>
@@ -55,6 +56,24 @@ DEFINE_string(dump_weights, "",
               "Write the final weights here (format: docs/operations.md); {rank} in the path "
               "becomes this worker's rank");
 DEFINE_double(min_accuracy, 0.0, "Exit 3 if the final test accuracy is below this");
+DEFINE_int32(eval_every, 0,
+             "Every this many steps, and before the first and after the last, print "
+             "'eval: rank R step S t=SECONDS unix=SECONDS acc=X' on every worker: the test "
+             "accuracy of the weights this worker holds (those its last Step() pulled); t counts "
+             "from this worker's first step, unix is the wall clock (0: off)");
+
+// Heterogeneity for studies (scripts/bench-staleness.py). The compute phase of a step is the
+// gradient computation (measured wall time c) plus --compute_delay_ms d, slept. With --slowdown
+// F the worker then sleeps (F - 1) * (c + d) more, so its compute phase takes F times as long.
+DEFINE_double(compute_delay_ms, 0.0,
+              "Simulated extra compute per step, slept after computing gradients (models a "
+              "heavier model; counts as compute for --slowdown)");
+DEFINE_double(slowdown, 1.0,
+              "Make this worker's compute F times slower: after computing gradients (wall time c, "
+              "plus --compute_delay_ms d) sleep (F - 1) * (c + d) each step (>= 1)");
+DEFINE_int32(slowdown_rank, -1,
+             "Apply --slowdown only on the worker the coordinator assigns this rank, so one "
+             "launcher command can slow one worker (-1: on every worker given --slowdown)");
 
 DEFINE_bool(standalone, false, "No cluster: local SGD with the same math and global batch");
 DEFINE_int32(workers, 1, "--standalone: the number of workers W whose global batch to use");
@@ -68,6 +87,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double UnixSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 std::string MpiRankForLogging() {
   for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
@@ -157,6 +181,10 @@ int Main() {
     LOG(ERROR) << "--batch_size and --epochs must be >= 1";
     return 2;
   }
+  if (!(FLAGS_slowdown >= 1.0) || !(FLAGS_compute_delay_ms >= 0.0) || FLAGS_eval_every < 0) {
+    LOG(ERROR) << "--slowdown must be >= 1, --compute_delay_ms and --eval_every >= 0";
+    return 2;
+  }
   std::string test_path = FLAGS_test_data;
   if (test_path.empty()) {
     test_path = FLAGS_data;
@@ -209,6 +237,14 @@ int Main() {
       run.consistency.c_str(), MpiRankForLogging().c_str());
   std::fflush(stdout);
 
+  const bool slowed =
+      FLAGS_slowdown > 1.0 && (FLAGS_slowdown_rank < 0 ||
+                               static_cast<uint32_t>(FLAGS_slowdown_rank) == run.rank);
+  const double slowdown = slowed ? FLAGS_slowdown : 1.0;
+  const auto compute_delay = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double, std::milli>(FLAGS_compute_delay_ms));
+  Clock::duration in_compute{0}, in_delay{0}, in_slowdown{0}, in_eval{0};
+
   const uint64_t control_before = run.client ? run.client->counters().control_messages_sent : 0;
   std::vector<uint32_t> idx(static_cast<size_t>(FLAGS_standalone ? W * B : B));
   uint64_t step = 0;
@@ -218,6 +254,16 @@ int Main() {
   const auto t0 = Clock::now();
   auto window_start = t0;
   uint64_t window_steps = 0;
+  // Evaluation time is kept out of the compute phase that --slowdown scales.
+  auto eval = [&](uint64_t at_step) {
+    const auto e0 = Clock::now();
+    const double acc = model->Accuracy(*test);
+    std::printf("eval: rank %u step %" PRIu64 " t=%.4f unix=%.4f acc=%.4f\n", run.rank, at_step,
+                Seconds(e0 - t0), UnixSeconds(), acc);
+    std::fflush(stdout);
+    in_eval += Clock::now() - e0;
+  };
+  if (FLAGS_eval_every > 0) eval(0);
   for (uint32_t epoch = 0; epoch < static_cast<uint32_t>(FLAGS_epochs); ++epoch) {
     const std::vector<uint32_t> perm = digits::EpochPermutation(train->n, FLAGS_seed, epoch);
     for (uint32_t s = 0; s < steps_per_epoch; ++s) {
@@ -227,8 +273,22 @@ int Main() {
       } else {
         for (uint32_t j = 0; j < B; ++j) idx[j] = global[shard + W * j];
       }
+      const auto c0 = Clock::now();
       loss_sum += model->ComputeGradients(*train, idx.data(), idx.size());
       ++loss_count;
+      const auto c1 = Clock::now();
+      in_compute += c1 - c0;
+      if (compute_delay.count() > 0) {
+        std::this_thread::sleep_for(compute_delay);
+        in_delay += Clock::now() - c1;
+      }
+      if (slowed) {
+        const auto c2 = Clock::now();
+        std::this_thread::sleep_until(
+            c2 + std::chrono::duration_cast<Clock::duration>((slowdown - 1.0) *
+                                                             ((c1 - c0) + compute_delay)));
+        in_slowdown += Clock::now() - c2;
+      }
       const auto s0 = Clock::now();
       if (run.client) {
         shardps::Status st = run.client->Step();
@@ -244,6 +304,8 @@ int Main() {
       ++step;
       ++window_steps;
       const bool epoch_end = s + 1 == steps_per_epoch;
+      const bool last = epoch_end && epoch + 1 == static_cast<uint32_t>(FLAGS_epochs);
+      if (FLAGS_eval_every > 0 && (step % FLAGS_eval_every == 0 || last)) eval(step);
       const bool log_now = FLAGS_log_every > 0 ? step % FLAGS_log_every == 0 : epoch_end;
       if (run.rank == 0 &&
           (log_now || (epoch_end && epoch + 1 == static_cast<uint32_t>(FLAGS_epochs)))) {
@@ -273,6 +335,17 @@ int Main() {
   const double cluster_rate = static_cast<double>(step) * W * B / elapsed;
   std::printf("%s test accuracy %.4f (%u samples), train accuracy %.4f\n", tag, accuracy, test->n,
               model->Accuracy(*train));
+  if (FLAGS_eval_every > 0 || slowed || compute_delay.count() > 0) {
+    // Per-step means of each phase, for checking the heterogeneity flags and for steps/s;
+    // pull_retries per step counts the header re-reads of pulls that waited for the bound.
+    std::printf("timing: rank %u steps %" PRIu64
+                " elapsed %.4f s compute %.4f ms delay %.4f ms slowdown %.4f ms (factor %g) "
+                "step %.4f ms eval %.4f s pull_retries %.2f\n",
+                run.rank, step, elapsed, Seconds(in_compute) * 1e3 / step,
+                Seconds(in_delay) * 1e3 / step, Seconds(in_slowdown) * 1e3 / step, slowdown,
+                Seconds(in_step) * 1e3 / step, Seconds(in_eval),
+                run.client ? static_cast<double>(run.client->counters().pull_retries) / step : 0.0);
+  }
   if (run.rank == 0) {
     std::printf("final: test accuracy %.4f after %" PRIu64
                 " steps, %.0f samples/s, transport %s, "
