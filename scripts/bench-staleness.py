@@ -524,7 +524,7 @@ def main():
         with open(out, "w") as f:
             json.dump(dict(meta=meta, blocks=blocks, plots=pngs, markdown=md,
                            summary={f"{k[0]}/{k[1]}": v for k, v in table.items()}, runs=runs),
-                      f, indent=1)
+                      f, separators=(",", ":"))  # compact: every eval line of every run
     save([])
     pngs = [] if args.no_plots or not any(r["ok"] for r in runs) else plot(
         runs, table, modes, args.docs_dir)
