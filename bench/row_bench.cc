@@ -55,6 +55,7 @@ DEFINE_string(layouts, "1x1,2x2", "servers x workers");
 DEFINE_string(ids, "1024,4096,16384,65536", "distinct ids per batch");
 DEFINE_string(dims, "16,64,256", "values per row");
 DEFINE_string(dists, "uniform,zipf", "id distributions");
+DEFINE_string(ops, "pull,push", "operations measured (pull, push)");
 DEFINE_string(tables, "dense", "dense (ids < rows), hashed (64-bit keys; --rows is the capacity)");
 DEFINE_int64(rows, 1000000, "table rows");
 DEFINE_double(seconds, 1.0, "timed duration of each point (at least 3 batches)");
@@ -223,7 +224,7 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
   std::vector<Job> jobs;
   for (const std::string& d : dists) {
     for (int64_t b : id_counts) {
-      for (const char* op : {"pull", "push"}) jobs.push_back({d, op, b});
+      for (const std::string& op : SplitList(FLAGS_ops)) jobs.push_back({d, op, b});
     }
   }
   Barrier barrier(workers + 1);

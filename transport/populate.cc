@@ -63,4 +63,35 @@ Status PopulatePages(void* addr, size_t length, PopulateFor access, const char* 
   return Status::OK();
 }
 
+StatusOr<void*> MapPopulated(size_t bytes, const char* what) {
+  constexpr size_t kHuge = 2u << 20;
+  void* p;
+  if (bytes < kHuge) {
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return ErrnoError(std::string(what) + ": mmap of " + std::to_string(bytes) + " bytes", errno);
+    }
+  } else {
+    // Reserve bytes + 2 MiB, keep the aligned part, give the slack back.
+    void* r = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (r == MAP_FAILED) {
+      return ErrnoError(std::string(what) + ": mmap of " + std::to_string(bytes) + " bytes", errno);
+    }
+    const uintptr_t base = reinterpret_cast<uintptr_t>(r);
+    const uintptr_t aligned = (base + kHuge - 1) & ~(uintptr_t{kHuge} - 1);
+    if (aligned > base) munmap(r, aligned - base);
+    const uintptr_t end = aligned + bytes;
+    if (base + bytes + kHuge > end) munmap(reinterpret_cast<void*>(end), base + bytes + kHuge - end);
+    p = reinterpret_cast<void*>(aligned);
+    madvise(p, bytes, MADV_HUGEPAGE);  // best effort (THP off, or not built in)
+  }
+  Status s = PopulatePages(p, bytes, PopulateFor::kWriteFresh, what);
+  if (!s.ok()) {
+    munmap(p, bytes);
+    return s;
+  }
+  return p;
+}
+
 }  // namespace shardps::transport

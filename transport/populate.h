@@ -31,6 +31,13 @@ enum class PopulateFor {
 // that way (e.g. kWrite on PROT_READ memory: kInternal, EFAULT).
 Status PopulatePages(void* addr, size_t length, PopulateFor access, const char* what);
 
+// Private anonymous memory for a region: `bytes` (a multiple of the page size) mapped
+// read-write, zero-filled and populated (kWriteFresh). From 2 MiB up the mapping is 2 MiB
+// aligned and advised MADV_HUGEPAGE (best effort: transparent huge pages in "madvise" mode back
+// it with 2 MiB pages, so that a gather of scattered rows does not miss the TLB on every row).
+// The caller unmaps [result, result + bytes).
+StatusOr<void*> MapPopulated(size_t bytes, const char* what);
+
 }  // namespace shardps::transport
 
 #endif  // SHARDPS_TRANSPORT_POPULATE_H_

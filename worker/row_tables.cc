@@ -282,11 +282,22 @@ Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
     gk.rows = layout::RowGeometry::ShardRows(t.rows, t.shards, k, true);
     return {k, gk.BucketOf(key) * layout::kBucketSlots};
   };
-  std::vector<std::pair<uint32_t, uint64_t>> units(n);
-  for (size_t i = 0; i < n; ++i) units[i] = unit_of(ids[i]);
-  std::vector<std::pair<uint32_t, uint64_t>> u(units);
-  std::sort(u.begin(), u.end());
-  u.erase(std::unique(u.begin(), u.end()), u.end());
+  // (unit, position in ids) sorted; u = the distinct units, slot_of[i] = id i's index in u.
+  struct Want {
+    std::pair<uint32_t, uint64_t> unit;
+    size_t at;
+    bool operator<(const Want& o) const { return unit < o.unit; }
+  };
+  std::vector<Want> want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = {unit_of(ids[i]), i};
+  std::sort(want.begin(), want.end());
+  std::vector<std::pair<uint32_t, uint64_t>> u;
+  u.reserve(n);
+  std::vector<uint32_t> slot_of(n);
+  for (const Want& w : want) {
+    if (u.empty() || u.back() != w.unit) u.push_back(w.unit);
+    slot_of[w.at] = static_cast<uint32_t>(u.size() - 1);
+  }
   const uint64_t unit_bytes = t.unit_bytes();
   const uint64_t need = u.size() * unit_bytes;
   if (!t.pull_staging || t.pull_staging->length() < need) {
@@ -380,7 +391,7 @@ Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
   std::vector<float> init(t.hashed ? t.dim : 0);
   if (id_min_clock_plus1 != nullptr) id_min_clock_plus1->assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    const size_t j = static_cast<size_t>(std::lower_bound(u.begin(), u.end(), units[i]) - u.begin());
+    const size_t j = slot_of[i];
     if (id_min_clock_plus1 != nullptr) (*id_min_clock_plus1)[i] = unit_mc[j];
     const char* unit = staging + j * unit_bytes;
     if (!t.hashed) {

@@ -296,6 +296,58 @@ TEST_P(TransportConformance, ReadAfterWriteSeesTheWrite) {
   }
 }
 
+// Many read lists in flight at once, small-piece lists (which tcp answers from one gathered
+// copy) mixed with large-piece ones (answered from the region): every list gets its own bytes,
+// in post order.
+TEST_P(TransportConformance, ReadListsInFlightTogetherEachGetTheirBytes) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 4u << 20;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteRead);
+  auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(remote && dst);
+  FillPattern(remote->data(), n, 91);
+  const RegionDescriptor rd = remote->descriptor();
+  constexpr int kLists = 16;  // at most 160 pieces in flight: within the send depth (256) of a
+                              // provider that reads per piece
+  std::vector<std::vector<std::pair<size_t, size_t>>> want(kLists);  // (remote offset, length)
+  std::vector<size_t> at(kLists);
+  size_t next = 0;
+  for (int k = 0; k < kLists; ++k) {
+    const bool large = k % 4 == 3;
+    const size_t count = large ? 4 : 6 + k % 5;
+    std::vector<ReadPiece> pieces;
+    size_t total = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const size_t len = large ? (40u << 10) + i : 200 + (i * 37 + k) % 120;
+      const size_t off = (i * 104729 + k * 7919) % (n - len);
+      pieces.push_back(ReadPiece{AtOffset(rd, off), len});
+      want[k].emplace_back(off, len);
+      total += len;
+    }
+    at[k] = next;
+    ASSERT_LE(next + total, n);
+    ASSERT_TRUE(iep_->PostReadList({dst.get(), next, total}, pieces.data(), pieces.size(), 500 + k,
+                                   transport::kSignaled)
+                    .ok());
+    next += total;
+  }
+  auto cs = WaitInitiator(kLists);
+  ASSERT_EQ(cs.size(), static_cast<size_t>(kLists));
+  for (int k = 0; k < kLists; ++k) {
+    EXPECT_EQ(cs[k].context, 500u + k);
+    ASSERT_TRUE(cs[k].ok()) << WcStatusName(cs[k].status);
+    size_t a = at[k];
+    for (const auto& [off, len] : want[k]) {
+      ASSERT_EQ(FirstMismatch(static_cast<char*>(dst->data()) + a,
+                              static_cast<char*>(remote->data()) + off, len),
+                -1)
+          << "list " << k << " piece at " << off;
+      a += len;
+    }
+  }
+  EXPECT_TRUE(iep_->status().ok());
+}
+
 // Registered memory is populated at registration (transport/populate.h): once a region has
 // been used, moving every byte of it again, both ways, takes no page fault in this process
 // (which holds both ends). Demand paging took one per 4 KiB page here: ~8 k for these 32 MiB.

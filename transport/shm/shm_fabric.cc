@@ -773,12 +773,9 @@ class ShmFabric final : public Fabric {
       // local-only registration, which no rkey names).
       if (length == 0) return InvalidArgumentError("shm: zero-length allocation");
       const size_t bytes = RoundUp(length, kPage);
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) return ErrnoError("shm: mmap of " + std::to_string(bytes), errno);
-      std::unique_ptr<MemoryRegion> region(new ShmRegion(core_, p, length, access, 0, false,
+      ASSIGN_OR_RETURN(void* p, MapPopulated(bytes, "shm"));
+      return std::unique_ptr<MemoryRegion>(new ShmRegion(core_, p, length, access, 0, false,
                                                          FabricCore::Range{}, false, bytes));
-      RETURN_IF_ERROR(PopulatePages(p, bytes, PopulateFor::kWriteFresh, "shm"));
-      return region;
     }
     // Regions peers may not write (remote-read-only) live in the read-only arena: the kernel,
     // not only the initiator's check, keeps peers from writing them.

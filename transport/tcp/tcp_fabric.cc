@@ -637,11 +637,8 @@ class TcpFabric final : public Fabric {
     if (length == 0) return InvalidArgumentError("tcp: AllocateMemory of 0 bytes");
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     const size_t map = (length + page - 1) / page * page;
-    void* p = mmap(nullptr, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return ErrnoError("tcp: mmap of " + std::to_string(map) + " bytes", errno);
-    std::unique_ptr<MemoryRegion> region(new TcpRegion(engine_, p, length, access, map));
-    RETURN_IF_ERROR(PopulatePages(p, map, PopulateFor::kWriteFresh, "tcp"));  // no fault later
-    return region;
+    ASSIGN_OR_RETURN(void* p, MapPopulated(map, "tcp"));  // no page fault later
+    return std::unique_ptr<MemoryRegion>(new TcpRegion(engine_, p, length, access, map));
   }
 
   StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(int depth) override {

@@ -25,6 +25,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -276,6 +277,7 @@ class TcpEndpoint final : public Endpoint {
     const char* payload;
     uint64_t payload_len;
     bool headerless = false;  // more payload of the previous segment's frame (a read list's)
+    bool staged = false;      // payload is the front of staged_, freed once this is sent
   };
   enum class RxState : uint8_t { kHeader, kPayload, kDrain };
   enum class RxAction : uint8_t {
@@ -337,6 +339,9 @@ class TcpEndpoint final : public Endpoint {
   // Send side (both roles).
   Mutex send_mu_;
   std::vector<Segment> txq_ GUARDED_BY(send_mu_);  // ring
+  // Copies of small read-list pieces gathered at execution (AnswerReadList), one per staged
+  // segment in the queue, in queue order.
+  std::deque<std::unique_ptr<char[]>> staged_ GUARDED_BY(send_mu_);
   size_t tx_head_ GUARDED_BY(send_mu_) = 0;
   size_t tx_count_ GUARDED_BY(send_mu_) = 0;
   uint64_t tx_off_ GUARDED_BY(send_mu_) = 0;  // bytes of the head segment sent

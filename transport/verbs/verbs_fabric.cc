@@ -164,12 +164,10 @@ StatusOr<std::unique_ptr<MemoryRegion>> VerbsFabric::AllocateMemory(size_t lengt
   if (length == 0) return InvalidArgumentError("verbs: AllocateMemory of 0 bytes");
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t mapped = (length + page - 1) / page * page;
-  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return ErrnoError("verbs: mmap " + std::to_string(mapped), errno);
-  VerbsMemoryRegion::MappingPtr mapping(p, {mapped});
   // Written before it is pinned: a read-only registration of untouched anonymous memory would
   // otherwise pin the shared zero page. ibv_reg_mr then faults nothing in.
-  RETURN_IF_ERROR(PopulatePages(p, mapped, PopulateFor::kWriteFresh, "verbs"));
+  ASSIGN_OR_RETURN(void* p, MapPopulated(mapped, "verbs"));
+  VerbsMemoryRegion::MappingPtr mapping(p, {mapped});
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(MrPtr mr, createMr(device_->pd(), p, length, IbvAccess(access)));
   return std::unique_ptr<MemoryRegion>(new VerbsMemoryRegion(
