@@ -616,6 +616,7 @@ Status ClientImpl::Wait(Handle handle) {
   auto next_check = SteadyClock::now();
   while (hs->pending > 0) {
     RETURN_IF_ERROR(sessions_->Progress());
+    pull_->Tick();  // header re-reads whose backoff has passed
     if (sessions_->AnyFailed() && !recovery_->recovering()) {
       RETURN_IF_ERROR(MaybeRecover());
       continue;

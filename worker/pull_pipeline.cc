@@ -110,9 +110,18 @@ void PullPipeline::EvaluatePull(uint32_t id) {
       return;
     }
     ++pull_retries_;
-    StartPull(id, Phase::kHeaderOnly);
+    if (++c.not_ready <= kImmediateRereads) {
+      StartPull(id, Phase::kHeaderOnly);
+      return;
+    }
+    const int doublings = std::min(c.not_ready - kImmediateRereads - 1, 16);
+    c.retry_at = SteadyClock::now() + std::min<std::chrono::microseconds>(
+                                          kMaxBackoff, kFirstBackoff * (1 << doublings));
+    if (!c.deferred) deferred_.push_back(id);
+    c.deferred = true;
     return;
   }
+  c.not_ready = 0;
   if (c.phase == Phase::kHeaderOnly || b != c.guess) {
     // Now we know the buffer: read it, then the header again.
     if (c.phase != Phase::kHeaderOnly) ++pull_retries_;
@@ -139,6 +148,26 @@ void PullPipeline::EvaluatePull(uint32_t id) {
   Finish(id, st);
 }
 
+void PullPipeline::Tick() {
+  if (deferred_.empty()) return;
+  const auto now = SteadyClock::now();
+  size_t kept = 0;
+  for (uint32_t id : deferred_) {
+    ChunkPull& c = pull_[id];
+    if (!c.deferred || c.handle == 0) {  // finished, restarted or failed meanwhile
+      c.deferred = false;
+      continue;
+    }
+    if (now < c.retry_at) {
+      deferred_[kept++] = id;
+      continue;
+    }
+    c.deferred = false;
+    StartPull(id, Phase::kHeaderOnly);
+  }
+  deferred_.resize(kept);
+}
+
 void PullPipeline::Finish(uint32_t id, const Status& s) {
   trace::Complete("pull", "worker", pull_[id].trace_start_ns,  // posted -> consistent (or failed)
                   {{"chunk", id}, {"clock", step_.clock}, {"bytes", chunks_[id].bytes},
@@ -146,6 +175,8 @@ void PullPipeline::Finish(uint32_t id, const Status& s) {
                    {"ok", s.ok() ? 1 : 0}});
   const uint64_t h = pull_[id].handle;
   pull_[id].handle = 0;
+  pull_[id].deferred = false;
+  pull_[id].not_ready = 0;
   handles_.FinishChunk(h, s);
 }
 
@@ -160,7 +191,10 @@ void PullPipeline::OnCompletion(uint32_t chunk, uint64_t handle, const Status& e
 
 void PullPipeline::Restart(uint32_t server) {
   for (uint32_t id : sessions_.at(server).chunk_of_slot) {
-    if (pull_[id].handle != 0) StartPull(id, Phase::kAll);
+    if (pull_[id].handle != 0) {
+      pull_[id].deferred = false;
+      StartPull(id, Phase::kAll);
+    }
   }
 }
 
