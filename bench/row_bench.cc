@@ -456,5 +456,11 @@ int main(int argc, char** argv) {
     c.raw_tcp_bound = false;
     return shardps::bench::RunTarget(c);
   }
+  for (const std::string& op : shardps::bench::SplitList(FLAGS_ops)) {
+    if (op != "pull" && op != "push") {
+      fprintf(stderr, "shardps_row_bench: --ops takes pull and/or push, not '%s'\n", op.c_str());
+      return 2;
+    }
+  }
   return shardps::bench::Main();
 }
