@@ -34,6 +34,7 @@ constexpr uint64_t kMaxIovBytes = 1ull << 30;
 // is answered from one gathered copy rather than an iovec per piece.
 constexpr uint64_t kGatherPieceBytes = 16 * 1024;
 constexpr uint64_t kGatherMaxBytes = 4ull << 20;
+constexpr uint64_t kGatherQueuedMax = 16ull << 20;  // per endpoint, queued and not yet sent
 constexpr uint64_t kAckEveryOps = 64;
 constexpr uint64_t kAckEveryBytes = 4ull << 20;
 // Bytes one endpoint may read per round before the others get their turn (fairness).
@@ -340,7 +341,11 @@ Status TcpEndpoint::FlushLocked() {
       if (left >= rest) {
         left -= rest;
         tx_off_ = 0;
-        if (s.staged) staged_.pop_front();
+        if (s.staged) {
+          staged_.pop_front();
+          staged_bytes_.fetch_sub(staged_len_.front(), std::memory_order_relaxed);
+          staged_len_.pop_front();
+        }
         tx_head_ = (tx_head_ + 1) % txq_.size();
         --tx_count_;
       } else {
@@ -748,7 +753,8 @@ void TcpEndpoint::AnswerReadList() {
   // the region itself.
   const size_t n = read_list_rx_.size();
   std::unique_ptr<char[]> gathered;
-  if (n > 1 && total <= kGatherMaxBytes && total < kGatherPieceBytes * n) {
+  if (n > 1 && total <= kGatherMaxBytes && total < kGatherPieceBytes * n &&
+      staged_bytes_.load(std::memory_order_relaxed) + total <= kGatherQueuedMax) {
     gathered.reset(new char[total]);
     char* d = gathered.get();
     // Scattered pieces miss the cache one by one: the first 320 bytes of the piece kAhead
@@ -785,6 +791,8 @@ void TcpEndpoint::AnswerReadList() {
     p.payload = gathered.get();
     p.payload_len = total;
     staged_.push_back(std::move(gathered));
+    staged_len_.push_back(total);
+    staged_bytes_.fetch_add(total, std::memory_order_relaxed);
     PushSegmentLocked(p);
     resp_pending_ = true;
     return;
@@ -871,6 +879,8 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
     tx_head_ = tx_count_ = 0;
     tx_off_ = 0;
     staged_.clear();
+    staged_len_.clear();
+    staged_bytes_.store(0, std::memory_order_relaxed);
   }
   ::shutdown(fd_.get(), SHUT_RDWR);
   engine_->Unwatch(fd_.get());

@@ -342,6 +342,10 @@ class TcpEndpoint final : public Endpoint {
   // Copies of small read-list pieces gathered at execution (AnswerReadList), one per staged
   // segment in the queue, in queue order.
   std::deque<std::unique_ptr<char[]>> staged_ GUARDED_BY(send_mu_);
+  std::deque<uint64_t> staged_len_ GUARDED_BY(send_mu_);  // bytes of each staged_ buffer
+  // Their sum: a peer that sends read lists without taking the responses makes the queue grow;
+  // past kGatherQueuedMax the lists go out piece by piece from the regions (no memory held).
+  std::atomic<uint64_t> staged_bytes_{0};
   size_t tx_head_ GUARDED_BY(send_mu_) = 0;
   size_t tx_count_ GUARDED_BY(send_mu_) = 0;
   uint64_t tx_off_ GUARDED_BY(send_mu_) = 0;  // bytes of the head segment sent
