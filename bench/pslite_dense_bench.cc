@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "ps/ps.h"
+#include "pslite_driver_util.h"
 
 namespace {
 
@@ -55,15 +56,8 @@ struct Flags {
   std::string layout, out, run_dir = "/tmp";
 };
 
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> v;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) {
-    if (!x.empty()) v.push_back(x);
-  }
-  return v;
-}
+using pslite_driver::Now;
+using pslite_driver::Split;
 
 size_t ParseSize(const std::string& s) {
   size_t pos = 0;
@@ -79,14 +73,8 @@ size_t ParseSize(const std::string& s) {
 
 Flags ParseFlags(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
-      fprintf(stderr, "pslite_dense_bench: bad argument %s (want --name=value)\n", a.c_str());
-      exit(2);
-    }
-    const std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
+  pslite_driver::ParseFlags(argc, argv, "pslite_dense_bench",
+                            [&](const std::string& k, const std::string& v) {
     if (k == "sizes") {
       f.sizes.clear();
       for (const auto& x : Split(v)) f.sizes.push_back(ParseSize(x));
@@ -111,16 +99,11 @@ Flags ParseFlags(int argc, char** argv) {
     } else if (k == "run_dir") {
       f.run_dir = v;
     } else {
-      fprintf(stderr, "pslite_dense_bench: unknown flag --%s\n", k.c_str());
-      exit(2);
+      return false;
     }
-  }
+    return true;
+  });
   return f;
-}
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 double Median(std::vector<double> v) {

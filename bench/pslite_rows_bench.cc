@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "ps/ps.h"
+#include "pslite_driver_util.h"
 
 namespace {
 
@@ -57,26 +58,13 @@ struct Flags {
   std::string run_dir = "/tmp";
 };
 
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> v;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) {
-    if (!x.empty()) v.push_back(x);
-  }
-  return v;
-}
+using pslite_driver::Now;
+using pslite_driver::Split;
 
 Flags ParseFlags(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
-      fprintf(stderr, "pslite_rows_bench: bad argument %s (want --name=value)\n", a.c_str());
-      exit(2);
-    }
-    std::string k = a.substr(2, eq - 2), v = a.substr(eq + 1);
+  pslite_driver::ParseFlags(argc, argv, "pslite_rows_bench",
+                            [&](const std::string& k, const std::string& v) {
     if (k == "rows") {
       f.rows = std::stoll(v);
     } else if (k == "dim") {
@@ -97,16 +85,11 @@ Flags ParseFlags(int argc, char** argv) {
     } else if (k == "run_dir") {
       f.run_dir = v;
     } else {
-      fprintf(stderr, "pslite_rows_bench: unknown flag --%s\n", k.c_str());
-      exit(2);
+      return false;
     }
-  }
+    return true;
+  });
   return f;
-}
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 ps::Key Stride(int64_t rows) { return ps::kMaxKey / static_cast<ps::Key>(rows); }
