@@ -2,8 +2,8 @@
 # ctest examples.digits_heterogeneity: the study flags of digits_trainer do what their help says.
 #   1. --standalone with --compute_delay_ms 2 and --slowdown 1 vs 3: the slowed run's 'timing:'
 #      line shows a slowdown sleep of at least 2 x (compute + delay) per step (sleep_until never
-#      wakes early) and not grossly more, and its whole run takes over 2x as long as the
-#      unslowed one (3x by construction; the rest is the step's non-compute part).
+#      wakes early), and its run lasts at least its sleeps. Lower bounds only: a busy host
+#      makes a process slower, never faster, so nothing here fails because it was descheduled.
 #   2. --eval_every 4: 'eval:' lines at step 0, every 4th step and the last step, t and unix
 #      increasing, the last one's accuracy equal to the final test accuracy.
 #   3. a 2-worker ASP cluster (scripts/launch-local.sh) with --slowdown 3 --slowdown_rank 1:
@@ -56,9 +56,12 @@ assert t1["slow"] == 0 and t1["factor"] == 1, f"unslowed run slept: {t1}"
 assert t3["factor"] == 3, t3
 assert t1["delay"] >= 2.0 and t3["delay"] >= 2.0, "--compute_delay_ms 2 slept less than 2 ms"
 want = 2 * (t3["compute"] + 2.0)  # (F - 1) x (measured compute + the nominal delay)
-assert want <= t3["slow"] <= 1.5 * want + 1.0, f"slowdown sleep {t3['slow']} ms, want ~{want}"
+# Lower bounds only: a descheduled process sleeps longer and computes longer, never shorter,
+# so these hold on a busy host (an upper bound or a ratio of two runs' times would not).
+assert t3["slow"] >= want, f"slowdown sleep {t3['slow']} ms per step, the rule gives {want}"
+slept = t3["steps"] * t3["slow"] / 1000
+assert t3["elapsed"] >= slept, f"the run ({t3['elapsed']} s) is shorter than its sleeps ({slept} s)"
 ratio = t3["elapsed"] / t1["elapsed"]
-assert ratio > 2.0, f"--slowdown 3 made the run only {ratio:.2f}x longer"
 # 2. eval lines: step 0, every 4th, and the last; time increases; last == final accuracy
 for evals, t in ((e1, t1), (e3, t3)):
     steps = [e[1] for e in evals]
@@ -70,7 +73,7 @@ for evals, t in ((e1, t1), (e3, t3)):
     assert evals[-1][4] == t["acc"], f"last eval {evals[-1][4]} != final {t['acc']}"
     assert evals[0][4] < 0.5 < evals[-1][4], "accuracy did not rise from chance"
 print(f"standalone: slowdown sleep {t3['slow']:.2f} ms/step (rule: {want:.2f}), "
-      f"run {ratio:.2f}x longer; {len(e1)} eval lines per run")
+      f"run {ratio:.2f}x as long as the unslowed one; {len(e1)} eval lines per run")
 PY
 
 # --- 3: one slowed rank in a cluster ------------------------------------------------------------
