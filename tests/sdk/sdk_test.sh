@@ -13,6 +13,9 @@
 #   5. CPack's .deb: its contents, and the C test built again against the extracted package.
 # usage: sdk_test.sh SOURCE_DIR BUILD_DIR          exit 0 pass, 1 fail
 set -euo pipefail
+# No `producer | grep -q` here: grep -q exits at the first match, the producer may then die of
+# SIGPIPE, and pipefail turns a match into a failure (seen once in CI: "Client::Connect not
+# exported" while it was). `grep ... >/dev/null` reads all its input.
 SRC=$(cd "$1" && pwd)
 BUILD=$(cd "$2" && pwd)
 T=$(mktemp -d "${TMPDIR:-/tmp}/shardps-sdk.XXXXXX")
@@ -51,7 +54,7 @@ for h in client.h status.h c_api.h export.h version.h; do
 done
 echo '#include <shardps/c_api.h>' | cc -std=c11 -fsyntax-only -I"$P/include" -x c - \
   || fail "shardps/c_api.h is not C"
-"$P/bin/shardps_server" --version | grep -q '^shardps_server [0-9]' || fail "shardps_server --version"
+"$P/bin/shardps_server" --version | grep '^shardps_server [0-9]' >/dev/null || fail "shardps_server --version"
 step "installed: $(cd "$P" && find . -type f | wc -l) files; $("$P/bin/shardps" --version)"
 
 # 2. Exported symbols.
@@ -66,7 +69,7 @@ c++filt <"$T/syms" | grep -E '^shardps::(transport|control|worker|server|tools):
 step "libshardps.so exports $total symbols: $c_api of the C API ($declared declared in c_api.h)"
 [[ -s $T/foreign ]] && { head -20 "$T/foreign"; fail "$(wc -l <"$T/foreign") non-public symbols exported"; }
 [[ $c_api -eq $declared ]] || fail "C API: $c_api exported, $declared declared"
-c++filt <"$T/syms" | grep -q '^shardps::Client::Connect' || fail "shardps::Client::Connect not exported"
+c++filt <"$T/syms" | grep '^shardps::Client::Connect' >/dev/null || fail "shardps::Client::Connect not exported"
 
 # A one-worker SGD cluster of the installed daemons: start_cluster NAME -> $ADDR.
 TOKEN=sdk-test-token
@@ -97,10 +100,10 @@ cmake -S "$SRC/tests/sdk/consumer" -B "$T/consumer" -DCMAKE_PREFIX_PATH="$P" \
 cmake --build "$T/consumer" -j 2 >"$T/consumer-build.log" 2>&1 \
   || { cat "$T/consumer-build.log"; fail "building the consumer"; }
 grep -q "shardps 0" "$T/consumer-cmake.log" || fail "find_package did not report the version"
-if ldd "$T/consumer/consumer_static" | grep -q libshardps; then
+if ldd "$T/consumer/consumer_static" | grep libshardps >/dev/null; then
   fail "consumer_static loads libshardps.so"
 fi
-ldd "$T/consumer/consumer_shared" | grep -q "$LIBDIR/libshardps.so" \
+ldd "$T/consumer/consumer_shared" | grep "$LIBDIR/libshardps.so" >/dev/null \
   || fail "consumer_shared does not load the installed libshardps.so"
 for kind in shared static; do
   start_cluster "cpp-$kind"

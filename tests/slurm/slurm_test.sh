@@ -37,7 +37,7 @@ done
 [[ $(id -u) -eq 0 ]] || skip "needs root: it starts munged, slurmctld and slurmd"
 missing=()
 for p in slurm-wlm munge; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null || missing+=("$p")
 done
 if ((${#missing[@]})); then
   say "installing ${missing[*]} (apt-get)"
