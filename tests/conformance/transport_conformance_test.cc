@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -346,6 +347,55 @@ TEST_P(TransportConformance, ReadListsInFlightTogetherEachGetTheirBytes) {
     }
   }
   EXPECT_TRUE(iep_->status().ok());
+}
+
+// A read, then a read list behind it on the same endpoint, against memory a target thread keeps
+// rewriting (rows first, then a header word, like a server publishing a version): every row the
+// list returns is at least as new as the header the read returned. A provider that took the
+// list's bytes earlier than the read's (tcp once gathered a list when it executed but sent a
+// read from the region when the socket took it) lets a row lag behind its header.
+TEST_P(TransportConformance, AReadListIsNoOlderThanTheReadBeforeIt) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  constexpr size_t kRows = 64, kStride = 256;
+  const size_t n = 4096 + kRows * kStride;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteRead);
+  auto dst = Alloc(initiator_.get(), 4096 + kRows * 8, Access::kLocalOnly);
+  ASSERT_TRUE(remote && dst);
+  auto* words = static_cast<volatile uint64_t*>(remote->data());
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (uint64_t v = 1; !stop.load(std::memory_order_relaxed); ++v) {
+      for (size_t r = 0; r < kRows; ++r) words[(4096 + r * kStride) / 8] = v;
+      std::atomic_thread_fence(std::memory_order_release);
+      words[0] = v;  // the header, last
+    }
+  });
+  const RegionDescriptor rd = remote->descriptor();
+  std::vector<ReadPiece> pieces;
+  for (size_t r = 0; r < kRows; ++r) pieces.push_back(ReadPiece{AtOffset(rd, 4096 + r * kStride), 8});
+  int lagging = 0, rounds = 0;
+  const auto until = Clock::now() + seconds(3);
+  for (; rounds < 3000 && Clock::now() < until; ++rounds) {
+    ASSERT_TRUE(iep_->PostRead({dst.get(), 0, 8}, AtOffset(rd, 0), 1, transport::kUnsignaled).ok());
+    ASSERT_TRUE(iep_->PostReadList({dst.get(), 4096, kRows * 8}, pieces.data(), pieces.size(), 2,
+                                   transport::kSignaled)
+                    .ok());
+    auto cs = WaitInitiator(1);
+    ASSERT_EQ(cs.size(), 1u);
+    ASSERT_TRUE(cs[0].ok()) << WcStatusName(cs[0].status);
+    const auto* got = static_cast<const uint64_t*>(dst->data());
+    for (size_t r = 0; r < kRows; ++r) {
+      if (got[(4096 / 8) + r] < got[0] && lagging++ < 3) {
+        ADD_FAILURE() << "round " << rounds << ": row " << r << " holds version "
+                      << got[(4096 / 8) + r] << ", older than the header's " << got[0]
+                      << " read before it";
+      }
+    }
+  }
+  stop = true;
+  writer.join();
+  EXPECT_EQ(lagging, 0) << "of " << rounds << " rounds";
+  EXPECT_GT(rounds, 50);
 }
 
 // Registered memory is populated at registration (transport/populate.h): once a region has

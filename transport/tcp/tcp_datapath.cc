@@ -300,8 +300,21 @@ Status TcpEndpoint::FlushLocked() {
     iovec iov[kMaxIov];
     int cnt = 0;
     uint64_t off = tx_off_;
+    size_t staged_at = 0;     // staged_ index of the next staged segment
+    bool payload_before = false;  // this iov already takes bytes from memory
     for (size_t i = 0; i < tx_count_ && cnt + 2 <= kMaxIov; ++i) {
-      const Segment& s = txq_[(tx_head_ + i) % txq_.size()];
+      Segment& s = txq_[(tx_head_ + i) % txq_.size()];
+      if (s.staged) {
+        Gather& g = staged_[staged_at++];
+        if (g.buf == nullptr) {
+          // Filled only once everything before it is in the kernel: memory is read in the
+          // order the requests executed.
+          if (payload_before) break;
+          FillGather(g);
+          s.payload = g.buf.get();
+        }
+      }
+      if (s.payload_len > 0) payload_before = true;
       bool capped = false;
       const uint64_t hb = s.headerless ? 0 : kHeaderSize;
       if (off < hb) {
@@ -342,9 +355,8 @@ Status TcpEndpoint::FlushLocked() {
         left -= rest;
         tx_off_ = 0;
         if (s.staged) {
+          staged_bytes_.fetch_sub(staged_.front().len, std::memory_order_relaxed);
           staged_.pop_front();
-          staged_bytes_.fetch_sub(staged_len_.front(), std::memory_order_relaxed);
-          staged_len_.pop_front();
         }
         tx_head_ = (tx_head_ + 1) % txq_.size();
         --tx_count_;
@@ -747,33 +759,12 @@ void TcpEndpoint::AnswerReadList() {
   exec_seq_ = h.seq;
   acked_sent_ = h.seq;  // READ_RESP acknowledges everything before it
   unacked_bytes_ = 0;
-  // Small pieces are gathered here into one buffer (the bytes as of execution, like a NIC's
-  // read): the kernel costs about half a microsecond per iovec, more than the copy of a
-  // 256-byte row, and a 4096-row list would otherwise be 4096 iovecs. Large pieces go out from
-  // the region itself.
+  // Small pieces go out as one buffer gathered just before it is sent (FillGather): the
+  // kernel costs about half a microsecond per iovec, more than the copy of a 256-byte row, and
+  // a 4096-row list would otherwise be 4096 iovecs. Large pieces go out from the regions.
   const size_t n = read_list_rx_.size();
-  std::unique_ptr<char[]> gathered;
-  if (n > 1 && total <= kGatherMaxBytes && total < kGatherPieceBytes * n &&
-      staged_bytes_.load(std::memory_order_relaxed) + total <= kGatherQueuedMax) {
-    gathered.reset(new char[total]);
-    char* d = gathered.get();
-    // Scattered pieces miss the cache one by one: the first 320 bytes of the piece kAhead
-    // ahead are prefetched, so that the misses of an embedding table's rows overlap. (A prefetch
-    // never faults, past the piece or not; GCC drops prefetches in a loop of their own.)
-    constexpr size_t kAhead = 8;
-    for (size_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) {
-        const char* p = src[i + kAhead];
-        __builtin_prefetch(p);
-        __builtin_prefetch(p + 64);
-        __builtin_prefetch(p + 128);
-        __builtin_prefetch(p + 192);
-        __builtin_prefetch(p + 256);
-      }
-      std::memcpy(d, src[i], read_list_rx_[i].length);
-      d += read_list_rx_[i].length;
-    }
-  }
+  const bool gather = n > 1 && total <= kGatherMaxBytes && total < kGatherPieceBytes * n &&
+                      staged_bytes_.load(std::memory_order_relaxed) + total <= kGatherQueuedMax;
   MutexLock l(&send_mu_);
   if (tx_closed_) return;
   Segment s;
@@ -783,16 +774,19 @@ void TcpEndpoint::AnswerReadList() {
   s.payload = nullptr;
   s.payload_len = 0;
   PushSegmentLocked(s);
-  if (gathered != nullptr) {
+  if (gather) {
+    Gather g;
+    g.len = total;
+    g.pieces.reserve(n);
+    for (size_t i = 0; i < n; ++i) g.pieces.emplace_back(src[i], read_list_rx_[i].length);
+    staged_.push_back(std::move(g));
+    staged_bytes_.fetch_add(total, std::memory_order_relaxed);
     Segment p;
     p.hdr = FrameHeader{};
     p.headerless = true;
     p.staged = true;
-    p.payload = gathered.get();
+    p.payload = nullptr;  // FillGather
     p.payload_len = total;
-    staged_.push_back(std::move(gathered));
-    staged_len_.push_back(total);
-    staged_bytes_.fetch_add(total, std::memory_order_relaxed);
     PushSegmentLocked(p);
     resp_pending_ = true;
     return;
@@ -810,6 +804,28 @@ void TcpEndpoint::AnswerReadList() {
     PushSegmentLocked(p);
   }
   resp_pending_ = true;
+}
+
+void TcpEndpoint::FillGather(Gather& g) {
+  g.buf.reset(new char[g.len]);
+  char* d = g.buf.get();
+  // Scattered pieces miss the cache one by one: the first 320 bytes of the piece kAhead ahead
+  // are prefetched, so that the misses of an embedding table's rows overlap. (A prefetch never
+  // faults, past the piece or not; GCC drops prefetches in a loop of their own.)
+  constexpr size_t kAhead = 8;
+  const size_t n = g.pieces.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const char* p = g.pieces[i + kAhead].first;
+      __builtin_prefetch(p);
+      __builtin_prefetch(p + 64);
+      __builtin_prefetch(p + 128);
+      __builtin_prefetch(p + 192);
+      __builtin_prefetch(p + 256);
+    }
+    std::memcpy(d, g.pieces[i].first, g.pieces[i].second);
+    d += g.pieces[i].second;
+  }
 }
 
 void TcpEndpoint::SendResponse(const Segment& s) {
@@ -879,7 +895,6 @@ void TcpEndpoint::Fail(WcStatus wc, Status why) {
     tx_head_ = tx_count_ = 0;
     tx_off_ = 0;
     staged_.clear();
-    staged_len_.clear();
     staged_bytes_.store(0, std::memory_order_relaxed);
   }
   ::shutdown(fd_.get(), SHUT_RDWR);
@@ -908,8 +923,25 @@ void TcpEndpoint::OnRegionGone(const char* base, uint64_t length) {
     }
   }
   MutexLock l(&send_mu_);
+  // Pieces of gathered responses not filled yet: zeros, as for a queued send below.
+  for (Gather& g : staged_) {
+    if (g.buf != nullptr) continue;
+    for (auto& [p, len] : g.pieces) {
+      if (p >= end || p + len <= base) continue;
+      LOG(WARNING) << "tcp: region deregistered with a read-list response from it queued to "
+                   << remote_;
+      const char* zeros = engine_->Zeros(len);
+      if (zeros != nullptr) {
+        p = zeros;
+      } else {
+        tx_closed_ = true;
+        ::shutdown(fd_.get(), SHUT_RDWR);
+      }
+    }
+  }
   for (size_t i = 0; i < tx_count_; ++i) {
     Segment& s = txq_[(tx_head_ + i) % txq_.size()];
+    if (s.staged) continue;  // its pieces: above
     if (s.payload_len == 0 || s.payload >= end || s.payload + s.payload_len <= base) continue;
     // The source vanished under a queued send (a read response, or a caller bug): the byte
     // count on the wire is already promised, so zeros go out instead.

@@ -277,8 +277,21 @@ class TcpEndpoint final : public Endpoint {
     const char* payload;
     uint64_t payload_len;
     bool headerless = false;  // more payload of the previous segment's frame (a read list's)
-    bool staged = false;      // payload is the front of staged_, freed once this is sent
+    // A gathered read-list response: its payload is filled from staged_ (the k-th staged
+    // segment in the queue is staged_[k]) when its turn to be sent comes.
+    bool staged = false;
   };
+  // A read list of small pieces (AnswerReadList), answered from one buffer. It is filled when
+  // every byte queued before it has gone to the kernel (FlushLocked), so that the bytes of the
+  // responses are taken from memory in the order the requests executed, as when every
+  // response is sent from the regions: a pull's header read before its rows sees no newer
+  // version than the rows.
+  struct Gather {
+    std::vector<std::pair<const char*, uint64_t>> pieces;  // in the regions (zeros once gone)
+    std::unique_ptr<char[]> buf;                            // null until filled
+    uint64_t len = 0;
+  };
+
   enum class RxState : uint8_t { kHeader, kPayload, kDrain };
   enum class RxAction : uint8_t {
     kNone,
@@ -299,6 +312,7 @@ class TcpEndpoint final : public Endpoint {
   void CompleteLocked(const PendingOp& op, WcStatus status) REQUIRES(op_mu_);
   void CompleteUpToLocked(uint64_t seq) REQUIRES(op_mu_);
   void PushSegmentLocked(const Segment& s) REQUIRES(send_mu_);
+  static void FillGather(Gather& g);
   Status FlushLocked() REQUIRES(send_mu_);
   // Progress thread.
   IoResult HandleIoError(ssize_t n) REQUIRES(engine_->progress_mu());
@@ -339,12 +353,9 @@ class TcpEndpoint final : public Endpoint {
   // Send side (both roles).
   Mutex send_mu_;
   std::vector<Segment> txq_ GUARDED_BY(send_mu_);  // ring
-  // Copies of small read-list pieces gathered at execution (AnswerReadList), one per staged
-  // segment in the queue, in queue order.
-  std::deque<std::unique_ptr<char[]>> staged_ GUARDED_BY(send_mu_);
-  std::deque<uint64_t> staged_len_ GUARDED_BY(send_mu_);  // bytes of each staged_ buffer
-  // Their sum: a peer that sends read lists without taking the responses makes the queue grow;
-  // past kGatherQueuedMax the lists go out piece by piece from the regions (no memory held).
+  std::deque<Gather> staged_ GUARDED_BY(send_mu_);
+  // Bytes of staged_: a peer that sends lists without taking the responses makes the queue
+  // grow; past kGatherQueuedMax the lists go out piece by piece (no memory held).
   std::atomic<uint64_t> staged_bytes_{0};
   size_t tx_head_ GUARDED_BY(send_mu_) = 0;
   size_t tx_count_ GUARDED_BY(send_mu_) = 0;
