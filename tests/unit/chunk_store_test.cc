@@ -82,6 +82,16 @@ TEST_F(ChunkStoreTest, ValueStalenessUsesTheHistoryOfPublishedVersions) {
   EXPECT_EQ(store->ValueStalenessScale(0, 3, 1.0f), 1.0f);        // current
   EXPECT_LT(store->ValueStalenessScale(0, 2, 1.0f), 1.0f);        // in the history
   EXPECT_FLOAT_EQ(store->ValueStalenessScale(0, 1, 1.0f), 0.5f);  // forgotten: maximal
+  // Past the history's length its buffers are reused (no allocation per publication): the
+  // versions it answers for hold their own weights.
+  for (int v = 4; v <= 6; ++v) store->Publish(0, store->Compute(0, grad, 1.0f, 1.0f), 0);
+  ASSERT_EQ(store->published(0)[0], -1.5f);                       // version 6
+  ASSERT_EQ(store->history(0).size(), 2u);
+  EXPECT_EQ(store->history(0).front().first, 5u);
+  EXPECT_EQ(store->history(0).front().second, std::vector<float>(4, -1.0f));
+  // drift |(-1.5) - (-1)| / |-1.5| = 1/3: scale 1 / (1 + 1/3)
+  EXPECT_FLOAT_EQ(store->ValueStalenessScale(0, 5, 1.0f), 0.75f);
+  EXPECT_FLOAT_EQ(store->ValueStalenessScale(0, 4, 1.0f), 0.5f);  // forgotten
 }
 
 TEST_F(ChunkStoreTest, CaptureAndRestoreRoundTrip) {
