@@ -141,13 +141,15 @@ bool ShmEndpoint::Resolve(const RemoteSlice& r, uint64_t len, bool write, uint8_
   }
   // A read from the read-only arena only ever reads through this pointer.
   uint8_t* base = in_ro ? const_cast<uint8_t*>(peer_ro_arena_) + off : peer_arena_ + off;
-  if (populated_.insert(static_cast<uint64_t>(r.rkey) << 1 | (write ? 1 : 0)).second) {
-    if (populated_.size() > 4096) populated_ = {static_cast<uint64_t>(r.rkey) << 1 | write};
+  const uint64_t key = static_cast<uint64_t>(r.rkey) << 1 | (write ? 1 : 0);
+  if (key != last_populated_ && populated_.insert(key).second) {
+    if (populated_.size() > 4096) populated_ = {key};
     // Best effort: a failure leaves demand paging, as before.
     const Status s = PopulatePages(base, length, write ? PopulateFor::kWrite : PopulateFor::kRead,
                                    "shm: the peer's region");
     if (!s.ok()) VLOG(1) << s.message();
   }
+  last_populated_ = key;
   *out = base + (r.addr - va);
   return true;
 }

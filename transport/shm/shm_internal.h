@@ -241,6 +241,7 @@ class ShmEndpoint final : public Endpoint {
   const TableEntry* peer_entries_ = nullptr;
   // (rkey << 1 | write) of the peer's regions already populated in this process's mapping.
   std::unordered_set<uint64_t> populated_;
+  uint64_t last_populated_ = ~0ull;  // the previous op's key: most ops skip the set
   RingView out_;  // this side produces
   RingView in_;   // this side consumes
 
