@@ -350,6 +350,10 @@ Status Aggregator::StepOnce(bool* done) {
     *done = true;
     return Status::OK();
   }
+  if (options_.crash_at_clock != 0 && c + 1 == options_.crash_at_clock && !options_.crash_after_push) {
+    LOG(ERROR) << "host aggregator: crash point before the push of clock " << c;
+    _exit(9);
+  }
   std::vector<Handle> handles;
   for (uint32_t t = 0; t < layout_.tensors; ++t) {
     uint32_t n = 0;
@@ -403,13 +407,9 @@ Status Aggregator::StepOnce(bool* done) {
     ASSIGN_OR_RETURN(Handle hd, client_->Push(tensors_[t].name()));
     handles.push_back(hd);
   }
-  if (options_.crash_at_clock != 0 && c + 1 == options_.crash_at_clock && !options_.crash_after_push) {
-    LOG(ERROR) << "host aggregator: crash point before push at clock " << c;
-    _exit(9);
-  }
   for (Handle hd : handles) RETURN_IF_ERROR(client_->Wait(hd));
   if (options_.crash_at_clock != 0 && c + 1 == options_.crash_at_clock && options_.crash_after_push) {
-    LOG(ERROR) << "host aggregator: crash point after push at clock " << c;
+    LOG(ERROR) << "host aggregator: crash point after the push of clock " << c << " was acknowledged";
     _exit(9);
   }
   RETURN_IF_ERROR(client_->Clock());

@@ -68,6 +68,9 @@ DEFINE_string(coordinator, "127.0.0.1:7070", "shardps_coordinator address (host:
 DEFINE_string(cluster_token, "", "Cluster secret");
 DEFINE_int32(rank, -1, "Requested worker rank (-1: the coordinator picks)");
 DEFINE_int32(workers, 1, "Workers in the job (data sharding; standalone: workers emulated)");
+DEFINE_int32(local_workers, 0,
+             "standalone: sum each host's this many workers first, as a host aggregator does "
+             "(0: flat)");
 DEFINE_int32(steps, 20, "Training steps");
 DEFINE_int32(batch, 8, "linreg: samples per worker per step");
 DEFINE_int32(dim, 64, "linreg: input features");
@@ -376,12 +379,27 @@ int RunStandalone() {
     }
     std::fill(sw.begin(), sw.end(), 0.0f);
     std::fill(sb.begin(), sb.end(), 0.0f);
-    for (int r = 0; r < FLAGS_workers; ++r) {  // the union of the workers' minibatches
-      m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, r, FLAGS_batch), FLAGS_batch, &gw, &gb);
-      for (size_t i = 0; i < nw; ++i) sw[i] += gw[i];
-      for (size_t j = 0; j < sb.size(); ++j) sb[j] += gb[j];
-      for (float g : gw) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
-      for (float g : gb) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
+    // The union of the workers' minibatches, summed as the servers do: in rank order; with
+    // --local_workers=L (host aggregation, docs/hierarchical.md) each host's L workers first
+    // (local-rank order, by its aggregator), then the hosts' sums in host order (the servers).
+    const int per_host = FLAGS_local_workers > 0 ? FLAGS_local_workers : 1;
+    std::vector<float> hw(nw), hb(FLAGS_outputs);
+    for (int h = 0; h * per_host < FLAGS_workers; ++h) {
+      for (int l = 0; l < per_host && h * per_host + l < FLAGS_workers; ++l) {
+        const int r = h * per_host + l;
+        m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, r, FLAGS_batch), FLAGS_batch, &gw, &gb);
+        if (l == 0) {
+          hw = gw;
+          hb = gb;
+        } else {
+          for (size_t i = 0; i < nw; ++i) hw[i] += gw[i];
+          for (size_t j = 0; j < hb.size(); ++j) hb[j] += gb[j];
+        }
+        for (float g : gw) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
+        for (float g : gb) max_abs_grad = std::max(max_abs_grad, std::fabs(g));
+      }
+      for (size_t i = 0; i < nw; ++i) sw[i] += hw[i];
+      for (size_t j = 0; j < sb.size(); ++j) sb[j] += hb[j];
     }
     if (FLAGS_optimizer == "momentum") {
       const float mu = static_cast<float>(FLAGS_momentum);

@@ -1,0 +1,360 @@
+// Host aggregation (docs/hierarchical.md) as properties of real processes, over tcp, shm and
+// verbs (verbs inside the SoftRoCE guest; skipped with the reason elsewhere): 2 emulated hosts,
+// each a shardps_aggregator with 2 local ps_test_worker processes, 2 server groups.
+//
+//   BspIsTheHostOrderedSumBitForBit   BSP equals, bit for bit, the one-process run that sums
+//                                     each host's workers first, then the hosts (the stated
+//                                     order), on every worker, run after run.
+//   EveryPullHoldsWhatTheModeGuarantees  BSP, SSP(2), ASP, VSGD(2): every pull decoded
+//                                     (signature model), the mode's bound holds between hosts.
+//   AKilledLocalWorkerCountsAtMostOnce   kill -9 of a local worker mid-run: the others finish,
+//                                     every survivor's gradients are applied exactly once, the
+//                                     dead one's at most once each (counter model).
+//   AKilledAggregatorRestartsWithNothingAppliedTwice  the aggregator _exit(9)s at a clock,
+//                                     before its push or after it was acknowledged; a restarted
+//                                     aggregator takes the host's workers back: the clock in
+//                                     flight is applied exactly 0 or 1 times, as the crash point
+//                                     says, every other clock exactly once.
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/integration/process_test_base.h"
+
+namespace shardps {
+namespace {
+
+using namespace proc_test;  // NOLINT(build/namespaces): the shared fixtures
+
+constexpr int kHosts = 2;
+constexpr int kLocal = 2;
+constexpr int kWorkers = kHosts * kLocal;
+
+class HierarchicalTest : public ProcessTestBase {
+ protected:
+  bool Emulated(const std::string& transport) const { return transport == "verbs"; }
+
+  std::string Socket(int host) const {
+    // Abstract namespace: no path-length limit from the test directory, nothing left behind.
+    return "@shardps-test-" + std::to_string(getpid()) + "-" + std::to_string(serial_) + "-" +
+           std::to_string(host);
+  }
+
+  ChildProcess* SpawnAggregator(const ClusterSpec& spec, int host,
+                                const std::vector<std::string>& extra = {},
+                                const std::string& log_suffix = "") {
+    std::vector<std::string> argv = {SHARDPS_AGGREGATOR_BIN,
+                                     "--socket=" + Socket(host),
+                                     "--local_workers=" + std::to_string(kLocal),
+                                     "--coordinator=" + coordinator_address_,
+                                     std::string("--cluster_token=") + kToken,
+                                     "--transport=" + spec.transport,
+                                     "--bind_ip=" + WorkerIp(spec.transport),
+                                     "--rank=" + std::to_string(host),
+                                     "--setup_timeout_s=60",
+                                     "--wait_timeout_s=30"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Spawn(argv, "aggregator" + std::to_string(host) + log_suffix + ".log");
+  }
+
+  // Local worker `l` of `host` (global rank host * kLocal + l): worker<rank>.out.
+  ChildProcess* SpawnLocal(const ClusterSpec& spec, int host, int l,
+                           const std::vector<std::string>& extra) {
+    const int rank = host * kLocal + l;
+    setenv("SHARDPS_AGGREGATOR", Socket(host).c_str(), 1);
+    setenv("SHARDPS_LOCAL_RANK", std::to_string(l).c_str(), 1);
+    setenv("SHARDPS_CLUSTER_TOKEN", kToken, 1);
+    std::vector<std::string> argv = {PS_TEST_WORKER_BIN,
+                                     "--workers=" + std::to_string(kWorkers),
+                                     LrFlag(spec.lr),
+                                     "--out=" + Path("worker" + std::to_string(rank) + ".out"),
+                                     "--progress_file=" + Path("progress" + std::to_string(rank)),
+                                     "--setup_timeout_ms=60000",
+                                     "--wait_timeout_ms=30000"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    ChildProcess* c = Spawn(argv, "worker" + std::to_string(rank) + ".log");
+    unsetenv("SHARDPS_AGGREGATOR");
+    unsetenv("SHARDPS_LOCAL_RANK");
+    unsetenv("SHARDPS_CLUSTER_TOKEN");
+    return c;
+  }
+
+  // A cluster whose coordinator counts hosts (one aggregator each), the aggregators, and their
+  // local workers; returns the workers by global rank.
+  std::vector<ChildProcess*> StartHosts(const ClusterSpec& spec,
+                                        const std::vector<std::string>& worker_flags,
+                                        std::vector<ChildProcess*>* aggregators,
+                                        const std::vector<std::vector<std::string>>& agg_flags = {}) {
+    ++serial_;
+    std::vector<ChildProcess*> workers;
+    if (!StartCluster(spec)) return workers;
+    for (int h = 0; h < kHosts; ++h) {
+      aggregators->push_back(
+          SpawnAggregator(spec, h, h < static_cast<int>(agg_flags.size()) ? agg_flags[h]
+                                                                           : std::vector<std::string>{}));
+      for (int l = 0; l < kLocal; ++l) workers.push_back(SpawnLocal(spec, h, l, worker_flags));
+    }
+    return workers;
+  }
+
+  // Tears the processes of one run down (the next run of the same test starts fresh).
+  void EndRun() {
+    for (auto& c : children_) c->Kill();
+    children_.clear();
+    servers_.clear();
+    coordinator_ = nullptr;
+  }
+
+  int serial_ = 0;
+};
+
+class HierarchicalTransportTest : public HierarchicalTest,
+                                  public ::testing::WithParamInterface<std::string> {
+ protected:
+  void SetUp() override { SetUpFor(GetParam()); }
+  milliseconds Bound() const { return Emulated(GetParam()) ? 4 * kProcessBound : kProcessBound; }
+  ClusterSpec Spec() const {
+    ClusterSpec spec;
+    spec.transport = GetParam();
+    spec.servers = 2;
+    spec.workers = kHosts;  // the coordinator's workers are the aggregators
+    spec.heartbeat_timeout_ms = Emulated(GetParam()) ? 6000 : 1500;
+    return spec;
+  }
+};
+
+TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
+  ClusterSpec spec = Spec();
+  const int kSteps = 12;
+  std::vector<std::vector<float>> first_run;
+  for (int run = 0; run < 2; ++run) {
+    std::vector<ChildProcess*> aggs;
+    std::vector<ChildProcess*> workers =
+        StartHosts(spec, {"--model=linreg", "--steps=" + std::to_string(kSteps)}, &aggs);
+    ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+    std::vector<std::string> ref_argv = {PS_TEST_WORKER_BIN, "--standalone",
+                                         "--workers=" + std::to_string(kWorkers),
+                                         "--local_workers=" + std::to_string(kLocal),
+                                         "--steps=" + std::to_string(kSteps), LrFlag(spec.lr),
+                                         "--out=" + Path("standalone.out")};
+    ChildProcess* standalone = Spawn(ref_argv, "standalone.log");
+    for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, Bound()), 0) << Tail(w);
+    for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, Bound()), 0) << Tail(a);
+    auto ref = StandaloneResult(standalone, Bound());
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    for (int r = 0; r < kWorkers; ++r) {
+      auto res = Result(r);
+      ASSERT_TRUE(res.ok()) << res.status();
+      EXPECT_EQ(res->Int("rank"), r);
+      EXPECT_EQ(res->Int("steps"), kSteps);
+      EXPECT_EQ(res->Get("transport"), "host+" + GetParam());
+      EXPECT_EQ(res->Int("control_messages_steady"), 0);
+      EXPECT_EQ(res->Int("pushes_lost"), 0);
+      EXPECT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r << ": W differs";
+      EXPECT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r << ": b differs";
+      if (run == 0) {
+        first_run.push_back(res->tensors["W"]);
+      } else {
+        EXPECT_EQ(res->tensors["W"], first_run[r]) << "worker " << r << ": run 2 differs";
+      }
+    }
+    // Each aggregator pushed and pulled once per clock for its two workers.
+    for (int h = 0; h < kHosts; ++h) {
+      EXPECT_TRUE(WaitForLog(aggs[h], "after " + std::to_string(kSteps) + " steps",
+                             milliseconds(1000)))
+          << Tail(aggs[h]);
+    }
+    EndRun();
+  }
+}
+
+TEST_P(HierarchicalTransportTest, AKilledLocalWorkerCountsAtMostOnce) {
+  ClusterSpec spec = Spec();
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  const int kSteps = 30;
+  std::vector<ChildProcess*> aggs;
+  std::vector<ChildProcess*> workers =
+      StartHosts(spec, {"--model=counter", "--steps=" + std::to_string(kSteps),
+                        "--step_delay_ms=15"},
+                 &aggs);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  const int victim = 1;  // host 0, local rank 1
+  const int before = WaitProgress(Path("progress1"), kSteps / 3, Bound(), workers[victim]);
+  ASSERT_GE(before, kSteps / 3) << Tail(workers[victim]);
+  workers[victim]->Kill();
+  const int after = WaitProgress(Path("progress1"), 0, milliseconds(100), nullptr);
+  for (int r = 0; r < kWorkers; ++r) {
+    if (r != victim) {
+      ASSERT_EQ(ExitCode(workers[r], Bound()), 0) << Tail(workers[r]);
+    }
+  }
+  for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, Bound()), 0) << Tail(a);
+  for (int r = 0; r < kWorkers; ++r) {
+    if (r == victim) continue;
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    const std::vector<float>& w = res->tensors["W"];
+    ASSERT_EQ(w.size(), static_cast<size_t>(kWorkers));
+    for (int k = 0; k < kWorkers; ++k) {
+      if (k == victim) {
+        // Its finished clocks, each once: at least those it had reported, at most one more.
+        EXPECT_GE(w[k], static_cast<float>(before)) << "worker " << r << " sees " << k;
+        EXPECT_LE(w[k], static_cast<float>(std::max(before, after) + 1)) << "worker " << r;
+      } else {
+        // A survivor's every push, exactly once (BSP: a final pull holds every clock below it).
+        EXPECT_EQ(w[k], static_cast<float>(kSteps)) << "worker " << r << " sees " << k;
+      }
+    }
+  }
+}
+
+class AggregatorKillTest
+    : public HierarchicalTest,
+      public ::testing::WithParamInterface<std::tuple<std::string, bool>> {
+ protected:
+  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+};
+
+TEST_P(AggregatorKillTest, AKilledAggregatorRestartsWithNothingAppliedTwice) {
+  const std::string transport = std::get<0>(GetParam());
+  const bool after_push = std::get<1>(GetParam());
+  const milliseconds bound = Emulated(transport) ? 4 * kProcessBound : kProcessBound;
+  ClusterSpec spec;
+  spec.transport = transport;
+  spec.servers = 2;
+  spec.workers = kHosts;
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  spec.heartbeat_timeout_ms = Emulated(transport) ? 6000 : 1500;
+  const int kSteps = 16, kCrashClock = 6;
+  std::vector<ChildProcess*> aggs;
+  std::vector<std::string> crash = {"--crash_at_clock=" + std::to_string(kCrashClock)};
+  if (after_push) crash.push_back("--crash_after_push");
+  std::vector<ChildProcess*> workers = StartHosts(
+      spec, {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=5"}, &aggs,
+      {crash});
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  ASSERT_EQ(ExitCode(aggs[0], bound), 9) << Tail(aggs[0]);  // its crash point
+  // Restarted, as a launcher would: same socket, same host rank.
+  ChildProcess* again = SpawnAggregator(spec, 0, {}, "-restarted");
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+  ASSERT_EQ(ExitCode(again, bound), 0) << Tail(again);
+  ASSERT_EQ(ExitCode(aggs[1], bound), 0) << Tail(aggs[1]);
+  // What the servers applied: each worker's count, the largest any final pull holds (the last
+  // worker to finish holds every push; BSP pulls never hold a push twice).
+  std::vector<float> applied(kWorkers, 0.0f);
+  for (int r = 0; r < kWorkers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("steps"), kSteps);
+    const bool host0 = r < kLocal;
+    EXPECT_EQ(res->Int("pushes_lost"), host0 ? 1 : 0) << "worker " << r;
+    EXPECT_EQ(res->Int("reconnects"), host0 ? 1 : 0) << "worker " << r;
+    const std::vector<float>& w = res->tensors["W"];
+    ASSERT_EQ(w.size(), static_cast<size_t>(kWorkers));
+    for (int k = 0; k < kWorkers; ++k) {
+      EXPECT_LE(w[k], static_cast<float>(kSteps)) << "worker " << r << " sees " << k << " twice";
+      applied[k] = std::max(applied[k], w[k]);
+    }
+  }
+  for (int k = 0; k < kWorkers; ++k) {
+    const bool host0 = k < kLocal;
+    // Host 0's clock in flight: lost before its push, applied once after its acknowledgement.
+    const float want = static_cast<float>(host0 && !after_push ? kSteps - 1 : kSteps);
+    EXPECT_EQ(applied[k], want) << "worker " << k << (after_push ? " (crash after the push)"
+                                                                : " (crash before the push)");
+  }
+}
+
+struct ModeCase {
+  const char* name;
+  const char* consistency;
+  int staleness;
+};
+constexpr ModeCase kModes[] = {
+    {"bsp", "bsp", 0}, {"ssp2", "ssp", 2}, {"asp", "asp", 0}, {"vsgd2", "vsgd", 2}};
+
+class HierarchicalModeTest
+    : public HierarchicalTest,
+      public ::testing::WithParamInterface<std::tuple<std::string, int>> {
+ protected:
+  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+};
+
+TEST_P(HierarchicalModeTest, EveryPullHoldsWhatTheModeGuarantees) {
+  const std::string transport = std::get<0>(GetParam());
+  const ModeCase& mode = kModes[std::get<1>(GetParam())];
+  const milliseconds bound = Emulated(transport) ? 4 * kProcessBound : kProcessBound;
+  ClusterSpec spec;
+  spec.transport = transport;
+  spec.consistency = mode.consistency;
+  spec.staleness = mode.staleness;
+  spec.servers = 2;
+  spec.workers = kHosts;
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  spec.partition_bytes = 128;
+  spec.heartbeat_timeout_ms = Emulated(transport) ? 6000 : 1500;
+  const int kSteps = 20;
+  std::vector<ChildProcess*> aggs;
+  std::vector<ChildProcess*> workers;
+  {
+    ++serial_;
+    ASSERT_TRUE(StartCluster(spec));
+    for (int h = 0; h < kHosts; ++h) {
+      aggs.push_back(SpawnAggregator(spec, h));
+      for (int l = 0; l < kLocal; ++l) {
+        // Host 0 is the straggler.
+        workers.push_back(SpawnLocal(spec, h, l,
+                                     {"--model=signature", "--steps=" + std::to_string(kSteps),
+                                      std::string("--max_delay_ms=") + (h == 0 ? "30" : "5")}));
+      }
+    }
+  }
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+  int64_t pulls = 0, at_bound = 0, max_staleness = 0;
+  for (int r = 0; r < kWorkers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("steps"), kSteps);
+    EXPECT_EQ(res->Int("violations"), 0) << "worker " << r << ": " << Tail(workers[r]);
+    EXPECT_EQ(res->Int("sig_pulls"), 2 * kSteps) << "worker " << r;
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    if (std::string(mode.consistency) != "asp") {
+      EXPECT_LE(res->Int("sig_max_staleness"), mode.staleness) << "worker " << r;
+    }
+    pulls += res->Int("sig_pulls");
+    at_bound += res->Int("sig_at_bound");
+    max_staleness = std::max(max_staleness, res->Int("sig_max_staleness"));
+  }
+  std::cerr << "[ info ] " << transport << " " << mode.name << " hierarchical " << kHosts << "x"
+            << kLocal << ": " << pulls << " pulls checked, " << at_bound
+            << " at the bound, max staleness " << max_staleness << "\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, HierarchicalTransportTest,
+                         ::testing::Values("tcp", "shm", "verbs"),
+                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Transports, AggregatorKillTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) +
+                                  (std::get<1>(info.param) ? "_after_push" : "_before_push");
+                         });
+INSTANTIATE_TEST_SUITE_P(Combinations, HierarchicalModeTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Range(0, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" +
+                                  kModes[std::get<1>(info.param)].name;
+                         });
+
+}  // namespace
+}  // namespace shardps
