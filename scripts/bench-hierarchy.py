@@ -27,7 +27,7 @@ worker has completed steps - 3. Per configuration it reports
                           window's first and last step) / window steps
 
 Output: bench/results/hierarchy-<UTC stamp>.json (the schema below; `shardps plan` reads it),
-bench/results/hierarchy-<UTC stamp>.details.json (everything else: per-worker step times,
+bench/results/hierarchy_details-<UTC stamp>.json (everything else: per-worker step times,
 server-link bytes, tc statistics, the link-rate check, logs), docs/hierarchy.png, and markdown
 tables on stdout.
 
@@ -356,13 +356,13 @@ def fmt_mb(x):
     return f"{x / 1e6:.2f}"
 
 
-def markdown(runs, model_bytes):
+def markdown(runs, dets, model_bytes):
     lines = [f"model: {model_bytes} bytes ({model_bytes / 2**20:.2f} MiB); link bytes = rx + tx "
              "of each host's eth0 per step; ratio = that / model bytes", "",
              "| hosts x workers | rate Mbit/s | placement | mode | MB/step per host link | "
-             "ratio to model | step ms (median) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in runs:
+             "ratio to model | step ms (median) | load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r, d in zip(runs, dets):
         if r["ok"]:
             mb = ", ".join(fmt_mb(x) for x in r["link_bytes_per_step"])
             ratio = ", ".join(f"{x:.2f}" for x in r["ratio_to_model"])
@@ -370,7 +370,8 @@ def markdown(runs, model_bytes):
         else:
             mb, ratio, ms = "failed", "–", "–"
         lines.append(f"| {r['hosts']} x {r['local_workers']} | {r['rate_mbit']} | "
-                     f"{r['placement']} | {r['mode']} | {mb} | {ratio} | {ms} |")
+                     f"{r['placement']} | {r['mode']} | {mb} | {ratio} | {ms} | "
+                     f"{d['load_before'][0]:.1f} |")
     return "\n".join(lines)
 
 
@@ -391,7 +392,7 @@ def plot(runs, model_bytes, png):
         modes = [m for m in ("flat", "hierarchical") if any(r["mode"] == m for r in rs)]
         width = 0.8 / max(1, len(modes))
         for k, mode in enumerate(modes):
-            xs, mb, ms = [], [], []
+            xs, mb, ms, lo, hi = [], [], [], [], []
             for i, cfg in enumerate(cfgs):
                 r = next((r for r in rs if (r["hosts"], r["local_workers"]) == cfg and
                           r["mode"] == mode), None)
@@ -399,8 +400,11 @@ def plot(runs, model_bytes, png):
                     continue
                 xs.append(i + (k - (len(modes) - 1) / 2) * width)
                 mb.append(statistics.mean(r["link_bytes_per_step"]) / 1e6)
+                lo.append(mb[-1] - min(r["link_bytes_per_step"]) / 1e6)
+                hi.append(max(r["link_bytes_per_step"]) / 1e6 - mb[-1])
                 ms.append(r["step_ms_median"])
-            axes[0][j].bar(xs, mb, width, color=colors[mode], label=mode)
+            axes[0][j].bar(xs, mb, width, yerr=[lo, hi], capsize=3, color=colors[mode],
+                           label=mode)
             axes[1][j].bar(xs, ms, width, color=colors[mode], label=mode)
         labels = [f"{h}x{l}" for h, l in cfgs]
         for i in range(2):
@@ -409,12 +413,13 @@ def plot(runs, model_bytes, png):
             axes[i][j].legend(fontsize=8)
         for h, l in cfgs:  # the expected flat volume, 2 L x model, as a tick
             i = cfgs.index((h, l))
-            axes[0][j].hlines(2 * l * model_bytes / 1e6, i - 0.45, i + 0.45, colors="gray",
-                              linestyles=":", lw=1)
+            for y in (2 * l, 2):
+                axes[0][j].hlines(y * model_bytes / 1e6, i - 0.45, i + 0.45, colors="black",
+                                  linestyles="--", lw=1)
         axes[0][j].set_title(f"{placement}, {rate} Mbit/s", fontsize=10)
-        axes[0][j].set_ylabel("MB per step per host link (mean over hosts)")
+        axes[0][j].set_ylabel("MB/step per host link (mean, min-max)")
         axes[1][j].set_ylabel("step ms (median over workers)")
-        axes[1][j].set_xlabel("hosts x local workers (dotted: 2 L x model)")
+        axes[1][j].set_xlabel("hosts x local workers (dashed: 2L and 2 models)")
     fig.suptitle(f"ps_test_worker linreg, {model_bytes / 2**20:.2f} MiB model, BSP over tcp, "
                  "2 servers; emulated hosts (netns + tbf) on one 2-core machine", fontsize=10)
     fig.tight_layout()
@@ -538,7 +543,7 @@ def main():
             details["qdisc"][str(rate)] = fabric.qdisc_stats("h0")
         finally:
             fabric.close()
-    md = markdown(runs, args.model_bytes)
+    md = markdown(runs, details["runs"], args.model_bytes)
     print(md)
     if args.selftest:
         return selftest_verdict(runs, details)
@@ -549,13 +554,18 @@ def main():
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
-    with open(out[:-len(".json")] + ".details.json", "w") as f:
+    # Not hierarchy-*.json: readers of the schema above glob for that.
+    base = os.path.basename(out)
+    base = ("hierarchy_details-" + base[len("hierarchy-"):] if base.startswith("hierarchy-")
+            else os.path.splitext(base)[0] + ".details.json")
+    det_path = os.path.join(os.path.dirname(out), base)
+    with open(det_path, "w") as f:
         json.dump(details, f, indent=1)
-    wrote = [os.path.relpath(out, ROOT)]
+    wrote = [os.path.relpath(out, ROOT), os.path.relpath(det_path, ROOT)]
     if not args.no_plots and any(r["ok"] for r in runs):
         plot(runs, args.model_bytes, args.png)
         wrote.append(os.path.relpath(args.png, ROOT))
-    print(f"bench-hierarchy: wrote {', '.join(wrote)} (+ .details.json)")
+    print(f"bench-hierarchy: wrote {', '.join(wrote)}")
     return 0 if all(r["ok"] for r in runs) else 1
 
 
