@@ -48,11 +48,13 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,6 +241,8 @@ def run_one(args, fabric, hosts, L, placement, mode, run_dir):
     bound = args.run_timeout
     P = Procs(run_dir)
     t_start = time.time()
+    # Unix socket paths are limited to 107 bytes: the aggregators' go to a short temporary folder.
+    sock_dir = tempfile.mkdtemp(prefix="sps-hb-")
     try:
         addr_file = os.path.join(run_dir, "coordinator.addr")
         coord = P.start("coordinator", [
@@ -262,7 +266,7 @@ def run_one(args, fabric, hosts, L, placement, mode, run_dir):
         for h, name in enumerate(host_names):
             wenv = env
             if mode == "hierarchical":
-                sock = os.path.join(run_dir, f"agg-{h}.sock")
+                sock = os.path.join(sock_dir, f"agg-{h}.sock")
                 P.start(f"aggregator-{h}", [
                     os.path.join(build, "worker/shardps_aggregator"), f"--socket={sock}",
                     f"--local_workers={L}", f"--coordinator={addr}", f"--cluster_token={token}",
@@ -331,6 +335,7 @@ def run_one(args, fabric, hosts, L, placement, mode, run_dir):
         det["error"] = str(e)
     finally:
         P.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     det["wall_s"] = round(time.time() - t_start, 2)
     det["load_after"] = loadavg()
     return row, det
