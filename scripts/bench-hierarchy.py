@@ -365,17 +365,23 @@ def markdown(runs, dets, model_bytes):
     lines = [f"model: {model_bytes} bytes ({model_bytes / 2**20:.2f} MiB); link bytes = rx + tx "
              "of each host's eth0 per step; ratio = that / model bytes", "",
              "| hosts x workers | rate Mbit/s | placement | mode | MB/step per host link | "
-             "ratio to model | step ms (median) | load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "ratio to model | step ms (median) | link floor ms | load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r, d in zip(runs, dets):
+        floor = "–"
         if r["ok"]:
             mb = ", ".join(fmt_mb(x) for x in r["link_bytes_per_step"])
             ratio = ", ".join(f"{x:.2f}" for x in r["ratio_to_model"])
             ms = f"{r['step_ms_median']:.1f}"
+            # The busiest shaped link (hosts' and dedicated servers'), half its rx + tx per
+            # direction, at the link rate: the step time the links alone would allow.
+            busiest = max(r["link_bytes_per_step"] +
+                          list(d.get("server_link_bytes_per_step", {}).values()))
+            floor = f"{1e3 * busiest / 2 / (r['rate_mbit'] * 1e6 / 8):.0f}"
         else:
             mb, ratio, ms = "failed", "–", "–"
         lines.append(f"| {r['hosts']} x {r['local_workers']} | {r['rate_mbit']} | "
-                     f"{r['placement']} | {r['mode']} | {mb} | {ratio} | {ms} | "
+                     f"{r['placement']} | {r['mode']} | {mb} | {ratio} | {ms} | {floor} | "
                      f"{d['load_before'][0]:.1f} |")
     return "\n".join(lines)
 
