@@ -256,10 +256,11 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   const auto t0 = Clock::now();
   trace::Span span("apply", "server");  // one push applied (ASP, SSP, VSGD)
   span.Arg("chunk", h.chunk_id).Arg("clock", clock).Arg("worker", worker).Arg("seq", h.seq);
-  const size_t live = std::max<size_t>(1, workers_->Live().size());
+  if (WorkerState* ws = workers_->Find(worker)) ws->weight = std::max<uint32_t>(1, h.weight);
   ReplRecord r;
   r.slot = slot;
-  r.scale = options_.average ? 1.0f / live : 1.0f;
+  // Average over the trainers behind the live workers (a host aggregator counts its locals).
+  r.scale = options_.average ? 1.0f / static_cast<float>(workers_->LiveWeight()) : 1.0f;
   if (gate_->value_staleness()) {
     r.lr_scale = chunks_->ValueStalenessScale(slot, h.base_version, options_.vsgd_lambda);
     // lr_scale = 1 / (1 + lambda * drift) (server/optimizer.h): the drift it measured.
@@ -437,6 +438,7 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   float* sum = stream_->sum(slot);
   bool first = true;
   bool non_finite = false;
+  uint64_t weight = 0;
   const bool rows = chunks_->is_rows(slot);
   SparseAccumulator* acc = rows ? row_acc(layout_->rows(slot).dim) : nullptr;
   if (acc != nullptr) acc->Clear();
@@ -455,11 +457,12 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
     }
     first = false;
     non_finite |= (ph.flags & layout::kPushNonFinite) != 0;
+    weight += std::max<uint32_t>(1, ph.weight);  // a host aggregator's push sums its locals
   }
-  const size_t n = std::max<size_t>(1, a->contributors.size());
+  const uint64_t n = std::max<uint64_t>(1, weight);
   ReplRecord r;
   r.slot = slot;
-  r.scale = options_.average ? 1.0f / n : 1.0f;
+  r.scale = options_.average ? 1.0f / static_cast<float>(n) : 1.0f;
   r.bytes = chunks_->value_bytes(slot);
   if (rows) {
     r.bytes = SparsePayloadBytes(acc->size(), layout_->rows(slot).dim);

@@ -98,4 +98,13 @@ std::set<uint32_t> WorkerTable::Live() const {
   return live;
 }
 
+uint64_t WorkerTable::LiveWeight() const {
+  uint64_t sum = 0;
+  for (uint32_t rank : Live()) {
+    auto it = workers_.find(rank);
+    sum += it == workers_.end() ? 1 : std::max<uint32_t>(1, it->second.weight);
+  }
+  return std::max<uint64_t>(1, sum);
+}
+
 }  // namespace shardps::server

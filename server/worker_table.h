@@ -25,6 +25,9 @@ struct WorkerState {
   // posted before its kClock immediate, hence already processed (same endpoint, in order).
   uint64_t clock = 0;
   uint64_t endpoint_id = 0;
+  // Trainers behind this worker, from its latest push's weight (a host aggregator: its live
+  // local workers; a plain worker: 1). ASP/SSP averaging divides by the live workers' sum.
+  uint32_t weight = 1;
 };
 
 class WorkerTable {
@@ -62,6 +65,8 @@ class WorkerTable {
   std::vector<uint32_t> SetMembers(const std::set<uint32_t>& now);
   // Live workers: the members, plus known workers that did not depart.
   std::set<uint32_t> Live() const;
+  // The sum of the live workers' weights (at least 1).
+  uint64_t LiveWeight() const;
   size_t most_members_seen() const { return most_members_seen_; }
 
  private:

@@ -162,7 +162,12 @@ struct alignas(kAlign) PushHeader {
   // How to apply this gradient (BSP: the lowest rank's of the clock is applied).
   UpdateRule rule;
   uint64_t op_arg;  // kSet*: the optimizer step count to set; kGetState: the request's nonce
-  uint64_t reserved[3];
+  // How many trainers' gradients this push sums (0 reads as 1): a host aggregator pushes the
+  // sum of its local workers' gradients (docs/hierarchical.md), and an averaging server
+  // divides by the total weight, not by the number of pushes.
+  uint32_t weight;
+  uint32_t reserved32;
+  uint64_t reserved[2];
 };
 static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines");
 // What a push carries. Not a gradient: the chunk's state moved between a trainer and the

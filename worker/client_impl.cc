@@ -13,7 +13,9 @@
 #include "common/trace.h"
 #include "proto/shard_plan.h"
 #include <cmath>
+#include "worker/client_internal.h"
 #include "worker/client_testing.h"
+#include "worker/host_client.h"
 
 namespace shardps {
 
@@ -46,6 +48,21 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
       break;
     }
   }
+  if (o.aggregator.empty()) take(&o.aggregator, "SHARDPS_AGGREGATOR", "host aggregator");
+  if (o.local_rank < 0) {
+    for (const char* var : {"SHARDPS_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                            "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+      const char* v = getenv(var);
+      if (v == nullptr || *v == '\0') continue;
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (*end != '\0' || r < 0 || r > 65535) continue;
+      o.local_rank = static_cast<int>(r);
+      from += std::string(from.empty() ? "" : ", ") + "local rank " + std::to_string(r) +
+              " from " + var;
+      break;
+    }
+  }
   // Metrics, for trainers that cannot change code (torchrun): the one place these are read.
   if (o.metrics_port == 0) {
     std::string port;
@@ -69,6 +86,10 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
   std::string sources;
   const ClientOptions options = WithEnvironmentDefaults(given, &sources);
+  if (!options.aggregator.empty()) {
+    if (!sources.empty()) LOG(INFO) << "client settings from the environment: " << sources;
+    return worker::HostClient::Connect(options);
+  }
   if (options.coordinator.empty()) {
     return InvalidArgumentError(
         "no coordinator: set ClientOptions.coordinator (Python: Client(coordinator=...)) or "
@@ -106,6 +127,13 @@ std::string Hostname() {
 }
 
 }  // namespace
+
+bool SetPushWeight(Client* client, uint32_t weight) {
+  auto* c = dynamic_cast<ClientImpl*>(client);
+  if (c == nullptr) return false;
+  c->SetPushWeight(weight);
+  return true;
+}
 
 transport::FabricOptions ClientFabricOptions(const ClientOptions& options) {
   transport::FabricOptions fo;

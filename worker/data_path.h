@@ -120,6 +120,7 @@ struct StepClock {
   uint64_t step_id = 0;  // Step() calls so far
   bool in_step = false;  // inside Step(): its pushes' gradients are still in the buffers
   bool non_finite = false;  // Client::MarkNonFinite: the pushes carry kPushNonFinite
+  uint32_t weight = 1;      // trainers whose gradients a push sums (a host aggregator: > 1)
 };
 
 }  // namespace shardps::worker

@@ -101,6 +101,7 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.last_base = pull_.pulled_version(id);
   c.last_rule = tensors_[chunks_[id].tensor].rule;
   c.last_flags = step_.non_finite ? layout::kPushNonFinite : 0;
+  c.last_weight = step_.weight;
   c.last_op = op;
   c.last_arg = arg;
   c.step = step_.in_step ? step_.step_id : 0;
@@ -205,6 +206,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   ph->magic = layout::kPushMagic;
   ph->rule = c.last_rule;
   ph->flags = c.last_flags;
+  ph->weight = c.last_weight;
   ph->op = static_cast<uint32_t>(c.last_op);
   ph->op_arg = c.last_arg;
   const transport::RemoteSlice header_dst =

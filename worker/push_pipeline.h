@@ -74,6 +74,7 @@ class PushPipeline {
     uint64_t last_base = 0;
     layout::UpdateRule last_rule{};  // the rule it carries (the same when resent)
     uint32_t last_flags = 0;         // kPushNonFinite (the same when resent)
+    uint32_t last_weight = 1;        // PushHeader::weight (the same when resent)
     layout::PushOp last_op = layout::PushOp::kGradient;  // (the same when resent)
     uint64_t last_arg = 0;
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())

@@ -85,6 +85,13 @@ struct ClientOptions {
   // "" = off. "{rank}" or "%r" in the name become "<rank>-<pid>" (one file per worker).
   std::string trace_file;
   uint64_t trace_max_events = 1000000;  // events kept; later ones are dropped (and counted)
+  // Host aggregation (docs/hierarchical.md): the unix socket of this host's
+  // shardps_aggregator ("" = none: this worker joins the coordinator itself). With it, the
+  // worker talks to the aggregator only, through shared memory; coordinator, transport and the
+  // other cluster fields are the aggregator's business. local_rank: this worker's index on its
+  // host, 0..local_workers-1 (-1: from the environment).
+  std::string aggregator;
+  int local_rank = -1;
 };
 
 // Fills in what `options` leaves unset from the environment, as launchers set it (shardps.run,
@@ -98,6 +105,9 @@ struct ClientOptions {
 //   metrics_address "127.0.0.1" <- SHARDPS_METRICS_ADDRESS
 //   metrics_address_file "" <- SHARDPS_METRICS_ADDRESS_FILE
 //   trace_file      ""     <- SHARDPS_TRACE_FILE (docs/tracing.md)
+//   aggregator      ""     <- SHARDPS_AGGREGATOR (docs/hierarchical.md)
+//   local_rank      < 0    <- the first set of SHARDPS_LOCAL_RANK, LOCAL_RANK (torchrun),
+//                             OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID
 // What the caller set always wins. `sources`, if given, gets "field from VARIABLE" for each
 // value taken. Client::Connect applies it (and logs the sources).
 SHARDPS_EXPORT ClientOptions WithEnvironmentDefaults(ClientOptions options,
