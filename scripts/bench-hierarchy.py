@@ -40,7 +40,7 @@ Before the runs, the achieved rate of one shaped link is measured once per rate 
 usage (root; /usr/bin/python3 for matplotlib):
   /usr/bin/python3 scripts/bench-hierarchy.py            # default grid, ~10 min on 2 cores
   /usr/bin/python3 scripts/bench-hierarchy.py --quick    # ~2 min
-  /usr/bin/python3 scripts/bench-hierarchy.py --selftest # 1 flat config, asserts, < 1 min
+  /usr/bin/python3 scripts/bench-hierarchy.py --selftest # 2x2 flat (+ hierarchical), asserts, < 1 min
 If build/worker/shardps_aggregator is missing, hierarchical runs are skipped ("hierarchical: not
 built"). Every process runs under timeout -s KILL; the namespaces are deleted on every exit.
 """
@@ -444,8 +444,9 @@ def main():
                                  epilog="\n".join(__doc__.split("\n")[1:]))
     ap.add_argument("--quick", action="store_true", help="2 hosts x {2,4} workers, 1000 Mbit/s")
     ap.add_argument("--selftest", action="store_true",
-                    help="1 flat config (2 hosts x 2 workers, dedicated, 1000 Mbit/s, 20 steps); "
-                    "asserts the counters moved and ratio ~2L; writes nothing")
+                    help="2 hosts x 2 workers, dedicated, 1000 Mbit/s, 20 steps, flat (and "
+                    "hierarchical when the aggregator is built); asserts the counters moved and "
+                    "the ratio is ~2L flat, ~2 hierarchical; writes nothing")
     ap.add_argument("--hosts", default="2,4")
     ap.add_argument("--local-workers", default="2,4")
     ap.add_argument("--rates", default="1000,10000", help="link rates, Mbit/s")
@@ -471,7 +472,7 @@ def main():
         args.hosts, args.local_workers, args.rates = "2", "2,4", "1000"
     if args.selftest:
         args.hosts, args.local_workers, args.rates = "2", "2", "1000"
-        args.placements, args.modes, args.steps, args.warmup = "dedicated", "flat", 20, 4
+        args.placements, args.steps, args.warmup = "dedicated", 20, 4
         args.no_plots = True
     hosts_list = [int(x) for x in args.hosts.split(",")]
     L_list = [int(x) for x in args.local_workers.split(",")]
@@ -581,23 +582,29 @@ def main():
 
 
 def selftest_verdict(runs, details):
-    """The flat run moved bytes on every host link, about 2 L models per step: between 1.8 L and
-    3.2 L. Above 2 L: TCP/IP headers and ACKs (~6%), and BSP pulls that read a chunk before its
-    version is ready (the first read takes header and data together; a worker that is not the
-    last to push reads the data again once it is) add up to one more model per worker."""
+    """Every run moved bytes on every host link, about 2 L models per step flat and 2 hierarchical
+    (one push and one pull per trainer on the link): between 0.9x and 1.6x that. Above it: TCP/IP
+    headers and ACKs (~6%), and BSP pulls that read a chunk before its version is ready (the first
+    read takes header and data together; a trainer that is not the last to push reads the data
+    again once it is) add up to one more model per trainer. Hierarchical must also be below flat."""
     problems = []
     for r, d in zip(runs, details["runs"]):
         if not r["ok"]:
             problems.append(f"run failed: {d.get('error')}")
             continue
-        L = r["local_workers"]
+        expect = 2 * (r["local_workers"] if r["mode"] == "flat" else 1)
         for h, (b, q) in enumerate(zip(r["link_bytes_per_step"], r["ratio_to_model"])):
             if b <= 0:
-                problems.append(f"host {h}: counters did not move")
-            elif not 0.9 * 2 * L <= q <= 1.6 * 2 * L:
-                problems.append(f"host {h}: ratio {q} outside [{1.8 * L:.1f}, {3.2 * L:.1f}]")
+                problems.append(f"{r['mode']} host {h}: counters did not move")
+            elif not 0.9 * expect <= q <= 1.6 * expect:
+                problems.append(f"{r['mode']} host {h}: ratio {q} outside "
+                                f"[{0.9 * expect:.1f}, {1.6 * expect:.1f}]")
         if not r["step_ms_median"] or r["step_ms_median"] <= 0:
-            problems.append("no step time")
+            problems.append(f"{r['mode']}: no step time")
+    by_mode = {r["mode"]: r for r in runs if r["ok"]}
+    if len(by_mode) == 2 and (max(by_mode["hierarchical"]["link_bytes_per_step"]) >=
+                              min(by_mode["flat"]["link_bytes_per_step"])):
+        problems.append("hierarchical moved no fewer bytes per host link than flat")
     for d in details["runs"]:
         print(f"bench-hierarchy selftest: server links {d.get('server_link_bytes_per_step')} "
               f"bytes/step, clients {d.get('client_counters_per_step')} per step")
