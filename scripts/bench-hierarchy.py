@@ -18,7 +18,8 @@ b: --outputs floats; default 1024 x 512 = 2.0 MiB), BSP over tcp, --batch 1 (com
 the step is communication), --steps per run. Every worker writes its completed-step count to a
 progress file; when every worker has completed --warmup steps the harness reads each host's
 eth0 counters (rx_bytes + tx_bytes, `ip -n NS -s -j link`) and the clock, and again when every
-worker has completed steps - 3. Per configuration it reports
+worker has completed steps - 3 (the window's ends are exact to about one step: a worker may
+have begun its next step when the slowest one completes this one). Per configuration it reports
 
   link_bytes_per_step[h]  (rx + tx bytes of host h's eth0 over the window) / window steps
   ratio_to_model[h]       link_bytes_per_step[h] / model bytes (flat: expect ~2L, one push and
@@ -38,8 +39,8 @@ Before the runs, the achieved rate of one shaped link is measured once per rate 
 (host 0 -> host 1, 2 s; skipped with a note when iperf3 is missing).
 
 usage (root; /usr/bin/python3 for matplotlib):
-  /usr/bin/python3 scripts/bench-hierarchy.py            # default grid, ~10 min on 2 cores
-  /usr/bin/python3 scripts/bench-hierarchy.py --quick    # ~2 min
+  /usr/bin/python3 scripts/bench-hierarchy.py            # default grid (32 runs), 7-10 min on 2 cores
+  /usr/bin/python3 scripts/bench-hierarchy.py --quick    # 8 runs, ~1 min
   /usr/bin/python3 scripts/bench-hierarchy.py --selftest # 2x2 flat (+ hierarchical), asserts, < 1 min
 If build/worker/shardps_aggregator is missing, hierarchical runs are skipped ("hierarchical: not
 built"). Every process runs under timeout -s KILL; the namespaces are deleted on every exit.
