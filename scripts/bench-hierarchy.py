@@ -39,9 +39,9 @@ Before the runs, the achieved rate of one shaped link is measured once per rate 
 (host 0 -> host 1, 2 s; skipped with a note when iperf3 is missing).
 
 usage (root; /usr/bin/python3 for matplotlib):
-  /usr/bin/python3 scripts/bench-hierarchy.py            # default grid (32 runs), 7-10 min on 2 cores
+  /usr/bin/python3 scripts/bench-hierarchy.py            # default grid (32 runs), 7-10 min
   /usr/bin/python3 scripts/bench-hierarchy.py --quick    # 8 runs, ~1 min
-  /usr/bin/python3 scripts/bench-hierarchy.py --selftest # 2x2 flat (+ hierarchical), asserts, < 1 min
+  /usr/bin/python3 scripts/bench-hierarchy.py --selftest # 2x2 flat (+ hierarchical), asserts
 If build/worker/shardps_aggregator is missing, hierarchical runs are skipped ("hierarchical: not
 built"). Every process runs under timeout -s KILL; the namespaces are deleted on every exit.
 """
