@@ -1,6 +1,7 @@
 #include "worker/aggregator.h"
 
 #include <poll.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -195,15 +196,29 @@ Status Aggregator::SetupRegion() {
   std::vector<uint64_t> bytes;
   for (const auto& t : tensors_) bytes.push_back(SpecBytes(t));
   layout_ = host::GroupLayout::Make(options_.local_workers, bytes);
-  memfd_ = UniqueFd(static_cast<int>(memfd_create("shardps-host-group", MFD_CLOEXEC)));
-  if (!memfd_.valid()) return ErrnoError("host aggregator: memfd_create", errno);
-  if (ftruncate(memfd_.get(), static_cast<off_t>(layout_.region_bytes)) != 0) {
+  // Sealed against resizing (a worker that shrank it would SIGBUS the aggregator) and against
+  // further seals; the weights' memfd also against new writable mappings once mapped here.
+  constexpr int kSizeSeals = F_SEAL_SHRINK | F_SEAL_GROW;
+  memfd_ = UniqueFd(static_cast<int>(memfd_create("shardps-host-group", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+  weights_fd_ = UniqueFd(static_cast<int>(memfd_create("shardps-host-weights", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+  if (!memfd_.valid() || !weights_fd_.valid()) return ErrnoError("host aggregator: memfd_create", errno);
+  const uint64_t weights_bytes = layout_.region_bytes - layout_.weights_offset;
+  if (ftruncate(memfd_.get(), static_cast<off_t>(layout_.weights_offset)) != 0 ||
+      ftruncate(weights_fd_.get(), static_cast<off_t>(weights_bytes)) != 0) {
     return ErrnoError("host aggregator: ftruncate of the shared region", errno);
   }
-  ASSIGN_OR_RETURN(region_, host::Mapping::Map(memfd_.get(), 0, layout_.region_bytes, true));
-  RETURN_IF_ERROR(transport::PopulatePages(region_.data(), layout_.region_bytes,
+  ASSIGN_OR_RETURN(region_, host::Mapping::Map(memfd_.get(), 0, layout_.weights_offset, true));
+  ASSIGN_OR_RETURN(weights_, host::Mapping::Map(weights_fd_.get(), 0, weights_bytes, true));
+  if (fcntl(memfd_.get(), F_ADD_SEALS, kSizeSeals | F_SEAL_SEAL) != 0 ||
+      fcntl(weights_fd_.get(), F_ADD_SEALS, kSizeSeals | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    return ErrnoError("host aggregator: sealing the shared region", errno);
+  }
+  RETURN_IF_ERROR(transport::PopulatePages(region_.data(), region_.size(),
                                            transport::PopulateFor::kWriteFresh,
                                            "host aggregation region"));
+  RETURN_IF_ERROR(transport::PopulatePages(weights_.data(), weights_.size(),
+                                           transport::PopulateFor::kWriteFresh,
+                                           "host aggregation weights"));
   std::random_device rd;
   generation_ = (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
   host::GroupHeader* h = header();
@@ -237,7 +252,7 @@ Status Aggregator::Admit(Pending p, bool initial) {
   std::memset(static_cast<void*>(slot(l)), 0, layout_.slot_stride);
   control::LocalMessage w;
   *w.mutable_welcome() = layout_.ToWelcome(generation_);
-  RETURN_IF_ERROR(host::SendLocal(p.sock.get(), w, memfd_.get()));
+  RETURN_IF_ERROR(host::SendLocal(p.sock.get(), w, memfd_.get(), weights_fd_.get()));
   auto ready = host::ReceiveLocal(p.sock.get(), options_.setup_timeout);
   if (!ready.ok() || !ready->has_ready()) {
     return UnavailableError("local rank " + std::to_string(l) + " did not map the group: " +
@@ -263,11 +278,11 @@ Status Aggregator::StartCluster() {
   // Local rank 0's initial weights (in its gradient area) become the host's; cluster rank 0's
   // host's become everybody's (Client::Start).
   for (uint32_t t = 0; t < layout_.tensors; ++t) {
-    std::memcpy(region_.data() + layout_.weight_offset(t), region_.data() + layout_.grad_offset(0, t),
+    std::memcpy(weights_.data() + layout_.tensor_offset[t], region_.data() + layout_.grad_offset(0, t),
                 layout_.tensor_bytes[t]);
     std::vector<int64_t> shape(tensors_[t].shape().begin(), tensors_[t].shape().end());
     RETURN_IF_ERROR(client_->RegisterTensor(tensors_[t].name(),
-                                            region_.data() + layout_.weight_offset(t),
+                                            weights_.data() + layout_.tensor_offset[t],
                                             sums_[t].data(), shape,
                                             static_cast<TensorDType>(tensors_[t].dtype())));
   }

@@ -104,8 +104,10 @@ class Aggregator {
   std::vector<Local> locals_;                       // by local rank
   std::vector<Pending> pending_;
   host::GroupLayout layout_;
-  UniqueFd memfd_;
+  UniqueFd memfd_;          // header, slots, gradient areas
+  UniqueFd weights_fd_;     // the weights area (sealed F_SEAL_FUTURE_WRITE once mapped here)
   host::Mapping region_;
+  host::Mapping weights_;
   std::vector<host::Mapping> sums_;  // per tensor: the pushed sum (the client's grads)
   std::vector<float> scratch_;       // 16-bit tensors are summed in float32
   std::vector<float> lr_;            // per tensor: the rate last set on the client

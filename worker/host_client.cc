@@ -153,10 +153,11 @@ Status HostClient::Join(milliseconds timeout, bool initial) {
     for (int64_t d : t.shape) s->add_shape(d);
   }
   RETURN_IF_ERROR(host::SendLocal(sock_.get(), m));
-  UniqueFd memfd;
-  ASSIGN_OR_RETURN(control::LocalMessage w, host::ReceiveLocal(sock_.get(), Left(deadline), &memfd));
+  UniqueFd memfd, weights_fd;
+  ASSIGN_OR_RETURN(control::LocalMessage w,
+                   host::ReceiveLocal(sock_.get(), Left(deadline), &memfd, &weights_fd));
   if (w.has_error()) return FailedPreconditionError("host aggregator refused: " + w.error().message());
-  if (!w.has_welcome() || !memfd.valid()) {
+  if (!w.has_welcome() || !memfd.valid() || !weights_fd.valid()) {
     return InvalidArgumentError("host aggregator: expected its welcome and shared memory");
   }
   ASSIGN_OR_RETURN(layout_, host::GroupLayout::FromWelcome(w.welcome(),
@@ -170,13 +171,15 @@ Status HostClient::Join(milliseconds timeout, bool initial) {
       return InvalidArgumentError("host aggregator: tensor " + tensors_[t].name + " size differs");
     }
   }
-  struct stat st;
-  if (fstat(memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < layout_.region_bytes) {
+  struct stat st, wst;
+  const uint64_t weights_bytes = layout_.region_bytes - layout_.weights_offset;
+  if (fstat(memfd.get(), &st) != 0 || fstat(weights_fd.get(), &wst) != 0 ||
+      static_cast<uint64_t>(st.st_size) < layout_.weights_offset ||
+      static_cast<uint64_t>(wst.st_size) < weights_bytes) {
     return InvalidArgumentError("host aggregator: the shared region is smaller than its layout");
   }
   ASSIGN_OR_RETURN(rw_, host::Mapping::Map(memfd.get(), 0, layout_.weights_offset, true));
-  ASSIGN_OR_RETURN(ro_, host::Mapping::Map(memfd.get(), layout_.weights_offset,
-                                           layout_.region_bytes - layout_.weights_offset, false));
+  ASSIGN_OR_RETURN(ro_, host::Mapping::Map(weights_fd.get(), 0, weights_bytes, false));
   if (header()->magic != host::kGroupMagic || header()->generation != w.welcome().generation()) {
     return InvalidArgumentError("host aggregator: the shared region's header does not match");
   }

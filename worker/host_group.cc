@@ -98,7 +98,7 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-Status SendLocal(int sock, const control::LocalMessage& m, int fd_to_pass) {
+Status SendLocal(int sock, const control::LocalMessage& m, int fd_to_pass, int fd2) {
   std::string bytes;
   if (!m.SerializeToString(&bytes) || bytes.size() > kMaxLocalMessage) {
     return InternalError("host group: a local message does not serialize");
@@ -107,15 +107,17 @@ Status SendLocal(int sock, const control::LocalMessage& m, int fd_to_pass) {
   struct msghdr msg = {};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  if (fd_to_pass >= 0) {
+  int fds[2] = {fd_to_pass, fd2};
+  const int nfds = fd_to_pass < 0 ? 0 : (fd2 < 0 ? 1 : 2);
+  alignas(struct cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  if (nfds > 0) {
     msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
+    msg.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
     struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &fd_to_pass, sizeof(int));
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
   }
   for (;;) {
     const ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL);
@@ -127,7 +129,7 @@ Status SendLocal(int sock, const control::LocalMessage& m, int fd_to_pass) {
 }
 
 StatusOr<control::LocalMessage> ReceiveLocal(int sock, std::chrono::milliseconds timeout,
-                                             UniqueFd* fd) {
+                                             UniqueFd* fd, UniqueFd* fd2) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -175,7 +177,8 @@ StatusOr<control::LocalMessage> ReceiveLocal(int sock, std::chrono::milliseconds
       m.body_case() == control::LocalMessage::BODY_NOT_SET) {
     return InvalidArgumentError("host group: a local message that does not parse");
   }
-  if (fd != nullptr && fds.size() == 1) *fd = std::move(fds[0]);
+  if (fd != nullptr && !fds.empty()) *fd = std::move(fds[0]);
+  if (fd2 != nullptr && fds.size() > 1) *fd2 = std::move(fds[1]);
   return m;
 }
 

@@ -1,13 +1,15 @@
 // Host aggregation (docs/hierarchical.md): the shared memory of one host's group (its
 // aggregator and its local workers) and the helpers both sides use. Internal.
 //
-// The region (a memfd, created by the aggregator, passed to each local worker over the unix
-// socket with SCM_RIGHTS):
+// The region (two memfds, created by the aggregator, passed to each local worker over the unix
+// socket with SCM_RIGHTS; both sealed against resizing and further seals, so no worker can
+// shrink them under the aggregator; the second, the weights, also sealed F_SEAL_FUTURE_WRITE
+// once the aggregator has mapped it, so a worker can map it read-only only):
 //
 //   [GroupHeader][LocalSlot 0 | TensorControl x T] ... [LocalSlot L-1 | ...]   read-write
 //   [gradient area of local rank 0] ... [gradient area of local rank L-1]     read-write
-//   [weights area]                               read-only in local workers, written by the
-//                                                aggregator's pulls (its registered memory)
+//   [weights area]            (second memfd, at offset 0) read-only in local workers, written
+//                             by the aggregator's pulls (its registered memory)
 //
 // Every area is page aligned; a tensor sits at the same offset in each gradient area and in the
 // weights area. A local worker finishing clock c writes its gradients and TensorControl, then
@@ -115,13 +117,13 @@ inline uint64_t ElemBytes(uint32_t dtype) { return dtype == 0 ? 4 : 2; }
 void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::microseconds timeout);
 void FutexWakeAll(std::atomic<uint32_t>* word);
 
-// One LocalMessage per packet on a SOCK_SEQPACKET socket, with an optional fd.
-Status SendLocal(int sock, const control::LocalMessage& m, int fd_to_pass = -1);
-// Waits up to `timeout` for one message. *fd receives a passed fd (or stays invalid).
+// One LocalMessage per packet on a SOCK_SEQPACKET socket, with up to two fds (-1: none).
+Status SendLocal(int sock, const control::LocalMessage& m, int fd_to_pass = -1, int fd2 = -1);
+// Waits up to `timeout` for one message. *fd (and *fd2) receive passed fds (or stay invalid).
 // UNAVAILABLE on EOF (the peer is gone), DEADLINE_EXCEEDED on timeout, INVALID_ARGUMENT for a
 // packet that does not parse.
 StatusOr<control::LocalMessage> ReceiveLocal(int sock, std::chrono::milliseconds timeout,
-                                             UniqueFd* fd = nullptr);
+                                             UniqueFd* fd = nullptr, UniqueFd* fd2 = nullptr);
 // True when the peer of `sock` has closed it (or it failed); never blocks.
 bool PeerGone(int sock);
 

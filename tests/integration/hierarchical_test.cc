@@ -15,6 +15,13 @@
 //                                     aggregator takes the host's workers back: the clock in
 //                                     flight is applied exactly 0 or 1 times, as the crash point
 //                                     says, every other clock exactly once.
+//   AHostileLocalProcessCannotHurtTheGroup  garbage packets, a join without the token, and an
+//                                     admitted member that tries to map the weights writable,
+//                                     resize or re-seal the shared memory: all refused, and the
+//                                     real worker trains on to the end.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,7 +31,9 @@
 
 #include <gtest/gtest.h>
 
+#include "common/crypto.h"
 #include "tests/integration/process_test_base.h"
+#include "worker/host_group.h"
 
 namespace shardps {
 namespace {
@@ -270,6 +279,110 @@ TEST_P(AggregatorKillTest, AKilledAggregatorRestartsWithNothingAppliedTwice) {
     EXPECT_EQ(applied[k], want) << "worker " << k << (after_push ? " (crash after the push)"
                                                                 : " (crash before the push)");
   }
+}
+
+// A raw connection to an aggregator's socket, greeted (the aggregator's first message read).
+UniqueFd ConnectRaw(const std::string& path) {
+  struct sockaddr_un addr;
+  socklen_t len;
+  if (!worker::host::MakeUnixAddress(path, &addr, &len).ok()) return UniqueFd();
+  for (int i = 0; i < 500; ++i) {
+    UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) {
+      auto hello = worker::host::ReceiveLocal(fd.get(), milliseconds(10000));
+      if (hello.ok() && hello->has_started()) return fd;
+      return UniqueFd();
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return UniqueFd();
+}
+
+control::LocalMessage LinregJoin(uint32_t local_rank, const std::string& token) {
+  control::LocalMessage m;
+  auto* j = m.mutable_join();
+  j->set_local_rank(local_rank);
+  j->set_pid(static_cast<uint32_t>(getpid()));
+  j->set_proof(crypto::HmacSha256(token, worker::host::kJoinProofMessage));
+  auto* w = j->add_tensors();
+  w->set_name("W");
+  w->add_shape(64);
+  w->add_shape(8);
+  auto* b = j->add_tensors();
+  b->set_name("b");
+  b->add_shape(8);
+  return m;
+}
+
+TEST_P(HierarchicalTransportTest, AHostileLocalProcessCannotHurtTheGroup) {
+  ClusterSpec spec = Spec();
+  spec.workers = 1;  // one host: one aggregator
+  const int kSteps = 20;
+  ++serial_;
+  ASSERT_TRUE(StartCluster(spec));
+  ChildProcess* agg = SpawnAggregator(spec, 0);
+  // The real local rank 0; this test process plays local rank 1.
+  ChildProcess* real = SpawnLocal(spec, 0, 0, {"--model=linreg", "--steps=" + std::to_string(kSteps),
+                                               "--step_delay_ms=10", "--workers=2"});
+  // 1. Bytes that are no message: the connection is dropped, the aggregator goes on.
+  {
+    UniqueFd fd = ConnectRaw(Socket(0));
+    ASSERT_TRUE(fd.valid());
+    const char junk[] = "\xff\xfe not a protobuf \x01";
+    ASSERT_GT(send(fd.get(), junk, sizeof(junk), MSG_NOSIGNAL), 0);
+    auto r = worker::host::ReceiveLocal(fd.get(), milliseconds(10000));
+    EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status();
+  }
+  // 2. A join without the cluster's token: refused, naming the token.
+  {
+    UniqueFd fd = ConnectRaw(Socket(0));
+    ASSERT_TRUE(fd.valid());
+    ASSERT_TRUE(worker::host::SendLocal(fd.get(), LinregJoin(1, "not-the-token")).ok());
+    auto r = worker::host::ReceiveLocal(fd.get(), milliseconds(10000));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->has_error());
+    EXPECT_NE(r->error().message().find("token"), std::string::npos) << r->error().message();
+  }
+  // 3. An admitted member (it has the token) turning hostile.
+  UniqueFd member = ConnectRaw(Socket(0));
+  ASSERT_TRUE(member.valid());
+  ASSERT_TRUE(worker::host::SendLocal(member.get(), LinregJoin(1, kToken)).ok());
+  UniqueFd group, weights;
+  auto welcome = worker::host::ReceiveLocal(member.get(), milliseconds(30000), &group, &weights);
+  ASSERT_TRUE(welcome.ok()) << welcome.status();
+  ASSERT_TRUE(welcome->has_welcome()) << welcome->DebugString();
+  ASSERT_TRUE(group.valid() && weights.valid());
+  const uint64_t weights_bytes = welcome->welcome().region_bytes() - welcome->welcome().weights_offset();
+  void* w = mmap(nullptr, weights_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, weights.get(), 0);
+  EXPECT_EQ(w, MAP_FAILED) << "the weights were mapped writable";
+  if (w != MAP_FAILED) munmap(w, weights_bytes);
+  void* r = mmap(nullptr, weights_bytes, PROT_READ, MAP_SHARED, weights.get(), 0);
+  EXPECT_NE(r, MAP_FAILED) << "the weights cannot even be read";
+  if (r != MAP_FAILED) {
+    EXPECT_NE(mprotect(r, weights_bytes, PROT_READ | PROT_WRITE), 0) << "mprotect made them writable";
+    munmap(r, weights_bytes);
+  }
+  char byte = 1;
+  EXPECT_LT(pwrite(weights.get(), &byte, 1, 0), 0) << "a write through the weights' fd went in";
+  EXPECT_NE(ftruncate(group.get(), 0), 0) << "the group's memory was shrunk";
+  EXPECT_NE(ftruncate(weights.get(), 0), 0) << "the weights were shrunk";
+  EXPECT_NE(fcntl(group.get(), F_ADD_SEALS, F_SEAL_WRITE), 0) << "a seal was added";
+  control::LocalMessage ready;
+  ready.mutable_ready();
+  ASSERT_TRUE(worker::host::SendLocal(member.get(), ready).ok());
+  auto started = worker::host::ReceiveLocal(member.get(), milliseconds(60000));
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_TRUE(started->has_started());
+  // It leaves without ever finishing a clock: the real worker trains on alone.
+  member.reset();
+  ASSERT_EQ(ExitCode(real, Bound()), 0) << Tail(real);
+  ASSERT_EQ(ExitCode(agg, Bound()), 0) << Tail(agg);
+  auto res = Result(0);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->Int("steps"), kSteps);
+  EXPECT_TRUE(WaitForLog(agg, "refused a local connection", milliseconds(0)) ||
+              WaitForLog(agg, "sent no join", milliseconds(1000)))
+      << Tail(agg);
 }
 
 struct ModeCase {
