@@ -12,6 +12,9 @@
 #                          failover, a spare becomes the group's new backup (default 0)
 #   --checkpoint-dir DIR   periodic checkpoints go here (with --checkpoint-every K clocks)
 #   --workers M            workers (default 2)
+#   --local-workers L      host aggregation (docs/hierarchical.md): the M workers form M/L
+#                          emulated hosts of L, each under one shardps_aggregator that pushes
+#                          and pulls for them (default 1: flat, every worker joins itself)
 #   --transport T          verbs, tcp, shm or auto (default $SHARDPS_TRANSPORT, else auto)
 #   --consistency C        bsp, ssp, asp or vsgd (default bsp)
 #   --staleness S          SSP/VSGD staleness bound (default 0)
@@ -43,7 +46,7 @@ replicas=$SHARDPS_REPLICAS spares=0 checkpoint_dir= checkpoint_every=
 servers=$SHARDPS_SERVERS workers=$SHARDPS_WORKERS transport=$SHARDPS_TRANSPORT
 consistency=$SHARDPS_CONSISTENCY staleness=$SHARDPS_STALENESS optimizer=$SHARDPS_OPTIMIZER
 lr=$SHARDPS_LR partition_bytes="" bind_ip=$SHARDPS_BIND_IP server_bind_ip="" trainer="" run_dir=""
-timeout_s=$SHARDPS_TIMEOUT_S quiet=0
+timeout_s=$SHARDPS_TIMEOUT_S quiet=0 local_workers=1
 coord_extra=() server_extra=() trainer_args=()
 die() { echo "launch-local: $*" >&2; exit 2; }
 while (($#)); do
@@ -54,6 +57,7 @@ while (($#)); do
     --checkpoint-dir) checkpoint_dir=$2; shift 2 ;;
     --checkpoint-every) checkpoint_every=$2; shift 2 ;;
     --workers) workers=$2; shift 2 ;;
+    --local-workers) local_workers=$2; shift 2 ;;
     --transport) transport=$2; shift 2 ;;
     --consistency) consistency=$2; shift 2 ;;
     --staleness) staleness=$2; shift 2 ;;
@@ -134,10 +138,17 @@ echo "launch-local: $servers server group(s) x $replicas replica(s), $spares spa
      "$consistency$([[ $consistency == ssp || $consistency == vsgd ]] && echo "(s=$staleness)")," \
      "optimizer $optimizer lr $lr; logs in $run_dir"
 
+# With host aggregation the coordinator's workers are the aggregators (one per emulated host).
+[[ $local_workers =~ ^[1-9][0-9]*$ ]] || die "--local-workers must be a positive integer"
+((workers % local_workers == 0)) || die "--workers ($workers) must be a multiple of --local-workers ($local_workers)"
+cluster_workers=$((workers / local_workers))
+((local_workers == 1)) || echo "launch-local: host aggregation: $cluster_workers host(s) x" \
+  "$local_workers local workers, one shardps_aggregator each"
+
 # --- coordinator ---------------------------------------------------------------------------------
 coord_args=(--listen="$bind_ip:0" --address_file="$run_dir/coordinator.addr"
             --consistency="$consistency" --staleness="$staleness"
-            --num_servers="$servers" --num_workers="$workers" --exit_when_done
+            --num_servers="$servers" --num_workers="$cluster_workers" --exit_when_done
             --replicas="$replicas" --state_file="$run_dir/coordinator.state")
 [[ -z $checkpoint_dir ]] || coord_args+=(--checkpoint_dir="$checkpoint_dir"
                                          --checkpoint_every="${checkpoint_every:-10}")
@@ -176,10 +187,27 @@ for ((i = 0; i < spares; i++)); do
   pids+=($!)
 done
 
+# --- host aggregators (--local-workers > 1) --------------------------------------------------------
+agg_pids=()
+if ((local_workers > 1)); then
+  for ((h = 0; h < cluster_workers; h++)); do
+    "$BUILD/worker/shardps_aggregator" --socket="@shardps-$$-$h" --local_workers="$local_workers" \
+      --coordinator="$addr" --transport="$transport" --bind_ip="$bind_ip" --rank="$h" \
+      >"$run_dir/aggregator-$h.log" 2>&1 &
+    agg_pids+=($!)
+    pids+=($!)
+  done
+fi
+
 # --- workers -------------------------------------------------------------------------------------
 worker_pids=()
 for ((i = 0; i < workers; i++)); do
-  "$trainer" --coordinator="$addr" --transport="$transport" --bind_ip="$bind_ip" \
+  agg_env=()
+  ((local_workers == 1)) ||
+    agg_env=(SHARDPS_AGGREGATOR="@shardps-$$-$((i / local_workers))"
+             SHARDPS_LOCAL_RANK=$((i % local_workers)))
+  env ${agg_env[@]+"${agg_env[@]}"} \
+    "$trainer" --coordinator="$addr" --transport="$transport" --bind_ip="$bind_ip" \
     --data="$DATA_DIR/digits_train.bin" ${trainer_args[@]+"${trainer_args[@]}"} \
     >"$run_dir/worker-$i.log" 2>"$run_dir/worker-$i.stderr.log" &
   worker_pids+=($!)
@@ -213,6 +241,9 @@ while :; do
   for p in "${worker_pids[@]}"; do alive "$p" && running=1; done
   ((running)) || break
   died "$coord_pid" && { failed="the coordinator died (exit status ${exited[$coord_pid]})"; break; }
+  for p in ${agg_pids[@]+"${agg_pids[@]}"}; do
+    died "$p" && { failed="a host aggregator (pid $p) died (exit status ${exited[$p]})"; break 2; }
+  done
   for ((i = 0; i < servers * replicas; i++)); do
     if died "${server_pids[i]}"; then
       if ((replicas > 1)); then  # its group fails over to the backup; training goes on
