@@ -12,6 +12,8 @@
 //    exchange.
 //  * apply_Bps / add_Bps: ChunkOptimizer::Apply (momentum) and a gradient accumulation loop
 //    over a 256 KiB chunk, bytes of weights per second.
+//  * mem_copy_Bps / mem_add_Bps: memcpy and dst += src over 64 MiB buffers (far beyond the
+//    caches), one thread: the host memory throughput of the hierarchical local reduction.
 //
 // Thread safety: RunProbe owns every thread it starts (target server, spinners) and joins them.
 #include <poll.h>
@@ -353,6 +355,27 @@ void MeasureApply(HostProbe* h) {
   h->set_add_bps(reps * kElems * 4.0 / (Now() - t0));
 }
 
+// Host memory throughput (docs/plan.md, the local reduction): memcpy of 64 MiB, bytes copied
+// per second; dst += src over 64 MiB of floats, bytes of dst per second. The best of the
+// repetitions (a shared host's other tenants only slow it down).
+void MeasureMemory(HostProbe* h) {
+  constexpr size_t kElems = 16u << 20;  // 64 MiB of floats
+  std::vector<float> a(kElems, 0.25f), b(kElems, 0.f);
+  double best_copy = 0, best_add = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    double t0 = Now();
+    std::memcpy(b.data(), a.data(), kElems * sizeof(float));
+    best_copy = std::max(best_copy, kElems * sizeof(float) / (Now() - t0));
+    t0 = Now();
+    for (size_t i = 0; i < kElems; ++i) b[i] += a[i];
+    best_add = std::max(best_add, kElems * sizeof(float) / (Now() - t0));
+  }
+  // Keep the loops from being optimized away.
+  if (b[kElems / 2] == -1.f) best_add = 0;
+  h->set_mem_copy_bps(best_copy);
+  h->set_mem_add_bps(best_add);
+}
+
 }  // namespace
 
 StatusOr<ProbeFile> RunProbe(const ProbeOptions& o) {
@@ -399,6 +422,7 @@ StatusOr<ProbeFile> RunProbe(const ProbeOptions& o) {
   HostProbe* h = pf.mutable_host();
   h->set_cores(static_cast<uint32_t>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))));
   MeasureApply(h);
+  MeasureMemory(h);
   // Loaded round trips: k + 1 client threads, each with its own pair of fabrics (like worker
   // and server processes), each spinning on 8-byte reads; the mean over all of them.
   std::vector<std::unique_ptr<LoopbackPair>> pairs;
