@@ -409,9 +409,10 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
     }
   }
   // (5) Hierarchical: the local reduction through the host's memory, taken as serial memory
-  // traffic: L gradients copied in, L - 1 adds, L weight copies out.
+  // traffic (worker/host_client.cc, worker/aggregator.cc): L gradients copied into shared
+  // memory, local rank 0's copied into the sum, L - 1 adds, L weight copies out.
   if (hier) {
-    p.reduce_us = (2 * L * bytes / c.mem_copy_Bps + (L - 1) * bytes / c.mem_add_Bps) * 1e6;
+    p.reduce_us = ((2 * L + 1) * bytes / c.mem_copy_Bps + (L - 1) * bytes / c.mem_add_Bps) * 1e6;
   }
   // The straggler wait (compute_cv > 0): the slowest of the workers one waits for, beyond the
   // mean: BSP waits for all W (r = 1), SSP one step in s+1; the hierarchical local workers wait
