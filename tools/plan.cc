@@ -210,7 +210,9 @@ const char* ModeName(Mode m) {
 std::string Config::Describe() const {
   std::ostringstream os;
   os << servers << "s x " << workers << "w";
-  if (machines > 1) os << " on " << machines << " machines" << (colocated ? " colocated" : " apart");
+  if (machines > 1 && hosts == 0) {
+    os << " on " << machines << " machines" << (colocated ? " colocated" : " apart");
+  }
   os << ", partition ";
   if (partition_bytes >= (1u << 20) && partition_bytes % (1u << 20) == 0) {
     os << (partition_bytes >> 20) << "M";
@@ -223,7 +225,8 @@ std::string Config::Describe() const {
   if (mode == Mode::kSsp) os << "(s=" << staleness << ")";
   if (hosts > 0) {
     os << ", " << hosts << "h x " << local_workers << "l " << (hierarchical ? "hier" : "flat")
-       << " " << (servers_dedicated ? "dedicated" : "colocated");
+       << " " << (servers_dedicated ? "dedicated" : "colocated")
+       << (machines > 1 ? "" : " (one machine)");
   }
   return os.str();
 }
@@ -294,7 +297,7 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   if (cfg.servers == 0 || cfg.workers == 0 || cfg.machines == 0) {
     return InvalidArgumentError("plan: servers, workers and machines must be >= 1");
   }
-  if (!cfg.colocated && cfg.machines < 2) {
+  if (!cfg.colocated && cfg.machines < 2 && cfg.hosts == 0) {
     return InvalidArgumentError("plan: servers apart from workers needs >= 2 machines");
   }
   if (cfg.hosts > 0 && (cfg.local_workers == 0 || cfg.hosts * cfg.local_workers != cfg.workers)) {
@@ -316,7 +319,15 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // One link model serves local and remote pairs alike (the probe's median; docs/plan.md).
   double ws_host, ss_host;  // workers / servers on the busiest host
   double worker_machines;
-  if (cfg.colocated) {
+  // With hosts on machines of their own (machines > 1), the CPU placement is the network's:
+  // each worker host a machine; servers on machines of their own (dedicated) or on the worker
+  // hosts, server s on host s mod hosts. machines = 1: emulated hosts sharing one machine.
+  const bool real_hosts = cfg.hosts > 0 && cfg.machines > 1;
+  const bool cpu_colocated = real_hosts ? !cfg.servers_dedicated : cfg.colocated;
+  if (real_hosts) {
+    worker_machines = cfg.hosts;
+    ss_host = cfg.servers_dedicated ? 1 : std::ceil(S / cfg.hosts);
+  } else if (cfg.colocated) {
     worker_machines = cfg.machines;
     ss_host = std::ceil(S / cfg.machines);
   } else {
@@ -471,7 +482,7 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
       hier ? hosts_per_machine * (L * w.compute_us + p.reduce_us + 0.5 * S * per_pair)
            : ws_host * (w.compute_us + 0.5 * S * per_pair);
   const double server_side = ss_host * (0.5 * K * per_pair + server_bytes_cpu / S);
-  p.cpu_us = cfg.colocated ? (worker_side + server_side) / C
+  p.cpu_us = cpu_colocated ? (worker_side + server_side) / C
                            : std::max(worker_side, server_side) / C;
   p.step_us = path;
   p.bound = "latency path";
@@ -692,7 +703,8 @@ StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budge
       b.hosts > 0 && b.local_workers > 1 ? b.hierarchy : flat_only;
   for (uint32_t s = 1; s <= b.max_servers; ++s) {
     for (int colo = 1; colo >= 0; --colo) {
-      if (!colo && b.machines < 2) continue;
+      // With hosts the CPU placement follows the network's (Predict): one pass.
+      if (!colo && (b.machines < 2 || b.hosts > 0)) continue;
       for (bool dedicated : placements) {
         for (bool hier : hierarchy) {
           for (uint64_t part : b.partitions) {

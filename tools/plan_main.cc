@@ -29,7 +29,9 @@ DEFINE_bool(digits, false, "Model: the digits trainer's MLP (64 x --hidden x 10)
 DEFINE_int32(hidden, 64, "--digits: hidden units");
 DEFINE_double(compute_us, 0, "Compute time per step per worker, microseconds");
 DEFINE_int32(batch, 32, "Samples per worker per step");
-DEFINE_int32(machines, 1, "Machine budget");
+DEFINE_int32(machines, 1,
+             "Machine budget. With --hosts: 1 = the hosts are emulated on one machine and share "
+             "its cores; more = each host is a machine of its own");
 DEFINE_int32(cores, 0, "Cores per machine (0: the probe's)");
 DEFINE_int32(workers, 4, "Workers (data-parallel replicas) to place");
 DEFINE_int32(max_servers, 4, "Search servers 1..this");
@@ -57,7 +59,7 @@ DEFINE_string(link_duplex, "full", "full: each direction carries link_Bps; half:
 DEFINE_string(placement, "",
               "Network placement of servers: dedicated (hosts of their own) or colocated (server "
               "s on worker host s mod hosts); empty: the search tries both, --predict follows "
-              "--colocated. With --machines >= 2 it also sets the CPU placement");
+              "--colocated");
 DEFINE_bool(hierarchical, false,
             "--predict: one aggregator per host (the search tries flat and hierarchical unless "
             "--hierarchical is given explicitly)");
@@ -273,7 +275,6 @@ int Main() {
     c.local_workers = hf->local_workers;
     c.hierarchical = FLAGS_hierarchical;
     c.servers_dedicated = hf->dedicated;
-    if (!FLAGS_placement.empty() && FLAGS_machines >= 2) c.colocated = !hf->dedicated;
     c.link_Bps = FLAGS_link_Bps;
     c.link_full_duplex = FLAGS_link_duplex == "full";
     c.wire_overhead = FLAGS_wire_overhead;

@@ -473,6 +473,30 @@ TEST(PlanHosts, LinkBoundStepTimeFlatVersusHierarchical) {
   EXPECT_NEAR(s->step_us - hier->step_us, s->straggler_us, 1e-6);
 }
 
+TEST(PlanHosts, MachinesSayWhetherHostsShareCores) {
+  // 2 hosts x 4 workers, flat, ASP, a dedicated server. Per exchange c_pair = 100 us (one chunk:
+  // no further operations, no wait), half on each side; the server accumulates 8 gradients of
+  // 1 MiB at 4e9 B/s and applies once at 1e9 B/s.
+  const double server_side = 0.5 * 8 * 100 + 8 * kB / 4e9 * 1e6 + kB / 1e9 * 1e6;  // 3545.728
+  Config emulated = TwoHostsFourLocal(false, 0);  // machines = 1: all share 2 cores
+  auto e = Predict(OneMiB(200), FixedCosts(), emulated);
+  ASSERT_TRUE(e.ok());
+  EXPECT_NEAR(e->cpu_us, (8 * (200 + 0.5 * 100) + server_side) / 2, 1e-6);
+  Config real = emulated;
+  real.machines = 3;  // each host a machine: a worker host's 4 workers, the server's machine
+  auto r = Predict(OneMiB(200), FixedCosts(), real);
+  ASSERT_TRUE(r.ok());
+  EXPECT_NEAR(r->cpu_us, std::max(4 * (200 + 0.5 * 100), server_side) / 2, 1e-6);
+  // Hierarchical on real hosts: per host 4 x compute + the reduction + the aggregator's half
+  // exchange; the server serves 2 aggregators.
+  real.hierarchical = true;
+  auto h = Predict(OneMiB(200), FixedCosts(), real);
+  ASSERT_TRUE(h.ok());
+  const double reduce = (9 * kB / 4e9 + 3 * kB / 2e9) * 1e6;
+  const double hier_server = 0.5 * 2 * 100 + 2 * kB / 4e9 * 1e6 + kB / 1e9 * 1e6;
+  EXPECT_NEAR(h->cpu_us, std::max(4 * 200 + reduce + 0.5 * 100, hier_server) / 2, 1e-6);
+}
+
 TEST(PlanHosts, RecommendationFlipsWithTheLinkRate) {
   // 1 Gbit/s: the links bound the step and aggregation cuts their bytes 4x.
   auto flat1 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 125e6));
