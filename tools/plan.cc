@@ -140,6 +140,7 @@ StatusOr<Costs> CostsFromProbe(const ProbeFile& p) {
   c.op_cpu_us = h.op_cpu_us();
   if (h.mem_copy_bps() > 0) c.mem_copy_Bps = h.mem_copy_bps();
   if (h.mem_add_bps() > 0) c.mem_add_Bps = h.mem_add_bps();
+  if (h.local_hop_us() > 0) c.local_hop_us = h.local_hop_us();
   return c;
 }
 
@@ -253,9 +254,9 @@ std::string Prediction::Why() const {
   std::string out = buf;
   if (config.hosts > 0) {
     std::snprintf(buf, sizeof(buf),
-                  "; reduce %.0f + straggler %.0f us; link push %.0f + pull %.0f us; worker "
-                  "link %.2fx model, busiest link %.2fx",
-                  reduce_us, straggler_us, link_push_us, link_pull_us,
+                  "; reduce %.0f + hops %.0f + straggler %.0f us; link push %.0f + pull %.0f "
+                  "us; worker link %.2fx model, busiest link %.2fx",
+                  reduce_us, hop_us, straggler_us, link_push_us, link_pull_us,
                   model_bytes > 0 ? WorkerLinkBytes() / model_bytes : 0,
                   model_bytes > 0 ? BusiestLinkBytes() / model_bytes : 0);
     out += buf;
@@ -422,8 +423,11 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // (5) Hierarchical: the local reduction through the host's memory, taken as serial memory
   // traffic (worker/host_client.cc, worker/aggregator.cc): L gradients copied into shared
   // memory, local rank 0's copied into the sum, L - 1 adds, L weight copies out.
+  // Two more hops on the path: the last local worker's bell wakes the aggregator, the
+  // aggregator's bell wakes the workers (worker/host_group.h).
   if (hier) {
     p.reduce_us = ((2 * L + 1) * bytes / c.mem_copy_Bps + (L - 1) * bytes / c.mem_add_Bps) * 1e6;
+    p.hop_us = 2 * c.local_hop_us;
   }
   // The straggler wait (compute_cv > 0): the slowest of the workers one waits for, beyond the
   // mean: BSP waits for all W (r = 1), SSP one step in s+1; the hierarchical local workers wait
@@ -446,8 +450,8 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // BSP: a pull waits for the slowest client's push to be applied: the busiest server's work
   // beyond our own push, plus the retried pull's round trip; SSP(s) waits one step in s+1.
   p.barrier_us = K > 1 ? retry * (std::max(0.0, p.server_us - p.push_us) + rtt0) : 0.0;
-  const double path = p.compute_us + p.straggler_us + p.reduce_us + p.push_us + p.barrier_us +
-                      p.pull_us;
+  const double path = p.compute_us + p.straggler_us + p.reduce_us + p.hop_us + p.push_us +
+                      p.barrier_us + p.pull_us;
   // (3) CPU of the busiest host per step over its cores. Every client-server exchange costs CPU
   // on both ends (system calls, wake-ups of the progress and apply threads): c_pair per
   // exchange of one chunk (the probe's pair step on a saturated host: cores x its mean time /
@@ -476,10 +480,12 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // An exchange's CPU is split between the client's and the server's side (half each); every
   // client talks to every server. Colocated: the busiest host has ws_host workers (each in S
   // exchanges) and ss_host servers (each in K). Apart: a worker host and a server host.
-  // Hierarchical: per host L workers computing and copying (they wait blocked, no CPU), the
-  // aggregator's adds and its S exchanges.
+  // Hierarchical: per host L workers computing and copying (they wait blocked on futexes, no
+  // CPU), the aggregator's copies, adds and S exchanges, and 2 L hand-offs (each worker rings
+  // the aggregator once and is woken once), each costing a hop's time in CPU.
   const double worker_side =
-      hier ? hosts_per_machine * (L * w.compute_us + p.reduce_us + 0.5 * S * per_pair)
+      hier ? hosts_per_machine * (L * w.compute_us + p.reduce_us + 2 * L * c.local_hop_us +
+                                  0.5 * S * per_pair)
            : ws_host * (w.compute_us + 0.5 * S * per_pair);
   const double server_side = ss_host * (0.5 * K * per_pair + server_bytes_cpu / S);
   p.cpu_us = cpu_colocated ? (worker_side + server_side) / C
@@ -547,9 +553,9 @@ std::string CompareHierarchy(const Prediction& flat, const Prediction& hier) {
                   (flat_link - hier.link_push_us - hier.link_pull_us) / 1e3);
     why = buf;
   }
-  std::snprintf(buf, sizeof(buf), "flat: %s; the local reduction costs %.2f ms%s; predicted "
-                "%.2fx faster%s (step %.0f us instead of %.0f)",
-                why.c_str(), hier.reduce_us / 1e3,
+  std::snprintf(buf, sizeof(buf), "flat: %s; the local reduction costs %.2f ms and the hand-offs "
+                "%.2f ms%s; predicted %.2fx faster%s (step %.0f us instead of %.0f)",
+                why.c_str(), hier.reduce_us / 1e3, hier.hop_us / 1e3,
                 hier.straggler_us > flat.straggler_us ? " plus the local straggler wait" : "",
                 speedup, rate.c_str(), flat.step_us, hier.step_us);
   return buf;

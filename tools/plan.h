@@ -57,6 +57,9 @@ struct Costs {
   // buffers (bytes of dst per second). The probe measures them; these defaults, when absent.
   double mem_copy_Bps = kDefaultMemCopyBps, mem_add_Bps = kDefaultMemAddBps;
   static constexpr double kDefaultMemCopyBps = 4e9, kDefaultMemAddBps = 2e9;
+  // One hand-off between a host's processes through a shared futex (probe: local_hop_us).
+  double local_hop_us = kDefaultLocalHopUs;
+  static constexpr double kDefaultLocalHopUs = 10;
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
   double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
   double OpCpu() const;            // CPU of one more pipelined operation
@@ -115,7 +118,7 @@ struct Prediction {
   // With hosts (config.hosts > 0): the local reduction (hierarchical), the straggler wait, the
   // link time of the push and pull phases on the busiest link, and the bytes each host's link
   // carries per step (both directions; worker hosts 0..hosts-1, then dedicated server hosts).
-  double reduce_us = 0, straggler_us = 0, link_push_us = 0, link_pull_us = 0;
+  double reduce_us = 0, hop_us = 0, straggler_us = 0, link_push_us = 0, link_pull_us = 0;
   double model_bytes = 0;
   std::vector<double> link_bytes;
   double WorkerLinkBytes() const;   // the busiest worker host's link, bytes per step

@@ -444,13 +444,14 @@ TEST(PlanHosts, LinkBoundStepTimeFlatVersusHierarchical) {
   EXPECT_NEAR(flat->step_us, 200 + flat_push + flat_pull, 1e-6);
   // Hierarchical: 2 aggregators reach the server; plus the local reduction through memory:
   // 4 copies in, 1 into the sum, 4 out (2 x 4 + 1 copies of 1 MiB at 4e9 B/s) and 3 adds at
-  // 2e9 B/s (Costs' defaults).
+  // 2e9 B/s (Costs' defaults), and two hand-offs of 10 us (the default local hop).
   const double reduce = (9 * kB / 4e9 + 3 * kB / 2e9) * 1e6;  // 3932.16 us
   EXPECT_NEAR(hier->reduce_us, reduce, 1e-6);
   const double hier_push = 2 * (kB + kPushOut) / R * 1e6, hier_pull = 2 * (kB + kPullIn) / R * 1e6;
   EXPECT_EQ(hier->bound, "link");
-  EXPECT_NEAR(hier->step_us, 200 + reduce + hier_push + hier_pull, 1e-6);
-  EXPECT_NEAR(flat->step_us / hier->step_us, 134451.264 / 37694.976, 1e-6);  // 3.57x
+  EXPECT_DOUBLE_EQ(hier->hop_us, 20);
+  EXPECT_NEAR(hier->step_us, 200 + reduce + 20 + hier_push + hier_pull, 1e-6);
+  EXPECT_NEAR(flat->step_us / hier->step_us, 134451.264 / 37714.976, 1e-6);  // 3.56x
 
   // Half duplex: a link's rate is shared by both directions: a phase takes its in + out.
   Config half = TwoHostsFourLocal(false, R);
@@ -487,14 +488,14 @@ TEST(PlanHosts, MachinesSayWhetherHostsShareCores) {
   auto r = Predict(OneMiB(200), FixedCosts(), real);
   ASSERT_TRUE(r.ok());
   EXPECT_NEAR(r->cpu_us, std::max(4 * (200 + 0.5 * 100), server_side) / 2, 1e-6);
-  // Hierarchical on real hosts: per host 4 x compute + the reduction + the aggregator's half
-  // exchange; the server serves 2 aggregators.
+  // Hierarchical on real hosts: per host 4 x compute + the reduction + 2 x 4 hand-offs of 10 us
+  // + the aggregator's half exchange; the server serves 2 aggregators.
   real.hierarchical = true;
   auto h = Predict(OneMiB(200), FixedCosts(), real);
   ASSERT_TRUE(h.ok());
   const double reduce = (9 * kB / 4e9 + 3 * kB / 2e9) * 1e6;
   const double hier_server = 0.5 * 2 * 100 + 2 * kB / 4e9 * 1e6 + kB / 1e9 * 1e6;
-  EXPECT_NEAR(h->cpu_us, std::max(4 * 200 + reduce + 0.5 * 100, hier_server) / 2, 1e-6);
+  EXPECT_NEAR(h->cpu_us, std::max(4 * 200 + reduce + 8 * 10 + 0.5 * 100, hier_server) / 2, 1e-6);
 }
 
 TEST(PlanHosts, RecommendationFlipsWithTheLinkRate) {
@@ -508,21 +509,24 @@ TEST(PlanHosts, RecommendationFlipsWithTheLinkRate) {
   EXPECT_NE(at1.find("carries 4.0x model bytes per step instead of 16.0x"), std::string::npos)
       << at1;
   EXPECT_NE(at1.find("(a worker host's: 2.0x instead of 8.0x)"), std::string::npos) << at1;
-  EXPECT_NE(at1.find("3.57x faster at 1 Gbit/s"), std::string::npos) << at1;
+  EXPECT_NE(at1.find("3.56x faster at 1 Gbit/s"), std::string::npos) << at1;
   // 100 Gbit/s: the link time (8 MiB at 12.5 GB/s: 671 us a phase) is under the latency path;
   // flat is bound by its server (8 x (6.5 ops x 5 us + 1 MiB / 4e9) + 1 MiB / 1e9 = 3406 us)
-  // and hierarchical pays the 3932 us reduction on top of its path (6329 us): flat wins.
+  // and hierarchical pays the 3932 us reduction and 20 us of hand-offs on top of its path
+  // (6349 us): flat wins.
   auto flat100 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 12.5e9));
   auto hier100 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, 12.5e9));
   ASSERT_TRUE(flat100.ok() && hier100.ok());
   EXPECT_EQ(flat100->bound, "busiest server");
   EXPECT_NEAR(flat100->step_us, 8 * (6.5 * 5 + kB / 4e9 * 1e6) + kB / 1e9 * 1e6, 1e-6);
   const double push_lat = 0.6 * 100 + kB / 1e9 * 1e6, pull_lat = 0.4 * 100 + kB / 1e9 * 1e6;
-  EXPECT_NEAR(hier100->step_us, 200 + hier1->reduce_us + push_lat + pull_lat, 1e-6);
+  EXPECT_NEAR(hier100->step_us, 200 + hier1->reduce_us + 20 + push_lat + pull_lat, 1e-6);
   EXPECT_GT(hier100->step_us, flat100->step_us);
   const std::string at100 = CompareHierarchy(*flat100, *hier100);
   EXPECT_EQ(at100.rfind("flat: links are not the bottleneck", 0), 0u) << at100;
-  EXPECT_NE(at100.find("the local reduction costs 3.93 ms"), std::string::npos) << at100;
+  EXPECT_NE(at100.find("the local reduction costs 3.93 ms and the hand-offs 0.02 ms"),
+            std::string::npos)
+      << at100;
 
   // The search over the same hosts says the same: its best configuration is hierarchical at
   // 1 Gbit/s and flat at 100 Gbit/s.
@@ -576,6 +580,7 @@ TEST(PlanHosts, OneWorkerPerHostIsTheFlatModelAndBadHostsAreRejected) {
   ASSERT_TRUE(c.ok());
   EXPECT_DOUBLE_EQ(c->mem_copy_Bps, 9e9);
   EXPECT_DOUBLE_EQ(c->mem_add_Bps, 7e9);
+  EXPECT_DOUBLE_EQ(c->local_hop_us, 10);  // absent: the default
   auto d = CostsFromProbe(*ParseProbeJson(R"({"pairs":[{"write":{"alpha_us":1,"beta_Bps":1e9},
     "read":{"alpha_us":1,"beta_Bps":1e9}}]})"));
   ASSERT_TRUE(d.ok());
