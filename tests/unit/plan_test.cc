@@ -528,6 +528,23 @@ TEST(PlanHosts, RecommendationFlipsWithTheLinkRate) {
             std::string::npos)
       << at100;
 
+  // 32 Gbit/s: flat is still link-bound (8 x 1 MiB a phase at 4 GB/s: 2098 us, over its
+  // server's 3406 us in all), but aggregation saves only 4195 - 2197 us of communication (its
+  // phases are then set by their latency, 1109 + 1089 us) against 3952 us of reduction and
+  // hand-offs: flat wins, and says so.
+  auto flat32 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 4e9));
+  auto hier32 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, 4e9));
+  ASSERT_TRUE(flat32.ok() && hier32.ok());
+  EXPECT_EQ(flat32->bound, "link");
+  EXPECT_NEAR(flat32->step_us, 200 + 8 * (2 * kB + kPushOut + kPullIn) / 4e9 * 1e6, 1e-6);
+  EXPECT_NEAR(hier32->step_us, 200 + hier1->reduce_us + 20 + push_lat + pull_lat, 1e-6);
+  const std::string at32 = CompareHierarchy(*flat32, *hier32);
+  EXPECT_EQ(at32.rfind("flat: the communication time it saves (2.00 ms) is less than what it "
+                       "adds; the local reduction costs 3.93 ms",
+                       0),
+            0u)
+      << at32;
+
   // The search over the same hosts says the same: its best configuration is hierarchical at
   // 1 Gbit/s and flat at 100 Gbit/s.
   Budget b;
