@@ -15,12 +15,15 @@ prints predicted | measured | error for
   * the bytes per step on a worker host's link: the mean over the worker hosts (the first H
     entries of link_bytes_per_step, predicted and measured alike), and the busiest link when
     the measured list has as many entries as plan's (worker hosts, then dedicated server hosts),
-each marked within or NOT within the 10% target. Optional run fields used when present:
-"servers", "partition_bytes", "consistency" (bsp|ssp|asp), "staleness"; else the command line.
+each marked within or NOT within the 10% target. The workload comes, in this order, from the
+run's own fields ("servers", "partition_bytes", "consistency", "staleness"), from the "workload"
+of the details file beside it (hierarchy_details-<stamp>.json, or --details; its linreg trainer,
+"ps_test_worker --model=linreg" with "dim" and "outputs", gives the model: W dim x outputs and
+b outputs), then from the command line.
 
-The benchmark does not record the model's shapes: give --digits [--hidden N] or --model FILE
-(plan's model file) for the model it ran; without either, one tensor of model_bytes is assumed
-(fine for bytes when one partition holds it, rougher for step times). The probe file
+Without a linreg workload give --digits [--hidden N] or --model FILE (plan's model file); without
+any, one tensor of model_bytes is assumed (fine for bytes when one partition holds it, rougher
+for step times). The probe file
 (shardps_plan --probe) and the compute per step (--compute-us) must be of the machine that ran
 the benchmark. Exit 1 with --max-error X when any compared figure's |error| exceeds X.
 """
@@ -68,9 +71,14 @@ def main(argv=None):
     ap.add_argument("--digits", action="store_true", help="the model: the digits MLP")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--model", default="", help="the model: plan's model file")
-    ap.add_argument("--servers", type=int, default=1)
-    ap.add_argument("--partition-bytes", type=int, default=4 << 20)
-    ap.add_argument("--consistency", default="bsp", choices=["bsp", "ssp", "asp"])
+    ap.add_argument("--details", default="",
+                    help="the benchmark's details file (default: hierarchy_details-<stamp>.json "
+                         "beside the results, when there)")
+    ap.add_argument("--servers", type=int, default=None, help="default: the details', else 1")
+    ap.add_argument("--partition-bytes", type=int, default=None,
+                    help="default: the details', else 4 MiB")
+    ap.add_argument("--consistency", default=None, choices=["bsp", "ssp", "asp"],
+                    help="default: the details', else bsp")
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--machines", type=int, default=1,
                     help="physical machines the emulated hosts share (their cores)")
@@ -95,11 +103,39 @@ def main(argv=None):
     if not runs:
         sys.exit(f"{a.results}: no run with \"ok\": true")
 
+    details = a.details
+    if not details:
+        m = re.search(r"hierarchy-([0-9TZ]+)\.json$", a.results)
+        guess = os.path.join(os.path.dirname(a.results),
+                             f"hierarchy_details-{m.group(1)}.json") if m else ""
+        details = guess if guess and os.path.exists(guess) else ""
+    workload = {}
+    if details:
+        with open(details) as f:
+            workload = json.load(f).get("workload", {})
+        print(f"workload from {details}: {workload}")
+    if a.servers is None:
+        a.servers = int(workload.get("servers", 1))
+    if a.partition_bytes is None:
+        a.partition_bytes = int(workload.get("partition_bytes", 4 << 20))
+    if a.consistency is None:
+        a.consistency = workload.get("consistency", "bsp")
     tmp = tempfile.mkdtemp(prefix="plan-hier-")
+    linreg = "--model=linreg" in workload.get("trainer", "") and "dim" in workload
     if a.digits:
         model_args = ["--digits", f"--hidden={a.hidden}"]
     elif a.model:
         model_args = ["--model=" + a.model]
+    elif linreg:
+        dim, outputs = int(workload["dim"]), int(workload["outputs"])
+        path = os.path.join(tmp, "model.txt")
+        with open(path, "w") as f:
+            f.write(f"# ps_test_worker --model=linreg (tests/integration/ps_test_worker.cc)\n"
+                    f"W {dim} {outputs}\nb {outputs}\n")
+        model_args = ["--model=" + path]
+        if model_bytes and abs((dim * outputs + outputs) * 4 - model_bytes) > 0.5:
+            print(f"warning: linreg {dim} x {outputs} is {(dim * outputs + outputs) * 4} bytes, "
+                  f"the results say {model_bytes:.0f}")
     else:
         if model_bytes <= 0 or int(model_bytes) % 4:
             sys.exit("give --digits or --model (the results have no usable model_bytes)")

@@ -64,7 +64,8 @@ DEFINE_bool(hierarchical, false,
             "--predict: one aggregator per host (the search tries flat and hierarchical unless "
             "--hierarchical is given explicitly)");
 DEFINE_double(wire_overhead, shardps::plan::Config::kDefaultWireOverhead,
-              "Bytes below the transport (TCP/IP/Ethernet headers, TCP acks) per transport byte");
+              "Bytes below the transport (TCP/IP/Ethernet headers, TCP acks) per transport "
+              "byte; 0.068 for MTU 1500 without segmentation offload (docs/plan.md)");
 DEFINE_double(compute_cv, 0,
               "Coefficient of variation of compute per step (straggler wait; 0: none)");
 DEFINE_string(calibrate_file, "",

@@ -24,7 +24,7 @@ PROBE = {"pairs": [{"from": "a", "to": "b", "transport": "tcp",
                   "pair_step_us": [100, 100, 150, 200, 250], "pair_step4_us": [232, 662.5]}}
 B = 1048576  # one 1 MiB tensor: one chunk on one server
 PAIR = 2 * B + 776  # one client's transport bytes per step with that server (docs/plan.md)
-WIRE = 1 + 99 / 1448  # plan's default bytes below the transport
+WIRE = 1  # plan's default: no bytes below the transport counted
 
 
 class PlanValidateHierarchyTest(unittest.TestCase):
@@ -108,6 +108,34 @@ class PlanValidateHierarchyTest(unittest.TestCase):
             cmp_ = json.load(f)
         self.assertAlmostEqual(cmp_["rows"][0]["worker_link_error"], 0.05, places=9)
         self.assertAlmostEqual(cmp_["rows"][0]["step_error"], 1 / 1.05 - 1, places=9)
+
+    def test_reads_the_workload_from_the_details_file(self):
+        # SYNTHETIC pair of files as scripts/bench-hierarchy.py names them: the details' linreg
+        # workload (W 512 x 512, b 512: 1050624 bytes, two chunks on one server, ASP) must reach
+        # shardps_plan. Flat 2 x 4, dedicated: a worker host carries 4 clients x (2 B + 1464)
+        # (docs/plan.md: 688 per chunk + 88 per server) = 8.01 x model bytes.
+        model_bytes = (512 * 512 + 512) * 4
+        ratio = 4 * (2 * model_bytes + 2 * 688 + 88) / model_bytes
+        results = os.path.join(self.dir, "hierarchy-20990101T000000Z.json")
+        with open(results, "w") as f:
+            json.dump({"when": "SYNTHETIC", "host": "none", "model_bytes": model_bytes, "runs": [
+                {"hosts": 2, "local_workers": 4, "rate_mbit": 0, "placement": "dedicated",
+                 "mode": "flat", "link_bytes_per_step": [ratio * model_bytes] * 2,
+                 "ratio_to_model": [ratio] * 2, "step_ms_median": 1.0, "steps": 10,
+                 "ok": True}]}, f)
+        with open(os.path.join(self.dir, "hierarchy_details-20990101T000000Z.json"), "w") as f:
+            json.dump({"workload": {"trainer": "ps_test_worker --model=linreg --batch=1",
+                                    "dim": 512, "outputs": 512, "servers": 1,
+                                    "partition_bytes": 4194304, "consistency": "asp"}}, f)
+        p = subprocess.run([sys.executable, SCRIPT, results, "--plan", PLAN, "--probe-file",
+                            self.probe, "--compute-us", "200"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print(p.stdout)
+        self.assertEqual(p.returncode, 0)
+        self.assertIn("workload from ", p.stdout)
+        self.assertNotIn("warning", p.stdout)
+        self.assertIn(f"| {ratio:.2f} / {ratio:.2f} | +0.0% | within |", p.stdout)
+        self.assertAlmostEqual(ratio, 8.0056, places=3)
 
 
 if __name__ == "__main__":

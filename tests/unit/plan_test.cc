@@ -393,9 +393,11 @@ TEST(PlanHosts, BytesPerLinkFlatVersusHierarchical) {
   EXPECT_DOUBLE_EQ(flat->link_push_us, 0);
   EXPECT_NE(flat->bound, "link");
 
-  // The wire overhead below the transport scales every byte; the default is (66 + 33) / 1448.
+  // The wire overhead below the transport scales every byte (MTU 1500: (66 + 33) / 1448); the
+  // default is none.
+  EXPECT_DOUBLE_EQ(Config().wire_overhead, 0);
   Config with_wire = TwoHostsFourLocal(true, 0);
-  with_wire.wire_overhead = Config::kDefaultWireOverhead;
+  with_wire.wire_overhead = Config::kMtu1500WireOverhead;
   auto w = Predict(OneMiB(200), FixedCosts(), with_wire);
   ASSERT_TRUE(w.ok());
   EXPECT_DOUBLE_EQ(w->link_bytes[0], (2 * kB + kPairOverhead) * (1 + 99.0 / 1448));
@@ -418,6 +420,7 @@ TEST(PlanHosts, BytesPerLinkFlatVersusHierarchical) {
   colo.local_workers = 2;
   colo.servers_dedicated = false;
   colo.wire_overhead = 0;
+  colo.mode = Mode::kAsp;  // no second reads (below)
   auto cf = Predict(two, FixedCosts(), colo);
   colo.hierarchical = true;
   auto ch = Predict(two, FixedCosts(), colo);
@@ -427,6 +430,20 @@ TEST(PlanHosts, BytesPerLinkFlatVersusHierarchical) {
   EXPECT_DOUBLE_EQ(cf->link_bytes[0], (2 + 2) * pair);  // 2 own workers out + 2 remote in
   EXPECT_DOUBLE_EQ(ch->link_bytes[0], (1 + 1) * pair);  // the aggregators: 2x model bytes
   EXPECT_DOUBLE_EQ(ch->link_bytes[1], (1 + 1) * pair);
+
+  // BSP: a client's first pull comes before the last of the K pushes is applied, so all but one
+  // client in K read the data again (and a header: 2 more requests out, 2 frames + 64 B in).
+  // 2 x 4 dedicated: flat K = 8, 7/8 of the pulls; hierarchical K = 2, half of them.
+  Config bsp = TwoHostsFourLocal(false, 0);
+  bsp.mode = Mode::kBsp;
+  auto fb = Predict(OneMiB(200), FixedCosts(), bsp);
+  bsp.hierarchical = true;
+  auto hb = Predict(OneMiB(200), FixedCosts(), bsp);
+  ASSERT_TRUE(fb.ok() && hb.ok());
+  auto second = [](double w) { return w * (kB + 80 + 144); };
+  EXPECT_DOUBLE_EQ(fb->link_bytes[0], 4 * (2 * kB + kPairOverhead + second(7.0 / 8)));
+  EXPECT_DOUBLE_EQ(hb->link_bytes[0], 2 * kB + kPairOverhead + second(0.5));
+  EXPECT_NEAR(hb->link_bytes[0] / kB, 2.5, 0.001);  // not 2
 }
 
 TEST(PlanHosts, LinkBoundStepTimeFlatVersusHierarchical) {
