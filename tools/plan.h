@@ -81,8 +81,10 @@ struct Config {
   uint32_t staleness = 0;
   // Network hosts and links (issue 18; docs/plan.md, "Hosts, links and hierarchical
   // aggregation"). hosts = 0: no host model (the predictions of before). Otherwise workers must
-  // be hosts x local_workers. `machines` and `colocated` above stay the CPU placement (emulated
-  // hosts in network namespaces of one box share its cores: machines = 1).
+  // be hosts x local_workers. machines = 1: the hosts are emulated on one machine (network
+  // namespaces) and share its cores, `colocated` is the CPU placement as without hosts;
+  // machines > 1: each host is a machine of its own and the CPU placement follows
+  // servers_dedicated.
   uint32_t hosts = 0;
   uint32_t local_workers = 1;       // workers per host
   bool hierarchical = false;        // one aggregator per host pushes and pulls for its workers
