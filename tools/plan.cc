@@ -234,7 +234,8 @@ std::string Config::Describe() const {
 
 double Prediction::WorkerLinkBytes() const {
   double m = 0;
-  for (uint32_t h = 0; h < config.hosts && h < link_bytes.size(); ++h) m = std::max(m, link_bytes[h]);
+  for (uint32_t h = 0; h < config.hosts && h < link_bytes.size(); ++h)
+    m = std::max(m, link_bytes[h]);
   return m;
 }
 
@@ -416,10 +417,10 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
     double push_max = 0, pull_max = 0;
     for (uint32_t h = 0; h < nh; ++h) {
       p.link_bytes[h] = push_out[h] + push_in[h] + pull_out[h] + pull_in[h];
-      const double ph = cfg.link_full_duplex ? std::max(push_out[h], push_in[h])
-                                             : push_out[h] + push_in[h];
-      const double pl = cfg.link_full_duplex ? std::max(pull_out[h], pull_in[h])
-                                             : pull_out[h] + pull_in[h];
+      const double ph =
+          cfg.link_full_duplex ? std::max(push_out[h], push_in[h]) : push_out[h] + push_in[h];
+      const double pl =
+          cfg.link_full_duplex ? std::max(pull_out[h], pull_in[h]) : pull_out[h] + pull_in[h];
       push_max = std::max(push_max, ph);
       pull_max = std::max(pull_max, pl);
     }
@@ -460,8 +461,8 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // BSP: a pull waits for the slowest client's push to be applied: the busiest server's work
   // beyond our own push, plus the retried pull's round trip; SSP(s) waits one step in s+1.
   p.barrier_us = K > 1 ? retry * (std::max(0.0, p.server_us - p.push_us) + rtt0) : 0.0;
-  const double path = p.compute_us + p.straggler_us + p.reduce_us + p.hop_us + p.push_us +
-                      p.barrier_us + p.pull_us;
+  const double path =
+      p.compute_us + p.straggler_us + p.reduce_us + p.hop_us + p.push_us + p.barrier_us + p.pull_us;
   // (3) CPU of the busiest host per step over its cores. Every client-server exchange costs CPU
   // on both ends (system calls, wake-ups of the progress and apply threads): c_pair per
   // exchange of one chunk (the probe's pair step on a saturated host: cores x its mean time /
@@ -477,8 +478,7 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // sits at the bound, and from then on it waits every step as under BSP (the validation
   // measured SSP no faster than BSP here back to back; interleaved, 20-30% faster: known
   // error, docs/plan.md); SSP's 1/(s+1) only holds for transient stragglers.
-  const double r_cpu =
-      cfg.mode == Mode::kSsp && K > 1 && ws_host > C ? 1.0 : (rts - 2.5);
+  const double r_cpu = cfg.mode == Mode::kSsp && K > 1 && ws_host > C ? 1.0 : (rts - 2.5);
   // The wait is charged per exchange (per server). A pull whose chunk is not ready re-reads
   // that chunk's header (ClientImpl::EvaluatePull), but charged per chunk, 1 server x 7 chunks
   // came out 47-84% high in all three validation runs refitted offline (docs/plan.md).
@@ -494,12 +494,12 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // CPU), the aggregator's copies, adds and S exchanges, and 2 L hand-offs (each worker rings
   // the aggregator once and is woken once), each costing a hop's time in CPU.
   const double worker_side =
-      hier ? hosts_per_machine * (L * w.compute_us + p.reduce_us + 2 * L * c.local_hop_us +
-                                  0.5 * S * per_pair)
+      hier ? hosts_per_machine *
+                 (L * w.compute_us + p.reduce_us + 2 * L * c.local_hop_us + 0.5 * S * per_pair)
            : ws_host * (w.compute_us + 0.5 * S * per_pair);
   const double server_side = ss_host * (0.5 * K * per_pair + server_bytes_cpu / S);
-  p.cpu_us = cpu_colocated ? (worker_side + server_side) / C
-                           : std::max(worker_side, server_side) / C;
+  p.cpu_us =
+      cpu_colocated ? (worker_side + server_side) / C : std::max(worker_side, server_side) / C;
   p.step_us = path;
   p.bound = "latency path";
   // The link set the path when it, not the latency, set a phase's time.
@@ -544,7 +544,8 @@ std::string CompareHierarchy(const Prediction& flat, const Prediction& hier) {
                     c.hosts, c.workers);
       links = buf;
     }
-    std::snprintf(buf, sizeof(buf), "hierarchical: %s; predicted %.2fx faster%s (step %.0f us "
+    std::snprintf(buf, sizeof(buf),
+                  "hierarchical: %s; predicted %.2fx faster%s (step %.0f us "
                   "instead of %.0f; bound: %s)",
                   links.c_str(), speedup, rate.c_str(), hier.step_us, flat.step_us,
                   hier.bound.c_str());
@@ -555,18 +556,22 @@ std::string CompareHierarchy(const Prediction& flat, const Prediction& hier) {
   if (c.link_Bps <= 0) {
     why = "no link rate given (--link_Bps), so aggregation saves no link time";
   } else if (flat.bound != "link") {
-    std::snprintf(buf, sizeof(buf), "links are not the bottleneck (link time %.2f ms of a %.2f "
-                  "ms step, bound: %s)", flat_link / 1e3, flat.step_us / 1e3, flat.bound.c_str());
+    std::snprintf(buf, sizeof(buf),
+                  "links are not the bottleneck (link time %.2f ms of a %.2f "
+                  "ms step, bound: %s)",
+                  flat_link / 1e3, flat.step_us / 1e3, flat.bound.c_str());
     why = buf;
   } else {
     // What aggregation saves is the communication phases' time, not the link terms alone (a
     // phase may be set by its latency once the link is lighter).
-    std::snprintf(buf, sizeof(buf), "the communication time it saves (%.2f ms) is less than "
+    std::snprintf(buf, sizeof(buf),
+                  "the communication time it saves (%.2f ms) is less than "
                   "what it adds",
                   (flat.push_us + flat.pull_us - hier.push_us - hier.pull_us) / 1e3);
     why = buf;
   }
-  std::snprintf(buf, sizeof(buf), "flat: %s; the local reduction costs %.2f ms and the hand-offs "
+  std::snprintf(buf, sizeof(buf),
+                "flat: %s; the local reduction costs %.2f ms and the hand-offs "
                 "%.2f ms%s; predicted %.2fx faster%s (step %.0f us instead of %.0f)",
                 why.c_str(), hier.reduce_us / 1e3, hier.hop_us / 1e3,
                 hier.straggler_us > flat.straggler_us ? " plus the local straggler wait" : "",
@@ -718,8 +723,7 @@ StatusOr<std::vector<Prediction>> Search(const Workload& w, Costs c, const Budge
   // and, with more than one worker per host, flat and hierarchical.
   const std::vector<bool> no_choice = {true}, flat_only = {false};
   const std::vector<bool>& placements = b.hosts > 0 ? b.placements : no_choice;
-  const std::vector<bool>& hierarchy =
-      b.hosts > 0 && b.local_workers > 1 ? b.hierarchy : flat_only;
+  const std::vector<bool>& hierarchy = b.hosts > 0 && b.local_workers > 1 ? b.hierarchy : flat_only;
   for (uint32_t s = 1; s <= b.max_servers; ++s) {
     for (int colo = 1; colo >= 0; --colo) {
       // With hosts the CPU placement follows the network's (Predict): one pass.

@@ -86,12 +86,12 @@ struct Config {
   // machines > 1: each host is a machine of its own and the CPU placement follows
   // servers_dedicated.
   uint32_t hosts = 0;
-  uint32_t local_workers = 1;       // workers per host
-  bool hierarchical = false;        // one aggregator per host pushes and pulls for its workers
-  bool servers_dedicated = true;    // network placement: servers on hosts of their own, or
-                                    // server s on worker host s mod hosts (colocated)
-  double link_Bps = 0;              // each host's NIC, bytes/s; 0: links not modelled
-  bool link_full_duplex = true;     // false: a link's rate is shared by both directions
+  uint32_t local_workers = 1;     // workers per host
+  bool hierarchical = false;      // one aggregator per host pushes and pulls for its workers
+  bool servers_dedicated = true;  // network placement: servers on hosts of their own, or
+                                  // server s on worker host s mod hosts (colocated)
+  double link_Bps = 0;            // each host's NIC, bytes/s; 0: links not modelled
+  bool link_full_duplex = true;   // false: a link's rate is shared by both directions
   double wire_overhead = kDefaultWireOverhead;  // bytes below the transport (TCP/IP/Ethernet
                                                 // headers, TCP acks) per transport byte
   double compute_cv = 0;  // coefficient of variation of compute (straggler wait); 0: none

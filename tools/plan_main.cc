@@ -53,7 +53,8 @@ DEFINE_int32(hosts, 0,
              "--workers defaults to hosts x local_workers; without, local workers = workers / "
              "hosts");
 DEFINE_int32(local_workers, 0, "Workers per host (needs --hosts)");
-DEFINE_double(link_Bps, 0, "Each host's NIC rate, bytes/s (0: links not modelled); "
+DEFINE_double(link_Bps, 0,
+              "Each host's NIC rate, bytes/s (0: links not modelled); "
               "without --hosts, each worker on a host of its own");
 DEFINE_string(link_duplex, "full", "full: each direction carries link_Bps; half: both share it");
 DEFINE_string(placement, "",
@@ -319,9 +320,8 @@ int Main() {
       other.hierarchical = !c.hierarchical;
       auto q = Predict(w, *costs, other);
       if (!q.ok()) return Fail(q.status());
-      std::printf("flat vs hierarchical: %s\n", (c.hierarchical ? CompareHierarchy(*q, *p)
-                                                                : CompareHierarchy(*p, *q))
-                                                     .c_str());
+      std::printf("flat vs hierarchical: %s\n",
+                  (c.hierarchical ? CompareHierarchy(*q, *p) : CompareHierarchy(*p, *q)).c_str());
     }
     return 0;
   }

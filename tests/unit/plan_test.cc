@@ -339,7 +339,6 @@ TEST(PlanPredict, RejectsBadConfigurations) {
   EXPECT_FALSE(Predict(Digits(1), FixedCosts(), cfg).ok());
 }
 
-
 // ---- hosts, links and hierarchical aggregation (issue 18; docs/plan.md) ----------------------
 
 // One 1 MiB tensor: one chunk (4 MiB partitions) on one server.
