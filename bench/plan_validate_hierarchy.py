@@ -110,9 +110,13 @@ def main(argv=None):
                              f"hierarchy_details-{m.group(1)}.json") if m else ""
         details = guess if guess and os.path.exists(guess) else ""
     workload = {}
+    detail_runs = {}  # run directory's last part ("1000-2x2-dedicated-flat") -> its details
     if details:
         with open(details) as f:
-            workload = json.load(f).get("workload", {})
+            d = json.load(f)
+        workload = d.get("workload", {})
+        for x in d.get("runs", []):
+            detail_runs[os.path.basename(x.get("run_dir", ""))] = x
         print(f"workload from {details}: {workload}")
     if a.servers is None:
         a.servers = int(workload.get("servers", 1))
@@ -193,6 +197,15 @@ def main(argv=None):
                 row["measured_busiest_link"] = max(meas_links)
                 row["busiest_link_error"] = err(row["predicted_busiest_link"],
                                                 row["measured_busiest_link"])
+        # Dedicated servers' links, from the details ("server_link_bytes_per_step": {"s0": ..}),
+        # against plan's server hosts (its entries after the H worker hosts): their mean.
+        det = detail_runs.get(f"{rate:g}-{H}x{L}-{r['placement']}-{r['mode']}", {})
+        srv = det.get("server_link_bytes_per_step", {})
+        if r["placement"] == "dedicated" and srv and len(pred["link_bytes"]) > H:
+            row["predicted_server_link"] = statistics.mean(pred["link_bytes"][H:])
+            row["measured_server_link"] = statistics.mean(float(v) for v in srv.values())
+            row["server_link_error"] = err(row["predicted_server_link"],
+                                           row["measured_server_link"])
         rows.append(row)
 
     print()
@@ -231,6 +244,18 @@ def main(argv=None):
         print(f"worker link bytes: median |error| {statistics.median(link_err) * 100:.1f}%, max "
               f"{max(link_err) * 100:.1f}%, {sum(e <= TARGET for e in link_err)}/{len(link_err)} "
               f"within 10%")
+    srv_rows = [w for w in rows if "server_link_error" in w]
+    if srv_rows:
+        print("dedicated server links (the details file), predicted / measured, x model bytes:")
+        for w in srv_rows:
+            e = w["server_link_error"]
+            errors.append(e)
+            mb = model_bytes or 1
+            print(f"  {w['name']}: {w['predicted_server_link'] / mb:.2f} / "
+                  f"{w['measured_server_link'] / mb:.2f}  {e * 100:+.1f}% {mark(e)}")
+        se = [abs(w["server_link_error"]) for w in srv_rows]
+        print(f"server link bytes: median |error| {statistics.median(se) * 100:.1f}%, max "
+              f"{max(se) * 100:.1f}%, {sum(e <= TARGET for e in se)}/{len(se)} within 10%")
     # Flat against hierarchical, measured: for each (hosts, local workers, rate, placement)
     # with both modes, which was faster, and whether plan picks the same.
     pairs = {}

@@ -124,9 +124,13 @@ class PlanValidateHierarchyTest(unittest.TestCase):
                  "ratio_to_model": [ratio] * 2, "step_ms_median": 1.0, "steps": 10,
                  "ok": True}]}, f)
         with open(os.path.join(self.dir, "hierarchy_details-20990101T000000Z.json"), "w") as f:
+            # The server host's link: all 8 clients' pairs (16.01 x model bytes).
             json.dump({"workload": {"trainer": "ps_test_worker --model=linreg --batch=1",
                                     "dim": 512, "outputs": 512, "servers": 1,
-                                    "partition_bytes": 4194304, "consistency": "asp"}}, f)
+                                    "partition_bytes": 4194304, "consistency": "asp"},
+                       "runs": [{"run_dir": "build/x/0-2x4-dedicated-flat",
+                                 "server_link_bytes_per_step": {"s0": 2 * ratio * model_bytes}}]},
+                      f)
         p = subprocess.run([sys.executable, SCRIPT, results, "--plan", PLAN, "--probe-file",
                             self.probe, "--compute-us", "200"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -136,6 +140,9 @@ class PlanValidateHierarchyTest(unittest.TestCase):
         self.assertNotIn("warning", p.stdout)
         self.assertIn(f"| {ratio:.2f} / {ratio:.2f} | +0.0% | within |", p.stdout)
         self.assertAlmostEqual(ratio, 8.0056, places=3)
+        self.assertIn(f"2h x 4l flat dedicated unlimited: {2 * ratio:.2f} / {2 * ratio:.2f}  "
+                      f"+0.0% within", p.stdout)
+        self.assertIn("server link bytes: median |error| 0.0%", p.stdout)
 
 
 if __name__ == "__main__":
