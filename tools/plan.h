@@ -52,6 +52,14 @@ struct Costs {
   double pair_cpu_us = 0;             // calibrated exchange CPU (0: from pair_step_us)
   double wait_cpu_us = 0;             // calibrated BSP wait CPU per exchange (0: c_rt)
   double op_cpu_us = 0;               // calibrated CPU of one more operation (0: from the probe)
+  // Host memory throughput for the hierarchical local reduction (docs/plan.md): memcpy of a
+  // buffer far larger than the caches (bytes copied per second) and dst += src over such
+  // buffers (bytes of dst per second). The probe measures them; these defaults, when absent.
+  double mem_copy_Bps = kDefaultMemCopyBps, mem_add_Bps = kDefaultMemAddBps;
+  static constexpr double kDefaultMemCopyBps = 4e9, kDefaultMemAddBps = 2e9;
+  // One hand-off between a host's processes through a shared futex (probe: local_hop_us).
+  double local_hop_us = kDefaultLocalHopUs;
+  static constexpr double kDefaultLocalHopUs = 10;
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
   double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
   double OpCpu() const;            // CPU of one more pipelined operation
@@ -71,6 +79,28 @@ struct Config {
   uint64_t partition_bytes = 4u << 20;
   Mode mode = Mode::kBsp;
   uint32_t staleness = 0;
+  // Network hosts and links (issue 18; docs/plan.md, "Hosts, links and hierarchical
+  // aggregation"). hosts = 0: no host model (the predictions of before). Otherwise workers must
+  // be hosts x local_workers. machines = 1: the hosts are emulated on one machine (network
+  // namespaces) and share its cores, `colocated` is the CPU placement as without hosts;
+  // machines > 1: each host is a machine of its own and the CPU placement follows
+  // servers_dedicated.
+  uint32_t hosts = 0;
+  uint32_t local_workers = 1;     // workers per host
+  bool hierarchical = false;      // one aggregator per host pushes and pulls for its workers
+  bool servers_dedicated = true;  // network placement: servers on hosts of their own, or
+                                  // server s on worker host s mod hosts (colocated)
+  double link_Bps = 0;            // each host's NIC, bytes/s; 0: links not modelled
+  bool link_full_duplex = true;   // false: a link's rate is shared by both directions
+  double wire_overhead = kDefaultWireOverhead;  // bytes below the transport (TCP/IP/Ethernet
+                                                // headers, TCP acks) per transport byte
+  double compute_cv = 0;  // coefficient of variation of compute (straggler wait); 0: none
+  // Default 0: transport bytes only. The veth counters of the first emulated-host benchmark run
+  // (segmentation offload: a header per super-packet) matched that best (docs/plan.md).
+  static constexpr double kDefaultWireOverhead = 0;
+  // A link without offload, MTU 1500: 66 B of Ethernet/IP/TCP headers per 1448-byte segment and
+  // a 66 B TCP ack per two segments of the opposite direction.
+  static constexpr double kMtu1500WireOverhead = 99.0 / 1448;
   std::string Describe() const;
 };
 
@@ -90,10 +120,23 @@ struct Prediction {
   double imbalance = 1;
   uint32_t chunks = 0;
   std::string bound;  // which term set the step time
+  // With hosts (config.hosts > 0): the local reduction (hierarchical), the straggler wait, the
+  // link time of the push and pull phases on the busiest link, and the bytes each host's link
+  // carries per step (both directions; worker hosts 0..hosts-1, then dedicated server hosts).
+  double reduce_us = 0, hop_us = 0, straggler_us = 0, link_push_us = 0, link_pull_us = 0;
+  double model_bytes = 0;
+  std::vector<double> link_bytes;
+  double WorkerLinkBytes() const;   // the busiest worker host's link, bytes per step
+  double BusiestLinkBytes() const;  // any host's
   std::string Why() const;
 };
 
 StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cfg);
+
+// Flat against hierarchical for the same configuration (docs/plan.md): which is predicted
+// faster and why, in one sentence, e.g. "hierarchical: a worker host's link carries 2.1x model
+// bytes per step instead of 8.5x; predicted 2.90x faster at 1 Gbit/s".
+std::string CompareHierarchy(const Prediction& flat, const Prediction& hier);
 
 struct Budget {
   uint32_t machines = 1;
@@ -103,6 +146,16 @@ struct Budget {
   std::vector<uint64_t> partitions = {4096, 16384, 65536, 1u << 20, 4u << 20};
   std::vector<std::pair<Mode, uint32_t>> modes = {
       {Mode::kBsp, 0}, {Mode::kSsp, 1}, {Mode::kSsp, 2}, {Mode::kSsp, 4}, {Mode::kAsp, 0}};
+  // Hosts (0: none). With hosts, `workers` must be hosts x local_workers; the search tries
+  // flat and hierarchical (when local_workers > 1, unless `hierarchy` fixes one) and the
+  // network placements in `placements` (true: dedicated server hosts).
+  uint32_t hosts = 0, local_workers = 1;
+  double link_Bps = 0;
+  bool link_full_duplex = true;
+  double wire_overhead = Config::kDefaultWireOverhead;
+  double compute_cv = 0;
+  std::vector<bool> placements = {true, false};
+  std::vector<bool> hierarchy = {false, true};
 };
 // Calibration from real runs (docs/plan.md): the value of c.pair_cpu_us (cfg ASP) or of
 // c.wait_cpu_us (cfg BSP/SSP) that makes Predict(cfg)'s host-CPU term equal a measured step

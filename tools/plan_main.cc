@@ -5,6 +5,8 @@
 //   shardps_plan --probe_file=probe.json --model=model.txt --compute_us=200 --workers=4
 //   shardps_plan --probe_file=probe.json --digits --compute_us=200 --predict
 //       --servers=2 --workers=4 --partition_bytes=4194304 --mode=bsp
+//   shardps_plan --probe_file=probe.json --digits --compute_us=200 --hosts=4 --local_workers=4
+//       --link_Bps=125e6                                      # flat vs hierarchical, 1 Gbit/s
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -27,7 +29,9 @@ DEFINE_bool(digits, false, "Model: the digits trainer's MLP (64 x --hidden x 10)
 DEFINE_int32(hidden, 64, "--digits: hidden units");
 DEFINE_double(compute_us, 0, "Compute time per step per worker, microseconds");
 DEFINE_int32(batch, 32, "Samples per worker per step");
-DEFINE_int32(machines, 1, "Machine budget");
+DEFINE_int32(machines, 1,
+             "Machine budget. With --hosts: 1 = the hosts are emulated on one machine and share "
+             "its cores; more = each host is a machine of its own");
 DEFINE_int32(cores, 0, "Cores per machine (0: the probe's)");
 DEFINE_int32(workers, 4, "Workers (data-parallel replicas) to place");
 DEFINE_int32(max_servers, 4, "Search servers 1..this");
@@ -44,6 +48,27 @@ DEFINE_double(calibrate_step_us, 0,
               "CPU (--mode=asp) or the wait CPU (bsp/ssp) and store it in the probe file written "
               "to --probe_out (calibrate asp first)");
 
+DEFINE_int32(hosts, 0,
+             "Network hosts the workers run on (0: no host model). With --local_workers, "
+             "--workers defaults to hosts x local_workers; without, local workers = workers / "
+             "hosts");
+DEFINE_int32(local_workers, 0, "Workers per host (needs --hosts)");
+DEFINE_double(link_Bps, 0,
+              "Each host's NIC rate, bytes/s (0: links not modelled); "
+              "without --hosts, each worker on a host of its own");
+DEFINE_string(link_duplex, "full", "full: each direction carries link_Bps; half: both share it");
+DEFINE_string(placement, "",
+              "Network placement of servers: dedicated (hosts of their own) or colocated (server "
+              "s on worker host s mod hosts); empty: the search tries both, --predict follows "
+              "--colocated");
+DEFINE_bool(hierarchical, false,
+            "--predict: one aggregator per host (the search tries flat and hierarchical unless "
+            "--hierarchical is given explicitly)");
+DEFINE_double(wire_overhead, shardps::plan::Config::kDefaultWireOverhead,
+              "Bytes below the transport (TCP/IP/Ethernet headers, TCP acks) per transport "
+              "byte; 0.068 for MTU 1500 without segmentation offload (docs/plan.md)");
+DEFINE_double(compute_cv, 0,
+              "Coefficient of variation of compute per step (straggler wait; 0: none)");
 DEFINE_string(calibrate_file, "",
               "Measured steps of CPU-bound configurations, one a line: 'servers workers "
               "partition_bytes mode staleness step_us' ('#' comments): fit the exchange and wait "
@@ -106,7 +131,70 @@ StatusOr<std::vector<MeasuredRun>> LoadCalibrationFile(const std::string& path) 
   return out;
 }
 
+// The host model's flags (docs/plan.md, "Hosts, links and hierarchical aggregation").
+struct HostFlags {
+  uint32_t hosts = 0, local_workers = 1, workers = 0;
+  bool dedicated = true;
+  std::vector<bool> placements;
+};
+StatusOr<HostFlags> ResolveHosts() {
+  HostFlags f;
+  f.workers = static_cast<uint32_t>(FLAGS_workers);
+  const bool workers_given = !gflags::GetCommandLineFlagInfoOrDie("workers").is_default;
+  if (FLAGS_workers < 1) return InvalidArgumentError("--workers must be >= 1");
+  if (FLAGS_hosts < 0 || FLAGS_local_workers < 0) {
+    return InvalidArgumentError("--hosts and --local_workers must be >= 0");
+  }
+  if (FLAGS_local_workers > 0 && FLAGS_hosts == 0) {
+    return InvalidArgumentError("--local_workers needs --hosts");
+  }
+  if (FLAGS_hosts > 0) {
+    f.hosts = static_cast<uint32_t>(FLAGS_hosts);
+    if (FLAGS_local_workers > 0) {
+      f.local_workers = static_cast<uint32_t>(FLAGS_local_workers);
+      if (workers_given && f.workers != f.hosts * f.local_workers) {
+        return InvalidArgumentError("--workers must equal --hosts x --local_workers");
+      }
+      f.workers = f.hosts * f.local_workers;
+    } else {
+      if (f.workers % f.hosts != 0) {
+        return InvalidArgumentError("--workers must be a multiple of --hosts");
+      }
+      f.local_workers = f.workers / f.hosts;
+    }
+  } else if (FLAGS_link_Bps > 0 || FLAGS_hierarchical) {
+    if (FLAGS_hierarchical) return InvalidArgumentError("--hierarchical needs --hosts");
+    f.hosts = f.workers;  // a link rate without hosts: every worker on a host of its own
+  }
+  if (FLAGS_link_Bps < 0) return InvalidArgumentError("--link_Bps must be >= 0");
+  if (FLAGS_link_duplex != "full" && FLAGS_link_duplex != "half") {
+    return InvalidArgumentError("--link_duplex must be full or half");
+  }
+  if (FLAGS_placement == "dedicated") {
+    f.placements = {true};
+  } else if (FLAGS_placement == "colocated") {
+    f.placements = {false};
+  } else if (FLAGS_placement.empty()) {
+    f.placements = {true, false};
+  } else {
+    return InvalidArgumentError("--placement must be dedicated or colocated");
+  }
+  f.dedicated = FLAGS_placement.empty() ? !FLAGS_colocated : FLAGS_placement == "dedicated";
+  return f;
+}
+
+void PrintLinks(const Prediction& p) {
+  if (p.config.hosts == 0) return;
+  std::printf("link_bytes_per_step");
+  for (double x : p.link_bytes) std::printf(" %.0f", x);
+  std::printf("\nratio_to_model");
+  for (double x : p.link_bytes) std::printf(" %.3f", p.model_bytes > 0 ? x / p.model_bytes : 0);
+  std::printf("\n");
+}
+
 int Main() {
+  auto hf = ResolveHosts();
+  if (!hf.ok()) return Fail(hf.status());
   ProbeFile probe;
   if (FLAGS_probe) {
     ProbeOptions o;
@@ -182,9 +270,17 @@ int Main() {
   if (FLAGS_predict) {
     Config c;
     c.servers = FLAGS_servers;
-    c.workers = FLAGS_workers;
+    c.workers = hf->workers;
     c.machines = FLAGS_machines;
     c.colocated = FLAGS_colocated;
+    c.hosts = hf->hosts;
+    c.local_workers = hf->local_workers;
+    c.hierarchical = FLAGS_hierarchical;
+    c.servers_dedicated = hf->dedicated;
+    c.link_Bps = FLAGS_link_Bps;
+    c.link_full_duplex = FLAGS_link_duplex == "full";
+    c.wire_overhead = FLAGS_wire_overhead;
+    c.compute_cv = FLAGS_compute_cv;
     c.partition_bytes = FLAGS_partition_bytes;
     c.mode = FLAGS_mode == "asp" ? Mode::kAsp : FLAGS_mode == "ssp" ? Mode::kSsp : Mode::kBsp;
     if (FLAGS_mode != "asp" && FLAGS_mode != "ssp" && FLAGS_mode != "bsp") {
@@ -218,13 +314,32 @@ int Main() {
     if (!p.ok()) return Fail(p.status());
     std::printf("predicted_step_us %.1f samples_per_s %.0f | %s | %s\n", p->step_us,
                 p->samples_per_s, c.Describe().c_str(), p->Why().c_str());
+    PrintLinks(*p);
+    if (c.hosts > 0 && c.local_workers > 1) {
+      Config other = c;
+      other.hierarchical = !c.hierarchical;
+      auto q = Predict(w, *costs, other);
+      if (!q.ok()) return Fail(q.status());
+      std::printf("flat vs hierarchical: %s\n",
+                  (c.hierarchical ? CompareHierarchy(*q, *p) : CompareHierarchy(*p, *q)).c_str());
+    }
     return 0;
   }
   Budget b;
   b.machines = FLAGS_machines;
   b.cores = FLAGS_cores;
-  b.workers = FLAGS_workers;
+  b.workers = hf->workers;
   b.max_servers = FLAGS_max_servers;
+  b.hosts = hf->hosts;
+  b.local_workers = hf->local_workers;
+  b.link_Bps = FLAGS_link_Bps;
+  b.link_full_duplex = FLAGS_link_duplex == "full";
+  b.wire_overhead = FLAGS_wire_overhead;
+  b.compute_cv = FLAGS_compute_cv;
+  b.placements = hf->placements;
+  if (!gflags::GetCommandLineFlagInfoOrDie("hierarchical").is_default) {
+    b.hierarchy = {FLAGS_hierarchical};
+  }
   b.partitions.clear();
   std::stringstream ss(FLAGS_partitions);
   for (std::string x; std::getline(ss, x, ',');) b.partitions.push_back(std::stoull(x));
@@ -236,6 +351,15 @@ int Main() {
               w.tensors.size(), w.compute_us, costs->cores, costs->write.alpha_us(),
               costs->write.op_us(), costs->write.beta_bps() / 1e6, costs->read.alpha_us(),
               costs->read.op_us(), costs->read.beta_bps() / 1e6);
+  if (b.hosts > 0) {
+    if (b.link_Bps > 0) {
+      std::printf("hosts: %u x %u local workers; links %.3g Gbit/s, %s duplex\n", b.hosts,
+                  b.local_workers, b.link_Bps * 8 / 1e9, FLAGS_link_duplex.c_str());
+    } else {
+      std::printf("hosts: %u x %u local workers; links not modelled (no --link_Bps)\n", b.hosts,
+                  b.local_workers);
+    }
+  }
   std::printf("%-4s %-44s %10s %12s  %s\n", "rank", "configuration", "step_us", "samples/s",
               "why");
   for (size_t i = 0; i < ranked->size() && i < static_cast<size_t>(FLAGS_top); ++i) {
@@ -246,6 +370,19 @@ int Main() {
   const Prediction& best = ranked->front();
   std::printf("recommended: %s (%.0f samples/s, step %.1f us)\n", best.config.Describe().c_str(),
               best.samples_per_s, best.step_us);
+  // Flat against hierarchical: the recommended configuration and its counterpart.
+  if (b.hosts > 0 && b.local_workers > 1) {
+    for (const Prediction& q : *ranked) {
+      Config a = q.config, x = best.config;
+      if (a.hierarchical == x.hierarchical) continue;
+      a.hierarchical = x.hierarchical;
+      if (a.Describe() != x.Describe()) continue;
+      std::printf("flat vs hierarchical: %s\n",
+                  (best.config.hierarchical ? CompareHierarchy(q, best) : CompareHierarchy(best, q))
+                      .c_str());
+      break;
+    }
+  }
   return 0;
 }
 

@@ -12,10 +12,17 @@
 //    exchange.
 //  * apply_Bps / add_Bps: ChunkOptimizer::Apply (momentum) and a gradient accumulation loop
 //    over a 256 KiB chunk, bytes of weights per second.
+//  * mem_copy_Bps / mem_add_Bps: memcpy and dst += src over 64 MiB buffers (far beyond the
+//    caches), one thread: the host memory throughput of the hierarchical local reduction.
+//  * local_hop_us: half the round trip of a ping-pong between two processes through a
+//    process-shared futex (how a host's local workers and its aggregator hand a step over).
 //
 // Thread safety: RunProbe owns every thread it starts (target server, spinners) and joins them.
+#include <linux/futex.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <algorithm>
@@ -353,6 +360,81 @@ void MeasureApply(HostProbe* h) {
   h->set_add_bps(reps * kElems * 4.0 / (Now() - t0));
 }
 
+// Host memory throughput (docs/plan.md, the local reduction): memcpy of 64 MiB, bytes copied
+// per second; dst += src over 64 MiB of floats, bytes of dst per second. The best of the
+// repetitions over at least `seconds` (a shared host's other tenants only slow it down: on the
+// 2-core development host under a load of 14 a best of 4 came out 10x low).
+void MeasureMemory(HostProbe* h, double seconds) {
+  constexpr size_t kElems = 16u << 20;  // 64 MiB of floats
+  std::vector<float> a(kElems, 0.25f), b(kElems, 0.f);
+  double best_copy = 0, best_add = 0;
+  const double start = Now();
+  for (int rep = 0; rep < 4 || Now() - start < seconds; ++rep) {
+    double t0 = Now();
+    std::memcpy(b.data(), a.data(), kElems * sizeof(float));
+    best_copy = std::max(best_copy, kElems * sizeof(float) / (Now() - t0));
+    t0 = Now();
+    for (size_t i = 0; i < kElems; ++i) b[i] += a[i];
+    best_add = std::max(best_add, kElems * sizeof(float) / (Now() - t0));
+  }
+  // Keep the loops from being optimized away.
+  if (b[kElems / 2] == -1.f) best_add = 0;
+  h->set_mem_copy_bps(best_copy);
+  h->set_mem_add_bps(best_add);
+}
+
+// The hand-off of a hierarchical step (worker/host_group.h: futex bells in shared memory): a
+// parent and a forked child ping-pong through one process-shared futex word for `seconds`;
+// returns half the mean round trip, microseconds. Forked before any fabric or thread exists.
+StatusOr<double> MeasureLocalHop(double seconds) {
+  void* mem = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return ErrnoError("mmap", errno);
+  auto* word = new (mem) std::atomic<uint32_t>(0);
+  auto wait_for = [word](uint32_t want, double deadline) {
+    for (;;) {
+      const uint32_t v = word->load(std::memory_order_acquire);
+      if (v == want || v == UINT32_MAX) return v == want;
+      if (Now() > deadline) return false;
+      struct timespec ts = {0, 100 * 1000 * 1000};  // re-check the deadline every 100 ms
+      syscall(SYS_futex, word, FUTEX_WAIT, v, &ts, nullptr, 0);
+    }
+  };
+  auto post = [word](uint32_t v) {
+    word->store(v, std::memory_order_release);
+    syscall(SYS_futex, word, FUTEX_WAKE, 1, nullptr, nullptr, 0);
+  };
+  const pid_t pid = fork();
+  if (pid < 0) {
+    munmap(mem, 4096);
+    return ErrnoError("fork", errno);
+  }
+  if (pid == 0) {  // child: answers 2i + 1 with 2i + 2 until the parent posts UINT32_MAX
+    const double deadline = Now() + seconds + 30;
+    for (uint32_t i = 0;; ++i) {
+      if (!wait_for(2 * i + 1, deadline)) _exit(0);
+      post(2 * i + 2);
+    }
+  }
+  const double t0 = Now(), deadline = t0 + seconds + 30;
+  uint32_t trips = 0;
+  bool ok = true;
+  while (Now() - t0 < seconds || trips < 100) {
+    post(2 * trips + 1);
+    if (!wait_for(2 * trips + 2, deadline)) {
+      ok = false;
+      break;
+    }
+    ++trips;
+  }
+  const double elapsed = Now() - t0;
+  post(UINT32_MAX);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  munmap(mem, 4096);
+  if (!ok) return DeadlineExceededError("probe: the futex ping-pong child did not answer");
+  return elapsed / trips / 2 * 1e6;
+}
+
 }  // namespace
 
 StatusOr<ProbeFile> RunProbe(const ProbeOptions& o) {
@@ -380,6 +462,8 @@ StatusOr<ProbeFile> RunProbe(const ProbeOptions& o) {
   for (int i = 0; i < 2; ++i) {
     pf.mutable_host()->add_pair_step4_us(median3(sweeps4[0][i], sweeps4[1][i], sweeps4[2][i]));
   }
+  ASSIGN_OR_RETURN(double hop, MeasureLocalHop(std::max(0.2, o.seconds_per_point)));
+  pf.mutable_host()->set_local_hop_us(hop);
   LoopbackPair pair;
   RETURN_IF_ERROR(pair.Open(o.transport));
   Pair* p = pf.add_pairs();
@@ -399,6 +483,7 @@ StatusOr<ProbeFile> RunProbe(const ProbeOptions& o) {
   HostProbe* h = pf.mutable_host();
   h->set_cores(static_cast<uint32_t>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))));
   MeasureApply(h);
+  MeasureMemory(h, std::max(1.0, 3 * s));
   // Loaded round trips: k + 1 client threads, each with its own pair of fabrics (like worker
   // and server processes), each spinning on 8-byte reads; the mean over all of them.
   std::vector<std::unique_ptr<LoopbackPair>> pairs;

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -335,6 +337,287 @@ TEST(PlanPredict, RejectsBadConfigurations) {
   cfg.servers = 1;
   cfg.colocated = false;  // apart needs a second machine
   EXPECT_FALSE(Predict(Digits(1), FixedCosts(), cfg).ok());
+}
+
+// ---- hosts, links and hierarchical aggregation (issue 18; docs/plan.md) ----------------------
+
+// One 1 MiB tensor: one chunk (4 MiB partitions) on one server.
+Workload OneMiB(double compute_us) {
+  Workload w;
+  TensorSpec t;
+  t.name = "w";
+  t.shape = {262144};
+  w.tensors = {t};
+  w.compute_us = compute_us;
+  return w;
+}
+constexpr double kB = 1048576;
+// Transport bytes of one client with one server holding one chunk of b bytes (docs/plan.md):
+// push out b + 40 + 40 + 128 + 20 + 40 + 8, push in 40 + 52 + 40, pull out 120, pull in
+// b + 120 + 128.
+constexpr double kPushOut = 276, kPushIn = 132, kPullOut = 120, kPullIn = 248;
+constexpr double kPairOverhead = kPushOut + kPushIn + kPullOut + kPullIn;  // 776
+
+Config TwoHostsFourLocal(bool hier, double link_Bps) {
+  Config cfg;
+  cfg.workers = 8;
+  cfg.hosts = 2;
+  cfg.local_workers = 4;
+  cfg.hierarchical = hier;
+  cfg.servers_dedicated = true;  // the server on host 2
+  cfg.link_Bps = link_Bps;
+  cfg.wire_overhead = 0;  // transport bytes only, so the figures can be checked by hand
+  cfg.mode = Mode::kAsp;  // no barrier term
+  return cfg;
+}
+
+TEST(PlanHosts, BytesPerLinkFlatVersusHierarchical) {
+  auto flat = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 0));
+  auto hier = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, 0));
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  ASSERT_TRUE(hier.ok()) << hier.status();
+  ASSERT_EQ(flat->link_bytes.size(), 3u);  // 2 worker hosts, 1 server host
+  EXPECT_DOUBLE_EQ(flat->model_bytes, kB);
+  // Flat: each worker host carries its 4 workers' push and pull; the server host all 8.
+  EXPECT_DOUBLE_EQ(flat->link_bytes[0], 4 * (2 * kB + kPairOverhead));
+  EXPECT_DOUBLE_EQ(flat->link_bytes[1], 4 * (2 * kB + kPairOverhead));
+  EXPECT_DOUBLE_EQ(flat->link_bytes[2], 8 * (2 * kB + kPairOverhead));
+  // Hierarchical: one aggregator per host: 2x model bytes per worker host, 2 x 2x at the server.
+  EXPECT_DOUBLE_EQ(hier->link_bytes[0], 2 * kB + kPairOverhead);
+  EXPECT_DOUBLE_EQ(hier->link_bytes[1], 2 * kB + kPairOverhead);
+  EXPECT_DOUBLE_EQ(hier->link_bytes[2], 2 * (2 * kB + kPairOverhead));
+  EXPECT_NEAR(hier->WorkerLinkBytes() / kB, 2.0, 0.001);
+  EXPECT_NEAR(flat->WorkerLinkBytes() / kB, 8.0, 0.003);
+  // No link rate: no link time, no link bound.
+  EXPECT_DOUBLE_EQ(flat->link_push_us, 0);
+  EXPECT_NE(flat->bound, "link");
+
+  // The wire overhead below the transport scales every byte (MTU 1500: (66 + 33) / 1448); the
+  // default is none.
+  EXPECT_DOUBLE_EQ(Config().wire_overhead, 0);
+  Config with_wire = TwoHostsFourLocal(true, 0);
+  with_wire.wire_overhead = Config::kMtu1500WireOverhead;
+  auto w = Predict(OneMiB(200), FixedCosts(), with_wire);
+  ASSERT_TRUE(w.ok());
+  EXPECT_DOUBLE_EQ(w->link_bytes[0], (2 * kB + kPairOverhead) * (1 + 99.0 / 1448));
+
+  // Colocated servers: 2 hosts x 2 local workers, 2 servers, two equal tensors (one each;
+  // server s on host s). Host 0's link carries its clients' traffic to server 1 and the other
+  // host's clients' traffic to server 0; nothing to its own server.
+  Workload two;
+  two.compute_us = 200;
+  for (const char* n : {"a", "b"}) {
+    TensorSpec t;
+    t.name = n;
+    t.shape = {131072};  // 512 KiB
+    two.tensors.push_back(t);
+  }
+  Config colo;
+  colo.servers = 2;
+  colo.workers = 4;
+  colo.hosts = 2;
+  colo.local_workers = 2;
+  colo.servers_dedicated = false;
+  colo.wire_overhead = 0;
+  colo.mode = Mode::kAsp;  // no second reads (below)
+  auto cf = Predict(two, FixedCosts(), colo);
+  colo.hierarchical = true;
+  auto ch = Predict(two, FixedCosts(), colo);
+  ASSERT_TRUE(cf.ok() && ch.ok());
+  ASSERT_EQ(cf->link_bytes.size(), 2u);
+  const double pair = kB + kPairOverhead;  // one client with one 512 KiB server: 2 x 512 KiB
+  EXPECT_DOUBLE_EQ(cf->link_bytes[0], (2 + 2) * pair);  // 2 own workers out + 2 remote in
+  EXPECT_DOUBLE_EQ(ch->link_bytes[0], (1 + 1) * pair);  // the aggregators: 2x model bytes
+  EXPECT_DOUBLE_EQ(ch->link_bytes[1], (1 + 1) * pair);
+
+  // BSP: a client's first pull comes before the last of the K pushes is applied, so all but one
+  // client in K read the data again (and a header: 2 more requests out, 2 frames + 64 B in).
+  // 2 x 4 dedicated: flat K = 8, 7/8 of the pulls; hierarchical K = 2, half of them.
+  Config bsp = TwoHostsFourLocal(false, 0);
+  bsp.mode = Mode::kBsp;
+  auto fb = Predict(OneMiB(200), FixedCosts(), bsp);
+  bsp.hierarchical = true;
+  auto hb = Predict(OneMiB(200), FixedCosts(), bsp);
+  ASSERT_TRUE(fb.ok() && hb.ok());
+  auto second = [](double w) { return w * (kB + 80 + 144); };
+  EXPECT_DOUBLE_EQ(fb->link_bytes[0], 4 * (2 * kB + kPairOverhead + second(7.0 / 8)));
+  EXPECT_DOUBLE_EQ(hb->link_bytes[0], 2 * kB + kPairOverhead + second(0.5));
+  EXPECT_NEAR(hb->link_bytes[0] / kB, 2.5, 0.001);  // not 2
+}
+
+TEST(PlanHosts, LinkBoundStepTimeFlatVersusHierarchical) {
+  const double R = 125e6;  // 1 Gbit/s
+  auto flat = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, R));
+  auto hier = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, R));
+  ASSERT_TRUE(flat.ok() && hier.ok());
+  // Full duplex, phases in turn: the push phase's busiest direction is the server host's
+  // inbound (8 clients' push out), the pull phase's its outbound (8 clients' pull in).
+  const double flat_push = 8 * (kB + kPushOut) / R * 1e6;  // 67126.5 us
+  const double flat_pull = 8 * (kB + kPullIn) / R * 1e6;   // 67124.7 us
+  EXPECT_NEAR(flat->link_push_us, flat_push, 1e-6);
+  EXPECT_NEAR(flat->link_pull_us, flat_pull, 1e-6);
+  EXPECT_EQ(flat->bound, "link");
+  EXPECT_NEAR(flat->step_us, 200 + flat_push + flat_pull, 1e-6);
+  // Hierarchical: 2 aggregators reach the server; plus the local reduction through memory:
+  // 4 copies in, 1 into the sum, 4 out (2 x 4 + 1 copies of 1 MiB at 4e9 B/s) and 3 adds at
+  // 2e9 B/s (Costs' defaults), and two hand-offs of 10 us (the default local hop).
+  const double reduce = (9 * kB / 4e9 + 3 * kB / 2e9) * 1e6;  // 3932.16 us
+  EXPECT_NEAR(hier->reduce_us, reduce, 1e-6);
+  const double hier_push = 2 * (kB + kPushOut) / R * 1e6, hier_pull = 2 * (kB + kPullIn) / R * 1e6;
+  EXPECT_EQ(hier->bound, "link");
+  EXPECT_DOUBLE_EQ(hier->hop_us, 20);
+  EXPECT_NEAR(hier->step_us, 200 + reduce + 20 + hier_push + hier_pull, 1e-6);
+  EXPECT_NEAR(flat->step_us / hier->step_us, 134451.264 / 37714.976, 1e-6);  // 3.56x
+
+  // Half duplex: a link's rate is shared by both directions: a phase takes its in + out.
+  Config half = TwoHostsFourLocal(false, R);
+  half.link_full_duplex = false;
+  auto h = Predict(OneMiB(200), FixedCosts(), half);
+  ASSERT_TRUE(h.ok());
+  EXPECT_NEAR(h->link_push_us, 8 * (kB + kPushOut + kPushIn) / R * 1e6, 1e-6);
+  EXPECT_NEAR(h->link_pull_us, 8 * (kB + kPullIn + kPullOut) / R * 1e6, 1e-6);
+
+  // The straggler wait: hierarchical workers wait for their host's 4 in every mode (ASP here):
+  // cv x compute x sqrt(2 ln 4); flat ASP waits for nobody.
+  Config cv = TwoHostsFourLocal(true, R);
+  cv.compute_cv = 0.1;
+  auto s = Predict(OneMiB(200), FixedCosts(), cv);
+  cv.hierarchical = false;
+  auto sf = Predict(OneMiB(200), FixedCosts(), cv);
+  ASSERT_TRUE(s.ok() && sf.ok());
+  EXPECT_NEAR(s->straggler_us, 0.1 * 200 * std::sqrt(2 * std::log(4.0)), 1e-9);
+  EXPECT_DOUBLE_EQ(sf->straggler_us, 0);
+  EXPECT_NEAR(s->step_us - hier->step_us, s->straggler_us, 1e-6);
+}
+
+TEST(PlanHosts, MachinesSayWhetherHostsShareCores) {
+  // 2 hosts x 4 workers, flat, ASP, a dedicated server. Per exchange c_pair = 100 us (one chunk:
+  // no further operations, no wait), half on each side; the server accumulates 8 gradients of
+  // 1 MiB at 4e9 B/s and applies once at 1e9 B/s.
+  const double server_side = 0.5 * 8 * 100 + 8 * kB / 4e9 * 1e6 + kB / 1e9 * 1e6;  // 3545.728
+  Config emulated = TwoHostsFourLocal(false, 0);  // machines = 1: all share 2 cores
+  auto e = Predict(OneMiB(200), FixedCosts(), emulated);
+  ASSERT_TRUE(e.ok());
+  EXPECT_NEAR(e->cpu_us, (8 * (200 + 0.5 * 100) + server_side) / 2, 1e-6);
+  Config real = emulated;
+  real.machines = 3;  // each host a machine: a worker host's 4 workers, the server's machine
+  auto r = Predict(OneMiB(200), FixedCosts(), real);
+  ASSERT_TRUE(r.ok());
+  EXPECT_NEAR(r->cpu_us, std::max(4 * (200 + 0.5 * 100), server_side) / 2, 1e-6);
+  // Hierarchical on real hosts: per host 4 x compute + the reduction + 2 x 4 hand-offs of 10 us
+  // + the aggregator's half exchange; the server serves 2 aggregators.
+  real.hierarchical = true;
+  auto h = Predict(OneMiB(200), FixedCosts(), real);
+  ASSERT_TRUE(h.ok());
+  const double reduce = (9 * kB / 4e9 + 3 * kB / 2e9) * 1e6;
+  const double hier_server = 0.5 * 2 * 100 + 2 * kB / 4e9 * 1e6 + kB / 1e9 * 1e6;
+  EXPECT_NEAR(h->cpu_us, std::max(4 * 200 + reduce + 8 * 10 + 0.5 * 100, hier_server) / 2, 1e-6);
+}
+
+TEST(PlanHosts, RecommendationFlipsWithTheLinkRate) {
+  // 1 Gbit/s: the links bound the step and aggregation cuts their bytes 4x.
+  auto flat1 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 125e6));
+  auto hier1 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, 125e6));
+  ASSERT_TRUE(flat1.ok() && hier1.ok());
+  EXPECT_LT(hier1->step_us, flat1->step_us);
+  const std::string at1 = CompareHierarchy(*flat1, *hier1);
+  EXPECT_EQ(at1.rfind("hierarchical: ", 0), 0u) << at1;
+  EXPECT_NE(at1.find("carries 4.0x model bytes per step instead of 16.0x"), std::string::npos)
+      << at1;
+  EXPECT_NE(at1.find("(a worker host's: 2.0x instead of 8.0x)"), std::string::npos) << at1;
+  EXPECT_NE(at1.find("3.56x faster at 1 Gbit/s"), std::string::npos) << at1;
+  // 100 Gbit/s: the link time (8 MiB at 12.5 GB/s: 671 us a phase) is under the latency path;
+  // flat is bound by its server (8 x (6.5 ops x 5 us + 1 MiB / 4e9) + 1 MiB / 1e9 = 3406 us)
+  // and hierarchical pays the 3932 us reduction and 20 us of hand-offs on top of its path
+  // (6349 us): flat wins.
+  auto flat100 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 12.5e9));
+  auto hier100 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, 12.5e9));
+  ASSERT_TRUE(flat100.ok() && hier100.ok());
+  EXPECT_EQ(flat100->bound, "busiest server");
+  EXPECT_NEAR(flat100->step_us, 8 * (6.5 * 5 + kB / 4e9 * 1e6) + kB / 1e9 * 1e6, 1e-6);
+  const double push_lat = 0.6 * 100 + kB / 1e9 * 1e6, pull_lat = 0.4 * 100 + kB / 1e9 * 1e6;
+  EXPECT_NEAR(hier100->step_us, 200 + hier1->reduce_us + 20 + push_lat + pull_lat, 1e-6);
+  EXPECT_GT(hier100->step_us, flat100->step_us);
+  const std::string at100 = CompareHierarchy(*flat100, *hier100);
+  EXPECT_EQ(at100.rfind("flat: links are not the bottleneck", 0), 0u) << at100;
+  EXPECT_NE(at100.find("the local reduction costs 3.93 ms and the hand-offs 0.02 ms"),
+            std::string::npos)
+      << at100;
+
+  // 32 Gbit/s: flat is still link-bound (8 x 1 MiB a phase at 4 GB/s: 2098 us, over its
+  // server's 3406 us in all), but aggregation saves only 4195 - 2197 us of communication (its
+  // phases are then set by their latency, 1109 + 1089 us) against 3952 us of reduction and
+  // hand-offs: flat wins, and says so.
+  auto flat32 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(false, 4e9));
+  auto hier32 = Predict(OneMiB(200), FixedCosts(), TwoHostsFourLocal(true, 4e9));
+  ASSERT_TRUE(flat32.ok() && hier32.ok());
+  EXPECT_EQ(flat32->bound, "link");
+  EXPECT_NEAR(flat32->step_us, 200 + 8 * (2 * kB + kPushOut + kPullIn) / 4e9 * 1e6, 1e-6);
+  EXPECT_NEAR(hier32->step_us, 200 + hier1->reduce_us + 20 + push_lat + pull_lat, 1e-6);
+  const std::string at32 = CompareHierarchy(*flat32, *hier32);
+  EXPECT_EQ(at32.rfind("flat: the communication time it saves (2.00 ms) is less than what it "
+                       "adds; the local reduction costs 3.93 ms",
+                       0),
+            0u)
+      << at32;
+
+  // The search over the same hosts says the same: its best configuration is hierarchical at
+  // 1 Gbit/s and flat at 100 Gbit/s.
+  Budget b;
+  b.workers = 8;
+  b.hosts = 2;
+  b.local_workers = 4;
+  b.max_servers = 1;
+  b.partitions = {4u << 20};
+  b.modes = {{Mode::kAsp, 0}};
+  b.placements = {true};
+  b.wire_overhead = 0;
+  b.link_Bps = 125e6;
+  auto r1 = Search(OneMiB(200), FixedCosts(), b);
+  b.link_Bps = 12.5e9;
+  auto r100 = Search(OneMiB(200), FixedCosts(), b);
+  ASSERT_TRUE(r1.ok() && r100.ok());
+  ASSERT_EQ(r1->size(), 2u);  // flat and hierarchical
+  EXPECT_TRUE(r1->front().config.hierarchical);
+  EXPECT_FALSE(r100->front().config.hierarchical);
+}
+
+TEST(PlanHosts, OneWorkerPerHostIsTheFlatModelAndBadHostsAreRejected) {
+  // hosts = workers, one local worker, no link rate: the same prediction as without hosts.
+  Config plain;
+  plain.workers = 4;
+  plain.servers = 2;
+  Config hosts = plain;
+  hosts.hosts = 4;
+  auto a = Predict(Digits(200), FixedCosts(), plain);
+  auto b = Predict(Digits(200), FixedCosts(), hosts);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_DOUBLE_EQ(a->step_us, b->step_us);
+  EXPECT_DOUBLE_EQ(a->cpu_us, b->cpu_us);
+  EXPECT_TRUE(a->link_bytes.empty());
+  EXPECT_EQ(b->link_bytes.size(), 4u + 2);
+  Config bad = plain;
+  bad.hosts = 3;  // 4 workers are not 3 x 1
+  EXPECT_FALSE(Predict(Digits(200), FixedCosts(), bad).ok());
+  bad = plain;
+  bad.hierarchical = true;  // needs hosts
+  EXPECT_FALSE(Predict(Digits(200), FixedCosts(), bad).ok());
+  bad = plain;
+  bad.link_Bps = 1e9;  // needs hosts
+  EXPECT_FALSE(Predict(Digits(200), FixedCosts(), bad).ok());
+  // The probe file's memory figures replace the defaults.
+  auto p = ParseProbeJson(R"({"pairs":[{"write":{"alpha_us":1,"beta_Bps":1e9},
+    "read":{"alpha_us":1,"beta_Bps":1e9}}],"host":{"mem_copy_Bps":9e9,"mem_add_Bps":7e9}})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto c = CostsFromProbe(*p);
+  ASSERT_TRUE(c.ok());
+  EXPECT_DOUBLE_EQ(c->mem_copy_Bps, 9e9);
+  EXPECT_DOUBLE_EQ(c->mem_add_Bps, 7e9);
+  EXPECT_DOUBLE_EQ(c->local_hop_us, 10);  // absent: the default
+  auto d = CostsFromProbe(*ParseProbeJson(R"({"pairs":[{"write":{"alpha_us":1,"beta_Bps":1e9},
+    "read":{"alpha_us":1,"beta_Bps":1e9}}]})"));
+  ASSERT_TRUE(d.ok());
+  EXPECT_DOUBLE_EQ(d->mem_copy_Bps, Costs::kDefaultMemCopyBps);
 }
 
 }  // namespace
