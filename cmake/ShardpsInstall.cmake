@@ -17,6 +17,7 @@ install(FILES worker/include/shardps/client.h worker/include/shardps/status.h
 
 # Daemons and tools (the `shardps` tool installs itself in tools/).
 install(TARGETS shardps_server shardps_coordinator_bin shardps_checkpoint_cli shardps_plan
+        shardps_aggregator
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 # The CMake package. The static library pins the protobuf it was generated with.

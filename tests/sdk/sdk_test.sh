@@ -37,7 +37,7 @@ LIBDIR=$(dirname "$(find "$P" -name 'libshardps.so' | head -1)")
 # 1. The installed tree.
 for f in include/shardps/client.h include/shardps/status.h include/shardps/c_api.h \
          include/shardps/export.h include/shardps/version.h bin/shardps bin/shardps_server \
-         bin/shardps_coordinator bin/shardps_checkpoint bin/shardps_plan; do
+         bin/shardps_coordinator bin/shardps_checkpoint bin/shardps_plan bin/shardps_aggregator; do
   [[ -e $P/$f ]] || fail "not installed: $f"
 done
 for f in libshardps.so libshardps.a cmake/shardps/shardpsConfig.cmake \
