@@ -64,8 +64,85 @@ std::string ShardPlan::Fingerprint() const {
   return os.str();
 }
 
+StatusOr<ShardLayout> ParseShardLayout(const std::string& s) {
+  if (s.empty() || s == "lpt") return ShardLayout::kLpt;
+  if (s == "balanced") return ShardLayout::kBalanced;
+  return InvalidArgumentError("shard layout '" + s + "': want lpt or balanced");
+}
+
+namespace {
+
+// kBalanced: the dense tensors as one buffer, cut into one part per server.
+Status PlanBalancedDense(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
+                         uint64_t partition_bytes, const std::vector<double>& capacity,
+                         ShardPlan* plan, std::vector<bool>* fixed) {
+  std::vector<uint32_t> dense;
+  std::vector<uint64_t> start;  // each dense tensor's offset in the buffer
+  uint64_t total = 0;
+  for (uint32_t ti = 0; ti < tensors.size(); ++ti) {
+    if (tensors[ti].embedding) continue;
+    dense.push_back(ti);
+    start.push_back(total);
+    total += tensors[ti].bytes();
+  }
+  if (dense.empty()) return Status::OK();
+  // The exact cut points (server s owns [cut[s], cut[s+1])), each moved down to the element
+  // boundary of the tensor it falls in.
+  const double sum = capacity.empty()
+                         ? static_cast<double>(num_servers)
+                         : std::accumulate(capacity.begin(), capacity.end(), 0.0);
+  std::vector<uint64_t> cut(num_servers + 1, 0);
+  double acc = 0;
+  for (uint32_t r = 1; r < num_servers; ++r) {
+    acc += capacity.empty() ? 1.0 : capacity[r - 1];
+    const uint64_t exact = std::min<uint64_t>(
+        total, static_cast<uint64_t>(static_cast<long double>(total) * acc / sum));
+    // The tensor holding byte `exact`: the last one starting at or before it.
+    const size_t k = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), exact) -
+                                         start.begin()) - 1;
+    const uint64_t esize = DTypeSize(tensors[dense[k]].dtype);
+    cut[r] = std::max(cut[r - 1], start[k] + (exact - start[k]) / esize * esize);
+  }
+  cut[num_servers] = total;
+  for (size_t k = 0; k < dense.size(); ++k) {
+    const uint32_t ti = dense[k];
+    const uint64_t esize = DTypeSize(tensors[ti].dtype);
+    const uint64_t lo = start[k], hi = start[k] + tensors[ti].bytes();
+    for (uint32_t r = 0; r < num_servers; ++r) {
+      const uint64_t a = std::max(lo, cut[r]), b = std::min(hi, cut[r + 1]);
+      if (a >= b) continue;
+      // This server's piece of the tensor, in near-equal chunks of at most one partition.
+      const uint64_t elems = (b - a) / esize;
+      const uint64_t per = std::max<uint64_t>(1, partition_bytes / esize);
+      const uint64_t n = (elems + per - 1) / per;
+      if (n > kMaxPlanChunks - plan->chunks.size()) {
+        return ResourceExhaustedError("shard plan: more than " + std::to_string(kMaxPlanChunks) +
+                                      " chunks (partition size " +
+                                      std::to_string(partition_bytes) + " B is too small)");
+      }
+      const uint64_t base = elems / n, extra = elems % n;
+      uint64_t off = a - lo;
+      for (uint64_t j = 0; j < n; ++j) {
+        ChunkPlan c;
+        c.tensor = ti;
+        c.offset = off;
+        c.bytes = (base + (j < extra ? 1 : 0)) * esize;
+        c.server = r;
+        off += c.bytes;
+        plan->chunks.push_back(c);
+        fixed->push_back(true);
+        plan->server_bytes[r] += c.bytes;
+      }
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
-                               uint64_t partition_bytes, const std::vector<double>& capacity) {
+                               uint64_t partition_bytes, const std::vector<double>& capacity,
+                               ShardLayout layout) {
   if (num_servers == 0) return InvalidArgumentError("shard plan: no servers");
   if (partition_bytes < 64) return InvalidArgumentError("shard plan: partition size below 64 B");
   bool weighted = false;
@@ -150,6 +227,7 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
       }
       continue;
     }
+    if (layout == ShardLayout::kBalanced) continue;  // checked here, planned below
     const uint64_t per_chunk_elems = std::max<uint64_t>(1, partition_bytes / esize);
     uint64_t n = (elems + per_chunk_elems - 1) / per_chunk_elems;
     // A tensor bigger than one partition is cut into a multiple of the server count, so every
@@ -172,9 +250,16 @@ StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t 
       plan.chunks.push_back(c);
     }
   }
+  std::vector<bool> fixed(plan.chunks.size(), false);  // placed by the balanced layout
+  if (layout == ShardLayout::kBalanced) {
+    RETURN_IF_ERROR(PlanBalancedDense(tensors, num_servers, partition_bytes,
+                                      weighted ? capacity : std::vector<double>{}, &plan, &fixed));
+  }
   // Largest first onto the least-loaded server (LPT); stable for determinism.
-  std::vector<size_t> order(plan.chunks.size());
-  std::iota(order.begin(), order.end(), 0);
+  std::vector<size_t> order;
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    if (!fixed[i]) order.push_back(i);
+  }
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return plan.chunks[a].bytes > plan.chunks[b].bytes; });
   for (size_t idx : order) {

@@ -84,9 +84,23 @@ inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;  // 1 PiB
 //
 // INVALID_ARGUMENT for a tensor over kMaxTensorBytes (or whose element count overflows) and
 // RESOURCE_EXHAUSTED for a plan over kMaxPlanChunks chunks.
+//
+// layout kBalanced (Herring's balanced fusion buffers; docs/hierarchical.md): the dense tensors,
+// in registration order, are taken as one buffer that is cut into one contiguous part per server
+// (bytes proportional to capacity, equal without), each cut on the element boundary at or below
+// the exact share; a part's piece of each tensor is then cut into near-equal chunks of at most
+// partition_bytes. Every server's dense bytes are thus its exact share to less than one element
+// at each end (equal servers of a one-dtype model differ by at most one element; with mixed
+// dtypes by less than two of the largest), whatever the tensor sizes; small
+// tensors share a server with their neighbours instead of each being placed whole. Row tables
+// are placed as in kLpt, on top.
+enum class ShardLayout { kLpt = 0, kBalanced = 1 };
 StatusOr<ShardPlan> PlanShards(const std::vector<TensorSpec>& tensors, uint32_t num_servers,
                                uint64_t partition_bytes,
-                               const std::vector<double>& capacity = {});
+                               const std::vector<double>& capacity = {},
+                               ShardLayout layout = ShardLayout::kLpt);
+// "lpt" or "balanced"; INVALID_ARGUMENT otherwise.
+StatusOr<ShardLayout> ParseShardLayout(const std::string& s);
 
 // Limits on row tables: dims and ids per push (a peer's RegisterModel is checked against them).
 inline constexpr uint32_t kMaxRowDim = 1u << 16;

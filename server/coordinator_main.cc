@@ -17,6 +17,7 @@
 #include "common/metrics_flags.h"
 #include "common/trace.h"
 #include "common/version.h"
+#include "proto/shard_plan.h"
 #include "server/coordinator.h"
 #include "server/coordinator_metrics.h"
 
@@ -43,6 +44,10 @@ DEFINE_uint64(partition_bytes, 4u << 20, "Chunk size for sharding tensors");
 DEFINE_string(server_capacity, "",
               "Optional per-server capacity weights in rank order, e.g. 1,0.25 (from shardps plan "
               "--probe or doctor): chunk bytes per server proportional to them; empty: balanced");
+DEFINE_string(shard_layout, "lpt",
+              "lpt: chunks per tensor, largest first onto the least-loaded server; balanced: the "
+              "dense tensors as one buffer cut into one part per server (every server's bytes "
+              "equal to one element; docs/hierarchical.md)");
 DEFINE_string(address_file, "", "Write the bound address here once listening (for scripts)");
 DEFINE_bool(exit_when_done, false,
             "Exit once all --num_workers workers have joined and left again, after the servers "
@@ -187,6 +192,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (auto how = shardps::ParseShardLayout(FLAGS_shard_layout); !how.ok()) {
+    LOG(ERROR) << "--shard_layout: " << how.status().ToString();
+    return 2;
+  }
+  o.config.set_shard_layout(FLAGS_shard_layout);
   shardps::trace::ScopedTrace tracing;  // flushed and closed when main returns
   if (shardps::Status t = tracing.Begin({FLAGS_trace_file, FLAGS_trace_max_events}); !t.ok()) {
     LOG(ERROR) << "--trace_file: " << t;

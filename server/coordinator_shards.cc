@@ -22,7 +22,8 @@ namespace {
 
 StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
                                   uint64_t default_partition,
-                                  const std::vector<double>& capacity = {}) {
+                                  const std::vector<double>& capacity = {},
+                                  const std::string& layout = "") {
   std::vector<TensorSpec> specs;
   for (const auto& t : m.tensors()) {
     if (!ValidDType(t.dtype())) {
@@ -44,7 +45,8 @@ StatusOr<ShardPlan> PlanFromModel(const RegisterModel& m, uint32_t num_servers,
   }
   if (specs.empty()) return InvalidArgumentError("a model without tensors");
   const uint64_t part = m.partition_bytes() ? m.partition_bytes() : default_partition;
-  return PlanShards(specs, num_servers, part, capacity);
+  ASSIGN_OR_RETURN(ShardLayout how, ParseShardLayout(layout));
+  return PlanShards(specs, num_servers, part, capacity, how);
 }
 
 std::vector<double> Capacity(const ClusterConfig& c) {  // --server_capacity; empty: equal
@@ -64,7 +66,8 @@ uint32_t Coordinator::NumServerRanks() const {
 void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
   const uint32_t num_servers = NumGroups();
   auto plan =
-      PlanFromModel(m, num_servers, options_.config.partition_bytes(), Capacity(options_.config));
+      PlanFromModel(m, num_servers, options_.config.partition_bytes(), Capacity(options_.config),
+                    options_.config.shard_layout());
   if (!plan.ok()) {
     Envelope err;
     err.mutable_error()->set_message("model refused: " + plan.status().ToString());
@@ -79,7 +82,13 @@ void Coordinator::HandleRegisterModel(Conn* c, const RegisterModel& m) {
     plan_fingerprint_ = plan->Fingerprint();
     LOG(INFO) << "coordinator: model registered by member " << c->member.member_id() << ": "
               << plan->tensors.size() << " tensors, " << plan->chunks.size() << " chunks over "
-              << num_servers << " servers (imbalance " << plan->imbalance() << ")";
+              << num_servers << " servers (layout "
+              << (options_.config.shard_layout().empty() ? "lpt" : options_.config.shard_layout())
+              << ", imbalance " << plan->imbalance() << ", bytes per server " << [&] {
+                   std::string b;
+                   for (uint64_t x : plan->server_bytes) b += (b.empty() ? "" : ",") + std::to_string(x);
+                   return b;
+                 }() << ")";
   } else if (plan->Fingerprint() != plan_fingerprint_) {
     Envelope err;
     err.mutable_error()->set_message(
@@ -167,7 +176,7 @@ void Coordinator::MaybeAssignShards() {
     }
   }
   auto plan = PlanFromModel(model_, num_servers, options_.config.partition_bytes(),
-                            Capacity(options_.config));
+                            Capacity(options_.config), options_.config.shard_layout());
   if (!plan.ok()) return;  // checked when registered
   const uint32_t max_workers = std::max<uint32_t>(
       options_.config.max_workers(), std::max<uint32_t>(1, options_.config.num_workers()));
@@ -524,7 +533,8 @@ void Coordinator::MaybeReplaceBackups() {
     }
     if (pick == nullptr) return;
     auto plan = PlanFromModel(model_, NumGroups(), options_.config.partition_bytes(),
-                              Capacity(options_.config));
+                              Capacity(options_.config),
+                              options_.config.shard_layout());
     if (!plan.ok()) return;
     const uint32_t r = pick->member.rank();
     backup_of_[g] = r;

@@ -15,6 +15,9 @@
 //                                     aggregator takes the host's workers back: the clock in
 //                                     flight is applied exactly 0 or 1 times, as the crash point
 //                                     says, every other clock exactly once.
+//   BalancedLayoutSplitsTheServersToOneElement  the balanced shard layout (Herring's fusion
+//                                     buffers): both servers hold 260 of the 520 floats, and
+//                                     training is still bit for bit.
 //   AHostileLocalProcessCannotHurtTheGroup  garbage packets, a join without the token, and an
 //                                     admitted member that tries to map the weights writable,
 //                                     resize or re-seal the shared memory: all refused, and the
@@ -179,6 +182,36 @@ TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
           << Tail(aggs[h]);
     }
     EndRun();
+  }
+}
+
+// Balanced fusion buffers (proto/shard_plan.h, ShardLayout::kBalanced) under the same cluster:
+// W (512 floats) and b (8) are one buffer cut into 260 floats per server -- the LPT layout gives
+// 264 and 256 -- and training is still the host-ordered sum bit for bit.
+TEST_P(HierarchicalTransportTest, BalancedLayoutSplitsTheServersToOneElement) {
+  ClusterSpec spec = Spec();
+  spec.coordinator_extra = {"--shard_layout=balanced"};
+  const int kSteps = 8;
+  std::vector<ChildProcess*> aggs;
+  std::vector<ChildProcess*> workers =
+      StartHosts(spec, {"--model=linreg", "--steps=" + std::to_string(kSteps)}, &aggs);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  ChildProcess* standalone =
+      Spawn({PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(kWorkers),
+             "--local_workers=" + std::to_string(kLocal), "--steps=" + std::to_string(kSteps),
+             LrFlag(spec.lr), "--out=" + Path("standalone.out")},
+            "standalone.log");
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, Bound()), 0) << Tail(w);
+  EXPECT_TRUE(WaitForLog(coordinator_, "layout balanced, imbalance 1, bytes per server 1040,1040",
+                         milliseconds(1000)))
+      << Tail(coordinator_);
+  auto ref = StandaloneResult(standalone, Bound());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (int r = 0; r < kWorkers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r << ": W differs";
+    EXPECT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r << ": b differs";
   }
 }
 

@@ -139,6 +139,7 @@ struct ClusterSpec {
   // Server rank crash_rank (>= 0) runs with SHARDPS_CRASH_POINT=crash_point (common/crash_point.h).
   int crash_rank = -1;
   std::string crash_point;
+  std::vector<std::string> coordinator_extra;  // more coordinator flags (e.g. --shard_layout)
 };
 
 // Starts, tracks and tears down the processes of one test.
@@ -195,7 +196,7 @@ class ProcessTestBase : public ::testing::Test {
     const std::string addr_file = Path("coordinator.addr");
     std::error_code ec;
     std::filesystem::remove(addr_file, ec);  // a restarted cluster must not read the old one
-    coordinator_ = Spawn(CoordinatorArgs(spec, spec.listen, addr_file), "coordinator.log");
+    coordinator_ = Spawn(CoordinatorArgsWithExtra(spec, spec.listen, addr_file), "coordinator.log");
     if (coordinator_ == nullptr) return "";
     auto addr = WaitForFile(addr_file, milliseconds(10000), coordinator_);
     EXPECT_TRUE(addr.ok()) << addr.status();
@@ -227,6 +228,12 @@ class ProcessTestBase : public ::testing::Test {
                "--max_workers=" + std::to_string(spec.max_workers), "--failover_timeout_ms=0",
                "--checkpoint_dir=" + spec.checkpoint_dir,
                "--checkpoint_every=" + std::to_string(spec.checkpoint_every)};
+  }
+  std::vector<std::string> CoordinatorArgsWithExtra(const ClusterSpec& spec, const std::string& listen,
+                                                    const std::string& addr_file) const {
+    std::vector<std::string> a = CoordinatorArgs(spec, listen, addr_file);
+    a.insert(a.end(), spec.coordinator_extra.begin(), spec.coordinator_extra.end());
+    return a;
   }
 
   std::string ServerIp(const std::string& transport) const {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iostream>
 
 namespace shardps {
 namespace {
@@ -143,6 +145,125 @@ TEST(ShardPlanTest, RejectsBadCapacity) {
   EXPECT_FALSE(PlanShards({T("x", {4})}, 2, 4096, {1.0, 0.0}).ok());
   EXPECT_FALSE(PlanShards({T("x", {4})}, 2, 4096, {1.0, -1.0}).ok());
   EXPECT_FALSE(PlanShards({T("x", {4})}, 2, 4096, {1.0, std::nan("")}).ok());
+}
+
+}  // namespace
+}  // namespace shardps
+
+namespace shardps {
+namespace {
+
+// The balanced layout as a property: random models of many small and a few large tensors of
+// mixed dtypes, 1-7 servers, equal and weighted capacities. Every byte of every tensor is
+// covered exactly once, chunks are element aligned and at most one partition, and every server's
+// dense bytes are its exact share of the model to less than one element (equal servers of a
+// one-dtype model differ by at most one element) -- which the LPT layout cannot promise when
+// tensors are few or small.
+TEST(ShardPlanBalancedTest, EveryServerGetsItsShareToOneElement) {
+  uint64_t seed = 12345;
+  auto next = [&seed](uint64_t n) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return (seed >> 33) % n;
+  };
+  double worst_lpt = 1.0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<TensorSpec> specs;
+    const int n = 1 + static_cast<int>(next(40));
+    for (int i = 0; i < n; ++i) {
+      TensorSpec t;
+      t.name = "t" + std::to_string(i);
+      t.dtype = static_cast<DType>(next(3));
+      t.shape = {1 + static_cast<int64_t>(next(8) == 0 ? next(200000) : next(700))};
+      specs.push_back(t);
+    }
+    const uint32_t servers = 1 + static_cast<uint32_t>(next(7));
+    std::vector<double> capacity;
+    if (trial % 3 == 2) {
+      for (uint32_t r = 0; r < servers; ++r) capacity.push_back(0.25 + next(8) * 0.25);
+    }
+    const uint64_t partition = 64 + next(1 << 16);
+    auto plan = PlanShards(specs, servers, partition, capacity, ShardLayout::kBalanced);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    uint64_t total = 0, max_elem = 0;
+    for (const auto& t : specs) {
+      total += t.bytes();
+      max_elem = std::max<uint64_t>(max_elem, DTypeSize(t.dtype));
+    }
+    for (uint32_t ti = 0; ti < specs.size(); ++ti) {
+      uint64_t covered = 0;
+      std::vector<std::pair<uint64_t, uint64_t>> pieces;
+      for (const auto& c : plan->chunks) {
+        if (c.tensor != ti) continue;
+        const uint64_t e = DTypeSize(specs[ti].dtype);
+        EXPECT_EQ(c.offset % e, 0u);
+        EXPECT_EQ(c.bytes % e, 0u);
+        EXPECT_GT(c.bytes, 0u);
+        EXPECT_LE(c.bytes, std::max<uint64_t>(partition / e, 1) * e);
+        pieces.emplace_back(c.offset, c.bytes);
+        covered += c.bytes;
+      }
+      std::sort(pieces.begin(), pieces.end());
+      uint64_t at = 0;
+      for (const auto& [off, bytes] : pieces) {
+        EXPECT_EQ(off, at) << "trial " << trial << ": gap or overlap in tensor " << ti;
+        at = off + bytes;
+      }
+      EXPECT_EQ(covered, specs[ti].bytes()) << "trial " << trial;
+    }
+    const double sum = capacity.empty() ? servers : [&] {
+      double s = 0;
+      for (double w : capacity) s += w;
+      return s;
+    }();
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (uint32_t r = 0; r < servers; ++r) {
+      const double share = total * (capacity.empty() ? 1.0 : capacity[r]) / sum;
+      EXPECT_LT(std::fabs(static_cast<double>(plan->server_bytes[r]) - share), max_elem + 1.0)
+          << "trial " << trial << " server " << r << " of " << servers;
+      lo = std::min(lo, plan->server_bytes[r]);
+      hi = std::max(hi, plan->server_bytes[r]);
+    }
+    const bool one_dtype = std::all_of(specs.begin(), specs.end(), [&](const TensorSpec& t) {
+      return t.dtype == specs[0].dtype;
+    });
+    if (capacity.empty()) {
+      // One dtype: cuts on element boundaries of one size, sizes floor/ceil of an equal split.
+      // Mixed: each end of a part is within one element of the exact cut.
+      if (one_dtype) {
+        EXPECT_LE(hi - lo, max_elem) << "trial " << trial << ": equal servers differ by more "
+                                     << "than one element";
+      } else {
+        EXPECT_LT(hi - lo, 2 * max_elem) << "trial " << trial;
+      }
+      auto lpt = PlanShards(specs, servers, partition);
+      ASSERT_TRUE(lpt.ok());
+      worst_lpt = std::max(worst_lpt, lpt->imbalance());
+    }
+  }
+  // What the balanced layout is for: the LPT layout of the same models is far from equal.
+  std::cout << "[ info ] LPT layout of the same models: worst imbalance (max/mean) " << worst_lpt
+            << "\n";
+  EXPECT_GT(worst_lpt, 1.5);
+}
+
+TEST(ShardPlanBalancedTest, SmallTensorsAreSplitAtTheServerBoundary) {
+  // 3 tensors of 10, 10 and 12 floats on 2 servers: 16 floats each; the cut falls inside "b".
+  const std::vector<TensorSpec> specs = {T("a", {10}), T("b", {10}), T("c", {12})};
+  auto plan = PlanShards(specs, 2, 1 << 20, {}, ShardLayout::kBalanced);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->server_bytes, (std::vector<uint64_t>{64, 64}));
+  ASSERT_EQ(plan->chunks.size(), 4u);
+  EXPECT_EQ(plan->chunks[1].tensor, 1u);
+  EXPECT_EQ(plan->chunks[1].offset, 0u);
+  EXPECT_EQ(plan->chunks[1].bytes, 24u);  // b[0, 6) on server 0
+  EXPECT_EQ(plan->chunks[1].server, 0u);
+  EXPECT_EQ(plan->chunks[2].offset, 24u);  // b[6, 10) on server 1
+  EXPECT_EQ(plan->chunks[2].server, 1u);
+  auto lpt = PlanShards(specs, 2, 1 << 20);
+  ASSERT_TRUE(lpt.ok());
+  EXPECT_EQ(lpt->server_bytes, (std::vector<uint64_t>{48, 80}));  // whole tensors: 12 vs 20
+  EXPECT_FALSE(ParseShardLayout("fused").ok());
+  EXPECT_EQ(*ParseShardLayout("balanced"), ShardLayout::kBalanced);
 }
 
 }  // namespace
