@@ -350,6 +350,15 @@ StatusOr<TensorPath> ClientImpl::tensor_path(const std::string& name) const {
   return tensors_[it->second].path;
 }
 
+StatusOr<const void*> ClientImpl::WeightsView(const std::string& name) const {
+  RETURN_IF_ERROR(lifecycle_.Require("WeightsView()", {ClientState::kRunning}));
+  auto it = tensor_index_.find(name);
+  if (it == tensor_index_.end() || tensors_[it->second].embedding) {
+    return NotFoundError("no dense tensor '" + name + "'");
+  }
+  return static_cast<const void*>(tensors_[it->second].weights);
+}
+
 uint32_t ClientImpl::num_workers() const {
   uint32_t n = 0;
   const control::Membership membership = control_->membership();

@@ -83,6 +83,7 @@ class ClientImpl final : public Client, private CompletionSink {
   ClientCounters counters() const override;
   std::string transport_name() const override;
   StatusOr<TensorPath> tensor_path(const std::string& name) const override;
+  StatusOr<const void*> WeightsView(const std::string& name) const override;
   Status Close() override;
 
  private:

@@ -202,8 +202,10 @@ Status HostClient::Join(milliseconds timeout, bool initial) {
   if (header()->weights_clock.load(std::memory_order_acquire) < clock_) {
     return InternalError("host aggregator: started before its weights were pulled");
   }
-  for (size_t t = 0; t < tensors_.size(); ++t) {
-    std::memcpy(tensors_[t].weights, ro_.data() + layout_.tensor_offset[t], tensors_[t].bytes);
+  if (!options_.host_weights_in_place) {
+    for (size_t t = 0; t < tensors_.size(); ++t) {
+      std::memcpy(tensors_[t].weights, ro_.data() + layout_.tensor_offset[t], tensors_[t].bytes);
+    }
   }
   return Status::OK();
 }
@@ -333,7 +335,9 @@ Status HostClient::Wait(Handle handle) {
   pending_.erase(it);
   RETURN_IF_ERROR(WaitForWeights(clock_));
   const Tensor& x = tensors_[p.tensor];
-  std::memcpy(x.weights, ro_.data() + layout_.tensor_offset[p.tensor], x.bytes);
+  if (!options_.host_weights_in_place) {
+    std::memcpy(x.weights, ro_.data() + layout_.tensor_offset[p.tensor], x.bytes);
+  }
   ++counters_.pulls;
   counters_.bytes_pulled += x.bytes;
   return Status::OK();
@@ -357,7 +361,9 @@ Status HostClient::Step() {
   RETURN_IF_ERROR(WaitForWeights(clock_));
   for (Tensor& t : tensors_) {
     const uint32_t i = static_cast<uint32_t>(&t - tensors_.data());
-    std::memcpy(t.weights, ro_.data() + layout_.tensor_offset[i], t.bytes);
+    if (!options_.host_weights_in_place) {
+      std::memcpy(t.weights, ro_.data() + layout_.tensor_offset[i], t.bytes);
+    }
     ++counters_.pulls;
     counters_.bytes_pulled += t.bytes;
   }
@@ -401,6 +407,12 @@ std::string HostClient::transport_name() const {
 StatusOr<TensorPath> HostClient::tensor_path(const std::string& name) const {
   RETURN_IF_ERROR(TensorIndex(name).status());
   return TensorPath::kHost;
+}
+
+StatusOr<const void*> HostClient::WeightsView(const std::string& name) const {
+  RETURN_IF_ERROR(life_.Require("WeightsView()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(uint32_t t, TensorIndex(name));
+  return static_cast<const void*>(ro_.data() + layout_.tensor_offset[t]);
 }
 
 Status HostClient::Close() {

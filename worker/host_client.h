@@ -66,6 +66,7 @@ class HostClient final : public Client {
   ClientCounters counters() const override { return counters_; }
   std::string transport_name() const override;
   StatusOr<TensorPath> tensor_path(const std::string& name) const override;
+  StatusOr<const void*> WeightsView(const std::string& name) const override;
   Status Close() override;
 
  private:

@@ -4,7 +4,8 @@
 //
 //   BspIsTheHostOrderedSumBitForBit   BSP equals, bit for bit, the one-process run that sums
 //                                     each host's workers first, then the hosts (the stated
-//                                     order), on every worker, run after run.
+//                                     order), on every worker, run after run; the second run
+//                                     reads the weights in place (WeightsView, no copy).
 //   EveryPullHoldsWhatTheModeGuarantees  BSP, SSP(2), ASP, VSGD(2): every pull decoded
 //                                     (signature model), the mode's bound holds between hosts.
 //   AKilledLocalWorkerCountsAtMostOnce   kill -9 of a local worker mid-run: the others finish,
@@ -146,8 +147,10 @@ TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
   std::vector<std::vector<float>> first_run;
   for (int run = 0; run < 2; ++run) {
     std::vector<ChildProcess*> aggs;
-    std::vector<ChildProcess*> workers =
-        StartHosts(spec, {"--model=linreg", "--steps=" + std::to_string(kSteps)}, &aggs);
+    // Run 2 reads the weights in place (Client::WeightsView, no copy per worker).
+    std::vector<std::string> flags = {"--model=linreg", "--steps=" + std::to_string(kSteps)};
+    if (run == 1) flags.push_back("--weights_view");
+    std::vector<ChildProcess*> workers = StartHosts(spec, flags, &aggs);
     ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
     std::vector<std::string> ref_argv = {PS_TEST_WORKER_BIN, "--standalone",
                                          "--workers=" + std::to_string(kWorkers),
@@ -173,6 +176,8 @@ TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
         first_run.push_back(res->tensors["W"]);
       } else {
         EXPECT_EQ(res->tensors["W"], first_run[r]) << "worker " << r << ": run 2 differs";
+        // The pulls never wrote the registered buffers: the views were read in place.
+        EXPECT_EQ(res->Int("view_buffer_untouched"), 1) << "worker " << r;
       }
     }
     // Each aggregator pushed and pulled once per clock for its two workers.

@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -68,6 +69,10 @@ DEFINE_string(coordinator, "127.0.0.1:7070", "shardps_coordinator address (host:
 DEFINE_string(cluster_token, "", "Cluster secret");
 DEFINE_int32(rank, -1, "Requested worker rank (-1: the coordinator picks)");
 DEFINE_int32(workers, 1, "Workers in the job (data sharding; standalone: workers emulated)");
+DEFINE_bool(weights_view, false,
+            "train: read the weights through Client::WeightsView with host_weights_in_place "
+            "(under an aggregator: no copy into the registered buffers; written: "
+            "view_buffer_untouched)");
 DEFINE_int32(local_workers, 0,
              "standalone: sum each host's this many workers first, as a host aggregator does "
              "(0: flat)");
@@ -221,6 +226,7 @@ struct Result {
   uint64_t injected_errors = 0;
   uint64_t violations = 0;
   int64_t max_lead = 0;
+  int view_buffer_untouched = -1;  // --weights_view: 1 if the registered buffers kept their values
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
   int64_t sig_max_staleness = 0;
   uint64_t start_clock = 0;  // the clock after Start() (> 0: joined a running cluster)
@@ -261,6 +267,9 @@ int WriteResult(const Result& r) {
   kv("start_clock", std::to_string(r.start_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
+  if (r.view_buffer_untouched >= 0) {
+    kv("view_buffer_untouched", std::to_string(r.view_buffer_untouched));
+  }
   kv("sig_pulls", std::to_string(r.sig_pulls));
   kv("sig_at_bound", std::to_string(r.sig_at_bound));
   kv("sig_max_staleness", std::to_string(r.sig_max_staleness));
@@ -433,6 +442,7 @@ int RunCluster() {
   o.coordinator = FLAGS_coordinator;
   o.cluster_token = FLAGS_cluster_token;
   o.requested_rank = FLAGS_rank;
+  o.host_weights_in_place = FLAGS_weights_view;
   o.transport = fo.provider;
   o.bind_ip = fo.bind_ip;
   o.rdma_device = fo.rdma_device;
@@ -500,8 +510,24 @@ int RunCluster() {
   const int64_t wshape = static_cast<int64_t>(nw);
   std::vector<int64_t> shape_w =
       linreg ? std::vector<int64_t>{FLAGS_dim, FLAGS_outputs} : std::vector<int64_t>{wshape};
-  Status st = c.RegisterTensor("W", w.data(), gw.data(), shape_w);
-  if (st.ok()) st = c.RegisterTensor("b", b.data(), gb.data(), {static_cast<int64_t>(nb)});
+  // --weights_view: the registered buffers are copies that pulls must not touch; w and b are
+  // refreshed from the views after every step.
+  std::vector<float> wreg = w, breg = b;
+  const std::vector<float> wreg0 = wreg, breg0 = breg;
+  float* wbuf = FLAGS_weights_view ? wreg.data() : w.data();
+  float* bbuf = FLAGS_weights_view ? breg.data() : b.data();
+  auto refresh = [&]() -> Status {
+    if (!FLAGS_weights_view) return Status::OK();
+    auto vw = c.WeightsView("W");
+    if (!vw.ok()) return vw.status();
+    auto vb = c.WeightsView("b");
+    if (!vb.ok()) return vb.status();
+    std::memcpy(w.data(), *vw, w.size() * sizeof(float));
+    std::memcpy(b.data(), *vb, b.size() * sizeof(float));
+    return Status::OK();
+  };
+  Status st = c.RegisterTensor("W", wbuf, gw.data(), shape_w);
+  if (st.ok()) st = c.RegisterTensor("b", bbuf, gb.data(), {static_cast<int64_t>(nb)});
   const int erows = linreg ? FLAGS_embedding_rows : 0;
   if (st.ok() && erows > 0) {
     shardps::EmbeddingOptions eo;
@@ -511,6 +537,7 @@ int RunCluster() {
     st = c.RegisterEmbedding("E", erows, RowTask::kDim, shardps::TensorDType::kFloat32, eo);
   }
   if (st.ok()) st = c.Start();
+  if (st.ok()) st = refresh();
   if (!st.ok()) {
     fprintf(stderr, "ps_test_worker rank %d: setup failed: %s\n", me, st.ToString().c_str());
     return 4;
@@ -556,6 +583,7 @@ int RunCluster() {
     }
     if (t == FLAGS_steps - 1) r.workers = c.num_workers();
     st = c.Step();
+    if (st.ok()) st = refresh();
     if (!st.ok()) {
       fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t, st.ToString().c_str());
       return 5;
@@ -587,6 +615,7 @@ int RunCluster() {
     Progress(t + 1);
   }
   const ClientCounters after = c.counters();
+  if (FLAGS_weights_view) r.view_buffer_untouched = (wreg == wreg0 && breg == breg0) ? 1 : 0;
   r.steps = FLAGS_steps;
   r.control_steady = after.control_messages_sent - before.control_messages_sent;
   r.counters = after;

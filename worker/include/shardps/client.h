@@ -92,6 +92,11 @@ struct ClientOptions {
   // host, 0..local_workers-1 (-1: from the environment).
   std::string aggregator;
   int local_rank = -1;
+  // Under a host aggregator: pulls leave the weights in the host's shared read-only mapping
+  // (Client::WeightsView), which every local worker reads in place, instead of copying them into
+  // each worker's registered weights buffer (that buffer then only supplies the initial
+  // weights). No effect on a flat worker, whose pulls land in its buffer with no copy anyway.
+  bool host_weights_in_place = false;
 };
 
 // Fills in what `options` leaves unset from the environment, as launchers set it (shardps.run,
@@ -309,6 +314,12 @@ class SHARDPS_EXPORT Client {
   virtual std::string transport_name() const = 0;
   // The path chosen for a registered tensor, or kNotFound.
   virtual StatusOr<TensorPath> tensor_path(const std::string& name) const = 0;
+  // The weights of dense tensor `name` as of this worker's last completed pull, without a copy:
+  // under a host aggregator, the host's shared mapping (read-only; every local worker reads the
+  // same memory; valid until this worker's next Clock() or Step(), after which the aggregator
+  // may overwrite it); on a flat worker, its own registered weights buffer. Never write through
+  // it. FAILED_PRECONDITION before Start(), NOT_FOUND for an unknown or row tensor.
+  virtual StatusOr<const void*> WeightsView(const std::string& name) const = 0;
 
   // Leaves the cluster cleanly (also done by the destructor). Idempotent: OK in every state.
   virtual Status Close() = 0;
