@@ -51,7 +51,8 @@ StatusOr<Handle> PullPipeline::Pull(uint32_t tensor) {
     // when the chunk is pulled again unchanged). A wrong guess costs a second round trip.
     c.guess = c.pulled_version == 0 ? 0 : c.last_buf ^ c.flip;
     ++hs.pending;
-    StartPull(id, Phase::kAll);
+    c.first_read = true;
+    StartPull(id, c.speculate ? Phase::kAll : Phase::kHeaderOnly);
   }
   return Handle{h};
 }
@@ -100,6 +101,11 @@ void PullPipeline::EvaluatePull(uint32_t id) {
   const uint32_t b = static_cast<uint32_t>(state & 1);
   const bool ready =
       v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
+  if (c.first_read) {
+    // A data read alongside this header would have been used: speculate next time.
+    c.speculate = ready && b == c.guess;
+    c.first_read = false;
+  }
   if (!ready) {
     if (!hold_deadlines_ && SteadyClock::now() > c.deadline) {
       Finish(id, DeadlineExceededError(

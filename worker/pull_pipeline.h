@@ -76,6 +76,13 @@ class PullPipeline {
     // flips the buffer, so the next pull guesses last_buf ^ flip. 1 fits a training step (one
     // version per step); 0 fits repeated pulls of an unchanged chunk (or two versions per pull).
     uint32_t flip = 1;
+    // Whether the next pull reads the data with its first header read (kAll) or the header
+    // alone first (kHeaderOnly): kAll saves a round trip when the chunk is already at the bound,
+    // but reads the data twice when it is not (a BSP worker that is not the clock's last to
+    // push), which on a bandwidth-bound link costs up to one more model per step. Set by each
+    // pull's first header read: would the data read alongside it have been the right one?
+    bool speculate = true;
+    bool first_read = false;  // the pull in flight has not evaluated a header yet
     // The pull in flight.
     uint64_t handle = 0;
     Phase phase = Phase::kAll;
