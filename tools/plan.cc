@@ -394,9 +394,12 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
     std::vector<double> push_out(nh, 0), push_in(nh, 0), pull_out(nh, 0), pull_in(nh, 0);
     const double per_host = hier ? 1 : L;
     // Under BSP (SSP: one step in s+1) a client's first pull is posted before the last of the K
-    // clients' pushes is applied: all but one in K read the data twice. The header-only
-    // re-reads while it waits are not counted (a few hundred bytes each).
-    const double wasted = K > 1 ? retry * (1 - 1 / K) : 0.0;
+    // clients' pushes is applied. The pull reads the header alone first when its previous pull
+    // found the chunk not ready (worker/pull_pipeline.cc, ChunkPull::speculate), so the data is
+    // read twice only when a client that was last to push one step is not the next: with a
+    // random last pusher, (1/K)(1 - 1/K) of the pulls. The header-only re-reads while it waits
+    // are not counted (a few hundred bytes each).
+    const double wasted = K > 1 ? retry * (1 / K) * (1 - 1 / K) : 0.0;
     for (uint32_t h = 0; h < cfg.hosts; ++h) {
       for (uint32_t s = 0; s < cfg.servers; ++s) {
         const uint32_t sh = cfg.servers_dedicated ? cfg.hosts + s : s % cfg.hosts;

@@ -430,9 +430,10 @@ TEST(PlanHosts, BytesPerLinkFlatVersusHierarchical) {
   EXPECT_DOUBLE_EQ(ch->link_bytes[0], (1 + 1) * pair);  // the aggregators: 2x model bytes
   EXPECT_DOUBLE_EQ(ch->link_bytes[1], (1 + 1) * pair);
 
-  // BSP: a client's first pull comes before the last of the K pushes is applied, so all but one
-  // client in K read the data again (and a header: 2 more requests out, 2 frames + 64 B in).
-  // 2 x 4 dedicated: flat K = 8, 7/8 of the pulls; hierarchical K = 2, half of them.
+  // BSP: a client's first pull comes before the last of the K pushes is applied; it reads the
+  // header alone first when its last pull found the chunk not ready, so the data is read again
+  // (with a header: 2 more requests out, 2 frames + 64 B in) only when the last pusher changes:
+  // (1/K)(1 - 1/K) of the pulls. 2 x 4 dedicated: flat K = 8, 7/64; hierarchical K = 2, 1/4.
   Config bsp = TwoHostsFourLocal(false, 0);
   bsp.mode = Mode::kBsp;
   auto fb = Predict(OneMiB(200), FixedCosts(), bsp);
@@ -440,9 +441,9 @@ TEST(PlanHosts, BytesPerLinkFlatVersusHierarchical) {
   auto hb = Predict(OneMiB(200), FixedCosts(), bsp);
   ASSERT_TRUE(fb.ok() && hb.ok());
   auto second = [](double w) { return w * (kB + 80 + 144); };
-  EXPECT_DOUBLE_EQ(fb->link_bytes[0], 4 * (2 * kB + kPairOverhead + second(7.0 / 8)));
-  EXPECT_DOUBLE_EQ(hb->link_bytes[0], 2 * kB + kPairOverhead + second(0.5));
-  EXPECT_NEAR(hb->link_bytes[0] / kB, 2.5, 0.001);  // not 2
+  EXPECT_DOUBLE_EQ(fb->link_bytes[0], 4 * (2 * kB + kPairOverhead + second(7.0 / 64)));
+  EXPECT_DOUBLE_EQ(hb->link_bytes[0], 2 * kB + kPairOverhead + second(0.25));
+  EXPECT_NEAR(hb->link_bytes[0] / kB, 2.25, 0.001);  // not 2
 }
 
 TEST(PlanHosts, LinkBoundStepTimeFlatVersusHierarchical) {
