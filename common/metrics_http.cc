@@ -188,7 +188,21 @@ void MetricsHttpServer::Loop() {
   Clock::time_point accept_paused_until;
   for (;;) {
     const auto now = Clock::now();
-    // Deadlines.
+    // Deadlines. This thread may itself have been descheduled past a deadline (a busy host, or
+    // a slow render): what a peer has already sent or can already take is handled before the
+    // peer is judged slow, so a scrape never fails for the server's own delay.
+    for (Conn& c : conns) {
+      if (now < c.deadline || c.lingering) continue;
+      if (!c.responding) {
+        char buf[4096];
+        const size_t room = options_.max_request_bytes + 1 - c.in.size();
+        auto got = net::RecvSome(c.fd.get(), buf, std::min(sizeof(buf), room), "metrics");
+        if (got.ok() && *got > 0) {
+          c.in.append(buf, *got);
+          parse(c);  // a complete request: responding, with a fresh deadline
+        }
+      }
+    }
     for (auto it = conns.begin(); it != conns.end();) {
       if (now >= it->deadline) {
         if (!it->lingering) timed_out_.fetch_add(1, std::memory_order_relaxed);

@@ -296,6 +296,44 @@ TEST(MetricsHttp, ServesMetricsAndRefusesTheRest) {
   EXPECT_EQ(st.errors_sent, 105u);
 }
 
+// The server thread itself delayed past a client's deadline (here by a slow render; on a busy
+// host by the scheduler): a request that arrived meanwhile is still answered, not dropped as a
+// slow client (a scrape under load failed that way: "Remote end closed connection").
+TEST(MetricsHttp, ARequestWaitingWhileTheServerWasDelayedIsAnswered) {
+  HttpServerOptions o;
+  o.request_timeout = std::chrono::milliseconds(200);
+  o.min_render_interval = std::chrono::milliseconds(0);
+  std::atomic<int> renders{0};
+  auto made = MetricsHttpServer::Start(o, [&renders] {
+    if (++renders == 1) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    return std::string("shardps_test_up 1\n");
+  });
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto& s = *made;
+  // B connects first and waits; A's request makes the server render for 600 ms; B's request
+  // arrives during that render, long before its own deadline would pass on an idle server.
+  auto b = net::ConnectTcp(s->address(), "", 5000ms);
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // B accepted
+  std::thread a([&] { Fetch(s->address(), "GET /metrics HTTP/1.1\r\n\r\n"); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // A's render has begun
+  const std::string req = "GET /metrics HTTP/1.1\r\n\r\n";
+  ASSERT_TRUE(net::SendAll(b->get(), req.data(), req.size(), 1000ms).ok());
+  std::string out;
+  const auto deadline = std::chrono::steady_clock::now() + 5000ms;
+  for (;;) {
+    if (!net::WaitFd(b->get(), POLLIN, deadline, "fetch").ok()) break;
+    char buf[4096];
+    auto n = net::RecvSome(b->get(), buf, sizeof(buf), "fetch");
+    if (!n.ok()) break;
+    out.append(buf, *n);
+  }
+  a.join();
+  EXPECT_EQ(out.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << "B got: '" << out << "'";
+  EXPECT_NE(out.find("shardps_test_up 1"), std::string::npos);
+  EXPECT_EQ(s->stats().timed_out, 0u);
+}
+
 TEST(MetricsHttp, AClientLoopingGetsDoesNotRenderMoreOftenThanTheInterval) {
   std::atomic<int> renders{0};
   HttpServerOptions o;
