@@ -56,9 +56,52 @@ __attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t crc, const uint8
   }
   return ~static_cast<uint32_t>(c);
 }
+
+// Four independent streams of n bytes each, in lockstep: the crc32 instruction has a latency of
+// three cycles and a throughput of one, so four chains keep it busy.
+__attribute__((target("sse4.2"))) void ExtendSse42x4(uint32_t* crc, const void* const* data,
+                                                      size_t n) {
+  const auto* p0 = static_cast<const uint8_t*>(data[0]);
+  const auto* p1 = static_cast<const uint8_t*>(data[1]);
+  const auto* p2 = static_cast<const uint8_t*>(data[2]);
+  const auto* p3 = static_cast<const uint8_t*>(data[3]);
+  uint64_t c0 = ~crc[0], c1 = ~crc[1], c2 = ~crc[2], c3 = ~crc[3];
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v0, v1, v2, v3;
+    std::memcpy(&v0, p0 + i, 8);
+    std::memcpy(&v1, p1 + i, 8);
+    std::memcpy(&v2, p2 + i, 8);
+    std::memcpy(&v3, p3 + i, 8);
+    c0 = _mm_crc32_u64(c0, v0);
+    c1 = _mm_crc32_u64(c1, v1);
+    c2 = _mm_crc32_u64(c2, v2);
+    c3 = _mm_crc32_u64(c3, v3);
+  }
+  for (; i < n; ++i) {
+    c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), p0[i]);
+    c1 = _mm_crc32_u8(static_cast<uint32_t>(c1), p1[i]);
+    c2 = _mm_crc32_u8(static_cast<uint32_t>(c2), p2[i]);
+    c3 = _mm_crc32_u8(static_cast<uint32_t>(c3), p3[i]);
+  }
+  crc[0] = ~static_cast<uint32_t>(c0);
+  crc[1] = ~static_cast<uint32_t>(c1);
+  crc[2] = ~static_cast<uint32_t>(c2);
+  crc[3] = ~static_cast<uint32_t>(c3);
+}
 #endif
 
 }  // namespace
+
+void ExtendLanes(uint32_t* crc, const void* const* data, size_t lanes, size_t n) {
+  size_t i = 0;
+#if defined(__x86_64__)
+  if (HardwareAvailable()) {
+    for (; i + 4 <= lanes; i += 4) ExtendSse42x4(crc + i, data + i, n);
+  }
+#endif
+  for (; i < lanes; ++i) crc[i] = Extend(crc[i], data[i], n);
+}
 
 uint32_t ExtendPortable(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);

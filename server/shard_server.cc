@@ -876,4 +876,10 @@ void ShardServer::Promote(const control::Promote& p) {
   }
 }
 
+char* ShardServer::RowRecordForTesting(uint32_t slot, uint64_t local_row) {
+  if (weights_ == nullptr || layout_ == nullptr || slot >= layout_->slots()) return nullptr;
+  if (!layout_->is_rows(slot) || local_row >= layout_->rows(slot).rows) return nullptr;
+  return static_cast<char*>(weights_->data()) + layout_->row_offset(slot, local_row);
+}
+
 }  // namespace shardps::server

@@ -107,6 +107,10 @@ class ShardServer {
 
   // Snapshots, for tests and logs (safe from any thread).
   ShardServerCounters counters() const { return stats_.Snapshot(); }
+  // Tests only (tests/integration/embedding_test.cc tears a row with it): the record of local
+  // row `local_row` of the row shard in `slot` inside the weights region, or null before setup
+  // or for a slot that holds no rows. Call it once a worker has started (setup is done then).
+  char* RowRecordForTesting(uint32_t slot, uint64_t local_row);
   // The counters, per-peer errors and histograms (the /metrics endpoint reads them).
   const ServerStats& stats() const { return stats_; }
   uint32_t rank() const { return rank_.load(); }

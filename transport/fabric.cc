@@ -153,7 +153,7 @@ Status Endpoint::Post(OpType type, const LocalSlice& local, const RemoteSlice& r
     return InvalidArgumentError(std::string("post ") + OpTypeName(type) +
                                 ": the local region was not registered by this endpoint's fabric");
   }
-  if ((flags & ~static_cast<uint32_t>(kUnsignaled)) != 0) {
+  if ((flags & ~static_cast<uint32_t>(kUnsignaled | kMore)) != 0) {
     return InvalidArgumentError(std::string("post ") + OpTypeName(type) + ": unknown flags 0x" +
                                 ToHex(flags));
   }
@@ -203,7 +203,7 @@ Status Endpoint::PostReadList(const LocalSlice& dst, const ReadPiece* pieces, si
   if (region == nullptr || region->fabric() != fabric_) {
     return InvalidArgumentError("post read list: the local slice names no region of this fabric");
   }
-  if ((flags & ~static_cast<uint32_t>(kUnsignaled)) != 0) {
+  if ((flags & ~static_cast<uint32_t>(kUnsignaled | kMore)) != 0) {
     return InvalidArgumentError("post read list: unknown flags 0x" + ToHex(flags));
   }
   if (dst.length > max_operation_bytes_) {

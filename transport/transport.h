@@ -25,7 +25,7 @@
 //    completion and leaves the endpoint's state as it was. Refused, with these codes:
 //      - INVALID_ARGUMENT: no local region (LocalSlice::region null);
 //      - INVALID_ARGUMENT: a local region registered by another fabric;
-//      - INVALID_ARGUMENT: flags other than kSignaled / kUnsignaled;
+//      - INVALID_ARGUMENT: flags other than kSignaled / kUnsignaled / kMore;
 //      - INVALID_ARGUMENT: a length above Endpoint::max_operation_bytes() (verbs 2 GiB, tcp and
 //        shm 1 TiB);
 //      - OUT_OF_RANGE: a local slice not inside its region ([offset, offset+length) must lie
@@ -182,6 +182,11 @@ enum PostFlags : uint32_t {
   // returned when a later signaled op on the same endpoint completes. A failed one always
   // produces a completion.
   kUnsignaled = 1u << 0,
+  // More posts on this endpoint follow at once (like MSG_MORE): the provider may hold the
+  // operation until the next post without kMore, or until the owning thread next polls the
+  // endpoint's completion queue, so that a burst leaves in one doorbell (tcp: one sendmsg).
+  // Order, credits and completions are unchanged. A hint: providers may send at once.
+  kMore = 1u << 1,
 };
 
 // A completion queue, shared by all endpoints of one polling thread.
@@ -263,6 +268,9 @@ class Endpoint {
                       uint32_t flags = kSignaled);
   // The most bytes one operation may move on this endpoint's provider.
   uint64_t max_operation_bytes() const { return max_operation_bytes_; }
+  // True when PostReadList is one operation (one credit, one request) whatever its number of
+  // pieces (tcp, pieces under 4 GiB each); false when it posts a read per piece (n credits).
+  virtual bool gathers_read_lists() const { return false; }
 
   // OK while healthy; the first error that moved the endpoint into the error state otherwise.
   virtual Status status() const = 0;

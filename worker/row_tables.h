@@ -3,11 +3,13 @@
 // shard, per inbox parity: [ids | rows], kept until the server acknowledged the push, so a
 // failover can resend it), and registered staging for its reads.
 //
-//   pull  = per shard: READ the slot's ChunkHeader, then READs of the rows asked for (adjacent
-//           rows coalesced), posted back to back on one endpoint (executed in order). The
-//           header's min clock says the rows include every push the consistency bound needs
-//           (the server publishes it after writing them); each row's crc32c says it is not
-//           torn. A shard behind the bound, or a torn row, is read again (until wait_timeout).
+//   pull  = per shard: READ the slot's ChunkHeader, then read lists of the rows asked for
+//           (adjacent rows coalesced), posted back to back on one endpoint (executed in order).
+//           The header's min clock says the rows include every push the consistency bound
+//           needs (the server publishes it after writing them); each row's crc32c says it is
+//           not torn. Each list is verified and copied out as it completes, while the server
+//           answers the next. A shard behind the bound, or a torn row, is read again (until
+//           wait_timeout).
 //   push  = the staged entries of one shard, written like a chunk's gradient (PushPipeline).
 //
 // No server code runs on either path.
@@ -105,7 +107,21 @@ class RowTables {
     std::vector<uint64_t> locals;  // first local row of each unit to (re)read, ascending
     std::vector<uint32_t> slots;   // their places (in units) in the pull staging
   };
-  Status PostShard(Table& t, const ShardRead& r, uint64_t handle, int* signaled);
+  // One signaled read list of a round: units [begin, end) of reads[read].
+  struct ListRead {
+    uint32_t read = 0;
+    uint32_t begin = 0, end = 0;
+  };
+  // A pull's id i wants the unit `key` (shard-major); sorted by key.
+  struct Want {
+    uint64_t key = 0;
+    uint32_t at = 0;
+  };
+  // A completion's handle: the round (upper bits) and the list's index in lists_.
+  static constexpr int kListBits = 20;
+  // The most ids one PullRows takes (so that a round's lists fit in kListBits).
+  static constexpr size_t kMaxPullIds = size_t{1} << kListBits;
+  Status PostShard(Table& t, const ShardRead& r, uint32_t read, uint64_t round, int* signaled);
   // Pull without the cache: the rows from the servers. `id_min_clock_plus1` (may be null): per
   // id, the min clock (+1) its shard's header named when its row was read.
   Status Read(uint32_t tensor, const int64_t* ids, size_t n, void* out, uint64_t required_plus1,
@@ -120,10 +136,20 @@ class RowTables {
   std::vector<Table> tables_;
   std::unordered_map<uint32_t, uint32_t> table_of_tensor_;
   std::vector<std::pair<uint32_t, uint32_t>> shard_of_chunk_;  // (table, shard); table ~0u: dense
-  // The pull in flight: its handle, signaled reads completed, and the first error.
-  uint64_t pull_handle_ = 0;
+  // The pull in flight: its round, its lists, those completed (in completion order), how many,
+  // and whether one failed.
+  uint64_t round_ = 0;
+  std::vector<ListRead> lists_;
+  std::vector<uint32_t> done_;
   int completed_ = 0;
   bool failed_ = false;
+  // Scratch of Read and PostShard, kept to avoid allocating per pull.
+  std::vector<Want> want_, want_tmp_;
+  std::vector<ShardRead> reads_;
+  std::vector<uint32_t> first_;
+  std::vector<const char*> records_;
+  std::vector<uint32_t> crcs_;
+  std::vector<transport::ReadPiece> pieces_;
   uint64_t rows_pulled_ = 0, row_reads_ = 0, row_retries_ = 0, rows_pushed_ = 0;
   uint64_t cache_hits_ = 0, cache_misses_ = 0, cache_staleness_ = 0;
 };

@@ -349,6 +349,75 @@ TEST_P(TransportConformance, ReadListsInFlightTogetherEachGetTheirBytes) {
   EXPECT_TRUE(iep_->status().ok());
 }
 
+// kMore (transport.h): writes, reads and read lists posted with it, signaled or not, complete
+// as without it once a post without it follows, and alone once the owner polls; every byte
+// arrives, in post order. A list of kMaxReadPieces pieces is one credit where the provider
+// gathers read lists (gathers_read_lists), so it fits any send depth there.
+TEST_P(TransportConformance, PostsWithMoreCompleteWithTheirBytes) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  const size_t n = 1u << 20;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);
+  auto src = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(remote && src && dst);
+  FillPattern(src->data(), n, 17);
+  FillPattern(remote->data(), n, 3);
+  const RegionDescriptor rd = remote->descriptor();
+  // A write with kMore, a read of what it wrote with kMore (in order: it sees the write), a
+  // list with kMore, then a signaled read without it.
+  ASSERT_TRUE(iep_->PostWrite({src.get(), 0, 4096}, AtOffset(rd, 8192), 1,
+                              transport::kMore | transport::kUnsignaled).ok());
+  ASSERT_TRUE(iep_->PostRead({dst.get(), 0, 4096}, AtOffset(rd, 8192), 2, transport::kMore).ok());
+  std::vector<ReadPiece> pieces;
+  for (size_t i = 0; i < 8; ++i) pieces.push_back(ReadPiece{AtOffset(rd, 65536 + i * 1000), 300});
+  ASSERT_TRUE(iep_->PostReadList({dst.get(), 4096, 2400}, pieces.data(), pieces.size(), 3,
+                                 transport::kMore).ok());
+  ASSERT_TRUE(iep_->PostRead({dst.get(), 8192, 512}, AtOffset(rd, 0), 4).ok());
+  auto cs = WaitInitiator(3);
+  ASSERT_EQ(cs.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(cs[i].context, 2u + i);
+    ASSERT_TRUE(cs[i].ok()) << WcStatusName(cs[i].status);
+  }
+  EXPECT_EQ(FirstMismatch(dst->data(), src->data(), 4096), -1) << "the read missed the write";
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(FirstMismatch(static_cast<char*>(dst->data()) + 4096 + i * 300,
+                            static_cast<char*>(remote->data()) + 65536 + i * 1000, 300),
+              -1)
+        << "piece " << i;
+  }
+  EXPECT_EQ(FirstMismatch(static_cast<char*>(dst->data()) + 8192, remote->data(), 512), -1);
+  // kMore with nothing after it: the owner's polls send it.
+  ASSERT_TRUE(iep_->PostRead({dst.get(), 0, 777}, AtOffset(rd, 100000), 5, transport::kMore).ok());
+  cs = WaitInitiator(1);
+  ASSERT_EQ(cs.size(), 1u);
+  EXPECT_EQ(cs[0].context, 5u);
+  EXPECT_EQ(FirstMismatch(dst->data(), static_cast<char*>(remote->data()) + 100000, 777), -1);
+  // The largest list: one credit where lists are gathered.
+  if (iep_->gathers_read_lists()) {
+    pieces.clear();
+    for (size_t i = 0; i < transport::kMaxReadPieces; ++i) {
+      pieces.push_back(ReadPiece{AtOffset(rd, (i * 7919) % (n - 256)), 256});
+    }
+    ASSERT_TRUE(iep_->PostReadList({dst.get(), 0, 256 * pieces.size()}, pieces.data(),
+                                   pieces.size(), 6, transport::kMore).ok());
+    EXPECT_EQ(iep_->outstanding(), 1);
+    cs = WaitInitiator(1);
+    ASSERT_EQ(cs.size(), 1u);
+    ASSERT_TRUE(cs[0].ok()) << WcStatusName(cs[0].status);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      ASSERT_EQ(FirstMismatch(static_cast<char*>(dst->data()) + i * 256,
+                              static_cast<char*>(remote->data()) + (i * 7919) % (n - 256), 256),
+                -1)
+          << "piece " << i;
+    }
+  }
+  // An unknown flag is still refused.
+  EXPECT_EQ(iep_->PostRead({dst.get(), 0, 8}, AtOffset(rd, 0), 7, 1u << 7).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(iep_->status().ok());
+}
+
 // A read, then a read list behind it on the same endpoint, against memory a target thread keeps
 // rewriting (rows first, then a header word, like a server publishing a version): every row the
 // list returns is at least as new as the header the read returned. A provider that took the

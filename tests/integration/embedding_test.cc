@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <random>
@@ -352,6 +353,64 @@ TEST_P(EmbeddingTest, BadInputIsAClearError) {
   EXPECT_EQ(out[8], 2.0f);   // row 2
   EXPECT_EQ(out[12], 1.0f);  // row 4
   EXPECT_EQ(cl.counters().rows_pushed, 4u);
+  EXPECT_TRUE(cl.Close().ok());
+}
+
+// A torn row (its crc does not match its bytes: what a reader racing the server's writer sees)
+// is read again and never returned: while row 6 stays torn the pull fails at wait_timeout with
+// an error naming the table and the crc, and copies nothing of that row; once it is whole
+// again during a pull, the pull returns it as it was.
+TEST_P(EmbeddingTest, ATornRowIsReadAgainNeverReturned) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 1;
+  Cluster cluster(spec);
+  ClientOptions o = cluster.WorkerOptions(0);
+  o.wait_timeout = milliseconds(1500);
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 16;
+  eo.init = EmbeddingOptions::Init::kUniform;
+  eo.init_scale = 1.0f;
+  ASSERT_TRUE(cl.RegisterEmbedding("t", 64, kDim, TensorDType::kFloat32, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  const std::vector<int64_t> ids = {5, 6, 7, 6};
+  std::vector<float> before(ids.size() * kDim);
+  ASSERT_TRUE(cl.PullRows("t", ids.data(), ids.size(), before.data()).ok());
+  // The one server's one slot holds the table; dense row 6 is its local row 6.
+  char* rec = cluster.Server(0).RowRecordForTesting(0, 6);
+  ASSERT_NE(rec, nullptr);
+  uint64_t key;
+  std::memcpy(&key, rec + 8, sizeof(key));  // RowHeader: version, key, crc, flags, reserved
+  ASSERT_EQ(key, 6u);
+  char* value3 = rec + 32 + 3 * sizeof(float);
+  float whole;
+  std::memcpy(&whole, value3, sizeof(whole));
+  ASSERT_EQ(whole, before[1 * kDim + 3]) << "the record is not the row pulled";
+  const float torn_value = whole + 100.0f;
+  std::memcpy(value3, &torn_value, sizeof(torn_value));
+  const uint64_t retries0 = cl.counters().row_retries;
+  std::vector<float> out(ids.size() * kDim, 0.0f);
+  Status st = cl.PullRows("t", ids.data(), ids.size(), out.data());
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st;
+  EXPECT_NE(st.message().find("'t'"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("crc"), std::string::npos) << st;
+  EXPECT_GT(cl.counters().row_retries, retries0 + 1);
+  for (size_t k : {size_t{1}, size_t{3}}) {  // the two places of id 6
+    for (int j = 0; j < kDim; ++j) EXPECT_EQ(out[k * kDim + j], 0.0f) << "torn bytes returned";
+  }
+  // Whole again 200 ms into the next pull: it returns the row as it was.
+  std::thread mend([&] {
+    std::this_thread::sleep_for(milliseconds(200));
+    std::memcpy(value3, &whole, sizeof(whole));
+  });
+  st = cl.PullRows("t", ids.data(), ids.size(), out.data());
+  mend.join();
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(out, before);
   EXPECT_TRUE(cl.Close().ok());
 }
 

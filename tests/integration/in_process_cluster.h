@@ -111,6 +111,7 @@ class Cluster {
   }
   void StopServer(int i) { servers_[i]->Stop(); }
   server::ShardServerCounters ServerCounters(int i) { return servers_[i]->counters(); }
+  server::ShardServer& Server(int i) { return *servers_[i]; }
 
   ClientOptions WorkerOptions(int rank) const {
     ClientOptions o;

@@ -158,13 +158,13 @@ Status TcpEndpoint::PostChecked(OpType type, const LocalSlice& local, const Remo
     seg.payload = type == OpType::kRead ? nullptr : lptr;
     seg.payload_len = type == OpType::kRead ? 0 : local.length;
   }
-  // Doorbell batching: an unsignaled op is only queued. It leaves with the next post that is
+  // Doorbell batching: an unsignaled op (or one posted with kMore) is only queued. It leaves with the next post that is
   // sent (a signaled one, as selective signaling requires sooner or later), or when the
   // owning thread next polls this endpoint's CQ, whichever comes first; so a push (data write +
   // write-imm) or a pull (three reads) costs one sendmsg and reaches the target in one piece.
   // Ordering is unchanged: the queue is sent in post order. (The progress thread may also send
   // it earlier, with an ACK or on EPOLLOUT.)
-  const bool defer = (flags & kUnsignaled) != 0 && cq != nullptr;
+  const bool defer = (flags & (kUnsignaled | kMore)) != 0 && cq != nullptr;
   {
     MutexLock l(&send_mu_);
     if (tx_closed_) return Status::OK();  // the progress thread fails (flushes) the op
@@ -224,7 +224,7 @@ Status TcpEndpoint::PostReadListChecked(const LocalSlice& dst, const ReadPiece* 
     seg.payload = reinterpret_cast<const char*>(list.data());
     seg.payload_len = n * sizeof(ReadListEntry);
   }
-  const bool defer = (flags & kUnsignaled) != 0 && cq != nullptr;
+  const bool defer = (flags & (kUnsignaled | kMore)) != 0 && cq != nullptr;
   {
     MutexLock l(&send_mu_);
     if (tx_closed_) return Status::OK();
@@ -355,7 +355,12 @@ Status TcpEndpoint::FlushLocked() {
         left -= rest;
         tx_off_ = 0;
         if (s.staged) {
-          staged_bytes_.fetch_sub(staged_.front().len, std::memory_order_relaxed);
+          Gather& g = staged_.front();
+          staged_bytes_.fetch_sub(g.len, std::memory_order_relaxed);
+          if (g.buf != nullptr && gather_pool_bytes_ + g.cap <= kGatherPoolBytes) {
+            gather_pool_bytes_ += g.cap;
+            gather_pool_.emplace_back(std::move(g.buf), g.cap);
+          }
           staged_.pop_front();
         }
         tx_head_ = (tx_head_ + 1) % txq_.size();
@@ -744,17 +749,14 @@ void TcpEndpoint::SendNak(const FrameHeader& req, AccessCheck why) {
 void TcpEndpoint::AnswerReadList() {
   const FrameHeader& h = rx_hdr_;
   // Every piece checked before anything is sent: a refused piece refuses the whole request.
-  std::vector<const char*> src(read_list_rx_.size());
+  std::vector<const char*>& src = read_list_src_;
+  src.resize(read_list_rx_.size());
+  size_t refused = 0;
+  const AccessCheck chk =
+      engine_->LookupReadList(read_list_rx_.data(), read_list_rx_.size(), src.data(), &refused);
+  if (chk != AccessCheck::kOk) return SendNak(h, chk);
   uint64_t total = 0;
-  for (size_t i = 0; i < read_list_rx_.size(); ++i) {
-    const ReadListEntry& e = read_list_rx_[i];
-    char* p = nullptr;
-    const AccessCheck chk = e.length == 0 ? AccessCheck::kOutOfBounds
-                                          : engine_->Lookup(e.rkey, e.addr, e.length, false, &p);
-    if (chk != AccessCheck::kOk) return SendNak(h, chk);
-    src[i] = p;
-    total += e.length;
-  }
+  for (const ReadListEntry& e : read_list_rx_) total += e.length;
   if (total != h.length) return ProtocolError("read list pieces do not sum to its length");
   exec_seq_ = h.seq;
   acked_sent_ = h.seq;  // READ_RESP acknowledges everything before it
@@ -807,7 +809,18 @@ void TcpEndpoint::AnswerReadList() {
 }
 
 void TcpEndpoint::FillGather(Gather& g) {
-  g.buf.reset(new char[g.len]);
+  for (size_t i = gather_pool_.size(); i-- > 0;) {
+    if (gather_pool_[i].second < g.len) continue;
+    g.buf = std::move(gather_pool_[i].first);
+    g.cap = gather_pool_[i].second;
+    gather_pool_bytes_ -= g.cap;
+    gather_pool_.erase(gather_pool_.begin() + static_cast<ptrdiff_t>(i));
+    break;
+  }
+  if (g.buf == nullptr) {
+    g.cap = g.len;
+    g.buf.reset(new char[g.cap]);
+  }
   char* d = g.buf.get();
   // Scattered pieces miss the cache one by one: the first 320 bytes of the piece kAhead ahead
   // are prefetched, so that the misses of an embedding table's rows overlap. (A prefetch never

@@ -419,7 +419,11 @@ AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool w
   MutexLock l(&reg_mu_);
   auto it = regions_.find(rkey);
   if (it == regions_.end()) return AccessCheck::kUnknownRkey;
-  const RegionEntry& r = it->second;
+  return CheckAccess(it->second, addr, len, write, out);
+}
+
+AccessCheck TcpEngine::CheckAccess(const RegionEntry& r, uint64_t addr, uint64_t len, bool write,
+                                   char** out) {
   const uint64_t base = reinterpret_cast<uint64_t>(r.base);
   // Overflow-safe: addr >= base, offset <= length, len <= length - offset.
   if (addr < base || addr - base > r.length || len > r.length - (addr - base)) {
@@ -429,6 +433,29 @@ AccessCheck TcpEngine::Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool w
     return AccessCheck::kNoAccess;
   }
   *out = r.base + (addr - base);
+  return AccessCheck::kOk;
+}
+
+AccessCheck TcpEngine::LookupReadList(const ReadListEntry* entries, size_t n, const char** out,
+                                      size_t* failed) {
+  MutexLock l(&reg_mu_);
+  const RegionEntry* last = nullptr;
+  uint32_t last_rkey = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const ReadListEntry& e = entries[i];
+    *failed = i;
+    if (e.length == 0) return AccessCheck::kOutOfBounds;
+    if (last == nullptr || e.rkey != last_rkey) {
+      auto it = regions_.find(e.rkey);
+      if (it == regions_.end()) return AccessCheck::kUnknownRkey;
+      last = &it->second;
+      last_rkey = e.rkey;
+    }
+    char* p = nullptr;
+    const AccessCheck chk = CheckAccess(*last, e.addr, e.length, false, &p);
+    if (chk != AccessCheck::kOk) return chk;
+    out[i] = p;
+  }
   return AccessCheck::kOk;
 }
 

@@ -77,6 +77,11 @@ class TcpEngine {
   // Progress thread (or anyone): checks [addr, addr+len) of rkey for the right; on kOk stores
   // the local pointer.
   AccessCheck Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write, char** out);
+  // Lookup for the pieces of a read list, under one lock (a 256-piece list of one table's rows
+  // names one region): kOk with every local pointer in out[0, n), or the first refusal, with
+  // its piece's index in *failed.
+  AccessCheck LookupReadList(const ReadListEntry* entries, size_t n, const char** out,
+                             size_t* failed);
 
   // ---- progress thread plumbing ----
   // Runs fn on the progress thread and waits for it (inline when called from it, or when the
@@ -130,6 +135,9 @@ class TcpEngine {
     uint64_t length;
     Access access;
   };
+  // [addr, addr+len) against one region: bounds, then the right; on kOk the local pointer.
+  static AccessCheck CheckAccess(const RegionEntry& r, uint64_t addr, uint64_t len, bool write,
+                                 char** out);
   // rkey (CSPRNG-drawn, never 0) -> region.
   std::unordered_map<uint32_t, RegionEntry> regions_ GUARDED_BY(reg_mu_);
 
@@ -239,6 +247,7 @@ class TcpEndpoint final : public Endpoint {
               std::unique_ptr<TlsSession> tls);
   ~TcpEndpoint() override;
 
+  bool gathers_read_lists() const override { return true; }
   Status status() const override;
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override;
@@ -289,8 +298,14 @@ class TcpEndpoint final : public Endpoint {
   struct Gather {
     std::vector<std::pair<const char*, uint64_t>> pieces;  // in the regions (zeros once gone)
     std::unique_ptr<char[]> buf;                            // null until filled
+    uint64_t cap = 0;                                       // buf's bytes
     uint64_t len = 0;
   };
+  // Buffers of sent gathers, reused rather than allocated (and page-faulted) per response:
+  // (buffer, capacity), at most kGatherPoolBytes in all per endpoint.
+  static constexpr uint64_t kGatherPoolBytes = 4ull << 20;
+  std::vector<std::pair<std::unique_ptr<char[]>, uint64_t>> gather_pool_ GUARDED_BY(send_mu_);
+  uint64_t gather_pool_bytes_ GUARDED_BY(send_mu_) = 0;
 
   enum class RxState : uint8_t { kHeader, kPayload, kDrain };
   enum class RxAction : uint8_t {
@@ -312,7 +327,7 @@ class TcpEndpoint final : public Endpoint {
   void CompleteLocked(const PendingOp& op, WcStatus status) REQUIRES(op_mu_);
   void CompleteUpToLocked(uint64_t seq) REQUIRES(op_mu_);
   void PushSegmentLocked(const Segment& s) REQUIRES(send_mu_);
-  static void FillGather(Gather& g);
+  void FillGather(Gather& g) REQUIRES(send_mu_);
   Status FlushLocked() REQUIRES(send_mu_);
   // Progress thread.
   IoResult HandleIoError(ssize_t n) REQUIRES(engine_->progress_mu());
@@ -344,6 +359,7 @@ class TcpEndpoint final : public Endpoint {
   // A read list's encoded pieces, kept until its request is sent (index seq % send_depth_).
   std::vector<std::vector<ReadListEntry>> read_lists_ GUARDED_BY(op_mu_);
   std::vector<ReadListEntry> read_list_rx_;  // target: the pieces of the request being received
+  std::vector<const char*> read_list_src_;    // target: their local pointers (AnswerReadList)
   uint64_t post_seq_ GUARDED_BY(op_mu_) = 0;        // last posted
   uint64_t acked_seq_ GUARDED_BY(op_mu_) = 0;       // last completed
   uint32_t unsignaled_credits_ GUARDED_BY(op_mu_) = 0;
