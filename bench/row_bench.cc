@@ -11,7 +11,9 @@
 //           before the last).
 // Ids per batch are distinct, uniform over the table or Zipf(1.1) over ranks mapped through a
 // fixed permutation (hot rows scattered). Per point: rows/s (summed over workers), GB/s of
-// values, the bound's rows/s for one stream, and ours per worker / bound.
+// values, the bound's rows/s for one stream and ours per worker / it, and the bound at the
+// layout's concurrency (one contiguous operation per worker at once, each to its own target
+// process: what the transport and this host give W streams together) and ours summed / it.
 // Also printed: the servers' resident memory per row (VmRSS after the table and an Adagrad
 // state exist) against the row's bytes plus its optimizer state.
 //
@@ -180,6 +182,9 @@ struct Point {
   std::string transport, layout, dist, op;
   int64_t ids = 0, dim = 0;
   double rows_per_s = 0, gbps = 0, per_worker = 0, bound_rows_per_s = 0, ratio = 0;
+  // The bound at the layout's concurrency: one contiguous read/write per worker at once, each
+  // to its own target process (summed rows/s), and ours (summed) / it. 1 worker: the same.
+  double bound_all_rows_per_s = 0, ratio_all = 0;
   uint64_t reads = 0, retries = 0;
 };
 
@@ -205,8 +210,33 @@ class Barrier {
   int n_, count_ = 0, gen_ = 0;
 };
 
+// The bound of one point at `n` streams at once (bounds[0, n), one thread each, started
+// together): the summed rows/s of their p50 latencies.
+StatusOr<double> ConcurrentBound(const std::vector<TransportInitiator*>& bounds, int n, BenchOp op,
+                                 const PointParams& pp, int64_t ids) {
+  std::vector<LatResult> lr(static_cast<size_t>(n));
+  std::vector<Status> st(static_cast<size_t>(n));
+  Barrier start(n);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      start.Wait();
+      st[i] = bounds[i]->Latency(op, pp, &lr[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  double sum = 0;
+  for (int i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(st[i]);
+    sum += static_cast<double>(ids) / (Percentile(&lr[i].us, 50) * 1e-6);
+  }
+  return sum;
+}
+
 Status RunLayout(const std::string& transport, int servers, int workers, int64_t dim,
-                 bool hashed, TransportInitiator* bound, std::vector<Point>* points) {
+                 bool hashed, const std::vector<TransportInitiator*>& bounds,
+                 std::vector<Point>* points) {
+  TransportInitiator* bound = bounds.empty() ? nullptr : bounds[0];
   const std::string layout =
       std::to_string(servers) + "x" + std::to_string(workers) + (hashed ? "-hashed" : "");
   const std::vector<int64_t> id_counts = Ints(FLAGS_ids);
@@ -338,12 +368,25 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
       } else {
         LOG(WARNING) << "bound: " << bs;
       }
+      if (workers == 1) {
+        p.bound_all_rows_per_s = p.bound_rows_per_s;
+      } else if (static_cast<int>(bounds.size()) >= workers) {
+        auto all = ConcurrentBound(bounds, workers, p.op == "pull" ? BenchOp::kRead : BenchOp::kWrite,
+                                   pp, jobs[j].ids);
+        if (all.ok()) {
+          p.bound_all_rows_per_s = *all;
+        } else {
+          LOG(WARNING) << "bound at " << workers << " streams: " << all.status();
+        }
+      }
+      if (p.bound_all_rows_per_s > 0) p.ratio_all = p.rows_per_s / p.bound_all_rows_per_s;
     }
     printf("%-4s %-4s %-7s %-5s ids %6lld dim %4lld  %11.0f rows/s  %6.3f GB/s  per worker "
-           "%11.0f  bound %11.0f rows/s  ratio %5.2f\n",
+           "%11.0f  bound %11.0f rows/s  ratio %5.2f  bound x%d %11.0f rows/s  ratio %5.2f\n",
            p.transport.c_str(), p.layout.c_str(), p.dist.c_str(), p.op.c_str(),
            static_cast<long long>(p.ids), static_cast<long long>(p.dim), p.rows_per_s, p.gbps,
-           p.per_worker, p.bound_rows_per_s, p.ratio);
+           p.per_worker, p.bound_rows_per_s, p.ratio, workers, p.bound_all_rows_per_s,
+           p.ratio_all);
     fflush(stdout);
     points->push_back(p);
   }
@@ -380,37 +423,49 @@ int Main() {
     const std::vector<int64_t> ids = Ints(FLAGS_ids), dims = Ints(FLAGS_dims);
     const int64_t max_bytes = *std::max_element(ids.begin(), ids.end()) *
                               *std::max_element(dims.begin(), dims.end()) * 4;
-    TargetProcess target;
-    std::vector<std::string> args = {"--role=target", "--transport=" + transport,
-                                     "--region_bytes=" + std::to_string(max_bytes)};
-    Status s = target.Start(args, 120);
-    std::unique_ptr<TransportInitiator> bound;
-    if (s.ok()) {
-      auto raw = FromHex(target.descriptor_hex());
+    // One target process (and one initiator) per worker of the largest layout: the bound of a
+    // layout with W workers is W contiguous operations at once, each with its own peer.
+    int max_workers = 1;
+    for (const std::string& lay : SplitList(FLAGS_layouts)) {
+      max_workers = std::max(max_workers, std::stoi(lay.substr(lay.find('x') + 1)));
+    }
+    std::vector<std::unique_ptr<TargetProcess>> targets;
+    std::vector<std::unique_ptr<TransportInitiator>> initiators;
+    Status s;
+    for (int w = 0; w < max_workers && s.ok(); ++w) {
+      auto target = std::make_unique<TargetProcess>();
+      std::vector<std::string> args = {"--role=target", "--transport=" + transport,
+                                       "--region_bytes=" + std::to_string(max_bytes)};
+      s = target->Start(args, 120);
+      if (!s.ok()) break;
+      auto raw = FromHex(target->descriptor_hex());
       auto remote = raw.ok() ? transport::RegionDescriptor::Decode(*raw)
                              : StatusOr<transport::RegionDescriptor>(raw.status());
-      if (remote.ok()) {
-        InitiatorConfig c;
-        c.fabric.provider = transport;
-        c.fabric.bind_ip = "127.0.0.1";
-        c.peer_address = target.address();
-        c.remote = *remote;
-        c.local_bytes = static_cast<size_t>(max_bytes);
-        c.verify_bytes = static_cast<size_t>(max_bytes);
-        auto ini = TransportInitiator::Connect(c);
-        if (ini.ok()) bound = std::move(*ini);
-        s = ini.status();
-      } else {
+      if (!remote.ok()) {
         s = remote.status();
+        break;
       }
+      InitiatorConfig c;
+      c.fabric.provider = transport;
+      c.fabric.bind_ip = "127.0.0.1";
+      c.peer_address = target->address();
+      c.remote = *remote;
+      c.local_bytes = static_cast<size_t>(max_bytes);
+      c.verify_bytes = static_cast<size_t>(max_bytes);
+      auto ini = TransportInitiator::Connect(c);
+      s = ini.status();
+      if (ini.ok()) initiators.push_back(std::move(*ini));
+      targets.push_back(std::move(target));
     }
-    if (!s.ok()) LOG(WARNING) << transport << ": no bound (" << s << "); ratios are left 0";
+    if (!s.ok()) LOG(WARNING) << transport << ": bound peers: " << s << " (ratios need them)";
+    std::vector<TransportInitiator*> bound;
+    for (auto& i : initiators) bound.push_back(i.get());
     for (const std::string& lay : SplitList(FLAGS_layouts)) {
       const int servers = std::stoi(lay.substr(0, lay.find('x')));
       const int workers = std::stoi(lay.substr(lay.find('x') + 1));
       for (int64_t dim : dims) {
        for (const std::string& table : SplitList(FLAGS_tables)) {
-        Status st = RunLayout(transport, servers, workers, dim, table == "hashed", bound.get(),
+        Status st = RunLayout(transport, servers, workers, dim, table == "hashed", bound,
                               &points);
         if (!st.ok()) {
           fprintf(stderr, "shardps_row_bench: %s %s dim %lld: %s\n", transport.c_str(),
@@ -428,7 +483,9 @@ int Main() {
         << p.layout << "\",\"dist\":\"" << p.dist << "\",\"op\":\"" << p.op
         << "\",\"ids\":" << p.ids << ",\"dim\":" << p.dim << ",\"rows_per_s\":" << p.rows_per_s
         << ",\"gbps\":" << p.gbps << ",\"per_worker\":" << p.per_worker
-        << ",\"bound_rows_per_s\":" << p.bound_rows_per_s << ",\"ratio\":" << p.ratio << "}\n";
+        << ",\"bound_rows_per_s\":" << p.bound_rows_per_s << ",\"ratio\":" << p.ratio
+        << ",\"bound_all_rows_per_s\":" << p.bound_all_rows_per_s
+        << ",\"ratio_all\":" << p.ratio_all << "}\n";
     }
   }
   // Smoke: every point moved rows.
