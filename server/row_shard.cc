@@ -11,18 +11,23 @@
 namespace shardps::server {
 
 void SparseAccumulator::Clear() {
-  index_.clear();
-  rows_.clear();
-  values_.clear();
+  index_.Clear();
+  used_ = 0;
+}
+
+std::pair<float*, bool> SparseAccumulator::RowForStore(uint64_t local) {
+  const auto [at, fresh] = index_.Insert(local);
+  if (fresh) {
+    used_ += dim_;
+    if (values_.size() < used_) values_.resize(std::max<uint64_t>(used_, 2 * values_.size()));
+  }
+  return {values_.data() + uint64_t{at} * dim_, fresh};
 }
 
 float* SparseAccumulator::Row(uint64_t local) {
-  auto [it, fresh] = index_.try_emplace(local, static_cast<uint32_t>(rows_.size()));
-  if (fresh) {
-    rows_.push_back(local);
-    values_.resize(values_.size() + dim_, 0.0f);
-  }
-  return values_.data() + uint64_t{it->second} * dim_;
+  const auto [row, fresh] = RowForStore(local);
+  if (fresh) std::fill_n(row, dim_, 0.0f);
+  return row;
 }
 
 void SparseAccumulator::Add(uint64_t local, const float* g) {
@@ -31,10 +36,10 @@ void SparseAccumulator::Add(uint64_t local, const float* g) {
 }
 
 void SparseAccumulator::Emit(char* dst) const {
-  const uint64_t n = rows_.size();
+  const uint64_t n = index_.size();
   std::memcpy(dst, &n, sizeof(n));
-  std::memcpy(dst + sizeof(n), rows_.data(), n * sizeof(uint64_t));
-  std::memcpy(dst + sizeof(n) + n * sizeof(uint64_t), values_.data(), values_.size() * sizeof(float));
+  std::memcpy(dst + sizeof(n), index_.keys().data(), n * sizeof(uint64_t));
+  std::memcpy(dst + sizeof(n) + n * sizeof(uint64_t), values_.data(), used_ * sizeof(float));
 }
 
 RowShard::RowShard(const layout::RowGeometry& geometry, layout::DType dtype, const RowInit& init,
@@ -74,6 +79,40 @@ void RowShard::Seal(uint64_t local, uint64_t version) {
   // the crc and reads the row again.
   std::atomic_thread_fence(std::memory_order_release);
   *h = next;
+}
+
+void RowShard::SealDense(const uint64_t* locals, size_t n, uint64_t version) {
+  constexpr size_t kBatch = 16;
+  layout::RowHeader next[kBatch];
+  const layout::RowHeader* hp[kBatch];
+  const char* vp[kBatch];
+  uint32_t crc[kBatch];
+  for (size_t done = 0; done < n; done += kBatch) {
+    const size_t k = std::min(kBatch, n - done);
+    for (size_t i = 0; i < k; ++i) {
+      const uint64_t local = locals[done + i];
+      char* rec = record(local);
+      char* vals = rec + sizeof(layout::RowHeader);
+      if (dtype_ != layout::DType::kF32) {
+        EncodeHalf(static_cast<uint32_t>(dtype_), master_.data() + local * g_.dim,
+                   reinterpret_cast<uint16_t*>(vals), g_.dim);
+      }
+      next[i] = *reinterpret_cast<const layout::RowHeader*>(rec);
+      next[i].version = version;
+      next[i].key = local * g_.shards + g_.shard;
+      next[i].flags = layout::kRowOccupied;
+      next[i].reserved = 0;
+      hp[i] = &next[i];
+      vp[i] = vals;
+    }
+    layout::RowRecordCrcs(hp, vp, k, g_.row_value_bytes(), crc);
+    // Values first, then the headers (as Seal).
+    std::atomic_thread_fence(std::memory_order_release);
+    for (size_t i = 0; i < k; ++i) {
+      next[i].crc = crc[i];
+      *reinterpret_cast<layout::RowHeader*>(record(locals[done + i])) = next[i];
+    }
+  }
 }
 
 void RowShard::InitRows() {
@@ -153,15 +192,19 @@ Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& 
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t id;
     std::memcpy(&id, ids + i, sizeof(id));
-    float* dst = acc.Row(g_.hashed ? id : id / g_.shards);  // hashed: by key (see the top)
+    // hashed: by key (see the top)
+    const auto [dst, fresh] = acc.RowForStore(g_.hashed ? id : id / g_.shards);
     const char* src = rows + i * g_.row_value_bytes();
+    float* into = fresh ? dst : tmp.data();  // a row's first addend is stored, not added
     if (dtype_ == layout::DType::kF32) {
-      std::memcpy(tmp.data(), src, g_.row_value_bytes());
+      std::memcpy(into, src, g_.row_value_bytes());
     } else {
-      DecodeHalf(static_cast<uint32_t>(dtype_), reinterpret_cast<const uint16_t*>(src),
-                 tmp.data(), g_.dim);
+      DecodeHalf(static_cast<uint32_t>(dtype_), reinterpret_cast<const uint16_t*>(src), into,
+                 g_.dim);
     }
-    for (uint32_t j = 0; j < g_.dim; ++j) dst[j] += tmp[j];
+    if (!fresh) {
+      for (uint32_t j = 0; j < g_.dim; ++j) dst[j] += tmp[j];
+    }
   }
   return Status::OK();
 }
@@ -258,7 +301,41 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
   const float w1 = static_cast<float>(1.0 - static_cast<double>(b1));
   const float w2 = static_cast<float>(1.0 - static_cast<double>(b2));
   const float neg_step = static_cast<float>(-adam_step);
+  size_t sealing = 0;  // dense rows of seal_ updated and not yet sealed
+  // The rows are scattered over the table (a miss each): the record (and the optimizer state)
+  // of the row kAhead ahead is prefetched, so that the misses overlap. Dense tables only (a
+  // hashed key's slot is known only once placed).
+  constexpr uint64_t kAhead = 6;
+  // (Inline in the loop: GCC dropped the same prefetches from a lambda.)
   for (uint64_t i = 0; i < n; ++i) {
+    if (!g_.hashed && i + kAhead < n) {
+      uint64_t ahead;
+      std::memcpy(&ahead, locals + (i + kAhead) * sizeof(ahead), sizeof(ahead));
+      if (ahead < g_.rows) {  // checked by CheckPayload; never prefetch outside anyway
+        // Read prefetches of the first 320 bytes, straight-line (GCC drops prefetches in a loop
+        // of their own, and write prefetches without -mprfchw; a prefetch never faults).
+        const char* rec = record(ahead);
+        __builtin_prefetch(rec);
+        __builtin_prefetch(rec + 64);
+        __builtin_prefetch(rec + 128);
+        __builtin_prefetch(rec + 192);
+        __builtin_prefetch(rec + 256);
+        if (!s1_.empty()) {
+          const char* sp = reinterpret_cast<const char*>(s1_.data() + ahead * dim);
+          __builtin_prefetch(sp);
+          __builtin_prefetch(sp + 64);
+          __builtin_prefetch(sp + 128);
+          __builtin_prefetch(sp + 192);
+        }
+        if (!s2_.empty()) {
+          const char* sp = reinterpret_cast<const char*>(s2_.data() + ahead * dim);
+          __builtin_prefetch(sp);
+          __builtin_prefetch(sp + 64);
+          __builtin_prefetch(sp + 128);
+          __builtin_prefetch(sp + 192);
+        }
+      }
+    }
     uint64_t r;
     std::memcpy(&r, locals + i * sizeof(r), sizeof(r));
     if (g_.hashed) {
@@ -300,8 +377,18 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
       default:  // kSgd (CheckRowRule refused the rest)
         for (uint32_t j = 0; j < dim; ++j) w[j] = w[j] - lr * (scale * gr[j]);
     }
-    Seal(r, version);
+    if (g_.hashed) {
+      Seal(r, version);  // at once: a later key of this payload may take the same slot
+      continue;
+    }
+    // Dense: sealed in batches (interleaved crcs); the payload's rows are distinct.
+    seal_[sealing++] = r;
+    if (sealing == kSealBatch) {
+      SealDense(seal_, sealing, version);
+      sealing = 0;
+    }
   }
+  SealDense(seal_, sealing, version);
 }
 
 ChunkState RowShard::Capture() const {

@@ -38,8 +38,10 @@
 
 #include <cstdint>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "common/flat_index.h"
 #include "common/row_init.h"
 #include "common/status.h"
 #include "server/checkpoint.h"
@@ -76,15 +78,18 @@ class SparseAccumulator {
   // Adds `g` (dim floats) to row `local`'s sum.
   void Add(uint64_t local, const float* g);
   float* Row(uint64_t local);  // the row's sum (created as zeros)
-  uint64_t size() const { return rows_.size(); }
+  // The row's sum, and whether it was just created (its values then undefined: the caller
+  // stores the first addend rather than adding it to zeros).
+  std::pair<float*, bool> RowForStore(uint64_t local);
+  uint64_t size() const { return index_.size(); }
   // Writes the payload into dst (SparsePayloadBytes(size(), dim) bytes).
   void Emit(char* dst) const;
 
  private:
   uint32_t dim_;
-  std::unordered_map<uint64_t, uint32_t> index_;
-  std::vector<uint64_t> rows_;
-  std::vector<float> values_;
+  FlatIndex index_;  // local row -> its sum's index; the rows in index_.keys()
+  std::vector<float> values_;  // size() x dim_ used; grown, never shrunk (no zeroing per push)
+  uint64_t used_ = 0;          // floats of values_ in use
 };
 
 class RowShard {
@@ -128,6 +133,12 @@ class RowShard {
   const std::vector<float>& state2() const { return s2_; }
 
  private:
+  // Seals dense rows locals[0, n) (distinct) with `version`: as Seal, with the crcs of 16 rows
+  // computed together.
+  void SealDense(const uint64_t* locals, size_t n, uint64_t version);
+  static constexpr size_t kSealBatch = 64;
+  uint64_t seal_[kSealBatch];  // Apply: dense rows updated, not yet sealed
+
   char* record(uint64_t local) const { return area_ + local * g_.row_stride(); }
   // The float32 values of a row: in the record (float32 tables) or the master copy.
   float* values(uint64_t local);

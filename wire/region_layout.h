@@ -367,24 +367,40 @@ inline uint32_t RowRecordCrc(const RowHeader& h, const void* values, uint64_t va
   c = crc32c::Extend(c, &h.flags, sizeof(h.flags));
   return crc32c::Extend(c, values, value_bytes);
 }
-// RowRecordCrc of `n` records at once (each a RowHeader followed by its value bytes, as laid
-// out in a region or a read's staging): out[i] is what records[i] should carry in `crc`.
-// Interleaved (crc32c::ExtendLanes), about 3x a record at a time.
-inline void RowRecordCrcs(const char* const* records, size_t n, uint64_t value_bytes,
-                          uint32_t* out) {
+// RowRecordCrc of `n` rows at once: headers[i] and values[i] (value_bytes each) are row i's;
+// out[i] is what its header should carry in `crc`. Interleaved (crc32c::ExtendLanes), about 3x
+// a row at a time.
+inline void RowRecordCrcs(const RowHeader* const* headers, const char* const* values, size_t n,
+                          uint64_t value_bytes, uint32_t* out) {
   constexpr size_t kLanes = 16;
   for (size_t done = 0; done < n; done += kLanes) {
     const size_t k = std::min(kLanes, n - done);
     const void* p[kLanes];
     for (size_t i = 0; i < k; ++i) {
       out[done + i] = 0;
-      p[i] = records[done + i];
+      p[i] = headers[done + i];
     }
     crc32c::ExtendLanes(out + done, p, k, 2 * sizeof(uint64_t));
-    for (size_t i = 0; i < k; ++i) p[i] = records[done + i] + offsetof(RowHeader, flags);
+    for (size_t i = 0; i < k; ++i) p[i] = &headers[done + i]->flags;
     crc32c::ExtendLanes(out + done, p, k, sizeof(uint32_t));
-    for (size_t i = 0; i < k; ++i) p[i] = records[done + i] + sizeof(RowHeader);
+    for (size_t i = 0; i < k; ++i) p[i] = values[done + i];
     crc32c::ExtendLanes(out + done, p, k, value_bytes);
+  }
+}
+// The same for records as laid out in a region or a read's staging: each a RowHeader followed
+// by its value bytes.
+inline void RowRecordCrcs(const char* const* records, size_t n, uint64_t value_bytes,
+                          uint32_t* out) {
+  constexpr size_t kLanes = 16;
+  const RowHeader* h[kLanes];
+  const char* v[kLanes];
+  for (size_t done = 0; done < n; done += kLanes) {
+    const size_t k = std::min(kLanes, n - done);
+    for (size_t i = 0; i < k; ++i) {
+      h[i] = reinterpret_cast<const RowHeader*>(records[done + i]);
+      v[i] = records[done + i] + sizeof(RowHeader);
+    }
+    RowRecordCrcs(h, v, k, value_bytes, out + done);
   }
 }
 constexpr uint32_t kBucketSlots = 4;  // slots per bucket of a hashed shard

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <string>
 #include <thread>
-#include <unordered_set>
 
 #include "common/crc32c.h"
 #include "common/half.h"
@@ -69,7 +68,8 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
   if (n != 0 && (ids == nullptr || grads == nullptr)) return InvalidArgumentError("null ids or grads");
   // Checked first: an error adds nothing.
   std::vector<uint64_t> fresh(t.shards, 0);
-  std::unordered_set<int64_t> seen;
+  FlatIndex& seen = seen_;
+  seen.Clear();
   for (size_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     if (!t.hashed && (id < 0 || static_cast<uint64_t>(id) >= t.rows)) {
@@ -77,13 +77,16 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
                                   " is outside [0, " + std::to_string(t.rows) + ")");
     }
     const uint32_t k = t.geometry.ShardOf(static_cast<uint64_t>(id));
-    if (t.pending[k].index.count(id) == 0 && seen.insert(id).second) ++fresh[k];
+    if (t.pending[k].index.Find(static_cast<uint64_t>(id)) < 0 &&
+        seen.Insert(static_cast<uint64_t>(id)).second) {
+      ++fresh[k];
+    }
   }
   for (uint32_t k = 0; k < t.shards; ++k) {
-    if (t.pending[k].ids.size() + fresh[k] > t.max_ids) {
+    if (t.pending[k].index.size() + fresh[k] > t.max_ids) {
       return ResourceExhaustedError(
           "table '" + name + "': this step's gradient would touch " +
-          std::to_string(t.pending[k].ids.size() + fresh[k]) + " distinct rows of shard " +
+          std::to_string(t.pending[k].index.size() + fresh[k]) + " distinct rows of shard " +
           std::to_string(k) + ", more than its max_ids " + std::to_string(t.max_ids) +
           " (register the table with a larger max_ids, or push more often)");
     }
@@ -95,20 +98,33 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
     const int64_t id = ids[i];
     Table::Pending& p = t.pending[t.geometry.ShardOf(static_cast<uint64_t>(id))];
     if (!t.cache.empty()) t.cache.erase(id);  // this worker's own update: read it again
-    auto [it, added] = p.index.try_emplace(id, static_cast<uint32_t>(p.ids.size()));
-    if (added) {
-      p.ids.push_back(id);
-      p.values.resize(p.values.size() + t.dim, 0.0f);
-    }
-    float* dst = p.values.data() + uint64_t{it->second} * t.dim;
+    const auto [at, added] = p.index.Insert(static_cast<uint64_t>(id));
     const char* row = src + i * row_bytes;
-    if (t.elem == 4) {
+    if (added) {
+      // A new row: its gradient as it is (no zeroing, then adding).
+      p.values.resize(p.values.size() + t.dim);
+      float* dst = p.values.data() + uint64_t{at} * t.dim;
+      if (t.elem == 4) {
+        std::memcpy(dst, row, row_bytes);
+      } else {
+        DecodeHalf(static_cast<uint32_t>(tensors_[tensor].dtype),
+                   reinterpret_cast<const uint16_t*>(row), dst, t.dim);
+      }
+      continue;
+    }
+    float* dst = p.values.data() + uint64_t{at} * t.dim;
+    const float* g;
+    if (t.elem == 4 && reinterpret_cast<uintptr_t>(row) % alignof(float) == 0) {
+      g = reinterpret_cast<const float*>(row);
+    } else if (t.elem == 4) {
       std::memcpy(tmp.data(), row, row_bytes);
+      g = tmp.data();
     } else {
       DecodeHalf(static_cast<uint32_t>(tensors_[tensor].dtype),
                  reinterpret_cast<const uint16_t*>(row), tmp.data(), t.dim);
+      g = tmp.data();
     }
-    for (uint32_t j = 0; j < t.dim; ++j) dst[j] += tmp[j];
+    for (uint32_t j = 0; j < t.dim; ++j) dst[j] += g[j];
   }
   return Status::OK();
 }
@@ -118,11 +134,8 @@ uint64_t RowTables::Stage(uint32_t chunk, uint32_t parity) {
   Table& t = tables_[ti];
   Table::Pending& p = t.pending[k];
   char* dst = static_cast<char*>(t.push_staging->data()) + (2 * uint64_t{k} + parity) * t.push_slot_bytes;
-  const uint64_t n = p.ids.size();
-  for (uint64_t i = 0; i < n; ++i) {
-    const uint64_t id = static_cast<uint64_t>(p.ids[i]);
-    std::memcpy(dst + i * sizeof(uint64_t), &id, sizeof(id));
-  }
+  const uint64_t n = p.index.size();
+  std::memcpy(dst, p.index.keys().data(), n * sizeof(uint64_t));
   char* rows = dst + n * sizeof(uint64_t);
   if (t.elem == 4) {
     std::memcpy(rows, p.values.data(), p.values.size() * sizeof(float));
@@ -131,8 +144,7 @@ uint64_t RowTables::Stage(uint32_t chunk, uint32_t parity) {
                reinterpret_cast<uint16_t*>(rows), p.values.size());
   }
   rows_pushed_ += n;
-  p.index.clear();
-  p.ids.clear();
+  p.index.Clear();
   p.values.clear();
   return n * (sizeof(uint64_t) + uint64_t{t.dim} * t.elem);
 }

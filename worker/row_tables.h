@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/flat_index.h"
 #include "common/status.h"
 #include "proto/control.pb.h"
 #include "transport/transport.h"
@@ -80,10 +81,10 @@ class RowTables {
     uint64_t unit_rows() const { return hashed ? layout::kBucketSlots : 1; }
     uint64_t unit_bytes() const { return unit_rows() * stride; }
     std::vector<uint32_t> shard_chunk;  // chunk id of shard k
-    // This step's gradient rows per shard: id -> index into ids/values (float32 sums).
+    // This step's gradient rows per shard: id -> index into values (float32 sums); the ids in
+    // index.keys(), in the same order.
     struct Pending {
-      std::unordered_map<int64_t, uint32_t> index;
-      std::vector<int64_t> ids;
+      FlatIndex index;
       std::vector<float> values;
     };
     std::vector<Pending> pending;
@@ -145,6 +146,7 @@ class RowTables {
   bool failed_ = false;
   // Scratch of Read and PostShard, kept to avoid allocating per pull.
   std::vector<Want> want_, want_tmp_;
+  FlatIndex seen_;  // AddGradients: the call's new ids
   std::vector<ShardRead> reads_;
   std::vector<uint32_t> first_;
   std::vector<const char*> records_;
