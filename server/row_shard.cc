@@ -10,6 +10,21 @@
 
 namespace shardps::server {
 
+namespace {
+
+// Read prefetches of the first `lines` (4 or 5) cache lines at p, straight-line: GCC drops
+// prefetches in a loop of their own (and dropped them from a lambda here), and write
+// prefetches without -mprfchw. A prefetch never faults, past the row or not.
+inline void PrefetchLines(const char* p, int lines) {
+  __builtin_prefetch(p);
+  __builtin_prefetch(p + 64);
+  __builtin_prefetch(p + 128);
+  __builtin_prefetch(p + 192);
+  if (lines > 4) __builtin_prefetch(p + 256);
+}
+
+}  // namespace
+
 void SparseAccumulator::Clear() {
   index_.Clear();
   used_ = 0;
@@ -306,34 +321,14 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
   // of the row kAhead ahead is prefetched, so that the misses overlap. Dense tables only (a
   // hashed key's slot is known only once placed).
   constexpr uint64_t kAhead = 6;
-  // (Inline in the loop: GCC dropped the same prefetches from a lambda.)
   for (uint64_t i = 0; i < n; ++i) {
     if (!g_.hashed && i + kAhead < n) {
       uint64_t ahead;
       std::memcpy(&ahead, locals + (i + kAhead) * sizeof(ahead), sizeof(ahead));
       if (ahead < g_.rows) {  // checked by CheckPayload; never prefetch outside anyway
-        // Read prefetches of the first 320 bytes, straight-line (GCC drops prefetches in a loop
-        // of their own, and write prefetches without -mprfchw; a prefetch never faults).
-        const char* rec = record(ahead);
-        __builtin_prefetch(rec);
-        __builtin_prefetch(rec + 64);
-        __builtin_prefetch(rec + 128);
-        __builtin_prefetch(rec + 192);
-        __builtin_prefetch(rec + 256);
-        if (!s1_.empty()) {
-          const char* sp = reinterpret_cast<const char*>(s1_.data() + ahead * dim);
-          __builtin_prefetch(sp);
-          __builtin_prefetch(sp + 64);
-          __builtin_prefetch(sp + 128);
-          __builtin_prefetch(sp + 192);
-        }
-        if (!s2_.empty()) {
-          const char* sp = reinterpret_cast<const char*>(s2_.data() + ahead * dim);
-          __builtin_prefetch(sp);
-          __builtin_prefetch(sp + 64);
-          __builtin_prefetch(sp + 128);
-          __builtin_prefetch(sp + 192);
-        }
+        PrefetchLines(record(ahead), 5);
+        if (!s1_.empty()) PrefetchLines(reinterpret_cast<const char*>(s1_.data() + ahead * dim), 4);
+        if (!s2_.empty()) PrefetchLines(reinterpret_cast<const char*>(s2_.data() + ahead * dim), 4);
       }
     }
     uint64_t r;
