@@ -367,41 +367,40 @@ inline uint32_t RowRecordCrc(const RowHeader& h, const void* values, uint64_t va
   c = crc32c::Extend(c, &h.flags, sizeof(h.flags));
   return crc32c::Extend(c, values, value_bytes);
 }
-// RowRecordCrc of `n` rows at once: headers[i] and values[i] (value_bytes each) are row i's;
-// out[i] is what its header should carry in `crc`. Interleaved (crc32c::ExtendLanes), about 3x
-// a row at a time.
-inline void RowRecordCrcs(const RowHeader* const* headers, const char* const* values, size_t n,
-                          uint64_t value_bytes, uint32_t* out) {
+// RowRecordCrc of `n` rows at once, interleaved (crc32c::ExtendLanes), about 3x a row at a
+// time: header(i) and values(i) (value_bytes) are row i's; out[i] is what its header should
+// carry in `crc`.
+template <typename HeaderAt, typename ValuesAt>
+inline void RowRecordCrcsOf(size_t n, uint64_t value_bytes, uint32_t* out, HeaderAt header,
+                            ValuesAt values) {
   constexpr size_t kLanes = 16;
+  const void* p[kLanes];
   for (size_t done = 0; done < n; done += kLanes) {
     const size_t k = std::min(kLanes, n - done);
-    const void* p[kLanes];
     for (size_t i = 0; i < k; ++i) {
       out[done + i] = 0;
-      p[i] = headers[done + i];
+      p[i] = header(done + i);
     }
     crc32c::ExtendLanes(out + done, p, k, 2 * sizeof(uint64_t));
-    for (size_t i = 0; i < k; ++i) p[i] = &headers[done + i]->flags;
+    for (size_t i = 0; i < k; ++i) p[i] = &header(done + i)->flags;
     crc32c::ExtendLanes(out + done, p, k, sizeof(uint32_t));
-    for (size_t i = 0; i < k; ++i) p[i] = values[done + i];
+    for (size_t i = 0; i < k; ++i) p[i] = values(done + i);
     crc32c::ExtendLanes(out + done, p, k, value_bytes);
   }
 }
-// The same for records as laid out in a region or a read's staging: each a RowHeader followed
-// by its value bytes.
+// Rows whose headers and values lie apart (a server sealing rows it has not written yet).
+inline void RowRecordCrcs(const RowHeader* const* headers, const char* const* values, size_t n,
+                          uint64_t value_bytes, uint32_t* out) {
+  RowRecordCrcsOf(n, value_bytes, out, [&](size_t i) { return headers[i]; },
+                  [&](size_t i) { return values[i]; });
+}
+// Records as laid out in a region or a read's staging: each a RowHeader, then its values.
 inline void RowRecordCrcs(const char* const* records, size_t n, uint64_t value_bytes,
                           uint32_t* out) {
-  constexpr size_t kLanes = 16;
-  const RowHeader* h[kLanes];
-  const char* v[kLanes];
-  for (size_t done = 0; done < n; done += kLanes) {
-    const size_t k = std::min(kLanes, n - done);
-    for (size_t i = 0; i < k; ++i) {
-      h[i] = reinterpret_cast<const RowHeader*>(records[done + i]);
-      v[i] = records[done + i] + sizeof(RowHeader);
-    }
-    RowRecordCrcs(h, v, k, value_bytes, out + done);
-  }
+  RowRecordCrcsOf(
+      n, value_bytes, out,
+      [&](size_t i) { return reinterpret_cast<const RowHeader*>(records[i]); },
+      [&](size_t i) { return records[i] + sizeof(RowHeader); });
 }
 constexpr uint32_t kBucketSlots = 4;  // slots per bucket of a hashed shard
 // The hash of a hashed table's key (splitmix64's finaliser: every bit of the key moves every
