@@ -367,7 +367,7 @@ TEST_P(EmbeddingTest, ATornRowIsReadAgainNeverReturned) {
   spec.servers = 1;
   Cluster cluster(spec);
   ClientOptions o = cluster.WorkerOptions(0);
-  o.wait_timeout = milliseconds(1500);
+  o.wait_timeout = milliseconds(2000);  // the mended pull below has 1.9 s to see the mend
   auto c = Client::Connect(o);
   ASSERT_TRUE(c.ok()) << c.status();
   Client& cl = **c;
@@ -402,9 +402,9 @@ TEST_P(EmbeddingTest, ATornRowIsReadAgainNeverReturned) {
   for (size_t k : {size_t{1}, size_t{3}}) {  // the two places of id 6
     for (int j = 0; j < kDim; ++j) EXPECT_EQ(out[k * kDim + j], 0.0f) << "torn bytes returned";
   }
-  // Whole again 200 ms into the next pull: it returns the row as it was.
+  // Whole again 100 ms into the next pull: it returns the row as it was.
   std::thread mend([&] {
-    std::this_thread::sleep_for(milliseconds(200));
+    std::this_thread::sleep_for(milliseconds(100));
     std::memcpy(value3, &whole, sizeof(whole));
   });
   st = cl.PullRows("t", ids.data(), ids.size(), out.data());
