@@ -68,6 +68,8 @@ class ControlClient {
   // The lease: held until the sending of the newest acknowledged heartbeat plus the lease it
   // was granted. Before the first acknowledgement there is none.
   bool LeaseHeld() const { return Clock::now().time_since_epoch().count() < lease_until_.load(); }
+  // Whether any heartbeat acknowledgement has granted a lease yet (false at start-up).
+  bool LeaseEverGranted() const { return lease_until_.load() != 0; }
   // Until the lease ends (negative: it ended that long ago; min() if never granted).
   std::chrono::milliseconds LeaseLeft() const;
   ControlCounters counters() const;

@@ -599,7 +599,18 @@ bool ShardServer::LeaseLapsed() {
   const bool lapsed = !control_->LeaseHeld();
   if (lapsed != lease_lapsed_) {
     lease_lapsed_ = lapsed;
-    if (lapsed) {
+    if (lapsed && !control_->LeaseEverGranted()) {
+      // Start-up: the replication stream connected before the first heartbeat acknowledgement
+      // (a loaded host). Fenced as after a lapse, but nothing has lapsed.
+      lease_awaited_ = true;
+      LOG(INFO) << "server rank " << rank_ << ": group " << group_
+                << " has no lease yet (the first heartbeat acknowledgement grants it): nothing "
+                   "is applied or published until then";
+    } else if (!lapsed && lease_awaited_) {
+      lease_awaited_ = false;
+      LOG(INFO) << "server rank " << rank_ << ": first lease granted; group " << group_
+                << " serves";
+    } else if (lapsed) {
       stats_.Bump(&ShardServerCounters::lease_lapses);
       LOG(ERROR) << "server rank " << rank_ << ": LEASE LAPSED (no heartbeat acknowledged for "
                  << timeouts_.lease.count() << " ms; ended " << -control_->LeaseLeft().count()

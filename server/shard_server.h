@@ -205,6 +205,7 @@ class ShardServer {
   control::ClusterConfig config_;
   control::FaultTimeouts timeouts_;  // of config_
   bool lease_lapsed_ = false;
+  bool lease_awaited_ = false;  // fenced at start-up until the first lease (not a lapse)
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<EndpointTable> endpoints_;
   std::shared_ptr<MemberAuthenticator> authenticator_;  // the data listener's (set at Setup)

@@ -26,9 +26,12 @@ namespace {
 // Bytes buffered towards one side above which the other side is not read (backpressure).
 constexpr size_t kMaxBufferedOut = 4u << 20;
 
-const char* const kBodies[] = {"join",         "join_reply", "heartbeat",      "leave",
-                               "membership",   "error",      "register_model", "assign_shards",
-                               "shards_ready", "shard_map"};
+// Every body control::BodyName names (proto/framing.cc).
+const char* const kBodies[] = {"join",          "join_reply",     "heartbeat",      "leave",
+                               "membership",    "error",          "register_model", "assign_shards",
+                               "shards_ready",  "shard_map",      "replica_target", "promote",
+                               "checkpoint",    "heartbeat_ack",  "replica_synced", "status_request",
+                               "status_reply"};
 
 }  // namespace
 
