@@ -75,6 +75,7 @@ const float* RowShard::values(uint64_t local) const {
 
 
 void RowShard::Seal(uint64_t local, uint64_t version) {
+  if (!g_.hashed) return SealDense(&local, 1, version);
   char* rec = record(local);
   char* vals = rec + sizeof(layout::RowHeader);
   if (dtype_ != layout::DType::kF32) {
@@ -82,12 +83,8 @@ void RowShard::Seal(uint64_t local, uint64_t version) {
                reinterpret_cast<uint16_t*>(vals), g_.dim);
   }
   auto* h = reinterpret_cast<layout::RowHeader*>(rec);
-  layout::RowHeader next = *h;
+  layout::RowHeader next = *h;  // a hashed slot keeps the key and flags Place gave it
   next.version = version;
-  if (!g_.hashed) {
-    next.key = local * g_.shards + g_.shard;
-    next.flags = layout::kRowOccupied;
-  }
   next.reserved = 0;
   next.crc = layout::RowRecordCrc(next, vals, g_.row_value_bytes());
   // Values first, then the header: a reader pairing either header with the other values fails
@@ -121,7 +118,8 @@ void RowShard::SealDense(const uint64_t* locals, size_t n, uint64_t version) {
       vp[i] = vals;
     }
     layout::RowRecordCrcs(hp, vp, k, g_.row_value_bytes(), crc);
-    // Values first, then the headers (as Seal).
+    // Values first, then the headers: a reader pairing either header with the other values
+    // fails the crc and reads the row again.
     std::atomic_thread_fence(std::memory_order_release);
     for (size_t i = 0; i < k; ++i) {
       next[i].crc = crc[i];

@@ -181,7 +181,7 @@ Status RowTables::PostShard(Table& t, const ShardRead& r, uint32_t read, uint64_
   // any provider's send depth); one that gathers answers a list in one response, and fewer,
   // longer lists cost less per row (tcp, 4,096 x 64-dim rows: 1,024 pieces gave 8-9 M rows/s,
   // 256 gave 7-8 M) while still overlapping the worker's checks with the server's gathers.
-  const size_t kPiecesPerList = s.ep->gathers_read_lists() ? 1024 : 256;
+  const size_t pieces_per_list = s.ep->gathers_read_lists() ? 1024 : 256;
   std::vector<transport::ReadPiece>& pieces = pieces_;
   pieces.clear();
   uint32_t list_first_slot = 0;
@@ -226,7 +226,7 @@ Status RowTables::PostShard(Table& t, const ShardRead& r, uint32_t read, uint64_
     const bool contiguous =
         !pieces.empty() && r.slots[i] == list_first_slot + list_bytes / unit;
     if (!pieces.empty() &&
-        (!contiguous || pieces.size() == kPiecesPerList || list_bytes + bytes > max_op)) {
+        (!contiguous || pieces.size() == pieces_per_list || list_bytes + bytes > max_op)) {
       RETURN_IF_ERROR(flush(i, false));
     }
     if (pieces.empty()) list_first_slot = r.slots[i];

@@ -751,9 +751,8 @@ void TcpEndpoint::AnswerReadList() {
   // Every piece checked before anything is sent: a refused piece refuses the whole request.
   std::vector<const char*>& src = read_list_src_;
   src.resize(read_list_rx_.size());
-  size_t refused = 0;
   const AccessCheck chk =
-      engine_->LookupReadList(read_list_rx_.data(), read_list_rx_.size(), src.data(), &refused);
+      engine_->LookupReadList(read_list_rx_.data(), read_list_rx_.size(), src.data());
   if (chk != AccessCheck::kOk) return SendNak(h, chk);
   uint64_t total = 0;
   for (const ReadListEntry& e : read_list_rx_) total += e.length;

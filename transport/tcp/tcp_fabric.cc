@@ -436,14 +436,12 @@ AccessCheck TcpEngine::CheckAccess(const RegionEntry& r, uint64_t addr, uint64_t
   return AccessCheck::kOk;
 }
 
-AccessCheck TcpEngine::LookupReadList(const ReadListEntry* entries, size_t n, const char** out,
-                                      size_t* failed) {
+AccessCheck TcpEngine::LookupReadList(const ReadListEntry* entries, size_t n, const char** out) {
   MutexLock l(&reg_mu_);
   const RegionEntry* last = nullptr;
   uint32_t last_rkey = 0;
   for (size_t i = 0; i < n; ++i) {
     const ReadListEntry& e = entries[i];
-    *failed = i;
     if (e.length == 0) return AccessCheck::kOutOfBounds;
     if (last == nullptr || e.rkey != last_rkey) {
       auto it = regions_.find(e.rkey);

@@ -77,11 +77,9 @@ class TcpEngine {
   // Progress thread (or anyone): checks [addr, addr+len) of rkey for the right; on kOk stores
   // the local pointer.
   AccessCheck Lookup(uint32_t rkey, uint64_t addr, uint64_t len, bool write, char** out);
-  // Lookup for the pieces of a read list, under one lock (a 256-piece list of one table's rows
-  // names one region): kOk with every local pointer in out[0, n), or the first refusal, with
-  // its piece's index in *failed.
-  AccessCheck LookupReadList(const ReadListEntry* entries, size_t n, const char** out,
-                             size_t* failed);
+  // Lookup for the pieces of a read list, under one lock (a list of one table's rows names one
+  // region): kOk with every local pointer in out[0, n), or the first refusal.
+  AccessCheck LookupReadList(const ReadListEntry* entries, size_t n, const char** out);
 
   // ---- progress thread plumbing ----
   // Runs fn on the progress thread and waits for it (inline when called from it, or when the
