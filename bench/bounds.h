@@ -48,6 +48,8 @@ struct PointParams {
   int batch = 0;         // raw TCP: messages per request/ack (0 = window / 4, the signaling
                          // interval of the transport loop)
   int slots = 1;         // distinct source / destination buffers rotated over
+  int remote_slots = 0;  // Latency only: > 0, the remote offset rotates over this many slots
+                         // instead (a cache-cold remote side beside a hot local one)
   double seconds = 0.3;  // minimum timed duration of a bandwidth point
   double lat_seconds = 0.3;
   int lat_min_iters = 20;

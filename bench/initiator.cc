@@ -152,6 +152,10 @@ Status TransportInitiator::OneOp(BenchOp op, const LocalSlice& local, uint64_t r
 
 Status TransportInitiator::Latency(BenchOp op, const PointParams& p, LatResult* out) {
   const int slots = std::max(1, p.slots);
+  if (p.remote_slots > 0 && static_cast<uint64_t>(p.remote_slots) * p.size > config_.remote.length) {
+    return InvalidArgumentError("latency: " + std::to_string(p.remote_slots) + " remote slots of " +
+                                std::to_string(p.size) + " bytes exceed the remote region");
+  }
   for (int i = 0; i < 3; ++i) {  // warm-up
     RETURN_IF_ERROR(OneOp(op, LocalSlice{local_.get(), 0, p.size}, 0));
   }
@@ -160,8 +164,9 @@ Status TransportInitiator::Latency(BenchOp op, const PointParams& p, LatResult* 
   for (int i = 0; i < p.lat_max_iters; ++i) {
     if (i >= p.lat_min_iters && NowSeconds() - start >= p.lat_seconds) break;
     const size_t off = (i % slots) * p.size;
+    const size_t roff = p.remote_slots > 0 ? (i % p.remote_slots) * p.size : off;
     const double t0 = NowSeconds();
-    RETURN_IF_ERROR(OneOp(op, LocalSlice{local_.get(), off, p.size}, off));
+    RETURN_IF_ERROR(OneOp(op, LocalSlice{local_.get(), off, p.size}, roff));
     out->us.push_back((NowSeconds() - t0) * 1e6);
   }
   out->seconds = NowSeconds() - start;

@@ -65,6 +65,10 @@ DEFINE_string(json, "", "write every point as JSON lines here");
 DEFINE_string(work_dir, "/tmp/shardps-row-bench", "cluster logs");
 DEFINE_bool(smoke, false, "a tiny matrix (CI): 20k rows, dims 16, ids 256 and 1024, 1x1");
 DEFINE_int64(region_bytes, 0, "target: its region's bytes");
+DEFINE_int64(cold_bound_mib, 256,
+             "the cache-cold bound reads a different slice of a target region this large each "
+             "time (as a pull reads rows spread over a table that no cache holds); 0: no cold "
+             "bound");
 
 namespace shardps::bench {
 namespace {
@@ -185,6 +189,9 @@ struct Point {
   // The bound at the layout's concurrency: one contiguous read/write per worker at once, each
   // to its own target process (summed rows/s), and ours (summed) / it. 1 worker: the same.
   double bound_all_rows_per_s = 0, ratio_all = 0;
+  // The same bounds with a cache-cold remote side: each contiguous operation at a different
+  // offset of a --cold_bound_mib region (the local side stays hot, as a pull's output does).
+  double cold_rows_per_s = 0, ratio_cold = 0, cold_all_rows_per_s = 0, ratio_cold_all = 0;
   uint64_t reads = 0, retries = 0;
 };
 
@@ -355,38 +362,51 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
     p.per_worker = p.rows_per_s / workers;
     p.gbps = p.rows_per_s * static_cast<double>(dim) * 4 / 1e9;
     if (bound != nullptr) {
+      const BenchOp bop = p.op == "pull" ? BenchOp::kRead : BenchOp::kWrite;
       PointParams pp;
       pp.size = static_cast<size_t>(jobs[j].ids * dim * 4);
       pp.lat_seconds = std::min(0.5, FLAGS_seconds);
       pp.lat_min_iters = 5;
-      LatResult lr;
-      Status bs = bound->Latency(p.op == "pull" ? BenchOp::kRead : BenchOp::kWrite, pp, &lr);
-      if (bs.ok()) {
-        const double p50_us = Percentile(&lr.us, 50);
-        p.bound_rows_per_s = static_cast<double>(jobs[j].ids) / (p50_us * 1e-6);
-        p.ratio = p.per_worker / p.bound_rows_per_s;
-      } else {
-        LOG(WARNING) << "bound: " << bs;
-      }
-      if (workers == 1) {
-        p.bound_all_rows_per_s = p.bound_rows_per_s;
-      } else if (static_cast<int>(bounds.size()) >= workers) {
-        auto all = ConcurrentBound(bounds, workers, p.op == "pull" ? BenchOp::kRead : BenchOp::kWrite,
-                                   pp, jobs[j].ids);
-        if (all.ok()) {
-          p.bound_all_rows_per_s = *all;
+      // One stream, then W at once (W > 1), into the rows/s of `ids` per operation.
+      auto measure = [&](const PointParams& q, double* one, double* all) {
+        LatResult lr;
+        Status bs = bound->Latency(bop, q, &lr);
+        if (bs.ok()) {
+          *one = static_cast<double>(jobs[j].ids) / (Percentile(&lr.us, 50) * 1e-6);
         } else {
-          LOG(WARNING) << "bound at " << workers << " streams: " << all.status();
+          LOG(WARNING) << "bound: " << bs;
         }
+        if (workers == 1) {
+          *all = *one;
+        } else if (static_cast<int>(bounds.size()) >= workers) {
+          auto sum = ConcurrentBound(bounds, workers, bop, q, jobs[j].ids);
+          if (sum.ok()) {
+            *all = *sum;
+          } else {
+            LOG(WARNING) << "bound at " << workers << " streams: " << sum.status();
+          }
+        }
+      };
+      measure(pp, &p.bound_rows_per_s, &p.bound_all_rows_per_s);
+      const int64_t cold_slots = (FLAGS_cold_bound_mib << 20) / static_cast<int64_t>(pp.size);
+      if (cold_slots >= 2) {
+        PointParams cold = pp;
+        cold.remote_slots = static_cast<int>(std::min<int64_t>(cold_slots, 1 << 20));
+        measure(cold, &p.cold_rows_per_s, &p.cold_all_rows_per_s);
       }
+      if (p.bound_rows_per_s > 0) p.ratio = p.per_worker / p.bound_rows_per_s;
       if (p.bound_all_rows_per_s > 0) p.ratio_all = p.rows_per_s / p.bound_all_rows_per_s;
+      if (p.cold_rows_per_s > 0) p.ratio_cold = p.per_worker / p.cold_rows_per_s;
+      if (p.cold_all_rows_per_s > 0) p.ratio_cold_all = p.rows_per_s / p.cold_all_rows_per_s;
     }
     printf("%-4s %-4s %-7s %-5s ids %6lld dim %4lld  %11.0f rows/s  %6.3f GB/s  per worker "
-           "%11.0f  bound %11.0f rows/s  ratio %5.2f  bound x%d %11.0f rows/s  ratio %5.2f\n",
+           "%11.0f  bound %11.0f rows/s  ratio %5.2f  bound x%d %11.0f rows/s  ratio %5.2f  "
+           "cold bound %11.0f rows/s  ratio %5.2f  cold x%d %11.0f rows/s  ratio %5.2f\n",
            p.transport.c_str(), p.layout.c_str(), p.dist.c_str(), p.op.c_str(),
            static_cast<long long>(p.ids), static_cast<long long>(p.dim), p.rows_per_s, p.gbps,
            p.per_worker, p.bound_rows_per_s, p.ratio, workers, p.bound_all_rows_per_s,
-           p.ratio_all);
+           p.ratio_all, p.cold_rows_per_s, p.ratio_cold, workers, p.cold_all_rows_per_s,
+           p.ratio_cold_all);
     fflush(stdout);
     points->push_back(p);
   }
@@ -416,6 +436,7 @@ int Main() {
     FLAGS_ids = "256,1024";
     FLAGS_layouts = "1x1";
     FLAGS_seconds = 0.2;
+    FLAGS_cold_bound_mib = std::min<int64_t>(FLAGS_cold_bound_mib, 16);
   }
   std::vector<Point> points;
   for (const std::string& transport : SplitList(FLAGS_transports)) {
@@ -423,6 +444,7 @@ int Main() {
     const std::vector<int64_t> ids = Ints(FLAGS_ids), dims = Ints(FLAGS_dims);
     const int64_t max_bytes = *std::max_element(ids.begin(), ids.end()) *
                               *std::max_element(dims.begin(), dims.end()) * 4;
+    const int64_t region_bytes = std::max<int64_t>(max_bytes, FLAGS_cold_bound_mib << 20);
     // One target process (and one initiator) per worker of the largest layout: the bound of a
     // layout with W workers is W contiguous operations at once, each with its own peer.
     int max_workers = 1;
@@ -435,7 +457,7 @@ int Main() {
     for (int w = 0; w < max_workers && s.ok(); ++w) {
       auto target = std::make_unique<TargetProcess>();
       std::vector<std::string> args = {"--role=target", "--transport=" + transport,
-                                       "--region_bytes=" + std::to_string(max_bytes)};
+                                       "--region_bytes=" + std::to_string(region_bytes)};
       s = target->Start(args, 120);
       if (!s.ok()) break;
       auto raw = FromHex(target->descriptor_hex());
@@ -485,7 +507,10 @@ int Main() {
         << ",\"gbps\":" << p.gbps << ",\"per_worker\":" << p.per_worker
         << ",\"bound_rows_per_s\":" << p.bound_rows_per_s << ",\"ratio\":" << p.ratio
         << ",\"bound_all_rows_per_s\":" << p.bound_all_rows_per_s
-        << ",\"ratio_all\":" << p.ratio_all << "}\n";
+        << ",\"ratio_all\":" << p.ratio_all << ",\"cold_rows_per_s\":" << p.cold_rows_per_s
+        << ",\"ratio_cold\":" << p.ratio_cold
+        << ",\"cold_all_rows_per_s\":" << p.cold_all_rows_per_s
+        << ",\"ratio_cold_all\":" << p.ratio_cold_all << "}\n";
     }
   }
   // Smoke: every point moved rows.

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Row-table benchmark report: merges shardps_row_bench --json lines (ShardPS, with the bound
-measured beside each point) and bench/pslite_rows.sh --out lines (ps-lite's key-value pull/push,
+measured beside each point: hot, the same bytes each time, and cold, a different slice of a
+256 MiB region each time) and bench/pslite_rows.sh --out lines (ps-lite's key-value pull/push,
 same host, same window) into a markdown table (docs/benchmarks.md, "Row tables").
 
 usage: rows_report.py SHARDPS.jsonl [PSLITE.jsonl|none] OUT.md
@@ -20,6 +21,14 @@ def load(path):
     return rows
 
 
+def cold(r, key, ratio=0):
+    """A cold-bound field (files before it was measured have none: '–')."""
+    v = r.get(key, 0)
+    if not v:
+        return "–"
+    return f"{v:.2f}" if ratio else f"{v / 1e6:.2f} M"
+
+
 def main():
     ours = load(sys.argv[1])
     theirs = {}
@@ -28,8 +37,9 @@ def main():
     out = []
     out.append("| transport | layout | dist | dim | ids | op | ShardPS rows/s | GB/s | "
                "per worker | bound (1 read/write, same bytes) rows/s | ÷ bound | "
-               "bound, one per worker at once | ÷ it | ps-lite rows/s | ÷ ps-lite |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+               "bound, one per worker at once | ÷ it | cold bound rows/s | ÷ it | "
+               "cold bound, one per worker at once | ÷ it | ps-lite rows/s | ÷ ps-lite |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in ours:
         key = (r["layout"].replace("-hashed", ""), r["dist"], int(r["ids"]), int(r["dim"]),
                r["op"])
@@ -41,7 +51,9 @@ def main():
             f"{r['op']} | {r['rows_per_s'] / 1e6:.2f} M | {r['gbps']:.3f} | "
             f"{r['per_worker'] / 1e6:.2f} M | {r['bound_rows_per_s'] / 1e6:.2f} M | "
             f"{r['ratio']:.2f} | {r.get('bound_all_rows_per_s', 0) / 1e6:.2f} M | "
-            f"{r.get('ratio_all', 0):.2f} | {ps} | {ratio} |")
+            f"{r.get('ratio_all', 0):.2f} | {cold(r, 'cold_rows_per_s')} | "
+            f"{cold(r, 'ratio_cold', 1)} | {cold(r, 'cold_all_rows_per_s')} | "
+            f"{cold(r, 'ratio_cold_all', 1)} | {ps} | {ratio} |")
     with open(sys.argv[3], "w") as f:
         f.write("\n".join(out) + "\n")
     print("\n".join(out))

@@ -418,6 +418,66 @@ TEST_P(TransportConformance, PostsWithMoreCompleteWithTheirBytes) {
   EXPECT_TRUE(iep_->status().ok());
 }
 
+// Writes-with-immediate past the target's receive depth wait (transport.h) while the target
+// does not poll; a write and a read list posted behind them wait in order too: the list returns
+// the bytes of the write posted before it, and every completion comes in post order once the
+// target polls again. (shm keeps such posts in a backlog, a read list with its pieces.)
+TEST_P(TransportConformance, AReadListBehindWaitingImmediatesSeesTheWriteBeforeIt) {
+  constexpr int kRecvDepth = 4, kImms = 7;
+  ASSERT_NO_FATAL_FAILURE(Connect(256, kRecvDepth));
+  const size_t n = 1 << 16;
+  auto remote = Alloc(target_.get(), n, Access::kRemoteReadWrite);
+  auto src = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  auto dst = Alloc(initiator_.get(), n, Access::kLocalOnly);
+  ASSERT_TRUE(remote && src && dst);
+  const RegionDescriptor rd = remote->descriptor();
+  FillPattern(src->data(), n, 4242);
+  // kImms immediates of 8 bytes each, more than the target may hold unpolled.
+  for (int i = 0; i < kImms; ++i) {
+    ASSERT_TRUE(iep_->PostWriteImm({src.get(), 8u * i, 8}, AtOffset(rd, 8u * i), 0xABC0u + i, i)
+                    .ok());
+  }
+  // Then 16 KiB written at 32 KiB, and a list reading it back in 37 scattered pieces, last
+  // piece first.
+  const size_t w_off = 32 << 10, w_len = 16 << 10;
+  ASSERT_TRUE(iep_->PostWrite({src.get(), w_off, w_len}, AtOffset(rd, w_off), kImms).ok());
+  std::vector<ReadPiece> pieces;
+  std::vector<std::pair<size_t, size_t>> want;  // (remote offset, length)
+  size_t total = 0;
+  for (size_t i = 0; i < 37; ++i) {
+    const size_t len = 64 + (i * 97) % 300;
+    const size_t off = w_off + ((36 - i) * 431) % (w_len - len);
+    pieces.push_back(ReadPiece{AtOffset(rd, off), len});
+    want.emplace_back(off, len);
+    total += len;
+  }
+  ASSERT_TRUE(iep_->PostReadList({dst.get(), 0, total}, pieces.data(), pieces.size(), kImms + 1)
+                  .ok());
+  auto cs = WaitInitiator(kImms + 2);
+  ASSERT_EQ(cs.size(), static_cast<size_t>(kImms + 2));
+  for (int i = 0; i < kImms + 2; ++i) {
+    ASSERT_TRUE(cs[i].ok()) << i << " " << WcStatusName(cs[i].status);
+    EXPECT_EQ(cs[i].context, static_cast<uint64_t>(i)) << "out of post order";
+  }
+  size_t at = 0;
+  for (const auto& [off, len] : want) {
+    ASSERT_EQ(FirstMismatch(static_cast<char*>(dst->data()) + at,
+                            static_cast<char*>(src->data()) + off, len),
+              -1)
+        << "the piece at " << off << " missed the write posted before the list";
+    at += len;
+  }
+  // Every immediate arrived, in order, after its bytes.
+  const auto deadline = Clock::now() + env_.op_timeout;
+  while (target_events_.size() < static_cast<size_t>(kImms) && Clock::now() < deadline) {
+    DrainTarget();
+  }
+  ASSERT_EQ(target_events_.size(), static_cast<size_t>(kImms));
+  for (int i = 0; i < kImms; ++i) EXPECT_EQ(target_events_[i].imm, 0xABC0u + i);
+  EXPECT_EQ(FirstMismatch(remote->data(), src->data(), 8 * kImms), -1);
+  EXPECT_TRUE(iep_->status().ok());
+}
+
 // A read, then a read list behind it on the same endpoint, against memory a target thread keeps
 // rewriting (rows first, then a header word, like a server publishing a version): every row the
 // list returns is at least as new as the header the read returned. A provider that took the

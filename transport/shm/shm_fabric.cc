@@ -593,6 +593,7 @@ ShmEndpoint::ShmEndpoint(std::shared_ptr<FabricCore> core, std::shared_ptr<CqSta
       recv_depth_(options.recv_depth),
       credits_(options.send_depth),
       backlog_(static_cast<size_t>(options.send_depth)),
+      backlog_lists_(static_cast<size_t>(options.send_depth)),
       description_(parts_.description) {
   peer_arena_ = parts_.peer->arena.data();
   peer_arena_size_ = parts_.peer->arena.size();

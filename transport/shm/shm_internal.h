@@ -209,12 +209,20 @@ class ShmEndpoint final : public Endpoint {
     uint64_t context = 0;
     uint32_t flags = 0;
     bool copied = false;  // the memcpy is done; only the doorbell push is left
+    uint32_t pieces = 0;  // a read list of this many pieces (kept in backlog_lists_ while queued)
   };
   enum class Outcome { kDone, kBlocked };
 
   Status PostChecked(OpType type, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
                      uint64_t context, uint32_t flags) override;
-  Outcome Execute(Op& op);
+  Status PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                             uint64_t context, uint32_t flags) override;
+  // Runs op (the first memcpy, then the doorbell push of a write-with-immediate). A read list's
+  // pieces are `list` (op.pieces of them).
+  Outcome Execute(Op& op, const ReadPiece* list);
+  // The copies of a read list into op.local, in piece order. False (the op completed with a
+  // remote access error, the endpoint failed) when a piece is refused.
+  bool GatherList(const Op& op, const ReadPiece* list);
   // Resolves [addr, addr+len) of the peer's region named by rkey to a local pointer, or
   // explains why the access is refused. The first resolution of a region (per access kind)
   // maps all of it into this process's page tables (populate.h), so that later operations on
@@ -254,6 +262,10 @@ class ShmEndpoint final : public Endpoint {
 
   // Ops waiting behind a write-with-immediate whose doorbell ring was full; post order.
   std::vector<Op> backlog_;
+  // The pieces of a read list queued in backlog_[i] (the same slot i); reused.
+  std::vector<std::vector<ReadPiece>> backlog_lists_;
+  // GatherList's resolved source of each piece; reused.
+  std::vector<const uint8_t*> gather_src_;
   size_t backlog_head_ = 0;
   size_t backlog_count_ = 0;
 

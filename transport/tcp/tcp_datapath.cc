@@ -718,7 +718,11 @@ bool TcpEndpoint::TryResume() {
   if (recv_unreaped_.load() >= recv_depth_) return false;
   rx_paused_.store(false);
   if (!TryDeliverImm(pend_seq_, pend_imm_, pend_len_)) return true;  // re-queued itself
-  OnReadable();  // edge-triggered: continue with what is already buffered
+  // The EPOLLIN edges that came while paused were ignored (OnEvents), so the last recv() being
+  // short says nothing now: read the socket again, or the frames that arrived during the pause
+  // wait for an edge that may never come (the peer may be waiting on their completions).
+  rx_sock_drained_ = false;
+  OnReadable();  // edge-triggered: continue with what is already buffered, then the socket
   return true;
 }
 
