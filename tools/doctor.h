@@ -55,6 +55,9 @@ struct DoctorOptions {
   uint64_t large_bytes = 1u << 20;
   std::chrono::milliseconds probe_time{500};
   std::string self_name;  // this process in pair results ("" = hostname)
+  // Where the transparent-huge-page settings are read (`enabled`, `shmem_enabled`): sysfs,
+  // or a copy of it (tests; a container whose sysfs is mounted elsewhere).
+  std::string thp_dir = "/sys/kernel/mm/transparent_hugepage";
 };
 
 // ---- devices -----------------------------------------------------------------------------
@@ -100,7 +103,11 @@ StatusOr<MemlockNeed> ComputeMemlockNeed(const std::vector<TensorSpec>& tensors,
 // `transport`: the provider that will register the memory (only verbs pins it).
 CheckResult CheckMemlock(const DoctorOptions& o, const std::string& transport);
 
-CheckResult CheckHugePages();
+// Whether the regions `transport` registers get 2 MiB pages: tcp and verbs allocate anonymous
+// memory (transparent_hugepage/enabled governs it), shm a memfd arena (shmem_enabled governs
+// it; Debian's default, never, leaves it at 4 KiB pages whatever `enabled` says). Both ask
+// with MADV_HUGEPAGE. A warning where the transport's memory gets 4 KiB pages.
+CheckResult CheckHugePages(const DoctorOptions& o, const std::string& transport);
 CheckResult CheckForkSafety(const std::string& transport);
 
 // TCP connect within the timeout, then the magic and a JoinRequest with a wrong token: a

@@ -37,6 +37,8 @@ DEFINE_int32(max_workers, 0, "Inbox slots per server (memlock; 0: num_workers)")
 DEFINE_uint64(partition_bytes, 4u << 20, "Chunk size of the configuration (memlock)");
 DEFINE_string(assume_transport, "",
               "Transport the memlock and fork checks assume (empty: the one opened here)");
+DEFINE_string(thp_dir, "/sys/kernel/mm/transparent_hugepage",
+              "Where the huge pages check reads the THP settings (enabled, shmem_enabled)");
 DEFINE_bool(serve, false, "Run a probe responder until SIGINT/SIGTERM (or --serve_ms)");
 DEFINE_int32(serve_port, 0, "--serve/--mpi: control port of the responder (0: pick one)");
 DEFINE_string(address_file, "", "--serve: write the responder's address here");
@@ -413,6 +415,7 @@ int DoctorMain(int argc, char** argv) {
     return 2;
   }
   o.assume_transport = FLAGS_assume_transport;
+  o.thp_dir = FLAGS_thp_dir;
   o.coordinator = FLAGS_coordinator;
   o.peers = SplitCommas(FLAGS_peer);
   o.timeout = std::chrono::milliseconds(FLAGS_timeout_ms);

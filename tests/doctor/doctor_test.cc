@@ -249,6 +249,53 @@ TEST_F(DoctorTest, MemlockCountsRowTablesAsTheServersRegisterThem) {
   EXPECT_NE(b.detail.find("bad.txt:1"), std::string::npos) << b.detail;
 }
 
+// The huge pages check reads both THP selectors and answers for the transport's memory: shm
+// regions are a memfd, on 2 MiB pages only when shmem_enabled allows it (Debian's default,
+// never, leaves them at 4 KiB whatever `enabled` says); tcp and verbs regions follow `enabled`.
+TEST_F(DoctorTest, HugePagesAnswerForTheTransportsMemory) {
+  struct Case {
+    const char* transport;
+    const char* enabled;
+    const char* shmem;
+    const char* status;
+    const char* says;  // in the detail
+    const char* fix;   // in the fix ("" = no fix)
+  };
+  const Case cases[] = {
+      {"shm", "always [madvise] never", "always within_size advise [never] deny force", "warn",
+       "shm regions 4 KiB pages", "echo advise > "},
+      {"shm", "always [madvise] never", "always within_size [advise] never deny force", "ok",
+       "shm regions 2 MiB pages", ""},
+      {"tcp", "always [madvise] never", "always within_size advise [never] deny force", "ok",
+       "tcp and verbs regions use 2 MiB pages", ""},
+      {"tcp", "always madvise [never]", "always within_size [advise] never deny force", "warn",
+       "tcp and verbs regions use 4 KiB pages", "echo madvise > "},
+  };
+  int k = 0;
+  for (const Case& c : cases) {
+    const std::string thp = dir_ + "/thp" + std::to_string(k);
+    ASSERT_EQ(system(("mkdir -p '" + thp + "'").c_str()), 0);
+    std::ofstream(thp + "/enabled") << c.enabled << "\n";
+    std::ofstream(thp + "/shmem_enabled") << c.shmem << "\n";
+    const std::string json = dir_ + "/case" + std::to_string(k) + ".json";
+    std::string log;
+    EXPECT_EQ(Run(Doctor({"--transport", "tcp", "--assume_transport", c.transport, "--thp_dir",
+                          thp, "--json_out", json}),
+                  "case" + std::to_string(k), &log),
+              0)
+        << log;
+    const Check h = Parse(json).checks["huge pages"];
+    EXPECT_EQ(h.status, c.status) << k << ": " << h.detail;
+    EXPECT_NE(h.detail.find(c.says), std::string::npos) << k << ": " << h.detail;
+    if (*c.fix != '\0') {
+      EXPECT_NE(h.fix.find(std::string(c.fix) + thp), std::string::npos) << k << ": " << h.fix;
+    } else {
+      EXPECT_EQ(h.fix, "") << k;
+    }
+    ++k;
+  }
+}
+
 TEST_F(DoctorTest, CoordinatorDownIsDiagnosedWithinTheTimeout) {
   const int port = FreePort();
   ASSERT_GT(port, 0);
