@@ -59,6 +59,9 @@ DEFINE_string(latency_layouts, "1x1", "layouts that also run the latency series"
 DEFINE_string(modes, "push,pull,push-pull", "push, pull, push-pull");
 DEFINE_string(sizes, "4K,64K,1M,4M,16M", "value sizes (bytes per key)");
 DEFINE_string(series, "throughput,latency", "throughput (K keys per round), latency (1 in flight)");
+DEFINE_bool(many, true,
+            "throughput: a round is PushMany / PullMany of all K keys (their posts leave together); "
+            "false: Push(k) / Pull(k) one key at a time, as before 2026-11-25");
 DEFINE_int32(keys_per_server, 40, "throughput: keys per server per round (ps-lite's default 40)");
 DEFINE_string(max_worker_bytes, "3G",
               "cap on one worker's tensor memory (grads + weights); fewer keys when above");

@@ -24,10 +24,14 @@
 #include <thread>
 #include <vector>
 
+#include <gflags/gflags.h>
+
 #include "bench/bench_util.h"
 #include "bench/ps_bench.h"
 #include "shardps/client.h"
 #include "tests/integration/child_process.h"
+
+DECLARE_bool(many);
 
 namespace shardps::bench {
 namespace {
@@ -178,7 +182,18 @@ class Worker {
     return first;
   }
   Status Round(Mode m, std::vector<Handle>* hs) {
-    for (int k = 0; k < spec_.keys; ++k) RETURN_IF_ERROR(Issue(m, k, hs));
+    if (!FLAGS_many) {
+      for (int k = 0; k < spec_.keys; ++k) RETURN_IF_ERROR(Issue(m, k, hs));
+      return WaitAll(hs);
+    }
+    if (m != Mode::kPull) {
+      ASSIGN_OR_RETURN(std::vector<Handle> p, client_->PushMany(names_));
+      hs->insert(hs->end(), p.begin(), p.end());
+    }
+    if (m != Mode::kPush) {
+      ASSIGN_OR_RETURN(std::vector<Handle> p, client_->PullMany(names_));
+      hs->insert(hs->end(), p.begin(), p.end());
+    }
     return WaitAll(hs);
   }
 

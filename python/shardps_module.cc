@@ -303,6 +303,12 @@ class PyClient {
   }
   uint64_t Push(const std::string& name) { return Async(name, true); }
   uint64_t Pull(const std::string& name) { return Async(name, false); }
+  std::vector<uint64_t> PushMany(const std::vector<std::string>& names) {
+    return AsyncMany(names, true);
+  }
+  std::vector<uint64_t> PullMany(const std::vector<std::string>& names) {
+    return AsyncMany(names, false);
+  }
   void Wait(uint64_t h) {
     Blocking([h](shardps::Client& c) { return c.Wait(shardps::Handle{h}); });
   }
@@ -406,6 +412,19 @@ class PyClient {
     return h->id;
   }
 
+  std::vector<uint64_t> AsyncMany(const std::vector<std::string>& names, bool push) {
+    shardps::Client& c = Live();
+    shardps::StatusOr<std::vector<shardps::Handle>> hs = shardps::InternalError("unset");
+    {
+      py::gil_scoped_release nogil;
+      hs = push ? c.PushMany(names) : c.PullMany(names);
+    }
+    if (!hs.ok()) Raise(hs.status());
+    std::vector<uint64_t> ids;
+    for (shardps::Handle h : *hs) ids.push_back(h.id);
+    return ids;
+  }
+
   std::unique_ptr<shardps::Client> client_;
   std::map<std::string, Held> tensors_;
 };
@@ -478,6 +497,10 @@ PYBIND11_MODULE(_shardps, m) {
       .def("step", &PyClient::Step, "Push every tensor, clock, pull every tensor.")
       .def("push", &PyClient::Push, py::arg("name"))
       .def("pull", &PyClient::Pull, py::arg("name"))
+      .def("push_many", &PyClient::PushMany, py::arg("names"),
+           "Push several tensors; their posts leave together (one handle each, to wait).")
+      .def("pull_many", &PyClient::PullMany, py::arg("names"),
+           "Pull several tensors; their posts leave together (one handle each, to wait).")
       .def("wait", &PyClient::Wait, py::arg("handle"))
       .def("clock", &PyClient::Clock)
       .def("set_lr", &PyClient::SetLearningRate, py::arg("name"), py::arg("lr"),

@@ -83,6 +83,36 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
   return o;
 }
 
+// The defaults (HostClient: nothing to batch, a push is a copy into shared memory): one call
+// each, and on a failure the handles before it waited for, as the contract says.
+namespace {
+
+StatusOr<std::vector<Handle>> EachThenWait(
+    Client* c, const std::vector<std::string>& names,
+    const std::function<StatusOr<Handle>(const std::string&)>& one) {
+  std::vector<Handle> hs;
+  hs.reserve(names.size());
+  for (const std::string& n : names) {
+    StatusOr<Handle> h = one(n);
+    if (!h.ok()) {
+      for (Handle x : hs) (void)c->Wait(x);
+      return h.status();
+    }
+    hs.push_back(*h);
+  }
+  return hs;
+}
+
+}  // namespace
+
+StatusOr<std::vector<Handle>> Client::PushMany(const std::vector<std::string>& names) {
+  return EachThenWait(this, names, [this](const std::string& n) { return Push(n); });
+}
+
+StatusOr<std::vector<Handle>> Client::PullMany(const std::vector<std::string>& names) {
+  return EachThenWait(this, names, [this](const std::string& n) { return Pull(n); });
+}
+
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
   std::string sources;
   const ClientOptions options = WithEnvironmentDefaults(given, &sources);
@@ -639,6 +669,58 @@ StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
   return pull_->Pull(t);
 }
 
+// PushMany / PullMany: the tensors' posts go with kMore (transport.h) and leave together when
+// the burst ends, by the poll below, before the call returns (a poll also flushes whatever an
+// early return left queued). On a failure the handles before it are waited for.
+StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
+                                               const std::vector<std::string>& names,
+                                               bool push) {
+  if (push) {
+    RETURN_IF_ERROR(lifecycle_.Require(what, {ClientState::kRunning}));
+  } else {  // kStarting: Start() pulls the initial weights
+    RETURN_IF_ERROR(lifecycle_.Require(what, {ClientState::kStarting, ClientState::kRunning}));
+  }
+  std::vector<uint32_t> ts;
+  ts.reserve(names.size());
+  for (const std::string& n : names) {
+    ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(n));
+    if (!push && tensors_[t].embedding) {
+      return InvalidArgumentError("'" + n + "' is a row table: read it with PullRows");
+    }
+    ts.push_back(t);
+  }
+  RETURN_IF_ERROR(MaybeRecover());
+  std::vector<Handle> hs;
+  hs.reserve(ts.size());
+  Status failed;
+  push ? push_->set_more(true) : pull_->set_more(true);
+  for (uint32_t t : ts) {
+    StatusOr<Handle> h =
+        push ? push_->Push(t, [this] { return RecoverOrBreak(); }) : pull_->Pull(t);
+    if (!h.ok()) {
+      failed = h.status();
+      break;
+    }
+    hs.push_back(*h);
+  }
+  push ? push_->set_more(false) : pull_->set_more(false);
+  Status polled = sessions_->Progress();  // sends what kMore held back
+  if (failed.ok()) failed = polled;
+  if (!failed.ok()) {
+    for (Handle h : hs) (void)Wait(h);
+    return failed;
+  }
+  return hs;
+}
+
+StatusOr<std::vector<Handle>> ClientImpl::PushMany(const std::vector<std::string>& names) {
+  return Many("PushMany()", names, /*push=*/true);
+}
+
+StatusOr<std::vector<Handle>> ClientImpl::PullMany(const std::vector<std::string>& names) {
+  return Many("PullMany()", names, /*push=*/false);
+}
+
 Status ClientImpl::Wait(Handle handle) {
   RETURN_IF_ERROR(lifecycle_.Require("Wait()", {ClientState::kStarting, ClientState::kRunning}));
   HandleState* hs = handles_.Find(handle.id);
@@ -891,11 +973,9 @@ Status ClientImpl::StepOnce() {
   ++step_.step_id;
   trace::Span span("step", "worker");
   span.Arg("step", step_.step_id).Arg("clock", step_.clock);
-  std::vector<Handle> hs;
-  for (const Tensor& t : tensors_) {
-    ASSIGN_OR_RETURN(Handle h, Push(t.name));
-    hs.push_back(h);
-  }
+  std::vector<std::string> names;
+  for (const Tensor& t : tensors_) names.push_back(t.name);
+  ASSIGN_OR_RETURN(std::vector<Handle> hs, PushMany(names));
   Status first;
   for (Handle h : hs) {
     Status s = Wait(h);
@@ -903,12 +983,11 @@ Status ClientImpl::StepOnce() {
   }
   RETURN_IF_ERROR(first);
   RETURN_IF_ERROR(Clock());
-  hs.clear();
+  names.clear();
   for (const Tensor& t : tensors_) {
-    if (t.embedding) continue;  // PullRows, for the next batch's rows
-    ASSIGN_OR_RETURN(Handle h, Pull(t.name));
-    hs.push_back(h);
+    if (!t.embedding) names.push_back(t.name);  // row tables: PullRows, for the next batch's rows
   }
+  ASSIGN_OR_RETURN(hs, PullMany(names));
   for (Handle h : hs) {
     Status s = Wait(h);
     if (first.ok() && !s.ok()) first = s;

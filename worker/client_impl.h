@@ -65,6 +65,8 @@ class ClientImpl final : public Client, private CompletionSink {
   Status Start() override;
   StatusOr<Handle> Push(const std::string& name) override;
   StatusOr<Handle> Pull(const std::string& name) override;
+  StatusOr<std::vector<Handle>> PushMany(const std::vector<std::string>& names) override;
+  StatusOr<std::vector<Handle>> PullMany(const std::vector<std::string>& names) override;
   Status Wait(Handle handle) override;
   Status Clock() override;
   Status Step() override;
@@ -90,6 +92,9 @@ class ClientImpl final : public Client, private CompletionSink {
   // Step() without its entry check: push, wait, clock, pull, wait (and, replicated ASP/SSP, the
   // acknowledgements).
   Status StepOnce();
+  // PushMany (push) or PullMany (!push); `what` names the call in a refusal.
+  StatusOr<std::vector<Handle>> Many(const char* what, const std::vector<std::string>& names,
+                                     bool push);
   // CompletionSink: push and pull completions, from ServerSessions::Progress.
   void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
   void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;

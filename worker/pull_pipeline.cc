@@ -72,9 +72,10 @@ void PullPipeline::StartPull(uint32_t id, Phase phase) {
           transport::AtOffset(s.weights, hdr), ctx, flags);
     });
   };
+  const uint32_t last = more_ ? transport::kMore : transport::kSignaled;
   Status st;
   if (phase == Phase::kHeaderOnly) {
-    st = read_header(2, transport::kSignaled);
+    st = read_header(2, last);
   } else {
     // kAll: header, data of the guessed buffer, header; kDataCheck: data then header.
     if (phase == Phase::kAll) st = read_header(2, transport::kUnsignaled);
@@ -86,7 +87,7 @@ void PullPipeline::StartPull(uint32_t id, Phase phase) {
             transport::kUnsignaled);
       });
     }
-    if (st.ok()) st = read_header(3, transport::kSignaled);
+    if (st.ok()) st = read_header(3, last);
   }
   if (!st.ok()) Finish(id, st);
 }

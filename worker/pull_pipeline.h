@@ -62,6 +62,10 @@ class PullPipeline {
   // The min clock (+1) a pull at the current clock must see (the consistency bound).
   uint64_t RequiredPlus1() const;
 
+  // While set, each pull's last post goes with transport::kMore: the caller (PullMany) posts a
+  // burst and then polls, which sends it. Re-reads (EvaluatePull, Tick) never do.
+  void set_more(bool more) { more_ = more; }
+
   uint64_t pulls() const { return pulls_; }
   uint64_t pull_retries() const { return pull_retries_; }
   uint64_t bytes_pulled() const { return bytes_pulled_; }
@@ -114,6 +118,7 @@ class PullPipeline {
   uint64_t pull_retries_ = 0;
   uint64_t bytes_pulled_ = 0;
   bool hold_deadlines_ = false;  // a recovery is under way
+  bool more_ = false;
 };
 
 }  // namespace shardps::worker

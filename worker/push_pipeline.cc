@@ -212,6 +212,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   const transport::RemoteSlice header_dst =
       transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
   const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);
+  const uint32_t last_flags = more_ ? transport::kMore : transport::kSignaled;
   if (c.small_staging != 0 && t.staging == nullptr) {
     // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
     // which the server has consumed (EnsureAcked).
@@ -221,7 +222,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
     std::memcpy(q + sizeof(layout::PushHeader), reinterpret_cast<const char*>(t.grads) + p.offset, p.bytes);
     return sessions_.PostWithCredit([&] {
       return s.ep->PostWriteImm({sessions_.staging(), off, sizeof(layout::PushHeader) + p.bytes}, header_dst,
-                                imm, MakeContext(kOpPush, id, h));
+                                imm, MakeContext(kOpPush, id, h), last_flags);
     });
   }
   RETURN_IF_ERROR(PostPushData(id, parity, h));
@@ -229,7 +230,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
     return s.ep->PostWriteImm(
         {sessions_.staging(), sessions_.ChunkStagingOffset(id, static_cast<int>(parity)),
          sizeof(layout::PushHeader)},
-        header_dst, imm, MakeContext(kOpPush, id, h));
+        header_dst, imm, MakeContext(kOpPush, id, h), last_flags);
   });
 }
 

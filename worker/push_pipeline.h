@@ -57,6 +57,10 @@ class PushPipeline {
   // still in the caller's buffer, counts the rest lost.
   Status Resync(uint32_t server, const uint64_t* acks);
 
+  // While set, each push's last post goes with transport::kMore: the caller (PushMany) posts a
+  // burst and then polls, which sends it.
+  void set_more(bool more) { more_ = more; }
+
   uint64_t pushes() const { return pushes_; }
   uint64_t bytes_pushed() const { return bytes_pushed_; }
   uint64_t pushes_resent() const { return pushes_resent_; }
@@ -111,6 +115,7 @@ class PushPipeline {
   uint64_t bytes_pushed_ = 0;
   uint64_t pushes_resent_ = 0;
   uint64_t pushes_lost_ = 0;
+  bool more_ = false;
 };
 
 }  // namespace shardps::worker

@@ -102,6 +102,90 @@ TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
   }
 }
 
+// PushMany / PullMany (Step's path): a burst of 12 tensors, small (one write-with-immediate
+// each) and large (data, then header), is on the wire when PushMany returns: another worker
+// sees every update while the pusher neither waits nor polls (over tcp the burst goes with
+// kMore; without the poll that ends it, nothing would leave). An unknown name anywhere in the
+// list refuses the call before anything is posted.
+TEST_P(PsClusterTest, PushManyIsSentOnReturnAndRefusedWhole) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.mode = control::ASP;
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.average = false;
+  spec.optimizer.lr = 0.5f;
+  spec.partition_bytes = 64 << 10;
+  Cluster cluster(spec);
+  constexpr int kTensors = 12;
+  auto size_of = [](int k) -> size_t { return k % 4 == 3 ? 9000 : 13 + 50 * k; };  // 36 KB: large
+  std::vector<std::string> names;
+  for (int k = 0; k < kTensors; ++k) names.push_back("t" + std::to_string(k));
+  std::atomic<bool> pushed{false}, seen{false};
+  std::atomic<int> rounds_to_see{0};
+  std::vector<std::thread> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.emplace_back([&, r] {
+      std::vector<std::vector<float>> w(kTensors), g(kTensors);
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      for (int k = 0; k < kTensors; ++k) {
+        w[k].assign(size_of(k), 2.0f);
+        g[k].assign(size_of(k), 0.0f);
+        for (size_t i = 0; i < g[k].size(); ++i) g[k][i] = 0.125f * static_cast<float>((i + k) % 9);
+        ASSERT_TRUE((*c)->RegisterTensor(names[k], w[k].data(), g[k].data(),
+                                         {static_cast<int64_t>(size_of(k))})
+                        .ok());
+      }
+      ASSERT_TRUE((*c)->Start().ok());
+      if ((*c)->rank() == 0) {
+        auto hs = (*c)->PushMany(names);
+        ASSERT_TRUE(hs.ok()) << hs.status();
+        ASSERT_EQ(hs->size(), static_cast<size_t>(kTensors));
+        pushed = true;
+        // Neither wait nor poll until the other worker saw every update (bounded).
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!seen && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(milliseconds(5));
+        }
+        EXPECT_TRUE(seen) << "the burst was not on the wire when PushMany returned";
+        for (Handle h : *hs) EXPECT_TRUE((*c)->Wait(h).ok());
+        // An unknown name anywhere refuses the call before anything is posted.
+        const uint64_t pushes = (*c)->counters().pushes;
+        auto bad = (*c)->PushMany({"t0", "t1", "no-such-tensor"});
+        EXPECT_EQ(bad.status().code(), StatusCode::kNotFound) << bad.status();
+        EXPECT_EQ((*c)->counters().pushes, pushes) << "a refused PushMany pushed";
+        auto again = (*c)->PushMany({"t0", "t1"});
+        ASSERT_TRUE(again.ok()) << again.status();
+        ASSERT_EQ(again->size(), 2u);
+        for (Handle h : *again) EXPECT_TRUE((*c)->Wait(h).ok());
+        EXPECT_EQ((*c)->counters().pushes, pushes + 2);
+      } else {
+        while (!pushed) std::this_thread::sleep_for(milliseconds(1));
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        bool all = false;
+        while (!all && std::chrono::steady_clock::now() < until) {
+          auto hs = (*c)->PullMany(names);
+          ASSERT_TRUE(hs.ok()) << hs.status();
+          for (Handle h : *hs) ASSERT_TRUE((*c)->Wait(h).ok());
+          ++rounds_to_see;
+          all = true;
+          for (int k = 0; k < kTensors && all; ++k) {
+            for (size_t i = 0; i < w[k].size() && all; ++i) {
+              // Rank 0 pushed g once: 2 - 0.5 g, exact.
+              all = w[k][i] == 2.0f - 0.5f * (0.125f * static_cast<float>((i + k) % 9));
+            }
+          }
+        }
+        EXPECT_TRUE(all) << "not every tensor of the burst arrived";
+        seen = all;
+      }
+      EXPECT_TRUE((*c)->Close().ok());
+    });
+  }
+  for (auto& t : workers) t.join();
+}
+
 // SSP(s): a worker at clock c never reads weights lacking an update from clocks <= c-s-1.
 // Each worker's push adds 1 to its own counter element (lr 1, sum, gradient -1), so the
 // weights count the pushes applied per worker. Random delays make workers drift apart.

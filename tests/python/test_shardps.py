@@ -95,6 +95,34 @@ class NumpyTest(unittest.TestCase):
             pulls = [e for e in ev if e["name"] == "pull" and e["args"]["clock"] >= 1]
             self.assertEqual(len(pulls), 3 * len(chunks))
 
+    def test_push_many_and_pull_many(self):
+        # A round of several tensors in one call each: one handle per name, every byte applied
+        # (SGD, lr 0.5, exact in float32); an unknown name refuses the call before any push.
+        with cluster(consistency="asp") as cl, connect(cl) as c:
+            ws = [np.full(5 + 40 * k, 2.0, np.float32) for k in range(6)]
+            gs = [np.zeros_like(w) for w in ws]
+            names = ["t%d" % k for k in range(6)]
+            for n, w, g in zip(names, ws, gs):
+                c.register(n, w, g)
+            c.start()
+            for k, g in enumerate(gs):
+                g[...] = 0.125 * ((np.arange(g.size) + k) % 9)
+            hs = c.push_many(names)
+            self.assertEqual(len(hs), len(names))
+            for h in hs:
+                c.wait(h)
+            pushes = c.counters()["pushes"]
+            with self.assertRaises(shardps.Error) as e:
+                c.push_many(["t0", "nope"])
+            self.assertEqual(e.exception.code, "NOT_FOUND")
+            self.assertEqual(c.counters()["pushes"], pushes)
+            for w in ws:
+                w[...] = -1.0
+            for h in c.pull_many(names):
+                c.wait(h)
+            for k, (w, g) in enumerate(zip(ws, gs)):
+                np.testing.assert_array_equal(w, np.float32(2.0) - np.float32(LR) * g)
+
     def test_refuses_what_would_need_a_copy(self):
         with cluster() as cl, connect(cl) as c:
             good = np.zeros(8, np.float32)

@@ -259,6 +259,15 @@ class SHARDPS_EXPORT Client {
   // clock; Wait() before reading weights.
   virtual StatusOr<Handle> Pull(const std::string& name) = 0;
   virtual Status Wait(Handle handle) = 0;
+  // Push (Pull) of several tensors in one call: each as Push (Pull) of it would, in order, one
+  // handle per name, each to Wait. Their posts leave together: over tcp, a round of small
+  // tensors goes to each server in one sendmsg instead of one per tensor (like MSG_MORE; shm
+  // and verbs post as before). Everything is sent before the call returns, so computing
+  // before the Waits still overlaps the transfers. An unknown name refuses the call before
+  // anything is posted; if one push (pull) cannot be started, those before it are waited
+  // for and its error is returned: a failed call leaves nothing in flight. Step() uses them.
+  virtual StatusOr<std::vector<Handle>> PushMany(const std::vector<std::string>& names);
+  virtual StatusOr<std::vector<Handle>> PullMany(const std::vector<std::string>& names);
   // Advances this worker's clock by one.
   virtual Status Clock() = 0;
   // One training step: push every tensor (row tables: their gradient rows), wait, Clock(), pull
