@@ -192,6 +192,83 @@ Status VerbsEndpoint::PostChecked(OpType op, const LocalSlice& local, const Remo
   return Status::OK();
 }
 
+Status VerbsEndpoint::PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces,
+                                          size_t n, uint64_t context, uint32_t flags) {
+  const auto* region = static_cast<const VerbsMemoryRegion*>(dst.region);  // checked: ours
+  for (size_t i = 0; i < n; ++i) {
+    if (pieces[i].length > UINT32_MAX) {  // a WR moves < 4 GiB: as single reads (refused there)
+      return Endpoint::PostReadListChecked(dst, pieces, n, context, flags);
+    }
+  }
+  if (credits_.outstanding() + static_cast<int>(n) > credits_.depth()) {
+    return ResourceExhaustedError("send queue full: " + std::to_string(credits_.outstanding()) +
+                                  " operations outstanding, a read list of " + std::to_string(n) +
+                                  " needs as many credits; poll the completion queue");
+  }
+  const uint32_t first_seq = head_seq_;
+  for (size_t i = 0; i < n; ++i) {
+    (void)credits_.Take();  // cannot fail: checked above
+    OpSlot& slot = ring_[(first_seq + i) % ring_.size()];
+    slot.context = context;
+    slot.imm = 0;
+    slot.length = static_cast<uint32_t>(pieces[i].length);
+    slot.op = OpType::kRead;
+    slot.user_signaled = i + 1 == n && !(flags & kUnsignaled);
+    slot.posted = false;
+  }
+  head_seq_ += static_cast<uint32_t>(n);
+  if (!error_.ok()) {
+    // As PostChecked: accepted, completed with kFlushed from the next Poll.
+    if (drained_) cq_->markSoftwareProgress(this);
+    return Status::OK();
+  }
+  list_wrs_.assign(n, ibv_send_wr{});
+  list_sges_.assign(n, ibv_sge{});
+  uint64_t off = reinterpret_cast<uint64_t>(region->data()) + dst.offset;
+  int run = unsignaled_run_;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t seq = first_seq + static_cast<uint32_t>(i);
+    const bool signaled = ring_[seq % ring_.size()].user_signaled || run + 1 >= config_.signal_interval;
+    run = signaled ? 0 : run + 1;
+    ibv_sge& sge = list_sges_[i];
+    sge.addr = off;
+    sge.length = static_cast<uint32_t>(pieces[i].length);
+    sge.lkey = region->lkey();
+    off += pieces[i].length;
+    ibv_send_wr& wr = list_wrs_[i];
+    wr.wr_id = MakeWrId(WrKind::kSend, cq_slot_, gen_, seq);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_READ;
+    wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
+    wr.wr.rdma.remote_addr = pieces[i].remote.addr;
+    wr.wr.rdma.rkey = pieces[i].remote.rkey;
+    wr.next = i + 1 < n ? &list_wrs_[i + 1] : nullptr;
+  }
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(qp_.get(), list_wrs_.data(), &bad);
+  // On a failure, the WRs before `bad` were handed to the QP (they complete like unsignaled
+  // reads: their credits return with a later completion); `bad` and after were not.
+  size_t posted = n;
+  if (rc != 0) posted = bad == nullptr ? 0 : static_cast<size_t>(bad - list_wrs_.data());
+  run = unsignaled_run_;
+  for (size_t i = 0; i < posted; ++i) {
+    OpSlot& slot = ring_[(first_seq + i) % ring_.size()];
+    slot.posted = true;
+    run = (list_wrs_[i].send_flags & IBV_SEND_SIGNALED) ? 0 : run + 1;
+  }
+  unsignaled_run_ = run;
+  if (rc != 0) {
+    if (posted > 0) ring_[(first_seq + posted - 1) % ring_.size()].user_signaled = false;
+    head_seq_ = first_seq + static_cast<uint32_t>(posted);
+    credits_.Return(static_cast<int>(n - posted));
+    return InternalError(std::string("verbs: ibv_post_send of a read list: ") + strerror(rc) +
+                         " (" + std::to_string(posted) + " of " + std::to_string(n) +
+                         " pieces were posted; they complete unseen)");
+  }
+  return Status::OK();
+}
+
 void VerbsEndpoint::emit(uint32_t seq, WcStatus status, int credits) {
   const OpSlot& s = ring_[seq % ring_.size()];
   CqState::Pending p;

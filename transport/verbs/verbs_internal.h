@@ -201,6 +201,11 @@ class VerbsEndpoint final : public Endpoint {
  private:
   Status PostChecked(OpType op, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
                      uint64_t context, uint32_t flags) override;
+  // A read list as one chain of n RDMA READ work requests handed to the QP by one
+  // ibv_post_send (one doorbell): n credits, taken all or none; the last WR carries `flags`,
+  // the others are unsignaled (save the signal_interval ones).
+  Status PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
+                             uint64_t context, uint32_t flags) override;
   Status postRecv(int count);
   // Moves the endpoint into the error state (first error wins), flushes the QP and posts the
   // drain marker. `first_status` is reported by the oldest outstanding op if no error
@@ -219,6 +224,9 @@ class VerbsEndpoint final : public Endpoint {
   uint32_t head_seq_ = 0;     // next post
   uint32_t tail_seq_ = 0;     // oldest op whose completion is not yet generated
   int unsignaled_run_ = 0;    // posts since the last signaled WR
+  // PostReadListChecked's chain; reused.
+  std::vector<ibv_send_wr> list_wrs_;
+  std::vector<ibv_sge> list_sges_;
   uint32_t cq_slot_ = 0;
   uint32_t gen_ = 0;
   bool attached_ = false;
