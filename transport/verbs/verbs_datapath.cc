@@ -180,16 +180,68 @@ Status VerbsEndpoint::PostChecked(OpType op, const LocalSlice& local, const Remo
   }
   wr.wr.rdma.remote_addr = remote.addr;
   wr.wr.rdma.rkey = remote.rkey;
-  ibv_send_wr* bad = nullptr;
-  if (int rc = ibv_post_send(qp_.get(), &wr, &bad); rc != 0) {
-    --head_seq_;
-    credits_.Return(1);
-    return InternalError(std::string("verbs: ibv_post_send: ") + strerror(rc) +
-                         " (nothing was posted)");
-  }
-  slot.posted = true;
+  const int undo_run = unsignaled_run_;
   unsignaled_run_ = signaled ? 0 : unsignaled_run_ + 1;
+  appendWr(wr, local.length > 0 ? &sge : nullptr);
+  return finishPost(flags, 1, seq, undo_run);
+}
+
+void VerbsEndpoint::appendWr(const ibv_send_wr& wr, const ibv_sge* sge) {
+  if (chain_wrs_.empty()) chain_first_seq_ = WrIdSeq(wr.wr_id);
+  chain_wrs_.push_back(wr);
+  chain_sges_.push_back(sge != nullptr ? *sge : ibv_sge{});
+}
+
+Status VerbsEndpoint::flushChain() {
+  const size_t n = chain_wrs_.size();
+  if (n == 0) return Status::OK();
+  for (size_t i = 0; i < n; ++i) {
+    ibv_send_wr& wr = chain_wrs_[i];
+    wr.sg_list = wr.num_sge > 0 ? &chain_sges_[i] : nullptr;
+    wr.next = i + 1 < n ? &chain_wrs_[i + 1] : nullptr;
+  }
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(qp_.get(), chain_wrs_.data(), &bad);
+  // On a failure the requests before `bad` were taken by the QP; `bad` and after were not.
+  const size_t taken =
+      rc == 0 ? n : (bad == nullptr ? 0 : static_cast<size_t>(bad - chain_wrs_.data()));
+  for (size_t i = 0; i < taken; ++i) {
+    ring_[(chain_first_seq_ + static_cast<uint32_t>(i)) % ring_.size()].posted = true;
+  }
+  chain_wrs_.clear();
+  chain_sges_.clear();
+  if (rc != 0) {
+    return InternalError(std::string("verbs: ibv_post_send: ") + strerror(rc) + " (" +
+                         std::to_string(taken) + " of " + std::to_string(n) +
+                         " work requests taken)");
+  }
   return Status::OK();
+}
+
+Status VerbsEndpoint::finishPost(uint32_t flags, size_t own, uint32_t undo_head, int undo_run) {
+  if (flags & kMore) {
+    cq_->markDeferred(this);
+    return Status::OK();
+  }
+  const bool only_own = chain_wrs_.size() == own && chain_first_seq_ == undo_head;
+  Status s = flushChain();
+  if (s.ok()) return s;
+  if (only_own && !ring_[undo_head % ring_.size()].posted) {
+    head_seq_ = undo_head;
+    credits_.Return(static_cast<int>(own));
+    unsignaled_run_ = undo_run;
+    return Status(s.code(), s.message() + "; nothing was posted");
+  }
+  // Posts accepted earlier (kMore) were in the chain, or the QP took part of it: they cannot be
+  // taken back, so they complete flushed, as after any error.
+  enterError(s, WcStatus::kLocalError);
+  return Status::OK();
+}
+
+void VerbsEndpoint::flushDeferredOnPollingThread() {
+  in_deferred_list_ = false;
+  if (!error_.ok()) return;
+  if (Status s = flushChain(); !s.ok()) enterError(s, WcStatus::kLocalError);
 }
 
 Status VerbsEndpoint::PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces,
@@ -222,51 +274,28 @@ Status VerbsEndpoint::PostReadListChecked(const LocalSlice& dst, const ReadPiece
     if (drained_) cq_->markSoftwareProgress(this);
     return Status::OK();
   }
-  list_wrs_.assign(n, ibv_send_wr{});
-  list_sges_.assign(n, ibv_sge{});
   uint64_t off = reinterpret_cast<uint64_t>(region->data()) + dst.offset;
-  int run = unsignaled_run_;
+  const int undo_run = unsignaled_run_;
   for (size_t i = 0; i < n; ++i) {
     const uint32_t seq = first_seq + static_cast<uint32_t>(i);
-    const bool signaled = ring_[seq % ring_.size()].user_signaled || run + 1 >= config_.signal_interval;
-    run = signaled ? 0 : run + 1;
-    ibv_sge& sge = list_sges_[i];
+    const bool signaled =
+        ring_[seq % ring_.size()].user_signaled || unsignaled_run_ + 1 >= config_.signal_interval;
+    unsignaled_run_ = signaled ? 0 : unsignaled_run_ + 1;
+    ibv_sge sge{};
     sge.addr = off;
     sge.length = static_cast<uint32_t>(pieces[i].length);
     sge.lkey = region->lkey();
     off += pieces[i].length;
-    ibv_send_wr& wr = list_wrs_[i];
+    ibv_send_wr wr{};
     wr.wr_id = MakeWrId(WrKind::kSend, cq_slot_, gen_, seq);
-    wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_RDMA_READ;
     wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
     wr.wr.rdma.remote_addr = pieces[i].remote.addr;
     wr.wr.rdma.rkey = pieces[i].remote.rkey;
-    wr.next = i + 1 < n ? &list_wrs_[i + 1] : nullptr;
+    appendWr(wr, &sge);
   }
-  ibv_send_wr* bad = nullptr;
-  const int rc = ibv_post_send(qp_.get(), list_wrs_.data(), &bad);
-  // On a failure, the WRs before `bad` were handed to the QP (they complete like unsignaled
-  // reads: their credits return with a later completion); `bad` and after were not.
-  size_t posted = n;
-  if (rc != 0) posted = bad == nullptr ? 0 : static_cast<size_t>(bad - list_wrs_.data());
-  run = unsignaled_run_;
-  for (size_t i = 0; i < posted; ++i) {
-    OpSlot& slot = ring_[(first_seq + i) % ring_.size()];
-    slot.posted = true;
-    run = (list_wrs_[i].send_flags & IBV_SEND_SIGNALED) ? 0 : run + 1;
-  }
-  unsignaled_run_ = run;
-  if (rc != 0) {
-    if (posted > 0) ring_[(first_seq + posted - 1) % ring_.size()].user_signaled = false;
-    head_seq_ = first_seq + static_cast<uint32_t>(posted);
-    credits_.Return(static_cast<int>(n - posted));
-    return InternalError(std::string("verbs: ibv_post_send of a read list: ") + strerror(rc) +
-                         " (" + std::to_string(posted) + " of " + std::to_string(n) +
-                         " pieces were posted; they complete unseen)");
-  }
-  return Status::OK();
+  return finishPost(flags, n, first_seq, undo_run);
 }
 
 void VerbsEndpoint::emit(uint32_t seq, WcStatus status, int credits) {
@@ -399,6 +428,10 @@ void VerbsEndpoint::probeLivenessOnPollingThread() {
 void VerbsEndpoint::enterError(Status why, WcStatus first_status) {
   if (!error_.ok()) return;
   error_ = std::move(why);
+  // Held (kMore) requests never reach the QP: their slots say posted = false, so they
+  // complete flushed after the drain, in post order.
+  chain_wrs_.clear();
+  chain_sges_.clear();
   pending_first_status_ = first_status;
   // An EOF stays readable: stop watching, or Wait would wake up for it forever. The socket
   // itself stays open until destruction, which is when the peer learns we are gone.
@@ -459,6 +492,7 @@ void CqState::detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots) {
   }
   software_progress_.erase(std::remove(software_progress_.begin(), software_progress_.end(), ep),
                            software_progress_.end());
+  deferred_.erase(std::remove(deferred_.begin(), deferred_.end(), ep), deferred_.end());
 }
 
 void CqState::push(const Pending& p) {
@@ -466,6 +500,12 @@ void CqState::push(const Pending& p) {
       << "verbs: completion backlog overflow; the CQ quota invariant is broken";
   pending_[(pending_head_ + pending_count_) % pending_.size()] = p;
   ++pending_count_;
+}
+
+void CqState::markDeferred(VerbsEndpoint* ep) {
+  if (ep->in_deferred_list_) return;
+  ep->in_deferred_list_ = true;
+  deferred_.push_back(ep);
 }
 
 void CqState::markSoftwareProgress(VerbsEndpoint* ep) {
@@ -541,6 +581,11 @@ int CqState::handOut(Completion* out, int max) {
 int CqState::PollOnPollingThread(Completion* out, int max) {
   if (max <= 0) return 0;
   checkLivenessIfDue();
+  if (!deferred_.empty()) {  // what kMore held goes to the QPs before the CQ is polled
+    std::vector<VerbsEndpoint*> eps;
+    eps.swap(deferred_);
+    for (VerbsEndpoint* ep : eps) ep->flushDeferredOnPollingThread();
+  }
   if (!software_progress_.empty()) {
     std::vector<VerbsEndpoint*> eps;
     eps.swap(software_progress_);

@@ -94,6 +94,8 @@ class CqState {
   void detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots);
   void push(const Pending& p);  // from an endpoint, while processing completions
   void markSoftwareProgress(VerbsEndpoint* ep);
+  // An endpoint holding work requests posted with kMore: the next Poll hands them to its QP.
+  void markDeferred(VerbsEndpoint* ep);
   // The CQ's epoll set holds the bootstrap sockets of its healthy endpoints, so liveness costs
   // one epoll_wait per check (and one extra fd in Wait) however many endpoints are attached.
   void watchBootstrap(int fd, uint32_t cq_slot, uint32_t gen);
@@ -136,6 +138,7 @@ class CqState {
   size_t pending_head_ = 0;
   size_t pending_count_ = 0;
   std::vector<VerbsEndpoint*> software_progress_;  // errored endpoints with unposted ops
+  std::vector<VerbsEndpoint*> deferred_;           // endpoints holding a kMore chain
   std::chrono::steady_clock::time_point next_liveness_check_{};
 };
 
@@ -197,16 +200,30 @@ class VerbsEndpoint final : public Endpoint {
   void onHandedOutOnPollingThread(int credits, bool repost_recv);
   void completeUnpostedOnPollingThread();
   void probeLivenessOnPollingThread();
+  // Hands the work requests held by kMore to the QP (the CQ's Poll); a failure moves the
+  // endpoint into the error state (those posts were accepted: they complete flushed).
+  void flushDeferredOnPollingThread();
 
  private:
   Status PostChecked(OpType op, const LocalSlice& local, const RemoteSlice& remote, uint32_t imm,
                      uint64_t context, uint32_t flags) override;
   // A read list as one chain of n RDMA READ work requests handed to the QP by one
   // ibv_post_send (one doorbell): n credits, taken all or none; the last WR carries `flags`,
-  // the others are unsignaled (save the signal_interval ones).
+  // the others are unsignaled (save the signal_interval ones); with kMore it is held like a
+  // single post.
   Status PostReadListChecked(const LocalSlice& dst, const ReadPiece* pieces, size_t n,
                              uint64_t context, uint32_t flags) override;
   Status postRecv(int count);
+  // The chain: work requests accepted but not yet handed to the QP (their ring slots say
+  // posted = false), the newest posts. appendWr adds one; flushChain hands all of them to the
+  // QP with one ibv_post_send (one doorbell) and marks the slots of those it took.
+  void appendWr(const ibv_send_wr& wr, const ibv_sge* sge);
+  Status flushChain();
+  // After a post's own work requests were appended: held (kMore) or handed to the QP. If the
+  // QP refuses the chain and it holds only this post's `own` requests, they are taken back
+  // (`head_seq_`, credits and the signal run restored from `undo_*`) and the error returned:
+  // nothing was posted; otherwise the endpoint enters the error state.
+  Status finishPost(uint32_t flags, size_t own, uint32_t undo_head, int undo_run);
   // Moves the endpoint into the error state (first error wins), flushes the QP and posts the
   // drain marker. `first_status` is reported by the oldest outstanding op if no error
   // completion carries the cause itself.
@@ -224,9 +241,10 @@ class VerbsEndpoint final : public Endpoint {
   uint32_t head_seq_ = 0;     // next post
   uint32_t tail_seq_ = 0;     // oldest op whose completion is not yet generated
   int unsignaled_run_ = 0;    // posts since the last signaled WR
-  // PostReadListChecked's chain; reused.
-  std::vector<ibv_send_wr> list_wrs_;
-  std::vector<ibv_sge> list_sges_;
+  std::vector<ibv_send_wr> chain_wrs_;
+  std::vector<ibv_sge> chain_sges_;  // chain_wrs_[i]'s (num_sge 0 or 1), linked at flush
+  uint32_t chain_first_seq_ = 0;
+  bool in_deferred_list_ = false;
   uint32_t cq_slot_ = 0;
   uint32_t gen_ = 0;
   bool attached_ = false;
