@@ -1,5 +1,6 @@
 #include "worker/host_client.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -33,6 +34,25 @@ milliseconds Left(SteadyClock::time_point deadline) {
                   std::chrono::duration_cast<milliseconds>(deadline - SteadyClock::now()));
 }
 
+// Waits up to `timeout` for the first packet, or the end, of a connection just made; true when
+// the connection was reset without ever being accepted: a listener that closes drops the
+// connections in its backlog with ECONNRESET (an accepted connection that is closed reads EOF,
+// or the error its peer sent, instead).
+bool ResetBeforeAccept(int sock, milliseconds timeout) {
+  const auto deadline = SteadyClock::now() + timeout;
+  struct pollfd p = {sock, POLLIN, 0};
+  for (;;) {
+    const int r = poll(&p, 1, static_cast<int>(Left(deadline).count()));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0 || (p.revents & POLLERR) == 0) return false;
+    int err = 0;
+    socklen_t len = sizeof(err);
+    // SO_ERROR reads and clears the error: a reset socket is dropped by the caller; any other
+    // goes on to ReceiveLocal, which reports its end.
+    return getsockopt(sock, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == ECONNRESET;
+  }
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<Client>> HostClient::Connect(const ClientOptions& options) {
@@ -60,7 +80,7 @@ Status HostClient::ConnectSocket(milliseconds timeout) {
   socklen_t len;
   RETURN_IF_ERROR(host::MakeUnixAddress(options_.aggregator, &addr, &len));
   const auto deadline = SteadyClock::now() + timeout;
-  int last = 0;
+  std::string last = "not tried";
   // The aggregator may start after its workers (a launcher starts them together): retry a
   // missing or refusing socket until the deadline.
   do {
@@ -68,7 +88,17 @@ Status HostClient::ConnectSocket(milliseconds timeout) {
     if (!fd.valid()) return ErrnoError("host client: socket", errno);
     if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) {
       // The aggregator greets with the cluster's facts (rank, mode) before anything else.
-      auto hello = host::ReceiveLocal(fd.get(), std::max(Left(deadline), milliseconds(1000)));
+      const milliseconds wait = std::max(Left(deadline), milliseconds(1000));
+      if (ResetBeforeAccept(fd.get(), wait)) {
+        // The listening socket of an aggregator that is exiting: the kernel can close a dying
+        // process's connections before its listening socket, so a worker that just saw EOF on
+        // its connection (Rejoin) can still connect to the dead aggregator's name, and is
+        // reset when the listener goes. As good as refused: retry.
+        last = "a dying aggregator's socket dropped the connection before accepting it";
+        std::this_thread::sleep_for(milliseconds(20));
+        continue;
+      }
+      auto hello = host::ReceiveLocal(fd.get(), milliseconds(0));
       if (!hello.ok()) return hello.status();
       if (hello->has_error()) {
         return FailedPreconditionError("host aggregator refused: " + hello->error().message());
@@ -78,13 +108,14 @@ Status HostClient::ConnectSocket(milliseconds timeout) {
       sock_ = std::move(fd);
       return Status::OK();
     }
-    last = errno;
-    if (last != ENOENT && last != ECONNREFUSED && last != EAGAIN) break;
+    const int err = errno;
+    last = std::strerror(err);
+    if (err != ENOENT && err != ECONNREFUSED && err != EAGAIN) break;
     std::this_thread::sleep_for(milliseconds(20));
   } while (SteadyClock::now() < deadline);
-  return UnavailableError("no host aggregator at " + options_.aggregator + ": " +
-                          std::strerror(last) + " (start shardps_aggregator --socket=" +
-                          options_.aggregator + " on this host)");
+  return UnavailableError("no host aggregator at " + options_.aggregator + ": " + last +
+                          " (start shardps_aggregator --socket=" + options_.aggregator +
+                          " on this host)");
 }
 
 Status HostClient::RegisterTensor(const std::string& name, float* weights, float* grads,
@@ -240,7 +271,8 @@ Status HostClient::Rejoin() {
   sock_.reset();
   const milliseconds budget =
       options_.failover_timeout.count() > 0 ? options_.failover_timeout : milliseconds(60000);
-  const auto deadline = SteadyClock::now() + budget;
+  const auto since = SteadyClock::now();
+  const auto deadline = since + budget;
   Status last;
   while (SteadyClock::now() < deadline) {
     last = ConnectSocket(Left(deadline));
@@ -258,9 +290,11 @@ Status HostClient::Rejoin() {
     if (last.code() != StatusCode::kUnavailable) break;
     std::this_thread::sleep_for(milliseconds(50));
   }
+  const auto waited = std::chrono::duration_cast<milliseconds>(SteadyClock::now() - since).count();
   return life_.Break(UnavailableError("the host aggregator at " + options_.aggregator +
-                                      " died and did not come back within " +
-                                      std::to_string(budget.count()) + " ms: " + last.ToString()));
+                                      " died and did not come back (gave up after " +
+                                      std::to_string(waited) + " of " +
+                                      std::to_string(budget.count()) + " ms): " + last.ToString()));
 }
 
 Status HostClient::WaitForWeights(uint64_t c) {
