@@ -43,7 +43,9 @@ def main():
     for r in ours:
         key = (r["layout"].replace("-hashed", ""), r["dist"], int(r["ids"]), int(r["dim"]),
                r["op"])
-        p = theirs.get(key) if not r["layout"].endswith("-hashed") else None
+        # ps-lite runs over tcp (ZeroMQ): its figures sit beside our tcp rows only.
+        p = (theirs.get(key) if r["transport"] == "tcp" and not r["layout"].endswith("-hashed")
+             else None)
         ps = f"{p['rows_per_s'] / 1e6:.2f} M" if p else "–"
         ratio = f"{r['rows_per_s'] / p['rows_per_s']:.2f}" if p and p["rows_per_s"] else "–"
         out.append(

@@ -18,7 +18,7 @@ mkdir -p "$ROOT/bench/results"
 SHARDPS_BUILD_DIR="$BUILD" SHARDPS_BUILD_TARGETS="shardps_row_bench shardps_server shardps_coordinator_bin" \
   "$ROOT/scripts/build.sh" > /tmp/bench-rows-build.log 2>&1 ||
   { tail -30 /tmp/bench-rows-build.log >&2; exit 1; }
-ARGS=(--transports=tcp --layouts=1x1,2x2 --ids=1024,4096,16384,65536 --dims=16,64,256
+ARGS=(--transports=tcp,shm --layouts=1x1,2x2 --ids=1024,4096,16384,65536 --dims=16,64,256
       --dists=uniform,zipf --tables=dense --rows=1000000 --seconds=1)
 PSARGS=()
 if [[ $QUICK == 1 ]]; then
