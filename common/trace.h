@@ -139,6 +139,21 @@ inline void Instant(const char* name, const char* cat, std::initializer_list<Arg
 // A span whose start was taken earlier (NowNs()), for work that starts in one call and ends in
 // another (a pull posted in Pull() and finished by a completion).
 inline int64_t NowNs() { return Enabled() ? internal::MonotonicNs() : 0; }
+// An instant event at a time taken earlier (NowNs(); 0: not traced): for an event that others
+// can observe the moment it happens, stamped before it happens rather than after (a publish
+// that a peer's read can see before the publishing thread records it).
+inline void InstantAt(const char* name, const char* cat, int64_t ts_ns,
+                      std::initializer_list<Arg> args = {}) {
+  if (!Enabled() || ts_ns == 0) return;
+  Event e;
+  e.ph = 'i';
+  e.name = name;
+  e.cat = cat;
+  e.ts_ns = ts_ns;
+  e.tid = ThreadId();
+  for (const Arg& a : args) e.Add(a);
+  Record(std::move(e));
+}
 inline void Complete(const char* name, const char* cat, int64_t start_ns,
                      std::initializer_list<Arg> args = {}) {
   if (!Enabled() || start_ns == 0) return;

@@ -502,12 +502,16 @@ void ShardServer::FinishCommit(uint32_t slot) {
   const bool initialised = chunks_->initialised(slot);
   const std::vector<Contributor> contributors = gate_->EndVersion(slot);
   const PendingVersion& v = pending_[slot];
+  // Stamped before the version becomes visible: a worker's read may see it (and its pull end)
+  // before this thread, descheduled on a busy host, records the event (trace.cluster caught a
+  // pull ending 135 us before a publish stamped after it).
+  const int64_t publish_ns = trace::NowNs();
   chunks_->Publish(slot, v.buffer,
                    gate_->PublishMinClockPlus1(slot, v.min_clock_plus1, initialised, *workers_));
   stats_.Bump(&ShardServerCounters::versions_published);
-  trace::Instant("publish", "server",
-                 {{"chunk", chunks_->chunk_id(slot)}, {"version", chunks_->version(slot)},
-                  {"min_clock_plus1", chunks_->published_min_clock_plus1(slot)}});
+  trace::InstantAt("publish", "server", publish_ns,
+                   {{"chunk", chunks_->chunk_id(slot)}, {"version", chunks_->version(slot)},
+                    {"min_clock_plus1", chunks_->published_min_clock_plus1(slot)}});
   CrashPoint("server.after_publish");  // "@N": the Nth version published (mid-training)
   // The pushes folded into this version are acknowledged only now: their inbox slots (and, for
   // a failover, the workers' own buffers) may be reused once the version is replicated.
