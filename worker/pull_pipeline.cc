@@ -63,6 +63,10 @@ void PullPipeline::StartPull(uint32_t id, Phase phase) {
   ServerSession& s = sessions_.at(p.server);
   const Tensor& t = tensors_[p.tensor];
   c.phase = phase;
+  if (!s.ep) {  // a group with no endpoint until the next shard map: as a failed post
+    Finish(id, sessions_.ServerError(p.server, "not connected"));
+    return;
+  }
   const uint64_t hdr = s.layout->header_offset(p.slot);
   const uint64_t ctx = MakeContext(kOpPull, id, c.handle);
   auto read_header = [&](int which, uint32_t flags) {

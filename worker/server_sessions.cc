@@ -202,6 +202,7 @@ uint64_t ServerSessions::AcksOffset(uint32_t server) const {
 
 Status ServerSessions::SendClock(uint32_t server, uint64_t clock) {
   ServerSession& s = servers_[server];
+  if (!s.ep) return ServerError(server, "not connected");
   const uint64_t off = clock_staging_offset_ + s.rank * layout::kAlign;
   std::memcpy(StagingAt(off), &clock, sizeof(clock));
   return PostWithCredit([&] {
@@ -216,6 +217,8 @@ Status ServerSessions::SendClock(uint32_t server, uint64_t clock) {
 Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::time_point deadline,
                                 const std::function<Status()>& timeout_error, bool stop_if_failed) {
   ServerSession& s = servers_[server];
+  // A group whose failover target failed too has no endpoint until the next shard map.
+  if (!s.ep) return ServerError(server, "not connected");
   const uint64_t off = AcksOffset(server);
   acks_pending_ = 1;
   setup_error_ = Status::OK();
@@ -254,6 +257,7 @@ Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk
                                   SteadyClock::time_point deadline,
                                   const std::function<Status()>& timeout_error) {
   ServerSession& s = servers_[server];
+  if (!s.ep) return ServerError(server, "not connected");
   acks_pending_ = 1;
   setup_error_ = Status::OK();
   RETURN_IF_ERROR(PostWithCredit([&] {

@@ -102,7 +102,7 @@ TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
   }
 }
 
-// PushMany / PullMany (Step's path): a burst of 12 tensors, small (one write-with-immediate
+// PushMany / PullMany: a burst of 12 tensors, small (one write-with-immediate
 // each) and large (data, then header), is on the wire when PushMany returns: another worker
 // sees every update while the pusher neither waits nor polls (over tcp the burst goes with
 // kMore; without the poll that ends it, nothing would leave). An unknown name anywhere in the

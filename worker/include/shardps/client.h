@@ -265,7 +265,10 @@ class SHARDPS_EXPORT Client {
   // and verbs post as before). Everything is sent before the call returns, so computing
   // before the Waits still overlaps the transfers. An unknown name refuses the call before
   // anything is posted; if one push (pull) cannot be started, those before it are waited
-  // for and its error is returned: a failed call leaves nothing in flight. Step() uses them.
+  // for and its error is returned: a failed call leaves nothing in flight. Known limit: when a
+  // server group is lost mid-call (its failover target died too), the DATA_LOSS can take the
+  // failover wait (26 s by default) to arrive; Step() therefore still pushes one tensor at a
+  // time.
   virtual StatusOr<std::vector<Handle>> PushMany(const std::vector<std::string>& names);
   virtual StatusOr<std::vector<Handle>> PullMany(const std::vector<std::string>& names);
   // Advances this worker's clock by one.
