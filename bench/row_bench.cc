@@ -26,6 +26,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -50,6 +51,7 @@
 #include "shardps/client.h"
 #include "tests/integration/child_process.h"
 #include "transport/flags.h"
+#include "wire/region_layout.h"
 
 DEFINE_string(role, "main", "main, or target (the bound's peer, started by main)");
 DEFINE_string(transports, "tcp", "tcp, shm");
@@ -65,6 +67,17 @@ DEFINE_string(json, "", "write every point as JSON lines here");
 DEFINE_string(work_dir, "/tmp/shardps-row-bench", "cluster logs");
 DEFINE_bool(smoke, false, "a tiny matrix (CI): 20k rows, dims 16, ids 256 and 1024, 1x1");
 DEFINE_int64(region_bytes, 0, "target: its region's bytes");
+DEFINE_int64(batch_ids, int64_t{1} << 22,
+             "distinct batches per point and worker: this many ids over the batch size (4 to "
+             "256 batches; the defaults: 256 batches of 4,096 ids touch 300 MB of a 1 M x 64 "
+             "table, more than any cache, as a real step's new ids do)");
+DEFINE_int32(rounds, 1,
+             "rounds over the points, interleaved (every point's ours, bound and floor once per "
+             "round); a point reports the median of its rounds");
+DEFINE_bool(floor, true,
+            "pull points: also measure the gather floor (the same batches' row records copied "
+            "out of a local table of the same size with no transport: what any one-sided design "
+            "pays this host's memory for scattered rows)");
 DEFINE_int64(cold_bound_mib, 256,
              "the cache-cold bound reads a different slice of a target region this large each "
              "time (as a pull reads rows spread over a table that no cache holds); 0: no cold "
@@ -84,13 +97,20 @@ std::vector<int64_t> Ints(const std::string& s) {
   return v;
 }
 
-// Batches of `b` distinct ids in [0, rows), sorted.
+// Batches per point and worker (--batch_ids).
+int BatchCount(int64_t ids) {
+  return static_cast<int>(std::clamp<int64_t>(FLAGS_batch_ids / std::max<int64_t>(1, ids), 4, 256));
+}
+
+// Batches of `b` distinct ids in [0, rows), sorted. Called by every worker thread at once.
 std::vector<std::vector<int64_t>> MakeBatches(const std::string& dist, int64_t rows, int64_t b,
                                               int count, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<std::vector<int64_t>> out;
+  static std::mutex mu;  // guards the Zipf tables while one thread (re)builds them
   static std::vector<double> cdf;  // Zipf(1.1) over ranks 1..rows
   static std::vector<int64_t> perm;
+  std::unique_lock<std::mutex> zipf_lock(mu);
   if (dist == "zipf" && static_cast<int64_t>(cdf.size()) != rows) {
     cdf.resize(rows);
     double sum = 0;
@@ -100,6 +120,7 @@ std::vector<std::vector<int64_t>> MakeBatches(const std::string& dist, int64_t r
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), std::mt19937_64(12345));
   }
+  zipf_lock.unlock();  // built once per table size; read-only from here
   std::uniform_real_distribution<double> u01(0.0, 1.0);
   for (int i = 0; i < count; ++i) {
     std::unordered_set<int64_t> seen;
@@ -192,8 +213,50 @@ struct Point {
   // The same bounds with a cache-cold remote side: each contiguous operation at a different
   // offset of a --cold_bound_mib region (the local side stays hot, as a pull's output does).
   double cold_rows_per_s = 0, ratio_cold = 0, cold_all_rows_per_s = 0, ratio_cold_all = 0;
+  // The same statistic on both sides: ours per worker from the median batch time (the bounds
+  // are medians of their operation times), over the hot and the cold bound.
+  double p50_per_worker = 0, ratio_p50 = 0, ratio_cold_p50 = 0;
+  // The gather floor (pull): rows/s of a bare local copy of the same batches' records out of a
+  // table of the same size, and ours (median, per worker) / it.
+  double floor_rows_per_s = 0, ratio_floor = 0;
+  int rounds = 0;
   uint64_t reads = 0, retries = 0;
 };
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The gather floor of one batch shape: `table` holds rows x stride bytes (touched once, so
+// that its pages exist, as a server's table's do); each timed repetition copies the records of
+// one batch (cycling through `batches`, as the workers do) into `out`, with the lines of the
+// record kAhead places on prefetched, and the median repetition's rows/s is returned.
+double GatherFloor(const std::vector<char>& table, uint64_t stride,
+                   const std::vector<std::vector<int64_t>>& batches, std::vector<char>* out,
+                   double seconds) {
+  constexpr size_t kAhead = 8;
+  std::vector<double> us;
+  const double t0 = NowSeconds();
+  for (size_t rep = 0; rep < 5 || (NowSeconds() - t0 < seconds && rep < 100000); ++rep) {
+    const std::vector<int64_t>& ids = batches[rep % batches.size()];
+    const size_t n = ids.size();
+    if (out->size() < n * stride) out->resize(n * stride);
+    char* d = out->data();
+    const double s = NowSeconds();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) {
+        const char* p = table.data() + static_cast<uint64_t>(ids[i + kAhead]) * stride;
+        for (uint64_t l = 0; l < stride; l += 64) __builtin_prefetch(p + l);
+      }
+      std::memcpy(d + i * stride, table.data() + static_cast<uint64_t>(ids[i]) * stride, stride);
+    }
+    us.push_back((NowSeconds() - s) * 1e6);
+  }
+  return static_cast<double>(batches[0].size()) / (Median(us) * 1e-6);
+}
 
 // A small reusable barrier for the worker threads and main.
 class Barrier {
@@ -254,18 +317,30 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
                                 FLAGS_work_dir + "/" + transport + "-" + layout + "-d" +
                                     std::to_string(dim)));
   // The plan: every (dist, ids, op) point, in order; workers and main meet at the barrier.
+  // With --rounds R, the points' list R times over (interleaved: a point's rounds are spread
+  // over the run, so a slow minute of the host lands in one round of many points, not in every
+  // round of one); `point` is the job's index in the first round.
   struct Job {
     std::string dist, op;
     int64_t ids;
+    size_t point;
   };
   std::vector<Job> jobs;
-  for (const std::string& d : dists) {
-    for (int64_t b : id_counts) {
-      for (const std::string& op : SplitList(FLAGS_ops)) jobs.push_back({d, op, b});
+  size_t npoints = 0;
+  for (int round = 0; round < std::max(1, FLAGS_rounds); ++round) {
+    size_t point = 0;
+    for (const std::string& d : dists) {
+      for (int64_t b : id_counts) {
+        for (const std::string& op : SplitList(FLAGS_ops)) jobs.push_back({d, op, b, point++});
+      }
     }
+    npoints = point;
   }
   Barrier barrier(workers + 1);
   std::vector<std::vector<double>> rate(jobs.size(), std::vector<double>(workers, 0.0));
+  // Per job and worker: every batch's seconds.
+  std::vector<std::vector<std::vector<double>>> batch_s(
+      jobs.size(), std::vector<std::vector<double>>(workers));
   std::vector<Status> errors(workers);
   std::vector<ClientCounters> counters(workers);
   std::vector<std::thread> threads;
@@ -303,7 +378,9 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
       std::vector<float> buf(static_cast<size_t>(max_ids * dim), 0.001f);
       barrier.Wait();  // started
       for (size_t j = 0; j < jobs.size(); ++j) {
-        auto batches = MakeBatches(jobs[j].dist, FLAGS_rows, jobs[j].ids, 4, 1000 * (w + 1) + j);
+        auto batches =
+            MakeBatches(jobs[j].dist, FLAGS_rows, jobs[j].ids, BatchCount(jobs[j].ids),
+                        1000 * (w + 1) + jobs[j].point);
         if (hashed) {
           // 64-bit keys (a feature hash of the id): as many distinct keys, any value.
           for (auto& b : batches) {
@@ -317,8 +394,11 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
         }
         const double t0 = NowSeconds();
         int64_t n = 0;
+        std::vector<double>& times = batch_s[j][w];
+        times.reserve(4096);
         while (n < 3 || NowSeconds() - t0 < FLAGS_seconds) {
           const std::vector<int64_t>& ids = batches[n % batches.size()];
+          const double b0 = NowSeconds();
           if (jobs[j].op == "pull") {
             st = c->PullRows("E", ids.data(), ids.size(), buf.data());
           } else {
@@ -332,6 +412,7 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
             fail(st);
             break;
           }
+          times.push_back(NowSeconds() - b0);
           ++n;
         }
         rate[j][w] = static_cast<double>(n) * static_cast<double>(jobs[j].ids) /
@@ -348,6 +429,15 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
   for (int w = 0; w < workers; ++w) {
     if (!errors[w].ok()) stop_all = true;
   }
+  // The gather floor's table: as many records as the servers' table, each of a dense row
+  // record's stride (wire/region_layout.h), every page touched.
+  const uint64_t floor_stride = 
+      (sizeof(::shardps::layout::RowHeader) + static_cast<uint64_t>(dim) * 4 + 15) & ~15ull;
+  std::vector<char> floor_table, floor_out;
+  if (FLAGS_floor && !hashed) {
+    floor_table.assign(static_cast<size_t>(FLAGS_rows) * floor_stride, 1);
+  }
+  std::vector<std::vector<Point>> rounds(npoints);
   for (size_t j = 0; j < jobs.size(); ++j) {
     barrier.Wait();  // go
     barrier.Wait();  // done
@@ -360,6 +450,10 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
     p.dim = dim;
     for (double r : rate[j]) p.rows_per_s += r;
     p.per_worker = p.rows_per_s / workers;
+    for (int w = 0; w < workers; ++w) {
+      const double med = Median(batch_s[j][w]);
+      if (med > 0) p.p50_per_worker += static_cast<double>(jobs[j].ids) / med / workers;
+    }
     p.gbps = p.rows_per_s * static_cast<double>(dim) * 4 / 1e9;
     if (bound != nullptr) {
       const BenchOp bop = p.op == "pull" ? BenchOp::kRead : BenchOp::kWrite;
@@ -394,19 +488,58 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
         cold.remote_slots = static_cast<int>(std::min<int64_t>(cold_slots, 1 << 20));
         measure(cold, &p.cold_rows_per_s, &p.cold_all_rows_per_s);
       }
-      if (p.bound_rows_per_s > 0) p.ratio = p.per_worker / p.bound_rows_per_s;
-      if (p.bound_all_rows_per_s > 0) p.ratio_all = p.rows_per_s / p.bound_all_rows_per_s;
-      if (p.cold_rows_per_s > 0) p.ratio_cold = p.per_worker / p.cold_rows_per_s;
-      if (p.cold_all_rows_per_s > 0) p.ratio_cold_all = p.rows_per_s / p.cold_all_rows_per_s;
+    }
+    if (p.op == "pull" && !floor_table.empty()) {
+      const auto batches =
+          MakeBatches(jobs[j].dist, FLAGS_rows, jobs[j].ids, BatchCount(jobs[j].ids),
+                      1000 + jobs[j].point);
+      p.floor_rows_per_s =
+          GatherFloor(floor_table, floor_stride, batches, &floor_out, std::min(0.5, FLAGS_seconds));
+    }
+    auto ratios = [](Point* q) {
+      auto div = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+      q->ratio = div(q->per_worker, q->bound_rows_per_s);
+      q->ratio_all = div(q->rows_per_s, q->bound_all_rows_per_s);
+      q->ratio_cold = div(q->per_worker, q->cold_rows_per_s);
+      q->ratio_cold_all = div(q->rows_per_s, q->cold_all_rows_per_s);
+      q->ratio_p50 = div(q->p50_per_worker, q->bound_rows_per_s);
+      q->ratio_cold_p50 = div(q->p50_per_worker, q->cold_rows_per_s);
+      q->ratio_floor = div(q->p50_per_worker, q->floor_rows_per_s);
+    };
+    ratios(&p);
+    p.rounds = 1;
+    std::vector<Point>& done = rounds[jobs[j].point];
+    done.push_back(p);
+    if (done.size() < static_cast<size_t>(std::max(1, FLAGS_rounds))) continue;
+    if (done.size() > 1) {
+      // The point: the median of each figure over its rounds, and of each round's ratio (not
+      // the ratio of medians: a round's ours and bound were taken minutes apart from another's).
+      auto med = [&](double Point::*f) {
+        std::vector<double> v;
+        for (const Point& q : done) v.push_back(q.*f);
+        return Median(v);
+      };
+      for (double Point::*f :
+           {&Point::rows_per_s, &Point::gbps, &Point::per_worker, &Point::bound_rows_per_s,
+            &Point::bound_all_rows_per_s, &Point::cold_rows_per_s, &Point::cold_all_rows_per_s,
+            &Point::p50_per_worker, &Point::floor_rows_per_s, &Point::ratio, &Point::ratio_all,
+            &Point::ratio_cold, &Point::ratio_cold_all, &Point::ratio_p50,
+            &Point::ratio_cold_p50, &Point::ratio_floor}) {
+        p.*f = med(f);
+      }
+      p.rounds = static_cast<int>(done.size());
     }
     printf("%-4s %-4s %-7s %-5s ids %6lld dim %4lld  %11.0f rows/s  %6.3f GB/s  per worker "
            "%11.0f  bound %11.0f rows/s  ratio %5.2f  bound x%d %11.0f rows/s  ratio %5.2f  "
-           "cold bound %11.0f rows/s  ratio %5.2f  cold x%d %11.0f rows/s  ratio %5.2f\n",
+           "cold bound %11.0f rows/s  ratio %5.2f  cold x%d %11.0f rows/s  ratio %5.2f  "
+           "p50 per worker %11.0f  ratio %5.2f  cold %5.2f  floor %11.0f rows/s  ratio %5.2f  "
+           "rounds %d\n",
            p.transport.c_str(), p.layout.c_str(), p.dist.c_str(), p.op.c_str(),
            static_cast<long long>(p.ids), static_cast<long long>(p.dim), p.rows_per_s, p.gbps,
            p.per_worker, p.bound_rows_per_s, p.ratio, workers, p.bound_all_rows_per_s,
            p.ratio_all, p.cold_rows_per_s, p.ratio_cold, workers, p.cold_all_rows_per_s,
-           p.ratio_cold_all);
+           p.ratio_cold_all, p.p50_per_worker, p.ratio_p50, p.ratio_cold_p50,
+           p.floor_rows_per_s, p.ratio_floor, p.rounds);
     fflush(stdout);
     points->push_back(p);
   }
@@ -510,7 +643,11 @@ int Main() {
         << ",\"ratio_all\":" << p.ratio_all << ",\"cold_rows_per_s\":" << p.cold_rows_per_s
         << ",\"ratio_cold\":" << p.ratio_cold
         << ",\"cold_all_rows_per_s\":" << p.cold_all_rows_per_s
-        << ",\"ratio_cold_all\":" << p.ratio_cold_all << "}\n";
+        << ",\"ratio_cold_all\":" << p.ratio_cold_all
+        << ",\"p50_per_worker\":" << p.p50_per_worker << ",\"ratio_p50\":" << p.ratio_p50
+        << ",\"ratio_cold_p50\":" << p.ratio_cold_p50
+        << ",\"floor_rows_per_s\":" << p.floor_rows_per_s << ",\"ratio_floor\":" << p.ratio_floor
+        << ",\"rounds\":" << p.rounds << "}\n";
     }
   }
   // Smoke: every point moved rows.
