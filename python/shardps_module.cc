@@ -122,7 +122,7 @@ class PyClient {
            int rdma_gid_index, int64_t setup_timeout_ms, int64_t wait_timeout_ms,
            uint64_t cuda_pipeline_bytes, int metrics_port, const std::string& metrics_address,
            const std::string& metrics_address_file, const std::string& trace_file,
-           uint64_t trace_max_events) {
+           uint64_t trace_max_events, int64_t busy_poll_us) {
     shardps::ClientOptions o;
     o.coordinator = coordinator;
     o.cluster_token = cluster_token;
@@ -139,6 +139,7 @@ class PyClient {
     o.metrics_address_file = metrics_address_file;
     o.trace_file = trace_file;
     o.trace_max_events = trace_max_events;
+    o.busy_poll = std::chrono::microseconds(busy_poll_us);
     shardps::StatusOr<std::unique_ptr<shardps::Client>> c = shardps::InternalError("unset");
     {
       py::gil_scoped_release nogil;
@@ -461,7 +462,8 @@ PYBIND11_MODULE(_shardps, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
                     const std::string&, const std::string&, int, int64_t, int64_t, uint64_t,
-                    int, const std::string&, const std::string&, const std::string&, uint64_t>(),
+                    int, const std::string&, const std::string&, const std::string&, uint64_t,
+                    int64_t>(),
            py::arg("coordinator") = "", py::arg("cluster_token") = "", py::arg("rank") = -1,
            py::arg("transport") = "auto", py::arg("bind_ip") = "", py::arg("rdma_device") = "",
            py::arg("rdma_gid_index") = -1,
@@ -471,10 +473,13 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("metrics_port") = d.metrics_port, py::arg("metrics_address") = d.metrics_address,
            py::arg("metrics_address_file") = d.metrics_address_file, py::arg("trace_file") = "",
            py::arg("trace_max_events") = d.trace_max_events,
+           py::arg("busy_poll_us") = static_cast<int64_t>(d.busy_poll.count()),
            "Joins the cluster at coordinator (host:port). Unset settings come from the "
            "environment: SHARDPS_COORDINATOR, SHARDPS_CLUSTER_TOKEN, SHARDPS_TRANSPORT, "
            "SHARDPS_METRICS_PORT (metrics_port: serve Prometheus /metrics; 0 off, -1 any free "
-           "port), SHARDPS_TRACE_FILE (trace_file: a timeline trace, docs/tracing.md), and the "
+           "port), SHARDPS_TRACE_FILE (trace_file: a timeline trace, docs/tracing.md), "
+           "SHARDPS_BUSY_POLL_US (busy_poll_us: how long a wait polls before it sleeps; -1 "
+           "never sleeps), and the "
            "rank from SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK.")
       .def("register", &PyClient::Register, py::arg("name"), py::arg("weights"), py::arg("grads"),
            "Registers float32 weights and grads (numpy or torch, contiguous) without copying.")

@@ -63,6 +63,20 @@ ClientOptions WithEnvironmentDefaults(ClientOptions o, std::string* sources) {
       break;
     }
   }
+  if (o.busy_poll == ClientOptions().busy_poll) {
+    std::string us;
+    if (take(&us, "SHARDPS_BUSY_POLL_US", "busy poll")) {
+      char* end = nullptr;
+      const long long v = std::strtoll(us.c_str(), &end, 10);
+      if (*end == '\0' && v >= -1 && v <= 1000000000) {
+        o.busy_poll = std::chrono::microseconds(v);
+      } else {
+        LOG(WARNING) << "SHARDPS_BUSY_POLL_US='" << us
+                     << "' is not an integer of microseconds (-1 .. 1e9); keeping "
+                     << o.busy_poll.count() << " us";
+      }
+    }
+  }
   // Metrics, for trainers that cannot change code (torchrun): the one place these are read.
   if (o.metrics_port == 0) {
     std::string port;
@@ -735,8 +749,17 @@ Status ClientImpl::Wait(Handle handle) {
   // with its error even if a completion never arrived, and an absolute deadline.
   const auto deadline = SteadyClock::now() + options_.wait_timeout + std::chrono::seconds(30);
   auto next_check = SteadyClock::now();
+  IdleClock idle(options_.busy_poll);
+  auto pending = hs->pending;
   while (hs->pending > 0) {
-    RETURN_IF_ERROR(sessions_->Progress());
+    // Polls; after options.busy_poll with none of this handle's chunks finishing, sleeps until
+    // a completion, the next header re-read, or 1 ms (the endpoint checks' pace is 50 ms).
+    RETURN_IF_ERROR(sessions_->ProgressOrSleep(
+        idle.MaySleep(pull_->UntilTick(std::chrono::milliseconds(1)))));
+    if (hs->pending != pending) {
+      pending = hs->pending;
+      idle.Progressed();
+    }
     pull_->Tick();  // header re-reads whose backoff has passed
     if (sessions_->AnyFailed() && !recovery_->recovering()) {
       RETURN_IF_ERROR(MaybeRecover());

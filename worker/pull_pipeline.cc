@@ -179,6 +179,19 @@ void PullPipeline::Tick() {
   deferred_.resize(kept);
 }
 
+std::chrono::microseconds PullPipeline::UntilTick(std::chrono::microseconds cap) const {
+  if (deferred_.empty()) return cap;
+  const auto now = SteadyClock::now();
+  auto until = cap;
+  for (uint32_t id : deferred_) {
+    const ChunkPull& c = pull_[id];
+    if (!c.deferred || c.handle == 0) continue;
+    if (c.retry_at <= now) return std::chrono::microseconds(0);
+    until = std::min(until, std::chrono::duration_cast<std::chrono::microseconds>(c.retry_at - now));
+  }
+  return until;
+}
+
 void PullPipeline::Finish(uint32_t id, const Status& s) {
   trace::Complete("pull", "worker", pull_[id].trace_start_ns,  // posted -> consistent (or failed)
                   {{"chunk", id}, {"clock", step_.clock}, {"bytes", chunks_[id].bytes},

@@ -40,6 +40,9 @@ class PullPipeline {
   StatusOr<Handle> Pull(uint32_t tensor);
   // Starts the header re-reads whose backoff has passed; called by the wait loop.
   void Tick();
+  // How long the wait loop may sleep before Tick has a re-read to start: 0 when one is due,
+  // `cap` when none is deferred (or later than that).
+  std::chrono::microseconds UntilTick(std::chrono::microseconds cap) const;
   static constexpr int kImmediateRereads = 2;
   static constexpr std::chrono::microseconds kFirstBackoff{10};
   static constexpr std::chrono::microseconds kMaxBackoff{200};

@@ -499,10 +499,12 @@ Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
       if (!posted.ok()) break;
     }
     size_t verified = 0;
+    IdleClock idle(options_.busy_poll);
     while (posted.ok() && !failed_) {
+      if (verified < done_.size()) idle.Progressed();
       while (verified < done_.size()) verify(lists_[done_[verified++]]);
       if (completed_ >= expected) break;
-      RETURN_IF_ERROR(sessions_.Progress());
+      RETURN_IF_ERROR(sessions_.ProgressOrSleep(idle.MaySleep(std::chrono::milliseconds(1))));
       if (SteadyClock::now() > deadline) return timed_out();
     }
     if (!posted.ok() && !sessions_.AnyFailed()) return posted.WithContext("table '" + name + "'");

@@ -331,6 +331,15 @@ Status ServerSessions::Progress() {
   return Status::OK();
 }
 
+Status ServerSessions::ProgressOrSleep(std::chrono::microseconds max_sleep) {
+  if (cq_ == nullptr) return Status::OK();
+  if (max_sleep.count() <= 0) return Progress();
+  Completion wc[64];
+  const int n = cq_->Wait(wc, 64, max_sleep);
+  for (int i = 0; i < n; ++i) OnCompletion(wc[i]);
+  return Status::OK();
+}
+
 void ServerSessions::OnCompletion(const Completion& wc) {
   const uint32_t kind = ContextKind(wc.context);
   const uint32_t server = static_cast<uint32_t>(wc.endpoint_id & 0xffffffffu);

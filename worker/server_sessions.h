@@ -104,6 +104,10 @@ class ServerSessions {
   Status PostWithCredit(const std::function<Status()>& post);
   // Polls the completion queue once and dispatches what it finds.
   Status Progress();
+  // One pass of a waiting loop: Progress when `max_sleep` is 0, else a sleep of at most
+  // `max_sleep` on the completion queue's event, dispatching what wakes it (IdleClock says
+  // which).
+  Status ProgressOrSleep(std::chrono::microseconds max_sleep);
   // Polls until `count` setup operations completed (their first error), within `timeout`.
   Status WaitSetupOps(int count, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Reads this worker's acks from a server into Acks(server) (context: chunk) and waits for
@@ -155,6 +159,28 @@ class ServerSessions {
   int setup_done_ = 0;
   Status setup_error_;
   int acks_pending_ = 0;
+};
+
+// The busy-poll budget of one waiting loop (ClientOptions::busy_poll): the loop polls until it
+// has gone busy_poll without progress of its own (its handle's chunks, its row lists: not the
+// header re-reads it makes while it waits), then may sleep. Thread safety: the loop's thread.
+class IdleClock {
+ public:
+  explicit IdleClock(std::chrono::microseconds busy_poll)
+      : busy_poll_(busy_poll), last_(std::chrono::steady_clock::now()) {}
+  // The loop's own progress: poll again for busy_poll before sleeping.
+  void Progressed() { last_ = std::chrono::steady_clock::now(); }
+  // How long the loop may sleep now: 0 within busy_poll of its last progress (or when
+  // busy_poll is negative: never), else `cap`.
+  std::chrono::microseconds MaySleep(std::chrono::microseconds cap) const {
+    if (busy_poll_.count() < 0) return std::chrono::microseconds(0);
+    return std::chrono::steady_clock::now() - last_ >= busy_poll_ ? cap
+                                                                  : std::chrono::microseconds(0);
+  }
+
+ private:
+  const std::chrono::microseconds busy_poll_;
+  std::chrono::steady_clock::time_point last_;
 };
 
 }  // namespace shardps::worker

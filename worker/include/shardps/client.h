@@ -70,6 +70,13 @@ struct ClientOptions {
   // How long to wait for a failed server's group to be failed over to its backup (a new shard
   // map) before reporting the failure; 0 = the cluster's failover_timeout_ms.
   std::chrono::milliseconds failover_timeout{0};
+  // How long a waiting call (Wait, PullRows, Step) polls its completion queue with nothing
+  // arriving before it sleeps on the transport's event until the next completion (or its next
+  // timed re-read). Polling answers fastest on a core of its own; on a host with more busy
+  // threads than cores (several workers, their servers, an aggregator) a poller takes the CPU
+  // from the very threads it waits for. An operation that completes within it never sleeps.
+  // Negative: never sleep (pure busy polling). SHARDPS_BUSY_POLL_US sets it.
+  std::chrono::microseconds busy_poll{200};
   // CUDA tensors that the fabric cannot register directly are staged through pinned host
   // buffers in pieces of this many bytes: the copy of piece k+1 overlaps the write of piece k.
   uint64_t cuda_pipeline_bytes = 1u << 20;
@@ -106,6 +113,7 @@ struct ClientOptions {
 //   requested_rank  < 0    <- the first set of SHARDPS_RANK, OMPI_COMM_WORLD_RANK, PMI_RANK,
 //                             SLURM_PROCID, RANK (a non-negative integer)
 //   transport       "auto" <- SHARDPS_TRANSPORT
+//   busy_poll       200 us <- SHARDPS_BUSY_POLL_US (an integer; negative: never sleep)
 //   metrics_port    0      <- SHARDPS_METRICS_PORT (an integer, -1..65535)
 //   metrics_address "127.0.0.1" <- SHARDPS_METRICS_ADDRESS
 //   metrics_address_file "" <- SHARDPS_METRICS_ADDRESS_FILE
