@@ -40,6 +40,7 @@ enum OpKind : uint32_t {
   kOpSetup = 3,
   kOpClock = 4,
   kOpRows = 5,  // a row table's reads (worker/row_tables.h)
+  kOpAcksAhead = 6,  // ServerSessions::PostAcksAhead
 };
 inline uint64_t MakeContext(uint32_t kind, uint32_t chunk, uint64_t handle) {
   return (static_cast<uint64_t>(kind) << 60) | (static_cast<uint64_t>(chunk & 0x0fffffff) << 32) |

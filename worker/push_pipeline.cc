@@ -109,7 +109,14 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.seq_of[parity] = seq;
   HandleState& hs = handles_[h];
   ++hs.pending;
-  Status st = PostPush(id, seq, h);
+  // The next push of this chunk will need this one's predecessor acknowledged: read the acks
+  // right behind this push (one sendmsg / doorbell with it) unless they already say so.
+  const uint32_t server = chunks_[id].server;
+  const bool ahead = seq >= 2 && c.known_acked < seq - 1 && !sessions_.acks_ahead_in_flight(server);
+  Status st = PostPush(id, seq, h, ahead);
+  if (st.ok() && ahead) {
+    sessions_.PostAcksAhead(server, more_ ? transport::kMore : transport::kSignaled);
+  }
   if (!st.ok()) {
     if (sessions_.at(chunks_[id].server).failed) return Status::OK();  // resent after recovery
     c.handle[parity] = 0;
@@ -145,14 +152,7 @@ Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
       continue;
     }
     RETURN_IF_ERROR(st);
-    for (uint32_t server : servers) {
-      const uint64_t* acks = sessions_.Acks(server);
-      const std::vector<uint32_t>& chunk_of_slot = sessions_.at(server).chunk_of_slot;
-      for (uint32_t slot = 0; slot < chunk_of_slot.size(); ++slot) {
-        ChunkPush& o = push_[chunk_of_slot[slot]];
-        o.known_acked = std::max(o.known_acked, acks[slot]);
-      }
-    }
+    for (uint32_t server : servers) ApplyAcks(server, sessions_.Acks(server));
     std::this_thread::yield();
   }
 }
@@ -162,6 +162,15 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
   ChunkPush& c = push_[id];
   const uint32_t server = chunks_[id].server;
   const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  if (c.known_acked < need) {
+    // An acks read posted behind an earlier push: its answer is on its way (or here) and
+    // costs no round trip of its own.
+    while (sessions_.acks_ahead_in_flight(server) && !sessions_.at(server).failed &&
+           SteadyClock::now() < deadline) {
+      RETURN_IF_ERROR(sessions_.Progress());
+    }
+    if (const uint64_t* acks = sessions_.TakeAcksAhead(server)) ApplyAcks(server, acks);
+  }
   while (c.known_acked < need) {
     Status st = sessions_.ReadAcks(
         server, id, deadline,
@@ -175,18 +184,21 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
       continue;
     }
     RETURN_IF_ERROR(st);
-    const uint64_t* acks = sessions_.Acks(server);
-    const std::vector<uint32_t>& chunk_of_slot = sessions_.at(server).chunk_of_slot;
-    for (uint32_t slot = 0; slot < chunk_of_slot.size(); ++slot) {
-      ChunkPush& o = push_[chunk_of_slot[slot]];
-      o.known_acked = std::max(o.known_acked, acks[slot]);
-    }
+    ApplyAcks(server, sessions_.Acks(server));
     if (c.known_acked < need) std::this_thread::yield();
   }
   return Status::OK();
 }
 
-Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
+void PushPipeline::ApplyAcks(uint32_t server, const uint64_t* acks) {
+  const std::vector<uint32_t>& chunk_of_slot = sessions_.at(server).chunk_of_slot;
+  for (uint32_t slot = 0; slot < chunk_of_slot.size(); ++slot) {
+    ChunkPush& o = push_[chunk_of_slot[slot]];
+    o.known_acked = std::max(o.known_acked, acks[slot]);
+  }
+}
+
+Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h, bool hold) {
   const ChunkPlacement& p = chunks_[id];
   const ChunkPush& c = push_[id];
   const Tensor& t = tensors_[p.tensor];
@@ -212,7 +224,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h) {
   const transport::RemoteSlice header_dst =
       transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
   const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);
-  const uint32_t last_flags = more_ ? transport::kMore : transport::kSignaled;
+  const uint32_t last_flags = more_ || hold ? transport::kMore : transport::kSignaled;
   if (c.small_staging != 0 && t.staging == nullptr) {
     // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
     // which the server has consumed (EnsureAcked).

@@ -94,7 +94,10 @@ class PushPipeline {
   Status EnsureAcked(uint32_t id, uint64_t need, const std::function<Status()>& recover);
   // Posts push `seq` of a chunk: the header's clock and base version are those of the chunk's
   // latest push (a resend after a failover repeats them exactly).
-  Status PostPush(uint32_t id, uint64_t seq, uint64_t h);
+  // `hold`: the push's last post goes with kMore (an acks-ahead read follows it).
+  Status PostPush(uint32_t id, uint64_t seq, uint64_t h, bool hold = false);
+  // Folds a server's acks (slot order) into known_acked.
+  void ApplyAcks(uint32_t server, const uint64_t* acks);
   // Posts the data writes of one chunk's push, piece by piece for staged tensors.
   Status PostPushData(uint32_t id, uint32_t parity, uint64_t h);
   Status ResyncChunk(uint32_t id, uint64_t acked);

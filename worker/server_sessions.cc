@@ -53,6 +53,8 @@ StatusOr<uint64_t> ServerSessions::AllocateStaging(uint64_t extra_bytes) {
   acks_staging_offset_ = layout::AlignUp(num_chunks_ * kStagingPerChunk + layout::kAlign);
   uint64_t bytes = acks_staging_offset_;
   for (const auto& s : servers_) bytes += layout::AlignUp(s.layout->acks_of_worker_bytes());
+  acks_area_bytes_ = bytes - acks_staging_offset_;
+  bytes += acks_area_bytes_;  // the acks-ahead reads' copies (PostAcksAhead)
   clock_staging_offset_ = bytes;
   bytes += layout::kAlign * servers_.size();
   const uint64_t extra = bytes;
@@ -116,6 +118,8 @@ Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::mil
   ServerSession& s = servers_[server];
   s.ep.reset();
   ++s.gen;
+  s.ahead_in_flight = false;  // its completion, if any, is the old generation's: dropped
+  s.ahead_ready = false;
   transport::EndpointOptions eo;
   eo.endpoint_id = (static_cast<uint64_t>(s.gen) << 32) | s.rank;
   eo.send_depth = kSendDepth;
@@ -198,6 +202,26 @@ uint64_t ServerSessions::AcksOffset(uint32_t server) const {
     off += layout::AlignUp(servers_[i].layout->acks_of_worker_bytes());
   }
   return off;
+}
+
+const uint64_t* ServerSessions::TakeAcksAhead(uint32_t server) {
+  ServerSession& s = servers_[server];
+  if (!s.ahead_ready || s.ahead_in_flight) return nullptr;
+  s.ahead_ready = false;
+  return reinterpret_cast<const uint64_t*>(StagingAt(AcksOffset(server) + acks_area_bytes_));
+}
+
+void ServerSessions::PostAcksAhead(uint32_t server, uint32_t flags) {
+  ServerSession& s = servers_[server];
+  if (!s.ep || s.failed || s.ahead_in_flight) return;
+  const uint64_t off = AcksOffset(server) + acks_area_bytes_;
+  const Status st =
+      s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
+                     transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
+                     MakeContext(kOpAcksAhead, 0, 0), flags);
+  if (!st.ok()) return;  // no credit (or a failing endpoint, seen by the next real post)
+  s.ahead_in_flight = true;
+  s.ahead_ready = false;  // the staging is being overwritten
 }
 
 Status ServerSessions::SendClock(uint32_t server, uint64_t clock) {
@@ -358,6 +382,10 @@ void ServerSessions::OnCompletion(const Completion& wc) {
     case kOpAcks:
       --acks_pending_;
       if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
+      return;
+    case kOpAcksAhead:
+      servers_[server].ahead_in_flight = false;
+      servers_[server].ahead_ready = wc.ok();
       return;
     case kOpPush:
       sink_.OnPushCompletion(ContextChunk(wc.context), ContextHandle(wc.context), err);

@@ -37,6 +37,9 @@ struct ServerSession {
   std::unique_ptr<layout::ServerLayout> layout;
   std::unique_ptr<transport::Endpoint> ep;
   std::vector<uint32_t> chunk_of_slot;
+  // The acks read posted behind a push (PostAcksAhead): in flight, and landed unread.
+  bool ahead_in_flight = false;
+  bool ahead_ready = false;
 };
 
 // Receives the completions of push and pull operations on current endpoints. `err` is the
@@ -99,6 +102,19 @@ class ServerSessions {
     return reinterpret_cast<const uint64_t*>(StagingAt(AcksOffset(server)));
   }
 
+  // This worker's acks of a server as read by the last PostAcksAhead read, once it has landed
+  // and if nothing has been posted into its staging since: null otherwise. The caller takes it
+  // (the next call returns null until another read lands).
+  const uint64_t* TakeAcksAhead(uint32_t server);
+  // Reads this worker's acks of a server behind the operations just posted to it (in order on
+  // the endpoint: it executes after them), into a staging of its own, with `flags` (kMore: sent
+  // with the next post or poll), unless one is in flight. A push's inbox slot needs the push two
+  // before it acknowledged; read behind the previous push, that answer is usually there when the
+  // next push asks (PushPipeline::EnsureAcked), instead of a round trip of its own. Best
+  // effort: no credit, no read.
+  void PostAcksAhead(uint32_t server, uint32_t flags);
+  bool acks_ahead_in_flight(uint32_t server) const { return servers_[server].ahead_in_flight; }
+
   // Posts, retrying while the send queue is full (polling returns credits), within the wait
   // bound.
   Status PostWithCredit(const std::function<Status()>& post);
@@ -155,6 +171,7 @@ class ServerSessions {
   size_t num_chunks_ = 0;
   uint64_t map_epoch_ = 0;
   uint64_t acks_staging_offset_ = 0;
+  uint64_t acks_area_bytes_ = 0;  // every server's acks buffer; the acks-ahead copies follow
   uint64_t clock_staging_offset_ = 0;  // one u64 per server: the clock value written
   int setup_done_ = 0;
   Status setup_error_;
