@@ -98,7 +98,9 @@ class NumpyTest(unittest.TestCase):
     def test_push_many_and_pull_many(self):
         # A round of several tensors in one call each: one handle per name, every byte applied
         # (SGD, lr 0.5, exact in float32); an unknown name refuses the call before any push.
-        with cluster(consistency="asp") as cl, connect(cl) as c:
+        # BSP and a clock before the pulls: a completed push handle means its gradient left the
+        # buffer, not that the server applied it (ASP pulls could read the version before).
+        with cluster(consistency="bsp") as cl, connect(cl) as c:
             ws = [np.full(5 + 40 * k, 2.0, np.float32) for k in range(6)]
             gs = [np.zeros_like(w) for w in ws]
             names = ["t%d" % k for k in range(6)]
@@ -116,6 +118,7 @@ class NumpyTest(unittest.TestCase):
                 c.push_many(["t0", "nope"])
             self.assertEqual(e.exception.code, "NOT_FOUND")
             self.assertEqual(c.counters()["pushes"], pushes)
+            c.clock()
             for w in ws:
                 w[...] = -1.0
             for h in c.pull_many(names):
