@@ -223,12 +223,8 @@ struct Point {
   uint64_t reads = 0, retries = 0;
 };
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+// The median (bench_util's nearest-rank percentile) of a copy of `v`.
+double Median(std::vector<double> v) { return Percentile(&v, 50); }
 
 // The gather floor of one batch shape: `table` holds rows x stride bytes (touched once, so
 // that its pages exist, as a server's table's do); each timed repetition copies the records of

@@ -754,8 +754,9 @@ Status ClientImpl::Wait(Handle handle) {
   while (hs->pending > 0) {
     // Polls; after options.busy_poll with none of this handle's chunks finishing, sleeps until
     // a completion, the next header re-read, or 1 ms (the endpoint checks' pace is 50 ms).
-    RETURN_IF_ERROR(sessions_->ProgressOrSleep(
-        idle.MaySleep(pull_->UntilTick(std::chrono::milliseconds(1)))));
+    RETURN_IF_ERROR(sessions_->ProgressOrSleep(idle.Idle()
+                                                   ? pull_->UntilTick(std::chrono::milliseconds(1))
+                                                   : std::chrono::microseconds(0)));
     if (hs->pending != pending) {
       pending = hs->pending;
       idle.Progressed();

@@ -504,7 +504,8 @@ Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
       if (verified < done_.size()) idle.Progressed();
       while (verified < done_.size()) verify(lists_[done_[verified++]]);
       if (completed_ >= expected) break;
-      RETURN_IF_ERROR(sessions_.ProgressOrSleep(idle.MaySleep(std::chrono::milliseconds(1))));
+      RETURN_IF_ERROR(sessions_.ProgressOrSleep(idle.Idle() ? std::chrono::microseconds(1000)
+                                                            : std::chrono::microseconds(0)));
       if (SteadyClock::now() > deadline) return timed_out();
     }
     if (!posted.ok() && !sessions_.AnyFailed()) return posted.WithContext("table '" + name + "'");

@@ -347,19 +347,12 @@ Status ServerSessions::PostWithCredit(const std::function<Status()>& post) {
   }
 }
 
-Status ServerSessions::Progress() {
-  if (cq_ == nullptr) return Status::OK();
-  Completion wc[64];
-  const int n = cq_->Poll(wc, 64);
-  for (int i = 0; i < n; ++i) OnCompletion(wc[i]);
-  return Status::OK();
-}
+Status ServerSessions::Progress() { return ProgressOrSleep(std::chrono::microseconds(0)); }
 
 Status ServerSessions::ProgressOrSleep(std::chrono::microseconds max_sleep) {
   if (cq_ == nullptr) return Status::OK();
-  if (max_sleep.count() <= 0) return Progress();
   Completion wc[64];
-  const int n = cq_->Wait(wc, 64, max_sleep);
+  const int n = max_sleep.count() > 0 ? cq_->Wait(wc, 64, max_sleep) : cq_->Poll(wc, 64);
   for (int i = 0; i < n; ++i) OnCompletion(wc[i]);
   return Status::OK();
 }

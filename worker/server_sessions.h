@@ -187,12 +187,10 @@ class IdleClock {
       : busy_poll_(busy_poll), last_(std::chrono::steady_clock::now()) {}
   // The loop's own progress: poll again for busy_poll before sleeping.
   void Progressed() { last_ = std::chrono::steady_clock::now(); }
-  // How long the loop may sleep now: 0 within busy_poll of its last progress (or when
-  // busy_poll is negative: never), else `cap`.
-  std::chrono::microseconds MaySleep(std::chrono::microseconds cap) const {
-    if (busy_poll_.count() < 0) return std::chrono::microseconds(0);
-    return std::chrono::steady_clock::now() - last_ >= busy_poll_ ? cap
-                                                                  : std::chrono::microseconds(0);
+  // Whether the loop may sleep now: busy_poll has passed since its last progress (never when
+  // busy_poll is negative).
+  bool Idle() const {
+    return busy_poll_.count() >= 0 && std::chrono::steady_clock::now() - last_ >= busy_poll_;
   }
 
  private:

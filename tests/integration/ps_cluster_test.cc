@@ -538,7 +538,11 @@ TEST_P(PsClusterTest, AWaitingWorkerSleepsInsteadOfSpinning) {
   // Sleeping leaves the header re-reads (one per 200 us at most) and the wake-ups. On SoftRoCE
   // those are dear (rxe runs the NIC's side in the posting thread's kernel time, emulated in the
   // guest): 60-70 % of the wait there, against 100 % polling; on tcp and shm about 20 %.
-  EXPECT_LT(sleep.cpu_ms, 0.9 * spin.cpu_ms) << "the waiting worker spun instead of sleeping";
+  // The comparison says something only where polling got the CPU it asked for: on a host loaded
+  // by others (both cores busy) a polling thread that yields can get as little as 1 % of it.
+  if (spin.cpu_ms > 0.5 * spin.wall_ms) {
+    EXPECT_LT(sleep.cpu_ms, 0.9 * spin.cpu_ms) << "the waiting worker spun instead of sleeping";
+  }
   if (GetParam() != "verbs") {
     EXPECT_LT(sleep.cpu_ms, 0.5 * sleep.wall_ms) << "the waiting worker spun instead of sleeping";
   }
