@@ -87,6 +87,11 @@ def main(argv=None):
     ap.add_argument("--wire-overhead", type=float, default=None,
                     help="bytes below the transport per transport byte (plan's default if unset)")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--net-cpu-ns-per-byte", type=float, default=None,
+                    help="CPU per byte over a host link (default: the details' rate_check, "
+                         "measured with iperf3 by bench-hierarchy.py; 0: not modelled)")
+    ap.add_argument("--loopback-cpu-ns-per-byte", type=float, default=None,
+                    help="the same within one host (default: the details' rate_check)")
     ap.add_argument("--out", default="", help="write the comparison as JSON here")
     ap.add_argument("--max-error", type=float, default=0)
     a = ap.parse_args(argv)
@@ -110,11 +115,13 @@ def main(argv=None):
                              f"hierarchy_details-{m.group(1)}.json") if m else ""
         details = guess if guess and os.path.exists(guess) else ""
     workload = {}
+    rate_check = {}  # "1000" -> {"net_cpu_ns_per_byte": .., "loopback_cpu_ns_per_byte": ..}
     detail_runs = {}  # run directory's last part ("1000-2x2-dedicated-flat") -> its details
     if details:
         with open(details) as f:
             d = json.load(f)
         workload = d.get("workload", {})
+        rate_check = d.get("rate_check", {})
         for x in d.get("runs", []):
             detail_runs[os.path.basename(x.get("run_dir", ""))] = x
         print(f"workload from {details}: {workload}")
@@ -169,6 +176,17 @@ def main(argv=None):
                f"--batch={a.batch}"] + model_args
         if rate > 0:
             cmd.append(f"--link_Bps={rate * 1e6 / 8}")
+        # The CPU a byte costs on this fabric: measured by bench-hierarchy.py's rate check with
+        # iperf3 (not fitted to these runs), unless given.
+        rc = rate_check.get("%g" % rate, rate_check.get(str(int(rate)), {}))
+        net_ns = a.net_cpu_ns_per_byte if a.net_cpu_ns_per_byte is not None \
+            else rc.get("net_cpu_ns_per_byte")
+        loop_ns = a.loopback_cpu_ns_per_byte if a.loopback_cpu_ns_per_byte is not None \
+            else rc.get("loopback_cpu_ns_per_byte")
+        if net_ns:
+            cmd.append(f"--net_cpu_ns_per_byte={net_ns}")
+        if loop_ns:
+            cmd.append(f"--loopback_cpu_ns_per_byte={loop_ns}")
         if a.cores:
             cmd.append(f"--cores={a.cores}")
         if a.wire_overhead is not None:

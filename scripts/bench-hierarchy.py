@@ -154,8 +154,18 @@ class Fabric:
         self.created = []
 
 
-def measure_rate(fabric, a, b, seconds=2):
-    """iperf3 TCP goodput a -> b in Mbit/s (receiver side), or None when iperf3 is missing."""
+def busy_jiffies():
+    """The machine's non-idle CPU time so far (all cores), in clock ticks (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4]
+
+
+def measure_rate(fabric, a, b, seconds=2, cpu=None):
+    """iperf3 TCP goodput a -> b in Mbit/s (receiver side), or None when iperf3 is missing.
+    With `cpu` (a dict): cpu["ns_per_byte"] = the machine's CPU time (ns of one core, every
+    process and interrupt) per byte received during the transfer: what a byte costs through this
+    fabric's stacks, veths, qdiscs and bridge (shardps_plan --net_cpu_ns_per_byte)."""
     if subprocess.run(["which", "iperf3"], capture_output=True).returncode != 0:
         return None
     server = subprocess.Popen(["ip", "netns", "exec", fabric.ns[b], "timeout", "-s", "KILL",
@@ -169,10 +179,15 @@ def measure_rate(fabric, a, b, seconds=2):
                                capture_output=True, text=True, timeout=10)
             if ":5201" in r.stdout:
                 break
+        j0 = busy_jiffies()
         r = subprocess.run(["ip", "netns", "exec", fabric.ns[a], "timeout", "-s", "KILL",
                             str(seconds + 10), "iperf3", "-c", fabric.ip[b], "-t", str(seconds),
                             "-J"], capture_output=True, text=True, timeout=seconds + 15)
-        return json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 1e6
+        j1 = busy_jiffies()
+        got = json.loads(r.stdout)["end"]["sum_received"]
+        if cpu is not None and got.get("bytes"):
+            cpu["ns_per_byte"] = (j1 - j0) / os.sysconf("SC_CLK_TCK") * 1e9 / got["bytes"]
+        return got["bits_per_second"] / 1e6
     finally:
         try:
             os.killpg(server.pid, signal.SIGKILL)
@@ -533,11 +548,17 @@ def main():
         fabric = Fabric(names, rate)
         try:
             if not args.no_rate_check and not args.selftest:
-                got = measure_rate(fabric, "h0", "h1")
+                net, loop = {}, {}
+                got = measure_rate(fabric, "h0", "h1", cpu=net)
+                measure_rate(fabric, "h0", "h0", cpu=loop)  # a server on its client's host
                 details["rate_check"][str(rate)] = dict(
-                    tbf=" ".join(tbf_args(rate)), iperf3_mbit=got and round(got, 1))
+                    tbf=" ".join(tbf_args(rate)), iperf3_mbit=got and round(got, 1),
+                    net_cpu_ns_per_byte=net.get("ns_per_byte"),
+                    loopback_cpu_ns_per_byte=loop.get("ns_per_byte"))
                 print(f"  link {rate} Mbit/s ({' '.join(tbf_args(rate))}): iperf3 h0->h1 " +
-                      (f"{got:.0f} Mbit/s TCP goodput" if got else "skipped (no iperf3)"),
+                      (f"{got:.0f} Mbit/s TCP goodput, {net['ns_per_byte']:.2f} ns of CPU a byte "
+                       f"(loopback {loop.get('ns_per_byte', 0):.2f})" if got
+                       else "skipped (no iperf3)"),
                       flush=True)
             for hosts, L, placement, mode in configs:
                 run_dir = os.path.join(logs, f"{rate}-{hosts}x{L}-{placement}-{mode}")

@@ -261,6 +261,11 @@ std::string Prediction::Why() const {
                   model_bytes > 0 ? WorkerLinkBytes() / model_bytes : 0,
                   model_bytes > 0 ? BusiestLinkBytes() / model_bytes : 0);
     out += buf;
+    if (net_cpu_worker_us + net_cpu_server_us > 0) {
+      std::snprintf(buf, sizeof(buf), "; bytes' cpu %.0f (clients) + %.0f (servers) us",
+                    net_cpu_worker_us, net_cpu_server_us);
+      out += buf;
+    }
   }
   return out;
 }
@@ -383,6 +388,11 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // further operations, serialized through its one thread, plus the bytes.
   const double rtt0 = c.Rtt(0);
   p.compute_us = w.compute_us;
+  // Hierarchical: a host's L workers are released together by its aggregator's pull, and the
+  // aggregators of all hosts pull the same version at about the same time, so the workers of a
+  // machine compute at once and share its cores (flat workers' pulls end one after another as
+  // the links serve them, so their computes overlap the others' transfers instead).
+  if (hier && ws_host > C) p.compute_us = w.compute_us * ws_host / C;
   p.push_us = 0.6 * x0 + std::max(0.0, push_ops - 3.5) * op_lat + bytes / c.write.beta_bps() * 1e6;
   p.pull_us = 0.4 * x0 + std::max(0.0, pull_ops - 3) * op_lat + bytes / c.read.beta_bps() * 1e6;
   // (4) Links (hosts given): the bytes each host's link carries per phase, both directions; a
@@ -414,6 +424,29 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
         push_out[sh] += f * x.push_in;
         pull_in[sh] += f * x.pull_out;
         pull_out[sh] += f * x.pull_in;
+      }
+    }
+    // The CPU of these bytes: half on the client's host, half on the server's; a server on
+    // the client's own host is reached over loopback.
+    if (c.net_cpu_ns_per_byte > 0 || c.loopback_cpu_ns_per_byte > 0) {
+      std::vector<double> client_cpu(nh, 0), server_cpu(nh, 0);
+      for (uint32_t h = 0; h < cfg.hosts; ++h) {
+        for (uint32_t s = 0; s < cfg.servers; ++s) {
+          const uint32_t sh = cfg.servers_dedicated ? cfg.hosts + s : s % cfg.hosts;
+          const PairBytes x = ClientServerBytes(n[s], b[s], wasted);
+          const double pair_bytes = per_host * (x.push_out + x.push_in + x.pull_out + x.pull_in);
+          const double ns = sh == h ? c.loopback_cpu_ns_per_byte : c.net_cpu_ns_per_byte;
+          client_cpu[h] += 0.5 * pair_bytes * ns * 1e-3;
+          server_cpu[sh] += 0.5 * pair_bytes * ns * 1e-3;
+        }
+      }
+      // Emulated hosts (one machine) share its cores: all of it; real hosts: the busiest.
+      const bool one_machine = cfg.machines <= 1;
+      for (uint32_t h = 0; h < nh; ++h) {
+        p.net_cpu_worker_us = one_machine ? p.net_cpu_worker_us + client_cpu[h]
+                                          : std::max(p.net_cpu_worker_us, client_cpu[h]);
+        p.net_cpu_server_us = one_machine ? p.net_cpu_server_us + server_cpu[h]
+                                          : std::max(p.net_cpu_server_us, server_cpu[h]);
       }
     }
     p.link_bytes.resize(nh);
@@ -496,11 +529,13 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
   // Hierarchical: per host L workers computing and copying (they wait blocked on futexes, no
   // CPU), the aggregator's copies, adds and S exchanges, and 2 L hand-offs (each worker rings
   // the aggregator once and is woken once), each costing a hop's time in CPU.
-  const double worker_side =
+  double worker_side =
       hier ? hosts_per_machine *
                  (L * w.compute_us + p.reduce_us + 2 * L * c.local_hop_us + 0.5 * S * per_pair)
            : ws_host * (w.compute_us + 0.5 * S * per_pair);
-  const double server_side = ss_host * (0.5 * K * per_pair + server_bytes_cpu / S);
+  const double server_side =
+      ss_host * (0.5 * K * per_pair + server_bytes_cpu / S) + p.net_cpu_server_us;
+  worker_side += p.net_cpu_worker_us;
   p.cpu_us =
       cpu_colocated ? (worker_side + server_side) / C : std::max(worker_side, server_side) / C;
   p.step_us = path;

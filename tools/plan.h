@@ -60,6 +60,12 @@ struct Costs {
   // One hand-off between a host's processes through a shared futex (probe: local_hop_us).
   double local_hop_us = kDefaultLocalHopUs;
   static constexpr double kDefaultLocalHopUs = 10;
+  // CPU (ns of one core, both ends together) per byte a client and a server exchange over a
+  // host link (net) and within one host (loopback): the kernel's copies and protocol work, which
+  // on emulated hosts (veth pairs, tbf and a bridge on one machine) cost ~1 ns a byte. Used only
+  // with hosts (Config::hosts > 0); 0: not modelled. From --net_cpu_ns_per_byte /
+  // --loopback_cpu_ns_per_byte (bench-hierarchy.py measures both with iperf3 on its fabric).
+  double net_cpu_ns_per_byte = 0, loopback_cpu_ns_per_byte = 0;
   double Rtt(double spinners) const;  // interpolated, extrapolated linearly past the end
   double PairCpu() const;          // CPU of one worker-server exchange (docs/plan.md)
   double OpCpu() const;            // CPU of one more pipelined operation
@@ -124,6 +130,9 @@ struct Prediction {
   // link time of the push and pull phases on the busiest link, and the bytes each host's link
   // carries per step (both directions; worker hosts 0..hosts-1, then dedicated server hosts).
   double reduce_us = 0, hop_us = 0, straggler_us = 0, link_push_us = 0, link_pull_us = 0;
+  // The CPU of the bytes exchanged (Costs::net_cpu_ns_per_byte), per step: on the busiest
+  // worker host's client side and on the busiest server host's side (part of cpu_us).
+  double net_cpu_worker_us = 0, net_cpu_server_us = 0;
   double model_bytes = 0;
   std::vector<double> link_bytes;
   double WorkerLinkBytes() const;   // the busiest worker host's link, bytes per step

@@ -67,6 +67,12 @@ DEFINE_bool(hierarchical, false,
 DEFINE_double(wire_overhead, shardps::plan::Config::kDefaultWireOverhead,
               "Bytes below the transport (TCP/IP/Ethernet headers, TCP acks) per transport "
               "byte; 0.068 for MTU 1500 without segmentation offload (docs/plan.md)");
+DEFINE_double(net_cpu_ns_per_byte, 0,
+              "With --hosts: CPU (ns of one core, both ends) per byte a client and a server "
+              "exchange over a host link; 0: not modelled. scripts/bench-hierarchy.py measures "
+              "it on its emulated hosts (iperf3, rate_check in its details file)");
+DEFINE_double(loopback_cpu_ns_per_byte, 0,
+              "With --hosts: the same for a client and a server on one host (loopback)");
 DEFINE_double(compute_cv, 0,
               "Coefficient of variation of compute per step (straggler wait; 0: none)");
 DEFINE_string(calibrate_file, "",
@@ -228,6 +234,12 @@ int Main() {
   auto costs = CostsFromProbe(probe);
   if (!costs.ok()) return Fail(costs.status());
   if (FLAGS_cores > 0) costs->cores = FLAGS_cores;
+  if (FLAGS_net_cpu_ns_per_byte < 0 || FLAGS_loopback_cpu_ns_per_byte < 0) {
+    return Fail(InvalidArgumentError("--net_cpu_ns_per_byte and --loopback_cpu_ns_per_byte "
+                                     "must be >= 0"));
+  }
+  costs->net_cpu_ns_per_byte = FLAGS_net_cpu_ns_per_byte;
+  costs->loopback_cpu_ns_per_byte = FLAGS_loopback_cpu_ns_per_byte;
   Workload w;
   if (FLAGS_digits) {
     w.tensors = DigitsMlp(64, FLAGS_hidden, 10);

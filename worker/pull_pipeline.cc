@@ -45,7 +45,8 @@ StatusOr<Handle> PullPipeline::Pull(uint32_t tensor) {
     c.handle = h;
     c.trace_start_ns = trace::NowNs();
     c.required_plus1 = RequiredPlus1();
-    c.deadline = SteadyClock::now() + options_.wait_timeout;
+    c.started = SteadyClock::now();
+    c.deadline = c.started + options_.wait_timeout;
     // Each version goes to the other buffer; guess that as many versions (mod 2) were
     // published since the last pull as between the last two (one per step in training, none
     // when the chunk is pulled again unchanged). A wrong guess costs a second round trip.
@@ -125,11 +126,7 @@ void PullPipeline::EvaluatePull(uint32_t id) {
       StartPull(id, Phase::kHeaderOnly);
       return;
     }
-    const int doublings = std::min(c.not_ready - kImmediateRereads - 1, 16);
-    c.retry_at = SteadyClock::now() + std::min<std::chrono::microseconds>(
-                                          kMaxBackoff, kFirstBackoff * (1 << doublings));
-    if (!c.deferred) deferred_.push_back(id);
-    c.deferred = true;
+    Defer(id);
     return;
   }
   c.not_ready = 0;
@@ -159,6 +156,55 @@ void PullPipeline::EvaluatePull(uint32_t id) {
   Finish(id, st);
 }
 
+void PullPipeline::Defer(uint32_t id) {
+  ChunkPull& c = pull_[id];
+  const auto now = SteadyClock::now();
+  // The scout of this pull on this server, if another chunk is it.
+  int64_t scout = -1;
+  for (uint32_t j : sessions_.at(chunks_[id].server).chunk_of_slot) {
+    if (j != id && j < pull_.size() && pull_[j].scout && pull_[j].handle == c.handle) scout = j;
+  }
+  if (scout > static_cast<int64_t>(id)) {
+    c.parked = true;
+    c.retry_at = now + kParkedBackoff;
+  } else {
+    if (scout >= 0) {  // a later chunk of the server takes over; the old scout parks
+      ChunkPull& old = pull_[scout];
+      old.scout = false;
+      old.parked = true;
+      if (old.deferred) old.retry_at = std::max(old.retry_at, now + kParkedBackoff);
+    }
+    c.scout = true;
+    c.parked = false;
+    const int doublings = std::min(c.not_ready - kImmediateRereads - 1, 16);
+    auto delay = std::min<std::chrono::microseconds>(kMaxBackoff, kFirstBackoff * (1 << doublings));
+    const auto waited = std::chrono::duration_cast<std::chrono::microseconds>(now - c.started);
+    delay = std::max(delay, std::min<std::chrono::microseconds>(kLongWaitBackoff,
+                                                                 waited / kWaitedFraction));
+    c.retry_at = now + delay;
+  }
+  if (!c.deferred) deferred_.push_back(id);
+  c.deferred = true;
+}
+
+void PullPipeline::ReleaseScout(uint32_t id) {
+  ChunkPull& c = pull_[id];
+  if (!c.scout) return;
+  c.scout = false;
+  const auto now = SteadyClock::now();
+  for (uint32_t j : sessions_.at(chunks_[id].server).chunk_of_slot) {
+    if (j >= pull_.size()) continue;
+    ChunkPull& o = pull_[j];
+    if (o.parked && o.handle == c.handle) {
+      o.parked = false;
+      if (o.deferred) {
+        o.retry_at = now;
+        o.woken = true;
+      }
+    }
+  }
+}
+
 void PullPipeline::Tick() {
   if (deferred_.empty()) return;
   const auto now = SteadyClock::now();
@@ -174,7 +220,8 @@ void PullPipeline::Tick() {
       continue;
     }
     c.deferred = false;
-    StartPull(id, Phase::kHeaderOnly);
+    StartPull(id, c.woken ? Phase::kAll : Phase::kHeaderOnly);
+    c.woken = false;
   }
   deferred_.resize(kept);
 }
@@ -197,9 +244,12 @@ void PullPipeline::Finish(uint32_t id, const Status& s) {
                   {{"chunk", id}, {"clock", step_.clock}, {"bytes", chunks_[id].bytes},
                    {"server", chunks_[id].server}, {"version", pull_[id].pulled_version},
                    {"ok", s.ok() ? 1 : 0}});
+  ReleaseScout(id);  // before the handle is cleared: it names the parked chunks
   const uint64_t h = pull_[id].handle;
   pull_[id].handle = 0;
   pull_[id].deferred = false;
+  pull_[id].parked = false;
+  pull_[id].woken = false;
   pull_[id].not_ready = 0;
   handles_.FinishChunk(h, s);
 }
@@ -217,6 +267,8 @@ void PullPipeline::Restart(uint32_t server) {
   for (uint32_t id : sessions_.at(server).chunk_of_slot) {
     if (pull_[id].handle != 0) {
       pull_[id].deferred = false;
+      pull_[id].parked = false;
+      pull_[id].scout = false;
       StartPull(id, Phase::kAll);
     }
   }

@@ -10,7 +10,15 @@
 // after a delay doubling from kFirstBackoff to kMaxBackoff (Tick() starts them), so that a
 // worker waiting for a straggler does not keep the server's transport busy with header reads
 // (over tcp each is a request the server answers; measured 400-900 per step under BSP with a
-// 3x slower worker before the backoff).
+// 3x slower worker before the backoff). While it waits, one chunk per pull and server re-reads
+// (the scout: the highest-numbered chunk of that pull on that server still waiting, which
+// workers pushing a tensor in chunk order have applied last); the pull's other waiting chunks on
+// that server are parked until the scout turns ready, then each reads again at once, the data
+// with its header, as a first read does (a parked chunk also re-reads after kParkedBackoff,
+// whatever the scout does). A BSP worker waiting for a
+// straggler thus costs each server one header read per kMaxBackoff (longer in long waits:
+// kWaitedFraction) and tensor, not one per chunk: on emulated hosts (16 workers, 8 chunks on 2 servers, all on 2 cores) the per-chunk
+// re-reads were 2,000-4,500 per step (docs/benchmarks.md, "Hierarchical aggregation").
 //
 // Thread safety: none. Owned by the client; called from the client's (trainer's) thread only.
 #ifndef SHARDPS_WORKER_PULL_PIPELINE_H_
@@ -46,6 +54,13 @@ class PullPipeline {
   static constexpr int kImmediateRereads = 2;
   static constexpr std::chrono::microseconds kFirstBackoff{10};
   static constexpr std::chrono::microseconds kMaxBackoff{200};
+  // A scout that has waited long re-reads less often: after at most max(kMaxBackoff, waited /
+  // kWaitedFraction), capped at kLongWaitBackoff. It then sees the bound met at most that late:
+  // on average 1/64 of the wait so far, against a re-read every 200 us that, with many workers
+  // waiting on an oversubscribed host, took the CPU the last pushers needed (docs/plan.md).
+  static constexpr int kWaitedFraction = 32;
+  static constexpr std::chrono::microseconds kLongWaitBackoff{2000};
+  static constexpr std::chrono::microseconds kParkedBackoff{10000};
   void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
   // After a reconnect or failover of `server`: its pulls in flight start over.
   void Restart(uint32_t server);
@@ -96,8 +111,12 @@ class PullPipeline {
     uint32_t guess = 0;
     uint64_t required_plus1 = 0;
     std::chrono::steady_clock::time_point deadline;
+    std::chrono::steady_clock::time_point started;  // when Pull posted it
     int not_ready = 0;     // consecutive header reads below the bound
     bool deferred = false;  // a header re-read waits in deferred_ until retry_at
+    bool scout = false;     // re-reads for the chunks of its pull (handle) on its server
+    bool parked = false;    // deferred behind that scout, for at most kParkedBackoff
+    bool woken = false;     // its scout turned ready: the re-read reads the data too (kAll)
     std::chrono::steady_clock::time_point retry_at;
     int64_t trace_start_ns = 0;  // trace::NowNs() at Pull (0: not traced)
   };
@@ -107,6 +126,12 @@ class PullPipeline {
   void EvaluatePull(uint32_t id);
   // Ends the pull in flight of a chunk with `s`.
   void Finish(uint32_t id, const Status& s);
+  // A header re-read found chunk `id` below the bound again (after the immediate ones): it
+  // becomes its server's scout, or parks behind it.
+  void Defer(uint32_t id);
+  // If chunk `id` scouts for its pull on its server, it stops; the chunks parked behind it
+  // re-read now.
+  void ReleaseScout(uint32_t id);
 
   const ClientOptions& options_;
   const control::ClusterConfig& config_;

@@ -15,6 +15,7 @@
 
 #include "shardps/client.h"
 #include "tests/integration/in_process_cluster.h"
+#include "worker/pull_pipeline.h"
 
 namespace shardps {
 namespace {
@@ -546,6 +547,64 @@ TEST_P(PsClusterTest, AWaitingWorkerSleepsInsteadOfSpinning) {
   if (GetParam() != "verbs") {
     EXPECT_LT(sleep.cpu_ms, 0.5 * sleep.wall_ms) << "the waiting worker spun instead of sleeping";
   }
+}
+
+// A BSP worker waiting for a late one re-reads one chunk header per tensor and server (the
+// scout), not one per chunk: with 16 chunks on 2 servers the per-chunk re-reads were 4-8x as
+// many. The weights it then pulled hold both workers' gradients, in every chunk.
+TEST_P(PsClusterTest, AWaitingWorkerRereadsOneHeaderPerServer) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.partition_bytes = 4096;
+  spec.optimizer.lr = 1.0f;
+  Cluster cluster(spec);
+  constexpr size_t kN = 16 * 1024;  // 64 KiB: 16 chunks, 8 per server
+  std::vector<std::unique_ptr<Client>> c(2);
+  std::vector<Model> m(2, Model(kN));
+  for (int r = 0; r < 2; ++r) {
+    auto got = Client::Connect(cluster.WorkerOptions(r));
+    ASSERT_TRUE(got.ok()) << got.status();
+    c[r] = std::move(*got);
+    ASSERT_TRUE(c[r]->RegisterTensor("w", m[r].w.data(), m[r].gw.data(), {kN}).ok());
+    ASSERT_TRUE(c[r]->RegisterTensor("b", m[r].b.data(), m[r].gb.data(), {37}).ok());
+  }
+  std::thread starter([&] { EXPECT_TRUE(c[1]->Start().ok()); });  // Start is collective
+  ASSERT_TRUE(c[0]->Start().ok());
+  starter.join();
+  for (int r = 0; r < 2; ++r) {
+    for (size_t i = 0; i < kN; ++i) m[r].gw[i] = -static_cast<float>((r + 1) * (i % 7 + 1));
+    std::fill(m[r].gb.begin(), m[r].gb.end(), 0.0f);
+  }
+  std::thread late([&] {
+    std::this_thread::sleep_for(milliseconds(500));
+    EXPECT_TRUE(c[1]->Step().ok());
+  });
+  const uint64_t retries0 = c[0]->counters().pull_retries;
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = c[0]->Step();
+  const double wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  late.join();
+  ASSERT_TRUE(st.ok()) << st;
+  const uint64_t retries = c[0]->counters().pull_retries - retries0;
+  // w = 0 - lr * mean(-(i%7+1), -2(i%7+1)) = 1.5 (i%7+1), in every chunk of both servers.
+  for (size_t i = 0; i < kN; ++i) {
+    ASSERT_FLOAT_EQ(m[0].w[i], 1.5f * static_cast<float>(i % 7 + 1)) << i;
+  }
+  const double per_server_rate = 1000.0 / static_cast<double>(worker::PullPipeline::kMaxBackoff.count());  // re-reads per ms
+  // Scouts: "w" on both servers, "b" (one chunk) on one: three, and one more for slack; plus
+  // each chunk's immediate re-reads and its re-read when its scout turns ready.
+  const double allowed = (3 + 1) * per_server_rate * wall_ms + 17 * 8;
+  std::cerr << "[ info ] " << GetParam() << ": waited " << wall_ms << " ms, " << retries
+            << " header re-reads (at most " << allowed << " allowed; one per chunk per "
+            << static_cast<double>(worker::PullPipeline::kMaxBackoff.count()) << " us would be up to " << 16 * per_server_rate * wall_ms
+            << ")\n";
+  EXPECT_GE(wall_ms, 300.0);
+  EXPECT_LE(static_cast<double>(retries), allowed) << "every waiting chunk re-read its header";
+  c[0]->Close().IgnoreError();
+  c[1]->Close().IgnoreError();
 }
 
 // A server that dies gives the workers a clear error within a bounded time, not a hang.
