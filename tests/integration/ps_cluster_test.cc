@@ -538,7 +538,8 @@ TEST_P(PsClusterTest, AWaitingWorkerSleepsInsteadOfSpinning) {
             << sleep.cpu_ms << " ms\n";
   // Sleeping leaves the header re-reads (one per 200 us at most) and the wake-ups. On SoftRoCE
   // those are dear (rxe runs the NIC's side in the posting thread's kernel time, emulated in the
-  // guest): 60-70 % of the wait there, against 100 % polling; on tcp and shm about 20 %.
+  // guest): 60-70 % of the wait there before the re-reads were spaced by the wait's length
+  // (PullPipeline::kWaitedFraction), 25 % since, against 100 % polling; tcp and shm 8-25 %.
   // The comparison says something only where polling got the CPU it asked for: on a host loaded
   // by others (both cores busy) a polling thread that yields can get as little as 1 % of it.
   if (spin.cpu_ms > 0.5 * spin.wall_ms) {
