@@ -465,6 +465,19 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
       p.link_pull_us = pull_max / cfg.link_Bps * 1e6;
       p.push_us = std::max(p.push_us, p.link_push_us);
       p.pull_us = std::max(p.pull_us, p.link_pull_us);
+      // Except where dedicated servers' links carry more than any worker host's: there the
+      // aggregators (more of them than servers) share a server's link, it serves them one
+      // after another, and a host's workers compute while the next hosts are served; only one
+      // host's L workers share the cores at a time.
+      double worker_link = 0, server_link = 0;
+      for (uint32_t h = 0; h < nh; ++h) {
+        (h < cfg.hosts ? worker_link : server_link) =
+            std::max(h < cfg.hosts ? worker_link : server_link, p.link_bytes[h]);
+      }
+      if (hier && cfg.servers_dedicated && cfg.hosts > cfg.servers &&
+          server_link > worker_link * 1.01) {
+        p.compute_us = w.compute_us * std::max(1.0, L / C);
+      }
     }
   }
   // (5) Hierarchical: the local reduction through the host's memory, taken as serial memory
