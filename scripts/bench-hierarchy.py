@@ -556,7 +556,7 @@ def main():
                     net_cpu_ns_per_byte=net.get("ns_per_byte"),
                     loopback_cpu_ns_per_byte=loop.get("ns_per_byte"))
                 print(f"  link {rate} Mbit/s ({' '.join(tbf_args(rate))}): iperf3 h0->h1 " +
-                      (f"{got:.0f} Mbit/s TCP goodput, {net['ns_per_byte']:.2f} ns of CPU a byte "
+                      (f"{got:.0f} Mbit/s TCP goodput, {net.get('ns_per_byte', 0):.2f} ns of CPU a byte "
                        f"(loopback {loop.get('ns_per_byte', 0):.2f})" if got
                        else "skipped (no iperf3)"),
                       flush=True)
