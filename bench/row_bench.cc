@@ -54,7 +54,13 @@
 #include "wire/region_layout.h"
 
 DEFINE_string(role, "main", "main, or target (the bound's peer, started by main)");
-DEFINE_string(transports, "tcp", "tcp, shm");
+DEFINE_string(transports, "tcp", "tcp, shm, verbs");
+DEFINE_string(server_ip, "127.0.0.1",
+              "servers' and the bound's target's data-path address (verbs: an RDMA device's, "
+              "e.g. the SoftRoCE guest's rxe0 192.168.77.2)");
+DEFINE_string(worker_ip, "127.0.0.1",
+              "workers' and the bound's initiator's data-path address (verbs: e.g. rxe1 "
+              "192.168.77.1)");
 DEFINE_string(layouts, "1x1,2x2", "servers x workers");
 DEFINE_string(ids, "1024,4096,16384,65536", "distinct ids per batch");
 DEFINE_string(dims, "16,64,256", "values per row");
@@ -192,7 +198,7 @@ StatusOr<std::unique_ptr<Cluster>> StartCluster(const std::string& transport, in
     ASSIGN_OR_RETURN(auto srv,
                      ChildProcess::Spawn({SHARDPS_SERVER_BIN, "--coordinator=" + addr,
                                           std::string("--cluster_token=") + kToken,
-                                          "--transport=" + transport, "--bind_ip=127.0.0.1",
+                                          "--transport=" + transport, "--bind_ip=" + FLAGS_server_ip,
                                           "--rank=" + std::to_string(s), "--optimizer=sgd",
                                           "--lr=0.001"},
                                          dir + "/server" + std::to_string(s) + ".log",
@@ -354,7 +360,7 @@ Status RunLayout(const std::string& transport, int servers, int workers, int64_t
         o.cluster_token = kToken;
         o.requested_rank = w;
         o.transport = transport;
-        o.bind_ip = "127.0.0.1";
+        o.bind_ip = FLAGS_worker_ip;
         o.wait_timeout = milliseconds(60000);
         auto got = Client::Connect(o);
         if (!got.ok()) {
@@ -586,7 +592,8 @@ int Main() {
     for (int w = 0; w < max_workers && s.ok(); ++w) {
       auto target = std::make_unique<TargetProcess>();
       std::vector<std::string> args = {"--role=target", "--transport=" + transport,
-                                       "--region_bytes=" + std::to_string(region_bytes)};
+                                       "--region_bytes=" + std::to_string(region_bytes),
+                                       "--server_ip=" + FLAGS_server_ip};
       s = target->Start(args, 120);
       if (!s.ok()) break;
       auto raw = FromHex(target->descriptor_hex());
@@ -598,7 +605,7 @@ int Main() {
       }
       InitiatorConfig c;
       c.fabric.provider = transport;
-      c.fabric.bind_ip = "127.0.0.1";
+      c.fabric.bind_ip = FLAGS_worker_ip;
       c.peer_address = target->address();
       c.remote = *remote;
       c.local_bytes = static_cast<size_t>(max_bytes);
@@ -665,8 +672,8 @@ int main(int argc, char** argv) {
   if (FLAGS_role == "target") {
     shardps::bench::TargetConfig c;
     c.fabric = shardps::transport::FabricOptionsFromFlags();
-    c.fabric.bind_ip = "127.0.0.1";
-    c.listen_address = c.fabric.provider == "shm" ? "" : "127.0.0.1:0";
+    c.fabric.bind_ip = FLAGS_server_ip;
+    c.listen_address = c.fabric.provider == "shm" ? "" : FLAGS_server_ip + ":0";
     c.region_bytes = static_cast<size_t>(FLAGS_region_bytes);
     c.raw_tcp_bound = false;
     return shardps::bench::RunTarget(c);
