@@ -410,11 +410,19 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
     // random last pusher, (1/K)(1 - 1/K) of the pulls. The header-only re-reads while it waits
     // are not counted (a few hundred bytes each).
     const double wasted = K > 1 ? retry * (1 / K) * (1 - 1 / K) : 0.0;
+    // The CPU of these bytes (Costs::net_cpu_ns_per_byte): half on the client's host, half on
+    // the server's; a server on the client's own host is reached over loopback (no link).
+    std::vector<double> client_cpu(nh, 0), server_cpu(nh, 0);
     for (uint32_t h = 0; h < cfg.hosts; ++h) {
       for (uint32_t s = 0; s < cfg.servers; ++s) {
         const uint32_t sh = cfg.servers_dedicated ? cfg.hosts + s : s % cfg.hosts;
-        if (sh == h) continue;  // a server on the client's own host: no link
         const PairBytes x = ClientServerBytes(n[s], b[s], wasted);
+        const double ns = sh == h ? c.loopback_cpu_ns_per_byte : c.net_cpu_ns_per_byte;
+        const double cpu_us =
+            0.5 * per_host * (x.push_out + x.push_in + x.pull_out + x.pull_in) * ns * 1e-3;
+        client_cpu[h] += cpu_us;
+        server_cpu[sh] += cpu_us;
+        if (sh == h) continue;
         const double f = per_host * (1 + cfg.wire_overhead);
         push_out[h] += f * x.push_out;
         push_in[h] += f * x.push_in;
@@ -426,28 +434,13 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
         pull_out[sh] += f * x.pull_in;
       }
     }
-    // The CPU of these bytes: half on the client's host, half on the server's; a server on
-    // the client's own host is reached over loopback.
-    if (c.net_cpu_ns_per_byte > 0 || c.loopback_cpu_ns_per_byte > 0) {
-      std::vector<double> client_cpu(nh, 0), server_cpu(nh, 0);
-      for (uint32_t h = 0; h < cfg.hosts; ++h) {
-        for (uint32_t s = 0; s < cfg.servers; ++s) {
-          const uint32_t sh = cfg.servers_dedicated ? cfg.hosts + s : s % cfg.hosts;
-          const PairBytes x = ClientServerBytes(n[s], b[s], wasted);
-          const double pair_bytes = per_host * (x.push_out + x.push_in + x.pull_out + x.pull_in);
-          const double ns = sh == h ? c.loopback_cpu_ns_per_byte : c.net_cpu_ns_per_byte;
-          client_cpu[h] += 0.5 * pair_bytes * ns * 1e-3;
-          server_cpu[sh] += 0.5 * pair_bytes * ns * 1e-3;
-        }
-      }
-      // Emulated hosts (one machine) share its cores: all of it; real hosts: the busiest.
+    // Emulated hosts (one machine) share its cores: all of it; real hosts: the busiest.
+    for (uint32_t h = 0; h < nh; ++h) {
       const bool one_machine = cfg.machines <= 1;
-      for (uint32_t h = 0; h < nh; ++h) {
-        p.net_cpu_worker_us = one_machine ? p.net_cpu_worker_us + client_cpu[h]
-                                          : std::max(p.net_cpu_worker_us, client_cpu[h]);
-        p.net_cpu_server_us = one_machine ? p.net_cpu_server_us + server_cpu[h]
-                                          : std::max(p.net_cpu_server_us, server_cpu[h]);
-      }
+      p.net_cpu_worker_us = one_machine ? p.net_cpu_worker_us + client_cpu[h]
+                                        : std::max(p.net_cpu_worker_us, client_cpu[h]);
+      p.net_cpu_server_us = one_machine ? p.net_cpu_server_us + server_cpu[h]
+                                        : std::max(p.net_cpu_server_us, server_cpu[h]);
     }
     p.link_bytes.resize(nh);
     double push_max = 0, pull_max = 0;
@@ -469,13 +462,8 @@ StatusOr<Prediction> Predict(const Workload& w, const Costs& c, const Config& cf
       // aggregators (more of them than servers) share a server's link, it serves them one
       // after another, and a host's workers compute while the next hosts are served; only one
       // host's L workers share the cores at a time.
-      double worker_link = 0, server_link = 0;
-      for (uint32_t h = 0; h < nh; ++h) {
-        (h < cfg.hosts ? worker_link : server_link) =
-            std::max(h < cfg.hosts ? worker_link : server_link, p.link_bytes[h]);
-      }
       if (hier && cfg.servers_dedicated && cfg.hosts > cfg.servers &&
-          server_link > worker_link * 1.01) {
+          p.BusiestLinkBytes() > p.WorkerLinkBytes() * 1.01) {
         p.compute_us = w.compute_us * std::max(1.0, L / C);
       }
     }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -36,6 +37,27 @@ struct Model {
 float Grad(int worker, int step, size_t i) {
   return static_cast<float>((worker + 1) * ((step % 5) + 1) * (static_cast<int>(i % 7) - 3)) *
          0.125f;
+}
+
+// Connects workers 0 and 1 of `cluster` (with `busy_poll`, when given), registers "w" and "b"
+// of m[r] in each, and starts both (Start is collective).
+Status StartTwoWorkers(Cluster& cluster, std::vector<Model>& m,
+                       std::vector<std::unique_ptr<Client>>* c,
+                       std::optional<std::chrono::microseconds> busy_poll = std::nullopt) {
+  c->resize(2);
+  for (int r = 0; r < 2; ++r) {
+    ClientOptions o = cluster.WorkerOptions(r);
+    if (busy_poll) o.busy_poll = *busy_poll;
+    ASSIGN_OR_RETURN((*c)[r], Client::Connect(o));
+    const int64_t n = static_cast<int64_t>(m[r].w.size());
+    RETURN_IF_ERROR((*c)[r]->RegisterTensor("w", m[r].w.data(), m[r].gw.data(), {n}));
+    RETURN_IF_ERROR((*c)[r]->RegisterTensor("b", m[r].b.data(), m[r].gb.data(), {37}));
+  }
+  Status other;
+  std::thread starter([&] { other = (*c)[1]->Start(); });
+  Status first = (*c)[0]->Start();
+  starter.join();
+  return first.ok() ? other : first;
 }
 
 class PsClusterTest : public ::testing::TestWithParam<std::string> {
@@ -487,21 +509,11 @@ TEST_P(PsClusterTest, AWaitingWorkerSleepsInsteadOfSpinning) {
     spec.optimizer.lr = 1.0f;
     Cluster cluster(spec);
     constexpr size_t kN = 64;
-    std::vector<std::unique_ptr<Client>> c(2);
+    std::vector<std::unique_ptr<Client>> c;
     std::vector<Model> m(2, Model(kN));
-    for (int r = 0; r < 2; ++r) {
-      ClientOptions o = cluster.WorkerOptions(r);
-      o.busy_poll = busy_poll;
-      auto got = Client::Connect(o);
-      EXPECT_TRUE(got.ok()) << got.status();
-      if (!got.ok()) return res;
-      c[r] = std::move(*got);
-      EXPECT_TRUE(c[r]->RegisterTensor("w", m[r].w.data(), m[r].gw.data(), {kN}).ok());
-      EXPECT_TRUE(c[r]->RegisterTensor("b", m[r].b.data(), m[r].gb.data(), {37}).ok());
-    }
-    std::thread starter([&] { EXPECT_TRUE(c[1]->Start().ok()); });  // Start is collective
-    EXPECT_TRUE(c[0]->Start().ok());
-    starter.join();
+    const Status started = StartTwoWorkers(cluster, m, &c, busy_poll);
+    EXPECT_TRUE(started.ok()) << started;
+    if (!started.ok()) return res;
     std::fill(m[0].gw.begin(), m[0].gw.end(), -1.0f);
     std::fill(m[1].gw.begin(), m[1].gw.end(), -3.0f);
     std::fill(m[0].gb.begin(), m[0].gb.end(), 0.0f);
@@ -562,18 +574,10 @@ TEST_P(PsClusterTest, AWaitingWorkerRereadsOneHeaderPerServer) {
   spec.optimizer.lr = 1.0f;
   Cluster cluster(spec);
   constexpr size_t kN = 16 * 1024;  // 64 KiB: 16 chunks, 8 per server
-  std::vector<std::unique_ptr<Client>> c(2);
+  std::vector<std::unique_ptr<Client>> c;
   std::vector<Model> m(2, Model(kN));
-  for (int r = 0; r < 2; ++r) {
-    auto got = Client::Connect(cluster.WorkerOptions(r));
-    ASSERT_TRUE(got.ok()) << got.status();
-    c[r] = std::move(*got);
-    ASSERT_TRUE(c[r]->RegisterTensor("w", m[r].w.data(), m[r].gw.data(), {kN}).ok());
-    ASSERT_TRUE(c[r]->RegisterTensor("b", m[r].b.data(), m[r].gb.data(), {37}).ok());
-  }
-  std::thread starter([&] { EXPECT_TRUE(c[1]->Start().ok()); });  // Start is collective
-  ASSERT_TRUE(c[0]->Start().ok());
-  starter.join();
+  const Status started = StartTwoWorkers(cluster, m, &c);
+  ASSERT_TRUE(started.ok()) << started;
   for (int r = 0; r < 2; ++r) {
     for (size_t i = 0; i < kN; ++i) m[r].gw[i] = -static_cast<float>((r + 1) * (i % 7 + 1));
     std::fill(m[r].gb.begin(), m[r].gb.end(), 0.0f);
