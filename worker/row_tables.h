@@ -149,6 +149,7 @@ class RowTables {
   FlatIndex seen_;  // AddGradients: the call's new ids
   std::vector<ShardRead> reads_;
   std::vector<uint32_t> first_;
+  std::vector<uint64_t> unit_keys_;
   std::vector<const char*> records_;
   std::vector<uint32_t> crcs_;
   std::vector<transport::ReadPiece> pieces_;

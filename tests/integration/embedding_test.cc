@@ -360,6 +360,49 @@ TEST_P(EmbeddingTest, BadInputIsAClearError) {
 // is read again and never returned: while row 6 stays torn the pull fails at wait_timeout with
 // an error naming the table and the crc, and copies nothing of that row; once it is whole
 // again during a pull, the pull returns it as it was.
+// One pull of many scattered rows over 2 servers: each shard's rows go in several read lists
+// (a first one sent at once, full ones, a short last one; tcp 1,024 pieces per list, shm and
+// verbs 256), beside runs of adjacent rows (one piece each) and duplicate ids. Every place of
+// every id gets exactly its row's initial value.
+TEST_P(EmbeddingTest, AScatteredPullOfManyListsReturnsEveryRow) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 2;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  constexpr int64_t kTableRows = 40000;
+  EmbeddingOptions eo;
+  eo.max_ids = 64;
+  eo.init = EmbeddingOptions::Init::kUniform;
+  eo.init_scale = 1.0f;
+  eo.init_seed = 7;
+  ASSERT_TRUE(cl.RegisterEmbedding("t", kTableRows, kDim, TensorDType::kFloat32, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  std::vector<int64_t> ids;
+  for (int64_t k = 0; k < 3000; ++k) ids.push_back(13 * k);        // never adjacent in a shard
+  for (int64_t id = 39001; id < 39601; ++id) ids.push_back(id);     // runs of adjacent rows
+  for (int k = 0; k < 150; ++k) ids.push_back(ids[static_cast<size_t>(k * 17)]);  // duplicates
+  ids.push_back(kTableRows - 1);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(11));
+  for (int round = 0; round < 3; ++round) {
+    std::vector<float> out(ids.size() * kDim, -1.0f);
+    Status st = cl.PullRows("t", ids.data(), ids.size(), out.data());
+    ASSERT_TRUE(st.ok()) << st;
+    int bad = 0;
+    std::vector<float> want(kDim);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      InitRow(RowInitKind::kUniform, 1.0f, 7, static_cast<uint64_t>(ids[i]), kDim, want.data());
+      for (int j = 0; j < kDim; ++j) bad += out[i * kDim + j] != want[j];
+    }
+    EXPECT_EQ(bad, 0) << "round " << round << ": " << bad << " of " << out.size()
+                      << " values are not their row's";
+  }
+  EXPECT_TRUE(cl.Close().ok());
+}
+
 TEST_P(EmbeddingTest, ATornRowIsReadAgainNeverReturned) {
   ClusterSpec spec;
   spec.transport = GetParam();
