@@ -29,6 +29,9 @@ How DistributedOptimizer(overlap=True, bucket_bytes=B) calls it:
                of a tensor when it is pushed, and the first push now happens inside backward,
                so they must be set before it. before_push is called once per step, just before
                the step's first push (from a gradient hook, or from finish_step).
+    tables     sync.step_pushes = [table names]: each row table (shardps.torch.Embedding,
+               EmbeddingBag) is pushed whole in finish_step, after the buckets and before the
+               clock: its sparse gradient is complete only when backward is.
     zero_grad  sync.zero_grad()       step  sync.finish_step()      no_sync  sync.no_sync()
     close      sync.close(); client.close()   (and sync.synchronize() in state_dict-like
                paths that read the weights)
@@ -215,6 +218,10 @@ class BucketedSync:
         self._grad_accs = []        # AccumulateGrad nodes kept alive (their hooks live on them)
         self._sync_grads = True
         self._prepared = False      # before_push called this step
+        # Tensors pushed whole at the end of every step, before the clock: row tables, whose
+        # sparse gradients the backward pass added to the client (DistributedOptimizer sets it).
+        self.step_pushes = []
+        self._step_handles = []
         self._registered = False
         self._warned_replaced = False
         self._modules_hooked = False
@@ -387,6 +394,12 @@ class BucketedSync:
                 for s in b.slots:
                     self._adopt_grad(s, zero_if_none=True)
                 self._push(b)
+        if self.step_pushes:
+            if not self._prepared:  # no bucket was pushed this step: the rules go first
+                self._prepared = True
+                if self._before_push is not None:
+                    self._before_push()
+            self._step_handles = [self.client.push(n) for n in self.step_pushes]
         self.client.clock()
         for b in self._pull_order:
             b.pull = self.client.pull(b.name)
@@ -395,6 +408,9 @@ class BucketedSync:
             b.push = None
             b.pushed = False
             b.ready = 0
+        handles, self._step_handles = self._step_handles, []
+        for h in handles:
+            self.client.wait(h)
         for s in self._slots:
             s.ready = False
         self._prepared = False
@@ -412,6 +428,9 @@ class BucketedSync:
             if b.push is not None:
                 h, b.push = b.push, None
                 self.client.wait(h)
+        handles, self._step_handles = self._step_handles, []
+        for h in handles:
+            self.client.wait(h)
 
     def pending_pulls(self):
         """Names of the buckets whose pull is still in flight."""

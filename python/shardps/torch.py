@@ -352,9 +352,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if isinstance(m, _RowTable):
                     m.attach(client, m.table_name or mname or "embedding")
                     self._tables.append(m)
-        if self._tables and self._sync is not None:
-            raise ValueError("overlap=True does not push row tables yet: use overlap=False "
-                             "with shardps.torch.Embedding / EmbeddingBag")
+        if self._sync is not None:
+            # Overlapped: the dense buckets go during backward; the tables' sparse gradients,
+            # complete only when backward is, go at step(), before the clock.
+            self._sync.step_pushes = [m.table_name for m in self._tables]
         client.start()  # rank 0's weights become every worker's
         for m in self._tables:
             m.send_rule()

@@ -31,7 +31,7 @@ class EmbeddingTest(unittest.TestCase):
             a[:, 0] = a[0, 0]  # a duplicated row in every batch
             yield a, torch.randint(0, self.BAG_ROWS, (16, 4), generator=g)
 
-    def run_pair(self, emb_rule, emb_kw, torch_opt):
+    def run_pair(self, emb_rule, emb_kw, torch_opt, overlap=False):
         steps = 25
         torch.manual_seed(1)
         fc0 = torch.nn.Linear(2 * self.DIM, 1).state_dict()
@@ -55,7 +55,7 @@ class EmbeddingTest(unittest.TestCase):
             m = M()
             opt = spt.DistributedOptimizer(torch.optim.SGD(m.fc.parameters(), lr=0.05), m,
                                            coordinator=cl.address, cluster_token=cl.token,
-                                           rank=0, transport="tcp")
+                                           rank=0, transport="tcp", overlap=overlap)
             for a, b in self.batches(steps):
                 opt.zero_grad()
                 loss = ((m(a, b) - target) ** 2).mean()
@@ -115,6 +115,15 @@ class EmbeddingTest(unittest.TestCase):
     def test_lazy_adam_rows_match_torch_sparse_adam(self):
         self.run_pair("adam", {"lr": 0.02, "betas": (0.8, 0.99)},
                       lambda p: torch.optim.SparseAdam(list(p), lr=0.02, betas=(0.8, 0.99)))
+
+    def test_overlap_pushes_the_tables_at_step(self):
+        """overlap=True: the dense layer's bucket is pushed during backward, the tables'
+        sparse gradients at step(), before the clock. Same losses and rows as torch (run_pair
+        checks them), and bit for bit the losses of the same run without overlap."""
+        rule = ("adagrad", {"lr": 0.1}, lambda p: torch.optim.Adagrad(p, lr=0.1))
+        plain = self.run_pair(*rule)
+        overlapped = self.run_pair(*rule, overlap=True)
+        self.assertEqual(plain, overlapped)
 
     def test_bad_ids_and_rules_are_clear_errors(self):
         with cluster() as cl:
