@@ -79,6 +79,8 @@ DEFINE_string(bounds_file, "",
               "'verbs write|read lat SIZE P50_US P99_US' lines");
 DEFINE_string(json, "", "write all rows here as JSON");
 DEFINE_string(label, "", "free text stored in the JSON meta");
+DEFINE_string(memory, "host",
+              "workers' tensors: host, or cuda (cudaMalloc; a build with CUDA and a GPU)");
 DEFINE_string(work_dir, "", "children's logs (default: a fresh /tmp/shardps_bench.XXXXXX)");
 DEFINE_string(coordinator_bin, SHARDPS_COORDINATOR_BIN, "shardps_coordinator binary");
 DEFINE_string(server_bin, SHARDPS_SERVER_BIN, "shardps_server binary");
@@ -188,6 +190,10 @@ std::string Insane(const Row& r) {
 }
 
 int Main() {
+  if (FLAGS_memory != "host" && FLAGS_memory != "cuda") {
+    fprintf(stderr, "--memory must be host or cuda, not '%s'\n", FLAGS_memory.c_str());
+    return 2;
+  }
   if (FLAGS_smoke) {
     FLAGS_transports = "tcp,shm";
     FLAGS_layouts = "1x1,2x2";
@@ -232,8 +238,9 @@ int Main() {
   printf(
       "# shardps_bench: goodput = 8 * bytes moved / elapsed (push-pull moves 2 * len per key; "
       "ps-lite's convention counts len once), summed over workers; server optimizer '%s', "
-      "consistency '%s'; medians of %d reps, bound measured before each rep\n",
-      FLAGS_optimizer.c_str(), FLAGS_consistency.c_str(), FLAGS_reps);
+      "consistency '%s'; workers' tensors in %s memory; medians of %d reps, bound measured "
+      "before each rep\n",
+      FLAGS_optimizer.c_str(), FLAGS_consistency.c_str(), FLAGS_memory.c_str(), FLAGS_reps);
   std::vector<Row> rows;
   std::vector<std::string> failures;
   const double t_start = NowSeconds();
@@ -268,7 +275,8 @@ int Main() {
     gethostname(host, sizeof host - 1);
     f << "{\"meta\":{\"tool\":\"shardps_bench\",\"host\":\"" << host
       << "\",\"nproc\":" << std::thread::hardware_concurrency() << ",\"label\":\"" << FLAGS_label
-      << "\",\"optimizer\":\"" << FLAGS_optimizer << "\",\"consistency\":\"" << FLAGS_consistency
+      << "\",\"memory\":\"" << FLAGS_memory << "\",\"optimizer\":\"" << FLAGS_optimizer
+      << "\",\"consistency\":\"" << FLAGS_consistency
       << "\",\"reps\":" << FLAGS_reps << ",\"seconds\":" << FLAGS_seconds
       << ",\"lat_seconds\":" << FLAGS_lat_seconds
       << ",\"keys_per_server\":" << FLAGS_keys_per_server

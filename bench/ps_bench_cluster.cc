@@ -25,6 +25,9 @@
 #include <vector>
 
 #include <gflags/gflags.h>
+#ifdef SHARDPS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "bench/bench_util.h"
 #include "bench/ps_bench.h"
@@ -32,6 +35,7 @@
 #include "tests/integration/child_process.h"
 
 DECLARE_bool(many);
+DECLARE_string(memory);
 
 namespace shardps::bench {
 namespace {
@@ -104,6 +108,13 @@ class Worker {
       : spec_(spec), coordinator_(std::move(coordinator)), rank_(rank) {}
   ~Worker() {
     client_.reset();
+#ifdef SHARDPS_HAVE_CUDA
+    if (cuda_) {
+      if (grads_) cudaFree(grads_);
+      if (weights_) cudaFree(weights_);
+      return;
+    }
+#endif
     if (grads_) munmap(grads_, Bytes());
     if (weights_) munmap(weights_, Bytes());
   }
@@ -118,17 +129,44 @@ class Worker {
     o.setup_timeout = milliseconds(60000);
     o.wait_timeout = milliseconds(30000);
     ASSIGN_OR_RETURN(client_, Client::Connect(o));
-    for (float** p : {&grads_, &weights_}) {
-      void* m = mmap(nullptr, Bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (m == MAP_FAILED) return ResourceExhaustedError("worker: cannot map tensor memory");
-      *p = static_cast<float*>(m);
-      Prefault(m, Bytes());
+    cuda_ = FLAGS_memory == "cuda";
+    if (cuda_) {
+      // Device tensors: the client stages them through pinned host mirrors (tcp, shm) or
+      // registers them with the NIC (verbs with GPUDirect); host images for the patterns.
+#ifdef SHARDPS_HAVE_CUDA
+      for (float** p : {&grads_, &weights_}) {
+        if (cudaMalloc(reinterpret_cast<void**>(p), Bytes()) != cudaSuccess) {
+          *p = nullptr;
+          return ResourceExhaustedError("worker: cudaMalloc of " + std::to_string(Bytes()) +
+                                        " bytes failed");
+        }
+      }
+      host_grads_.assign(Bytes(), 0);
+      host_weights_.assign(Bytes(), 0);
+#else
+      return InvalidArgumentError("--memory=cuda needs a build with CUDA");
+#endif
+    } else {
+      for (float** p : {&grads_, &weights_}) {
+        void* m =
+            mmap(nullptr, Bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return ResourceExhaustedError("worker: cannot map tensor memory");
+        *p = static_cast<float*>(m);
+        Prefault(m, Bytes());
+      }
     }
     const int64_t n = static_cast<int64_t>(spec_.size / sizeof(float));
     for (int k = 0; k < spec_.keys; ++k) {
       names_.push_back("k" + std::to_string(k));
-      FillPattern(Grad(k), spec_.size, 1000 + k);
+      RETURN_IF_ERROR(SetGradPattern(k, 1000 + k));
       RETURN_IF_ERROR(client_->RegisterTensor(names_[k], Weight(k), Grad(k), {n}));
+      if (k == 0) {
+        auto path = client_->tensor_path(names_[k]);
+        if (path.ok() && rank_ == 0) {
+          fprintf(stderr, "# worker tensors: %s memory, path %s\n", cuda_ ? "cuda" : "host",
+                  TensorPathName(*path));
+        }
+      }
     }
     return client_->Start();
   }
@@ -160,6 +198,35 @@ class Worker {
   size_t Bytes() const { return spec_.size * static_cast<size_t>(spec_.keys); }
   float* Grad(int k) { return grads_ + k * (spec_.size / sizeof(float)); }
   float* Weight(int k) { return weights_ + k * (spec_.size / sizeof(float)); }
+
+  // Writes a pattern into key k's gradient (through its host image for device tensors).
+  Status SetGradPattern(int k, uint64_t seed) {
+    if (!cuda_) {
+      FillPattern(Grad(k), spec_.size, seed);
+      return Status::OK();
+    }
+#ifdef SHARDPS_HAVE_CUDA
+    char* h = host_grads_.data() + static_cast<size_t>(k) * spec_.size;
+    FillPattern(h, spec_.size, seed);
+    if (cudaMemcpy(Grad(k), h, spec_.size, cudaMemcpyHostToDevice) != cudaSuccess) {
+      return InternalError("worker: cudaMemcpy of a gradient pattern failed");
+    }
+#endif
+    return Status::OK();
+  }
+  // The first byte where key k's pulled weights differ from its gradient pattern, or -1.
+  StatusOr<int64_t> WeightMismatch(int k) {
+    if (!cuda_) return FirstMismatch(Weight(k), Grad(k), spec_.size);
+#ifdef SHARDPS_HAVE_CUDA
+    char* h = host_weights_.data() + static_cast<size_t>(k) * spec_.size;
+    if (cudaMemcpy(h, Weight(k), spec_.size, cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return InternalError("worker: cudaMemcpy of pulled weights failed");
+    }
+    return FirstMismatch(h, host_grads_.data() + static_cast<size_t>(k) * spec_.size, spec_.size);
+#else
+    return int64_t{-1};
+#endif
+  }
 
   Status Issue(Mode m, int k, std::vector<Handle>* hs) {
     if (m != Mode::kPull) {
@@ -251,7 +318,7 @@ class Worker {
     std::vector<int> mine;
     for (int k = rank_; k < spec_.keys; k += spec_.workers) mine.push_back(k);
     for (int k : mine) {
-      FillPattern(Grad(k), spec_.size, (r << 32) ^ (static_cast<uint64_t>(k) << 8) ^ rank_);
+      RETURN_IF_ERROR(SetGradPattern(k, (r << 32) ^ (static_cast<uint64_t>(k) << 8) ^ rank_));
       RETURN_IF_ERROR(Issue(Mode::kPush, k, &hs));
     }
     RETURN_IF_ERROR(WaitAll(&hs));
@@ -261,7 +328,7 @@ class Worker {
       while (true) {
         RETURN_IF_ERROR(Issue(Mode::kPull, k, &hs));
         RETURN_IF_ERROR(WaitAll(&hs));
-        const int64_t bad = FirstMismatch(Weight(k), Grad(k), spec_.size);
+        ASSIGN_OR_RETURN(const int64_t bad, WeightMismatch(k));
         if (bad < 0) break;
         // The keys are shared: another worker's push of this key from the timed series may
         // still have been queued on the server (ASP applies in arrival order per key, and
@@ -290,6 +357,8 @@ class Worker {
   std::unique_ptr<Client> client_;
   float* grads_ = nullptr;
   float* weights_ = nullptr;
+  bool cuda_ = false;                          // --memory=cuda: grads_/weights_ are device memory
+  std::vector<char> host_grads_, host_weights_;  // their host images (patterns, verification)
   std::vector<std::string> names_;
 };
 
