@@ -12,8 +12,10 @@
 #    alone, and bench/gpu_step_bench.py (a GPU learner's step against a CPU one's);
 # 4. cuda_staging_bench (host<->device GB/s, pinned vs pageable, whole vs 1 MiB pieces);
 # 5. shardps_bench with the workers' tensors in host and in device memory, same run, tcp and shm;
-# 6. compute-sanitizer's memcheck over the staging test and one cluster case.
+# 6. compute-sanitizer's memcheck over the staging test and one cluster case;
 # Every part runs even if one before it failed; the exit status is the number of failed parts.
+# 7. (not by default) a 256 MiB model's step at pipeline pieces of 256 KiB to 16 MiB.
+# GPU_CHECK_PARTS (e.g. "2 7") runs only those parts (1 always runs).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUNDLE=$(realpath "${1:-.gpu}")
@@ -24,6 +26,8 @@ export LD_LIBRARY_PATH=$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export SHARDPS_BUILD_DIR=$B
 export GLOG_minloglevel=${GLOG_minloglevel:-1}
 failed=()
+PARTS=${GPU_CHECK_PARTS:-2 3 4 5 6}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 part() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 run() {  # run NAME TIMEOUT CMD...: records a failure by name
   local name=$1 t=$2
@@ -45,41 +49,55 @@ ls /sys/class/infiniband 2>/dev/null || echo "no RDMA device (/sys/class/infinib
 missing=$(ldd "$B/tests/cuda_cluster_test" "$B/bench/shardps_bench" "$B/server/shardps_server" | grep 'not found' | sort -u)
 [[ -z $missing ]] || { echo "missing libraries: $missing"; failed+=(libs); }
 
+want 2 && {
 part "2. C++ CUDA tests"
 run cuda_staging_test 120 "$B/tests/cuda_staging_test" --gtest_output="xml:$RES/cuda_staging_test.xml"
 run cuda_cluster_test 420 "$B/tests/cuda_cluster_test" --gtest_output="xml:$RES/cuda_cluster_test.xml"
 
-part "3. Python on the GPU"
-py=$B/python/shardps
-ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-[[ -f $inc/Python.h ]] || inc=$(ls -d "$BUNDLE"/pyinc/python3* 2>/dev/null | head -1)
-pyb=$(python3 -c 'import pybind11; print(pybind11.get_include())' 2>/dev/null)
-build_ext() {  # build_ext PYBIND11_INCLUDE
-  echo "extension $ext: Python.h from $inc, pybind11 from $1"
-  g++ -O2 -std=c++17 -shared -fPIC -fvisibility=hidden -I. -Iworker/include -I"$1" -I"$inc" \
-    python/shardps_module.cc -o "$py/_shardps$ext" -L"$B/lib" -lshardps -Wl,-rpath,"$B/lib"
 }
-if { [[ -n $pyb ]] && build_ext "$pyb"; } || build_ext "$BUNDLE/pyinc"; then
-  export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
+
+ext_ok=0
+if want 3 || want 7; then
+  part "3. Python on the GPU"
+  py=$B/python/shardps
+  ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  [[ -f $inc/Python.h ]] || inc=$(ls -d "$BUNDLE"/pyinc/python3* 2>/dev/null | head -1)
+  pyb=$(python3 -c 'import pybind11; print(pybind11.get_include())' 2>/dev/null)
+  build_ext() {  # build_ext PYBIND11_INCLUDE
+    echo "extension $ext: Python.h from $inc, pybind11 from $1"
+    g++ -O2 -std=c++17 -shared -fPIC -fvisibility=hidden -I. -Iworker/include -I"$1" -I"$inc" \
+      python/shardps_module.cc -o "$py/_shardps$ext" -L"$B/lib" -lshardps -Wl,-rpath,"$B/lib"
+  }
+  if { [[ -n $pyb ]] && build_ext "$pyb"; } || build_ext "$BUNDLE/pyinc"; then
+    ext_ok=1
+    export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
+  else
+    failed+=(python_extension)
+  fi
+fi
+if want 3 && ((ext_ok)); then
   run python_cuda_tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/python/test_shardps.py \
     -k "CudaTest or grad_scaler" -rA --junitxml="$RES/python_cuda.xml"
   run digits_cuda 240 python3 -m shardps.run --servers 2 --workers 2 --transport shm --timeout 200 \
     --run-dir /tmp/gpu-check-digits -- \
     sh -c 'exec python3 examples/torch_digits.py --coordinator "$SHARDPS_COORDINATOR" --transport shm --device cuda --epochs 8 --min_accuracy 0.9'
   tail -n 3 /tmp/gpu-check-digits/worker-1.log 2>/dev/null
-  run gpu_step_bench 180 python3 bench/gpu_step_bench.py --width 2048 --layers 4 --steps 20
-  run gpu_step_bench_tcp 180 python3 bench/gpu_step_bench.py --width 2048 --layers 4 --steps 20 \
-    --transport tcp
   run digits_cuda_standalone 120 python3 examples/torch_digits.py --standalone --workers 2 \
     --device cuda --epochs 8
-else
-  failed+=(python_extension)
+  for tr in shm tcp; do
+    run "gpu_step_bench_$tr" 180 python3 bench/gpu_step_bench.py --width 2048 --layers 4 \
+      --steps 20 --transport $tr
+  done
 fi
 
+want 4 && {
 part "4. cuda_staging_bench"
 run cuda_staging_bench 120 "$B/worker/cuda_staging_bench" --sizes=65536,1048576,16777216,268435456 --iters=20
 
+}
+
+want 5 && {
 part "5. shardps_bench: host vs device tensors"
 for mem in host cuda; do
   run "shardps_bench_$mem" 240 "$B/bench/shardps_bench" --memory=$mem --transports=tcp,shm \
@@ -89,6 +107,9 @@ for mem in host cuda; do
     --json="$RES/bench-$mem.json" --label="gpu-check $mem"
 done
 
+}
+
+want 6 && {
 part "6. compute-sanitizer (memcheck) on the staging pipeline and one cluster case"
 if command -v compute-sanitizer >/dev/null; then
   run sanitizer_staging 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -97,6 +118,18 @@ if command -v compute-sanitizer >/dev/null; then
     "$B/tests/cuda_cluster_test" --gtest_filter='*tcp_gpu_gpu_4096*'
 else
   echo "compute-sanitizer not on PATH"
+fi
+
+}
+
+if want 7 && ((ext_ok)); then
+  part "7. the staging pipeline's piece size: a 256 MiB model's step (shm, tcp)"
+  for tr in shm tcp; do
+    for pb in 262144 1048576 4194304 16777216; do
+      run "gpu_step_bench_${tr}_$pb" 180 python3 bench/gpu_step_bench.py --width 4096 --layers 4 \
+        --steps 10 --transport $tr --pipeline-bytes $pb
+    done
+  done
 fi
 
 part "summary"

@@ -41,7 +41,13 @@ enum OpKind : uint32_t {
   kOpClock = 4,
   kOpRows = 5,  // a row table's reads (worker/row_tables.h)
   kOpAcksAhead = 6,  // ServerSessions::PostAcksAhead
+  // A signaled write inside a long run of unsignaled ones (a staged CUDA push's pieces): its
+  // completion only returns the run's send credits; a failure fails the session like any other.
+  kOpCredit = 7,
 };
+// The most unsignaled posts a run may make before one of them is signaled (kOpCredit), well
+// under kSendDepth: their credits come back only with a signaled completion.
+constexpr int kMaxUnsignaledRun = kSendDepth / 4;
 inline uint64_t MakeContext(uint32_t kind, uint32_t chunk, uint64_t handle) {
   return (static_cast<uint64_t>(kind) << 60) | (static_cast<uint64_t>(chunk & 0x0fffffff) << 32) |
          (handle & 0xffffffffull);

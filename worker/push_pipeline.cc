@@ -265,13 +265,18 @@ Status PushPipeline::PostPushData(uint32_t id, uint32_t parity, uint64_t h) {
                              MakeContext(kOpPush, id, h), transport::kUnsignaled);
     });
   }
-  // Staged: each piece is written as soon as its device->host copy is done; later pieces are
-  // still being copied meanwhile. Writes on one endpoint execute in post order, so the header
-  // (posted after the last piece) still lands after all of the data.
+  // Staged: the pieces whose device->host copy is done are written at once, in one write
+  // (every piece copied by then, up to the chunk's end); later pieces are still being copied
+  // meanwhile. Writes on one endpoint execute in post order, so the header (posted after the
+  // last piece) still lands after all of the data. The writes are unsignaled, but every
+  // kMaxUnsignaledRun-th is signaled (kOpCredit): a chunk of more pieces than the send queue
+  // holds would otherwise never get its credits back before its header.
   const uint64_t piece = t.staging->piece_bytes();
+  const uint64_t end = c.offset + c.bytes;
   const auto deadline = SteadyClock::now() + options_.wait_timeout;
-  for (uint64_t a = c.offset; a < c.offset + c.bytes;) {
-    const uint64_t b = std::min(c.offset + c.bytes, (a / piece + 1) * piece);
+  int unsignaled = 0;
+  for (uint64_t a = c.offset; a < end;) {
+    uint64_t b = std::min(end, (a / piece + 1) * piece);
     while (true) {
       ASSIGN_OR_RETURN(bool ready, t.staging->GradsOnHost(b));
       if (ready) break;
@@ -280,10 +285,19 @@ Status PushPipeline::PostPushData(uint32_t id, uint32_t parity, uint64_t h) {
         return DeadlineExceededError("device->host copy of '" + t.name + "' timed out");
       }
     }
+    while (b < end) {  // the copies complete in order: take every piece already on the host
+      const uint64_t next = std::min(end, b + piece);
+      ASSIGN_OR_RETURN(bool ready, t.staging->GradsOnHost(next));
+      if (!ready) break;
+      b = next;
+    }
+    const bool credit = ++unsignaled == kMaxUnsignaledRun;
+    if (credit) unsignaled = 0;
     RETURN_IF_ERROR(sessions_.PostWithCredit([&] {
       return s.ep->PostWrite({t.gmr.get(), a, b - a},
                              transport::AtOffset(s.inbox, dst + (a - c.offset)),
-                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
+                             credit ? MakeContext(kOpCredit, id, 0) : MakeContext(kOpPush, id, h),
+                             credit ? transport::kSignaled : transport::kUnsignaled);
     }));
     a = b;
   }

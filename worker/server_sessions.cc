@@ -389,6 +389,8 @@ void ServerSessions::OnCompletion(const Completion& wc) {
     case kOpRows:
       sink_.OnRowsCompletion(ContextChunk(wc.context), ContextHandle(wc.context), err);
       return;
+    case kOpCredit:  // credits only; a failure marked the session failed above
+      return;
     default:
       return;
   }
