@@ -8,14 +8,15 @@
 # 1. the GPU, driver, OS and toolchain;
 # 2. unit.CudaStagingTest and integration.CudaClusterTest / CudaStreamOrderTest (gtest XML);
 # 3. the Python extension, compiled here against libshardps.so, then the CUDA Python tests
-#    (CudaTest, the GradScaler skip), the digits MLP trained on the GPU through a cluster and
+#    (tests/python/test_cuda.py, CudaTest, the GradScaler skip), the digits MLP trained on the GPU through a cluster and
 #    alone, and bench/gpu_step_bench.py (a GPU learner's step against a CPU one's);
 # 4. cuda_staging_bench (host<->device GB/s, pinned vs pageable, whole vs 1 MiB pieces);
 # 5. shardps_bench with the workers' tensors in host and in device memory, same run, tcp and shm;
 # 6. compute-sanitizer's memcheck over the staging test and one cluster case;
 # Every part runs even if one before it failed; the exit status is the number of failed parts.
 # 7. (not by default) a 256 MiB model's step at pipeline pieces of 256 KiB to 16 MiB.
-# GPU_CHECK_PARTS (e.g. "2 7") runs only those parts (1 always runs).
+# GPU_CHECK_PARTS (e.g. "2 7") runs only those parts (1 always runs); GPU_BENCH_SIZES the
+# sizes of part 5 (default 4K,1M,16M).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUNDLE=$(realpath "${1:-.gpu}")
@@ -53,6 +54,20 @@ want 2 && {
 part "2. C++ CUDA tests"
 run cuda_staging_test 120 "$B/tests/cuda_staging_test" --gtest_output="xml:$RES/cuda_staging_test.xml"
 run cuda_cluster_test 420 "$B/tests/cuda_cluster_test" --gtest_output="xml:$RES/cuda_cluster_test.xml"
+# A deliberately broken build of a test (the bundle's tests/*_broken, with the filter in
+# tests/*_broken.filter) must fail: a test that cannot fail is a defect.
+for broken in "$B"/tests/*_broken; do
+  [[ -x $broken ]] || continue
+  timeout 120 "$broken" --gtest_filter="$(cat "$broken.filter")" >"$RES/broken.log" 2>&1
+  rc=$?
+  grep -E '^\[  (FAILED|PASSED) |Failure|Expected|Which is|pushed the' "$RES/broken.log" | head -20
+  if [[ $rc -eq 1 ]]; then
+    echo "$(basename "$broken"): failed as it must (exit 1)"
+  else
+    echo "$(basename "$broken"): exit $rc: the test did not catch the broken build"
+    failed+=("$(basename "$broken")($rc)")
+  fi
+done
 
 }
 
@@ -77,8 +92,9 @@ if want 3 || want 7; then
   fi
 fi
 if want 3 && ((ext_ok)); then
-  run python_cuda_tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/python/test_shardps.py \
-    -k "CudaTest or grad_scaler" -rA --junitxml="$RES/python_cuda.xml"
+  run python_cuda_tests 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py \
+    tests/python/test_shardps.py -k "GpuLearnerTest or CudaTest or grad_scaler" -rA \
+    --junitxml="$RES/python_cuda.xml"
   run digits_cuda 240 python3 -m shardps.run --servers 2 --workers 2 --transport shm --timeout 200 \
     --run-dir /tmp/gpu-check-digits -- \
     sh -c 'exec python3 examples/torch_digits.py --coordinator "$SHARDPS_COORDINATOR" --transport shm --device cuda --epochs 8 --min_accuracy 0.9'
@@ -89,6 +105,9 @@ if want 3 && ((ext_ok)); then
     run "gpu_step_bench_$tr" 180 python3 bench/gpu_step_bench.py --width 2048 --layers 4 \
       --steps 20 --transport $tr
   done
+  # Many small tensors (100 of 16 KiB): the per-tensor cost of staging.
+  run gpu_step_bench_small 180 python3 bench/gpu_step_bench.py --width 64 --layers 100 \
+    --steps 50 --transport shm
 fi
 
 want 4 && {
@@ -101,7 +120,7 @@ want 5 && {
 part "5. shardps_bench: host vs device tensors"
 for mem in host cuda; do
   run "shardps_bench_$mem" 240 "$B/bench/shardps_bench" --memory=$mem --transports=tcp,shm \
-    --layouts=1x1,2x2 --latency_layouts=1x1 --modes=push,pull,push-pull --sizes=4K,1M,16M \
+    --layouts=1x1,2x2 --latency_layouts=1x1 --modes=push,pull,push-pull --sizes="${GPU_BENCH_SIZES:-4K,1M,16M}" \
     --keys_per_server=8 --seconds=0.3 --lat_seconds=0.2 --reps=1 \
     --coordinator_bin="$B/server/shardps_coordinator" --server_bin="$B/server/shardps_server" \
     --json="$RES/bench-$mem.json" --label="gpu-check $mem"

@@ -706,6 +706,7 @@ StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
   std::vector<Handle> hs;
   hs.reserve(ts.size());
   Status failed;
+  if (push) push_->Prestart(ts);
   push ? push_->set_more(true) : pull_->set_more(true);
   for (uint32_t t : ts) {
     // As Push(name) and Pull(name) do: a server that failed during the tensors before this
@@ -720,6 +721,7 @@ StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
     hs.push_back(*h);
   }
   push ? push_->set_more(false) : pull_->set_more(false);
+  if (push) push_->CancelPrestart();  // those no Push took (an early failure)
   Status polled = sessions_->Progress();  // sends what kMore held back
   if (failed.ok()) failed = polled;
   if (!failed.ok()) {
@@ -1004,9 +1006,19 @@ Status ClientImpl::StepOnce() {
   // after the 26 s failover wait instead of at once; until that is understood, Step keeps the
   // per-tensor path whose failure handling the crash matrix covers.
   std::vector<Handle> hs;
-  for (const Tensor& t : tensors_) {
-    ASSIGN_OR_RETURN(Handle h, Push(t.name));
-    hs.push_back(h);
+  {
+    // CUDA-staged tensors: every device->host copy starts now, back to back.
+    std::vector<uint32_t> all(tensors_.size());
+    for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+    push_->Prestart(all);
+    struct Cancel {
+      PushPipeline* p;
+      ~Cancel() { p->CancelPrestart(); }
+    } cancel{push_.get()};
+    for (const Tensor& t : tensors_) {
+      ASSIGN_OR_RETURN(Handle h, Push(t.name));
+      hs.push_back(h);
+    }
   }
   Status first;
   for (Handle h : hs) {

@@ -71,6 +71,9 @@ struct Tensor {
   TensorPath path = TensorPath::kHost;
   std::unique_ptr<CudaStaging> staging;  // kCudaStaged only
   uint64_t push_handle = 0;              // kCudaStaged: the push whose data is in the mirror
+  // kCudaStaged: the device->host copy of the gradient for the next Push was already started
+  // (PushPipeline::Prestart, by Step and PushMany); Push then does not start it again.
+  bool staging_prestarted = false;
   layout::UpdateRule rule{};  // what its pushes ask the servers to apply (Client::SetUpdateRule)
   // A row table (Client::RegisterEmbedding): shape {rows, dim}; no weights or grads buffers
   // (worker/row_tables.h holds its staging).

@@ -47,6 +47,21 @@ void PushPipeline::PlaceSmallStaging(uint64_t base) {
   }
 }
 
+void PushPipeline::Prestart(const std::vector<uint32_t>& tensors) {
+  for (uint32_t i : tensors) {
+    Tensor& t = tensors_[i];
+    if (t.staging == nullptr || t.staging_prestarted || handles_.Contains(t.push_handle)) {
+      continue;  // not staged, already started, or refused by Push below
+    }
+    // A failure is Push's to report: it starts the copy again itself.
+    t.staging_prestarted = t.staging->StartGradsToHost().ok();
+  }
+}
+
+void PushPipeline::CancelPrestart() {
+  for (Tensor& t : tensors_) t.staging_prestarted = false;
+}
+
 StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status()>& recover) {
   Tensor& t = tensors_[tensor];
   if (t.staging != nullptr) {
@@ -54,7 +69,9 @@ StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status(
     if (handles_.Contains(t.push_handle)) {
       return FailedPreconditionError("Push of '" + t.name + "' before Wait() on its previous push");
     }
-    RETURN_IF_ERROR(t.staging->StartGradsToHost());
+    const bool started = t.staging_prestarted;
+    t.staging_prestarted = false;
+    if (!started) RETURN_IF_ERROR(t.staging->StartGradsToHost());
   }
   const uint64_t h = handles_.Create();
   HandleState& hs = handles_[h];

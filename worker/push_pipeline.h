@@ -42,6 +42,14 @@ class PushPipeline {
   // Pushes every chunk of a tensor at the current clock. `recover` is called when a server
   // fails while an inbox slot is awaited (it reconnects or fails over, or reports why not).
   StatusOr<Handle> Push(uint32_t tensor, const std::function<Status()>& recover);
+  // Starts the device->host copies of the CUDA-staged tensors among `tensors` that are about to
+  // be pushed one after the other (Step, PushMany), so that they run back to back on the copy
+  // engine while the first ones are on the wire, instead of one copy per Push call. Tensors
+  // whose previous push is not waited for are left to Push (which refuses them).
+  void Prestart(const std::vector<uint32_t>& tensors);
+  // Forgets every prestarted copy that no Push took (a burst ended early): the caller may
+  // rewrite its gradients before the next Push, which must then copy them again.
+  void CancelPrestart();
   void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
   // A state transfer of one chunk (layout::PushOp other than kGradient): pushed like a
   // gradient (from the tensor's gradient buffer; kGetState's payload is ignored), then awaited
