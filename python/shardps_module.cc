@@ -158,6 +158,20 @@ class PyClient {
     if (w.cuda != g.cuda) {
       throw py::value_error("'" + name + "': weights and grads must be on the same device");
     }
+    // A CUDA tensor this library cannot see as device memory would be registered as host memory
+    // and read by the transport's CPU: refuse it here, saying why.
+    for (const Buffer* b : {&w, &g}) {
+      if (b->cuda && !shardps::IsCudaDeviceMemory(b->data)) {
+        throw py::value_error(
+            "'" + name + "' is a CUDA tensor, but " +
+            (shardps::BuiltWithCuda()
+                 ? std::string("the CUDA runtime of this shardps does not see its memory as "
+                               "device memory (no CUDA driver or device visible to it?)")
+                 : std::string("this shardps was built without CUDA (no toolkit at build time; "
+                               "rebuild with the CUDA toolkit, -DSHARDPS_WITH_CUDA=ON)")) +
+            "; move the model to the CPU or rebuild (docs/python.md, \"GPU learners\")");
+      }
+    }
     if (w.data == g.data) throw py::value_error("'" + name + "': weights and grads are one buffer");
     if (w.dtype != g.dtype) {
       throw py::type_error("'" + name + "': weights and grads differ in dtype");
@@ -459,6 +473,8 @@ PYBIND11_MODULE(_shardps, m) {
       },
       py::arg("init"), py::arg("scale"), py::arg("seed"), py::arg("ids"), py::arg("dim"),
       "The initial values the servers give rows `ids` of a table (float32, len(ids) x dim).");
+  m.def("built_with_cuda", &shardps::BuiltWithCuda,
+        "Whether this shardps was built with CUDA (device tensors supported).");
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, int, const std::string&,
                     const std::string&, const std::string&, int, int64_t, int64_t, uint64_t,

@@ -145,6 +145,16 @@ StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
   return std::unique_ptr<Client>(std::move(c));
 }
 
+bool BuiltWithCuda() {
+#ifdef SHARDPS_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool IsCudaDeviceMemory(const void* ptr) { return worker::IsCudaDevicePointer(ptr); }
+
 const char* TensorPathName(TensorPath p) {
   switch (p) {
     case TensorPath::kHost:

@@ -10,7 +10,7 @@ shardps.torch.DistributedOptimizer wraps a PyTorch model; shardps.launch.LocalCl
 coordinator and servers on this host; `python -m shardps.run -- TRAINER...` starts a cluster and
 N copies of any trainer, which find it through the environment (Client() needs no arguments).
 """
-from ._shardps import Client, Error, row_init  # noqa: F401
+from ._shardps import Client, Error, built_with_cuda, row_init  # noqa: F401
 from ._build_info import VERSION as __version__  # noqa: F401
 
 __all__ = ["Client", "Error", "row_init", "__version__"]

@@ -78,6 +78,46 @@ def run_workers(fns):
     return results
 
 
+class FakeCudaTensor:
+    """Duck-types a CUDA torch tensor whose memory is really host memory: what the module would
+    get from a CUDA tensor that this shardps cannot use (a build without CUDA, no driver)."""
+
+    def __init__(self, n):
+        import numpy as np
+        self._keep = np.zeros(n, dtype=np.float32)
+        self.dtype = "torch.float32"
+        self.shape = (n,)
+        self.is_cuda = True
+
+    def data_ptr(self):
+        return self._keep.ctypes.data
+
+    def is_contiguous(self):
+        return True
+
+
+class NotDeviceMemoryTest(unittest.TestCase):
+    def test_a_cuda_tensor_the_library_cannot_see_is_refused_before_registration(self):
+        """Registered as host memory, its device pointers would be read by the transport's CPU
+        (a crash, or garbage weights). The module refuses it, saying why, in every build; the
+        client stays usable."""
+        with cluster(servers=1, lr=0.5) as cl:
+            c = connect(cl)
+            with self.assertRaises(ValueError) as e:
+                c.register("w", FakeCudaTensor(16), FakeCudaTensor(16))
+            msg = str(e.exception)
+            self.assertIn("'w' is a CUDA tensor", msg)
+            self.assertIn("built without CUDA" if not shardps.built_with_cuda()
+                          else "does not see its memory as device memory", msg)
+            import numpy as np
+            w, g = np.zeros(16, dtype=np.float32), np.ones(16, dtype=np.float32)
+            c.register("w", w, g)  # the name is still free: nothing was registered
+            c.start()
+            c.step()
+            np.testing.assert_array_equal(w, np.full(16, -0.5, dtype=np.float32))
+            c.close()
+
+
 @unittest.skipUnless(torch is not None and DEVICE,
                      "no CUDA: torch has no CUDA support or no GPU is present")
 class GpuLearnerTest(unittest.TestCase):

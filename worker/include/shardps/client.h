@@ -134,6 +134,15 @@ enum class TensorPath {
 };
 SHARDPS_EXPORT const char* TensorPathName(TensorPath p);
 
+// Whether this library was built with CUDA (SHARDPS_HAVE_CUDA): only then are device tensors
+// recognised and staged or registered. Thread-safe.
+SHARDPS_EXPORT bool BuiltWithCuda();
+// Whether `ptr` is CUDA device memory as this library sees it: false in a build without CUDA and
+// on a machine without a CUDA driver or device. RegisterTensor decides host or device by it; a
+// caller that knows its buffer is device memory (a framework's is_cuda) checks here first, since
+// device memory taken for host memory would be read by the transport's CPU. Thread-safe.
+SHARDPS_EXPORT bool IsCudaDeviceMemory(const void* ptr);
+
 struct ClientCounters {
   uint64_t control_messages_sent = 0;  // excluding periodic heartbeats
   uint64_t heartbeats_sent = 0;
