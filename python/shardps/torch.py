@@ -447,7 +447,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         non_finite = False
         scaler_state = None
         if grad_scaler is not None:
-            from torch.cuda.amp.grad_scaler import OptState
+            try:  # torch >= 2.3 (torch.cuda.amp's is a deprecated alias there)
+                from torch.amp.grad_scaler import OptState
+            except ImportError:  # torch 1.13 (Debian 12)
+                from torch.cuda.amp.grad_scaler import OptState
             scaler_state = grad_scaler._per_optimizer_states[id(self)]
             if scaler_state["stage"] is OptState.READY:
                 grad_scaler.unscale_(self)  # divides the gradients, finds infs and NaNs

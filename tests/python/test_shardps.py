@@ -745,7 +745,9 @@ class NonFiniteStepTest(unittest.TestCase):
         with cluster(servers=1) as cl:
             opt = spt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                            client=connect(cl), wire_dtype=torch.float16)
-            scaler = torch.cuda.amp.GradScaler(init_scale=2.0 ** 10)
+            scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+                      if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler")
+                      else torch.cuda.amp.GradScaler(init_scale=2.0 ** 10))
             before = [p.detach().clone() for p in model.parameters()]
             opt.zero_grad()
             with torch.autocast("cuda"):
