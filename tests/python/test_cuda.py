@@ -5,8 +5,6 @@ where torch has no CUDA or no GPU is present (every machine of this project's CI
 is CPU-only); scripts/gpu-check.sh runs them on a GPU machine (docs/python.md, "GPU learners").
 """
 import os
-import threading
-import time
 import unittest
 
 try:
@@ -16,6 +14,7 @@ except ImportError:  # pragma: no cover
 
 import shardps
 import shardps.launch
+from test_overlap import run_workers  # noqa: E402 (tests/python is on sys.path under pytest)
 
 HAVE_CUDA = torch is not None and torch.cuda.is_available()
 # SHARDPS_TEST_DEVICE=cpu runs the same tests on the CPU (a check of the tests themselves on a
@@ -23,9 +22,6 @@ HAVE_CUDA = torch is not None and torch.cuda.is_available()
 DEVICE = os.environ.get("SHARDPS_TEST_DEVICE") or ("cuda" if HAVE_CUDA else None)
 if torch is not None:
     import shardps.torch as spt
-
-DEADLINE_S = 90.0
-
 
 def cluster(**kw):
     kw.setdefault("servers", 2)
@@ -53,29 +49,6 @@ def batches(seed, n=5, rows=32, d_in=16, d_out=4):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, d_in, generator=g).to(DEVICE),
              torch.randn(rows, d_out, generator=g).to(DEVICE)) for _ in range(n)]
-
-
-def run_workers(fns):
-    results, errors = [None] * len(fns), [None] * len(fns)
-
-    def body(r):
-        try:
-            results[r] = fns[r]()
-        except BaseException as e:  # noqa: BLE001 (re-raised below)
-            errors[r] = e
-
-    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(fns))]
-    for t in ts:
-        t.start()
-    end = time.monotonic() + DEADLINE_S
-    for t in ts:
-        t.join(max(0.0, end - time.monotonic()))
-    if any(t.is_alive() for t in ts):
-        raise AssertionError(f"workers still running after {DEADLINE_S} s: a hang")
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
 
 
 class FakeCudaTensor:
@@ -141,18 +114,13 @@ class GpuLearnerTest(unittest.TestCase):
             ours, theirs = [], []
             for step in range(steps):
                 x, y = data[step % len(data)]
-                opt.zero_grad()
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                sched.step()
-                ours.append(loss.item())
-                ref_opt.zero_grad()
-                ref_loss = torch.nn.functional.mse_loss(ref(x), y)
-                ref_loss.backward()
-                ref_opt.step()
-                ref_sched.step()
-                theirs.append(ref_loss.item())
+                for m, o, sch, out in ((model, opt, sched, ours), (ref, ref_opt, ref_sched, theirs)):
+                    o.zero_grad()
+                    loss = torch.nn.functional.mse_loss(m(x), y)
+                    loss.backward()
+                    o.step()
+                    sch.step()
+                    out.append(loss.item())
             opt.close()
         for a, b in zip(ours, theirs):
             self.assertAlmostEqual(a, b, delta=1e-4 * max(1.0, abs(b)))
