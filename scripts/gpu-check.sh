@@ -93,7 +93,7 @@ if want 3 || want 7; then
 fi
 if want 3 && ((ext_ok)); then
   run python_cuda_tests 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py \
-    tests/python/test_shardps.py -k "GpuLearnerTest or CudaTest or grad_scaler" -rA \
+    tests/python/test_shardps.py -k "GpuLearnerTest or NotDeviceMemoryTest or CudaTest or grad_scaler" -rA \
     --junitxml="$RES/python_cuda.xml"
   run digits_cuda 240 python3 -m shardps.run --servers 2 --workers 2 --transport shm --timeout 200 \
     --run-dir /tmp/gpu-check-digits -- \
