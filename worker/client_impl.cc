@@ -892,11 +892,9 @@ Status ClientImpl::SetState(const std::string& name, StatePart part, uint64_t st
     return UnimplementedError("state transfer of row table '" + name +
                               "' (its rows are in the servers' checkpoints)");
   }
-  if (tensors_[t].staging != nullptr) {
-    return UnimplementedError("state transfer of '" + name +
-                              "': a CUDA tensor staged through host memory");
-  }
   RETURN_IF_ERROR(MaybeRecover());
+  // A CUDA tensor staged through host memory: its gradient buffer reaches the mirror first.
+  RETURN_IF_ERROR(push_->StageForStateTransfer(t));
   const auto op = static_cast<layout::PushOp>(part);  // the same numbers
   for (uint32_t id : tensors_[t].chunks) {
     RETURN_IF_ERROR(push_->PushOpAndAwait(id, op, steps, [this] { return RecoverOrBreak(); }));

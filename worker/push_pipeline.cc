@@ -58,6 +58,17 @@ void PushPipeline::Prestart(const std::vector<uint32_t>& tensors) {
   }
 }
 
+Status PushPipeline::StageForStateTransfer(uint32_t tensor) {
+  Tensor& t = tensors_[tensor];
+  if (t.staging == nullptr) return Status::OK();
+  if (handles_.Contains(t.push_handle)) {
+    return FailedPreconditionError("state transfer of '" + t.name +
+                                   "' before Wait() on its previous push");
+  }
+  t.staging_prestarted = false;
+  return t.staging->StartGradsToHost();
+}
+
 void PushPipeline::CancelPrestart() {
   for (Tensor& t : tensors_) t.staging_prestarted = false;
 }

@@ -47,6 +47,10 @@ class PushPipeline {
   // engine while the first ones are on the wire, instead of one copy per Push call. Tensors
   // whose previous push is not waited for are left to Push (which refuses them).
   void Prestart(const std::vector<uint32_t>& tensors);
+  // A state transfer (SetState) of a CUDA-staged tensor pushes its gradient buffer like a
+  // gradient: copies it to the pinned mirror first (the chunks' posts wait for the copy), or
+  // refuses while a push of the tensor is not waited for (the mirror still holds its bytes).
+  Status StageForStateTransfer(uint32_t tensor);
   // Forgets every prestarted copy that no Push took (a burst ended early): the caller may
   // rewrite its gradients before the next Push, which must then copy them again.
   void CancelPrestart();

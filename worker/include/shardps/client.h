@@ -327,7 +327,9 @@ class SHARDPS_EXPORT Client {
   // tensor's dtype), and every chunk's optimizer step count to `steps`: kWeights the master
   // weights, kState1/kState2 the optimizer's first/second state buffer (momentum or Adam's
   // first moment; Adam's second), kNoState drops the state (a torch optimizer that never
-  // stepped). The servers publish a new version; pull to see new weights.
+  // stepped). The servers publish a new version; pull to see new weights. A CUDA gradient
+  // buffer must be written by work that is complete or ordered on the legacy default stream, as
+  // for Push.
   virtual Status SetState(const std::string& tensor, StatePart part, uint64_t steps) = 0;
   // Reads the servers' float32 master weights and optimizer state of `tensor` (elements()
   // floats each; any output may be null). *has1/*has2: whether that state buffer exists on
