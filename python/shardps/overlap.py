@@ -382,6 +382,7 @@ class BucketedSync:
         or here (lazy_pulls False, or no model installed)."""
         if not self._registered:
             raise RuntimeError("finish_step before register()")
+        self._check_storage()
         if self._recording and self._ran:
             self._learn_waits()
         if self._seen_order:  # the order the last forward needed the buckets in
@@ -491,6 +492,22 @@ class BucketedSync:
         b.ready += 1
         if b.ready == b.trainable:
             self._push(b)
+
+    def _check_storage(self):
+        """Parameters are views of their bucket; one whose storage changed since
+        (model.to(), .cuda(), .half() after the optimizer was built) would no longer see the
+        pulls. Refuse the step instead of training the bucket alone."""
+        for b in self.buckets:
+            if getattr(b, "weights", None) is None:
+                continue  # not allocated yet
+            base = b.weights.data_ptr()
+            for s in b.slots:
+                if s.param.data_ptr() != base + 4 * s.offset:
+                    raise RuntimeError(
+                        f"shardps: parameter '{s.name}' was moved or replaced after "
+                        f"DistributedOptimizer(overlap=True) put it in its bucket (now "
+                        f"on {s.param.device}, {s.param.dtype}): build the optimizer after "
+                        "model.to(device) / .half(), or re-create it")
 
     def _adopt_grad(self, s, zero_if_none):
         """Makes s.param.grad the bucket view again (copying a replaced gradient into it)."""

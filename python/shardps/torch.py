@@ -304,6 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "parameters without wire_dtype or check_finite")
         self.client = client
         self._params = []
+        self._storage = {}  # name -> (data_ptr, device) of the parameter when registered
         self._shadows = []  # (p, g, w16, g16): float32 parameters sent as wire_dtype
         self._sync = None
         if overlap:
@@ -332,6 +333,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # p.detach() shares p's storage: the pulls write the parameter itself.
                 client.register(name, p.detach(), p.grad)
             self._params.append((name, p, p.grad))
+            self._storage[name] = (p.data_ptr(), p.device)
             log.info("shardps: '%s' %s %s on %s: path %s", name, tuple(p.shape),
                      wire_dtype if self._shadows and self._shadows[-1][0] is p else p.dtype,
                      p.device, client.tensor_path(name))
@@ -409,7 +411,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is not g:
                 p.grad = g
 
+    def _check_storage(self):
+        """A parameter whose storage changed since registration (model.to(), .cuda(), .half()
+        or load_state_dict(assign=True) after the optimizer was built) would train its old
+        storage silently: the pulls write there. Refuse the step instead."""
+        for name, p, _ in self._params:
+            ptr, device = self._storage[name]
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"shardps: parameter '{name}' was moved or replaced after "
+                    f"DistributedOptimizer registered it (registered on {device}, now on "
+                    f"{p.device}, {p.dtype}): build the optimizer after model.to(device) / "
+                    ".half() / load_state_dict(assign=True), or re-create it")
+
     def _gather_grads(self):
+        self._check_storage()
         for name, p, g in self._params:
             if p.grad is None:  # no gradient this step: push zeros
                 g.zero_()

@@ -398,6 +398,41 @@ class WrappedTorchOptimizerTest(unittest.TestCase):
                     spt.DistributedOptimizer(bad, m, coordinator="127.0.0.1:1")
 
 
+@unittest.skipIf(torch is None, "torch is not installed")
+class MovedParameterTest(unittest.TestCase):
+    """A model moved or cast after DistributedOptimizer registered its parameters (model.to(),
+    .cuda(), .double() — a common ordering slip) would train the old storage while the model
+    keeps its own: the step must refuse, naming the parameter, on both step paths."""
+
+    def check(self, overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        with cluster(servers=1) as cl:
+            opt = spt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                           client=connect(cl), overlap=overlap)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()  # registered storage: fine
+            before = [p.detach().clone() for p in model.parameters()]
+            model.double()  # new storage for every parameter
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.double()), y.double()).backward()
+            with self.assertRaises(RuntimeError) as e:
+                opt.step()
+            self.assertIn("was moved or replaced after DistributedOptimizer", str(e.exception))
+            self.assertIn("'0.weight'" if not overlap else "parameter '", str(e.exception))
+            for b, p in zip(before, model.parameters()):  # nothing was applied to the model
+                self.assertTrue(torch.equal(b.double(), p.detach()))
+            opt.close()
+
+    def test_plain_step_refuses_a_moved_parameter(self):
+        self.check(overlap=False)
+
+    def test_overlap_step_refuses_a_moved_parameter(self):
+        self.check(overlap=True)
+
+
 class StateDictTest(unittest.TestCase):
     """state_dict() / load_state_dict() in torch's own format, carrying the servers' optimizer
     state (and float32 master weights): a ShardPS run continued in plain torch, and a plain
