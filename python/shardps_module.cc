@@ -270,6 +270,7 @@ class PyClient {
     Check(Live().SetUpdateRule(name, r));
   }
   void MarkNonFinite(bool v) { Live().MarkNonFinite(v); }
+  void SetNoGradient(const std::string& name, bool v) { Check(Live().SetNoGradient(name, v)); }
   void SetState(const std::string& name, const std::string& part, uint64_t steps) {
     using P = shardps::Client::StatePart;
     P p;
@@ -546,6 +547,10 @@ PYBIND11_MODULE(_shardps, m) {
            "Reads the servers' float32 master weights and optimizer state of tensor `name` "
            "into the given float32 buffers (None: skipped); returns (steps, has_state1, "
            "has_state2).")
+      .def("set_no_gradient", &PyClient::SetNoGradient, py::arg("name"), py::arg("no_gradient"),
+           "Marks the next pushes of a tensor as carrying no gradient (a frozen parameter, or "
+           "none this step): BSP leaves a chunk whose pushes all carry the mark as it is, "
+           "optimizer state included (see Client::SetNoGradient).")
       .def("mark_non_finite", [](PyClient& c, bool v) { c.MarkNonFinite(v); },
            py::arg("non_finite"),
            "The next pushes come from a step whose gradients were not all finite: BSP skips "

@@ -269,7 +269,8 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     }
   }
   r.rule = h.rule;
-  r.skip = (h.flags & layout::kPushNonFinite) != 0 && h.rule.kind() != layout::RuleKind::kStore;
+  r.skip = (h.flags & (layout::kPushNonFinite | layout::kPushNoGradient)) != 0 &&
+           h.rule.kind() != layout::RuleKind::kStore;
   const uint64_t data = layout_->push_data_offset(worker, slot, parity);
   const float* grad;
   if (rows) {
@@ -433,11 +434,13 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   // only after its push is acknowledged, which happens at publication), so the sum does not
   // depend on arrival order: runs are reproducible bit for bit, failovers included.
   // 16-bit gradients are decoded into the float32 sum. A clock any worker marked non-finite
-  // is skipped (every worker pushes every chunk: every server skips it).
+  // is skipped (every worker pushes every chunk: every server skips it), and so is a chunk whose
+  // pushes all carry no gradient (kPushNoGradient: frozen or unused everywhere).
   const char* base = static_cast<const char*>(inbox_->data());
   float* sum = stream_->sum(slot);
   bool first = true;
   bool non_finite = false;
+  bool no_gradient = !a->contributors.empty();  // every push marked kPushNoGradient
   uint64_t weight = 0;
   const bool rows = chunks_->is_rows(slot);
   SparseAccumulator* acc = rows ? row_acc(layout_->rows(slot).dim) : nullptr;
@@ -457,6 +460,7 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
     }
     first = false;
     non_finite |= (ph.flags & layout::kPushNonFinite) != 0;
+    no_gradient &= (ph.flags & layout::kPushNoGradient) != 0;
     weight += std::max<uint32_t>(1, ph.weight);  // a host aggregator's push sums its locals
   }
   const uint64_t n = std::max<uint64_t>(1, weight);
@@ -479,7 +483,7 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
     std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
     r.rule = ph.rule;
   }
-  r.skip = non_finite && r.rule.kind() != layout::RuleKind::kStore;
+  r.skip = (non_finite || no_gradient) && r.rule.kind() != layout::RuleKind::kStore;
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
   r.contributors = std::move(a->contributors);
   Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.rule, r.skip), std::move(r));

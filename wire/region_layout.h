@@ -211,6 +211,12 @@ inline uint64_t OutboxBytes(uint64_t max_value_bytes) {
 // chunk sees the mark: the step is skipped everywhere, consistently), ASP and SSP skip this
 // push's update; a kStore rule's value is stored all the same.
 constexpr uint32_t kPushNonFinite = 1;
+// The push carries no gradient (Client::SetNoGradient: a frozen parameter, or one without a
+// .grad this step): its data is zeros. BSP leaves the chunk as it is (weights, optimizer state
+// and step count: a skipped update) when every push of the clock carries the mark, as torch
+// skips a parameter whose .grad is None; otherwise the zeros are summed in. ASP and SSP skip
+// the marked push's update. A kStore rule's value is stored all the same.
+constexpr uint32_t kPushNoGradient = 2;
 constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
 
 // The 32-bit immediate of a worker's write-with-immediate to a server.

@@ -224,6 +224,17 @@ int shardps_client_mark_non_finite(shardps_client* c, int non_finite, shardps_er
   });
 }
 
+int shardps_client_set_no_gradient(shardps_client* c, const char* name, int no_gradient,
+                                   shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    return c->impl->SetNoGradient(name, no_gradient != 0);
+  });
+}
+
+int shardps_built_with_cuda(void) { return shardps::BuiltWithCuda() ? 1 : 0; }
+
 int shardps_client_start(shardps_client* c, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));

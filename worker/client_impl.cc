@@ -882,6 +882,16 @@ Status ClientImpl::SetUpdateRule(const std::string& tensor, const UpdateRule& ru
   return Status::OK();
 }
 
+Status ClientImpl::SetNoGradient(const std::string& name, bool no_gradient) {
+  ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  if (tensors_[t].embedding) {
+    return InvalidArgumentError("'" + name + "' is a row table: its pushes carry only the rows "
+                                "a step touched");
+  }
+  tensors_[t].no_gradient = no_gradient;
+  return Status::OK();
+}
+
 Status ClientImpl::SetState(const std::string& name, StatePart part, uint64_t steps) {
   RETURN_IF_ERROR(lifecycle_.Require("SetState()", {ClientState::kRunning}));
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));

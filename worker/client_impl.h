@@ -74,6 +74,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status SetLearningRate(const std::string& tensor, float lr) override;
   Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
   void MarkNonFinite(bool non_finite) override { step_.non_finite = non_finite; }
+  Status SetNoGradient(const std::string& tensor, bool no_gradient) override;
   void SetPushWeight(uint32_t weight) { step_.weight = weight == 0 ? 1 : weight; }
   Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
   Status GetState(const std::string& tensor, float* weights, float* state1, float* state2,

@@ -75,6 +75,7 @@ struct Tensor {
   // (PushPipeline::Prestart, by Step and PushMany); Push then does not start it again.
   bool staging_prestarted = false;
   layout::UpdateRule rule{};  // what its pushes ask the servers to apply (Client::SetUpdateRule)
+  bool no_gradient = false;   // its pushes carry kPushNoGradient (Client::SetNoGradient)
   // A row table (Client::RegisterEmbedding): shape {rows, dim}; no weights or grads buffers
   // (worker/row_tables.h holds its staging).
   bool embedding = false;

@@ -404,6 +404,17 @@ Status HostClient::Step() {
   return Status::OK();
 }
 
+Status HostClient::SetNoGradient(const std::string& tensor, bool no_gradient) {
+  RETURN_IF_ERROR(TensorIndex(tensor).status());
+  if (no_gradient && !warned_no_gradient_) {
+    LOG(WARNING) << "learner " << local_rank_ << ": SetNoGradient('" << tensor
+                 << "') is not applied through a host aggregator yet: its zeros are summed "
+                    "like a gradient (momentum and weight decay still move it)";
+    warned_no_gradient_ = true;
+  }
+  return Status::OK();
+}
+
 Status HostClient::SetLearningRate(const std::string& tensor, float lr) {
   if (!(lr >= 0.0f && lr < 1e6f)) return InvalidArgumentError("SetLearningRate: lr outside [0, 1e6)");
   if (tensor.empty()) {

@@ -56,6 +56,8 @@ class HostClient final : public Client {
   Status SetLearningRate(const std::string& tensor, float lr) override;
   Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
   void MarkNonFinite(bool non_finite) override { non_finite_ = non_finite; }
+  // Not applied through the aggregator yet (client.h): the learners' zeros are summed.
+  Status SetNoGradient(const std::string& tensor, bool no_gradient) override;
   Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
   Status GetState(const std::string& tensor, float* weights, float* state1, float* state2,
                   uint64_t* steps, bool* has1, bool* has2) override;
@@ -122,6 +124,7 @@ class HostClient final : public Client {
   uint32_t local_workers_ = 1;
   bool started_ = false;
   bool non_finite_ = false;
+  bool warned_no_gradient_ = false;
   std::string consistency_ = "unknown";
   std::string cluster_transport_;
   ClientCounters counters_;

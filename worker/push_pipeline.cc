@@ -128,7 +128,8 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.last_clock = step_.clock;
   c.last_base = pull_.pulled_version(id);
   c.last_rule = tensors_[chunks_[id].tensor].rule;
-  c.last_flags = step_.non_finite ? layout::kPushNonFinite : 0;
+  c.last_flags = (step_.non_finite ? layout::kPushNonFinite : 0) |
+                 (tensors_[chunks_[id].tensor].no_gradient ? layout::kPushNoGradient : 0);
   c.last_weight = step_.weight;
   c.last_op = op;
   c.last_arg = arg;

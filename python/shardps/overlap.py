@@ -153,6 +153,7 @@ class Bucket:
         self.weights = None  # flat float32, registered as the tensor's weights
         self.grads = None    # flat float32, registered as its gradients
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
+        self.no_grad_sent = False  # the client's SetNoGradient mark of this bucket
         self.ready = 0
         self.pushed = False
         self.push = None     # handle of this step's push, until waited for
@@ -250,12 +251,14 @@ class BucketedSync:
         return group_of
 
     def _form_buckets(self, group_of):
-        # Reverse registration order; one open bucket per group; a bucket is closed when the
+        # Reverse registration order; one open bucket per group, and frozen parameters
+        # (requires_grad=False) in buckets of their own, which every step pushes with the
+        # no-gradient mark (so the servers leave them as they are); a bucket is closed when the
         # next parameter would take it past bucket_bytes.
         cap = max(1, self.bucket_bytes // 4)
         closed, open_, size = [], {}, {}
         for s in reversed(self._slots):
-            g = group_of[id(s.param)]
+            g = (group_of[id(s.param)], s.param.requires_grad)
             cur = open_.setdefault(g, [])
             n = _aligned(s.param.numel())
             if cur and size[g] + n > cap:
@@ -268,7 +271,7 @@ class BucketedSync:
         closed.extend((g, cur) for g, cur in open_.items() if cur)
         # Bucket 0 holds the last parameters: the order backward completes them in.
         closed.sort(key=lambda gc: -max(t.index for t in gc[1]))
-        return [Bucket(i, g, slots) for i, (g, slots) in enumerate(closed)]
+        return [Bucket(i, g[0], slots) for i, (g, slots) in enumerate(closed)]
 
     def _allocate(self, b):
         device = b.slots[0].param.device
@@ -537,6 +540,13 @@ class BucketedSync:
             self.client.wait(h)
         if b.weights.is_cuda:
             torch.cuda.current_stream().synchronize()
+        # No parameter of the bucket got a gradient this step (all frozen, or unused): the push
+        # carries the mark, and a clock where every worker's does leaves the bucket as it is
+        # (weights and optimizer state), as torch skips parameters without a .grad.
+        no_grad = b.ready == 0
+        if b.no_grad_sent != no_grad:
+            self.client.set_no_gradient(b.name, no_grad)
+            b.no_grad_sent = no_grad
         b.push = self.client.push(b.name)
         b.pushed = True
 

@@ -305,6 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.client = client
         self._params = []
         self._storage = {}  # name -> (data_ptr, device) of the parameter when registered
+        self._no_grad_sent = {}  # name -> the client's SetNoGradient mark
         self._shadows = []  # (p, g, w16, g16): float32 parameters sent as wire_dtype
         self._sync = None
         if overlap:
@@ -427,6 +428,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _gather_grads(self):
         self._check_storage()
         for name, p, g in self._params:
+            # A frozen parameter, or one without a .grad this step (model.zero_grad() sets None
+            # and backward did not reach it): its push carries the no-gradient mark, and a clock
+            # where every worker's does leaves it as it is (torch skips it: no weight decay, no
+            # momentum, no Adam step).
+            no_grad = p.grad is None or not p.requires_grad
+            if self._no_grad_sent.get(name, False) != no_grad:
+                self.client.set_no_gradient(name, no_grad)
+                self._no_grad_sent[name] = no_grad
             if p.grad is None:  # no gradient this step: push zeros
                 g.zero_()
                 p.grad = g

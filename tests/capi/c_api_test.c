@@ -286,6 +286,14 @@ static void* worker_main(void* p) {
          nw);
   rc = shardps_client_push(c, "nope", &h, &err);
   EXPECT(rc == SHARDPS_NOT_FOUND, "unknown tensor: %s", shardps_code_name(rc));
+  rc = shardps_client_set_no_gradient(c, "nope", 1, &err);
+  EXPECT(rc == SHARDPS_NOT_FOUND, "no-gradient mark of an unknown tensor: %s",
+         shardps_code_name(rc));
+  rc = shardps_client_set_no_gradient(c, "e", 1, &err);
+  EXPECT(rc == SHARDPS_INVALID_ARGUMENT, "no-gradient mark of a row table: %s",
+         shardps_code_name(rc));
+  rc = shardps_client_set_no_gradient(c, "w", 0, &err);  /* the default: it has gradients */
+  EXPECT(rc == SHARDPS_OK, "no-gradient mark cleared: %s", err.message);
   int path = -1;
   rc = shardps_client_tensor_path(c, "w", &path, &err);
   EXPECT(rc == SHARDPS_OK && path == SHARDPS_PATH_HOST, "host tensor path %d", path);

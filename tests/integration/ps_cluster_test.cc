@@ -640,6 +640,102 @@ TEST_P(PsClusterTest, DeadServerGivesAClearErrorNotAHang) {
             << std::chrono::duration_cast<milliseconds>(took).count() << " ms: " << st << "\n";
 }
 
+// Client::SetNoGradient (a frozen parameter, or one without a .grad this step): a BSP chunk
+// whose pushes of a clock all carry the mark is left as it is, optimizer state included (torch
+// skips a parameter whose .grad is None); when only some workers mark it, their zeros are
+// summed in. Momentum SGD with weight decay, so a wrongly applied zero gradient still moves the
+// weights (wd) and the momentum buffer. Steps: 0 both push gradients; 1 both mark "w"; 2 both
+// push; 3 worker 1 marks "w" (its zeros averaged in). "b" has gradients every step.
+TEST_P(PsClusterTest, NoGradientPushesLeaveTheChunkAsItIs) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 2;
+  Cluster cluster(spec);
+  const size_t n = 3000;
+  std::vector<Model> m(2, Model(n));
+  for (size_t i = 0; i < n; ++i) m[0].w[i] = static_cast<float>(i % 5) - 2.0f;
+  for (size_t i = 0; i < 37; ++i) m[0].b[i] = 1.0f;
+  std::vector<std::unique_ptr<Client>> c;
+  Status st = StartTwoWorkers(cluster, m, &c);
+  ASSERT_TRUE(st.ok()) << st;
+  UpdateRule sgd;
+  sgd.kind = UpdateRule::Kind::kSgd;
+  sgd.lr = 0.5f;
+  sgd.momentum = 0.5f;
+  sgd.weight_decay = 0.25f;
+  const auto marked = [](int r, int t) { return t == 1 || (t == 3 && r == 1); };
+  constexpr int kSteps = 4;
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      ASSERT_TRUE(c[r]->SetUpdateRule("", sgd).ok());
+      const int me = static_cast<int>(c[r]->rank());
+      for (int t = 0; t < kSteps; ++t) {
+        const bool none = marked(me, t);
+        for (size_t i = 0; i < n; ++i) m[r].gw[i] = none ? 0.0f : Grad(me, t, i);
+        for (size_t i = 0; i < 37; ++i) m[r].gb[i] = Grad(me, t, i);
+        ASSERT_TRUE(c[r]->SetNoGradient("w", none).ok());
+        Status s = c[r]->Step();
+        ASSERT_TRUE(s.ok()) << "step " << t << ": " << s;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  ASSERT_FALSE(HasFatalFailure());
+  // torch.optim.SGD's arithmetic, as the server does it (server/optimizer.cc), skipping step 1.
+  const auto expect = [&](size_t i, float w, bool skip_marked) {
+    float v = 0;
+    bool first = true;
+    for (int t = 0; t < kSteps; ++t) {
+      if (skip_marked && t == 1) continue;
+      float sum = 0;
+      for (int r = 0; r < 2; ++r) sum += skip_marked && marked(r, t) ? 0.0f : Grad(r, t, i);
+      float d = 0.5f * sum;
+      d = d + 0.25f * w;
+      v = first ? d : v * 0.5f + d;
+      first = false;
+      w = w - 0.5f * v;
+    }
+    return w;
+  };
+  for (int r = 0; r < 2; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(m[r].w[i], expect(i, static_cast<float>(i % 5) - 2.0f, true))
+          << "worker " << r << " w[" << i << "]";
+    }
+    for (size_t i = 0; i < 37; ++i) {
+      ASSERT_EQ(m[r].b[i], expect(i, 1.0f, false)) << "worker " << r << " b[" << i << "]";
+    }
+  }
+  // The marked clock changed nothing: a run that applied it would differ (weight decay).
+  EXPECT_NE(expect(1, -1.0f, true), expect(1, -1.0f, false));
+  for (auto& x : c) EXPECT_TRUE(x->Close().ok());
+}
+
+// A row table takes no mark (its pushes carry only the rows touched); an unknown tensor is
+// NOT_FOUND.
+TEST_P(PsClusterTest, NoGradientNamesADenseTensor) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 1;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EmbeddingOptions eo;
+  eo.max_ids = 16;
+  ASSERT_TRUE((*c)->RegisterEmbedding("t", 100, 4, TensorDType::kFloat32, eo).ok());
+  std::vector<float> w(8, 1.0f), g(8, 0.0f);
+  ASSERT_TRUE((*c)->RegisterTensor("w", w.data(), g.data(), {8}).ok());
+  Status st = (*c)->Start();
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ((*c)->SetNoGradient("nope", true).code(), StatusCode::kNotFound);
+  EXPECT_EQ((*c)->SetNoGradient("t", true).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*c)->SetNoGradient("w", true).ok());
+  EXPECT_TRUE((*c)->Close().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, PsClusterTest, ::testing::Values("tcp", "shm", "verbs"),
                          [](const auto& info) { return info.param; });
 

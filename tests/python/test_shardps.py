@@ -433,6 +433,61 @@ class MovedParameterTest(unittest.TestCase):
         self.check(overlap=True)
 
 
+@unittest.skipIf(torch is None, "torch is not installed")
+class NoGradientTest(unittest.TestCase):
+    """torch skips a parameter whose .grad is None: no weight decay, no momentum, no Adam step.
+    A frozen layer (requires_grad=False, fine-tuning) and a layer unused in some steps must
+    train as in plain torch, not decay or drift on the servers (their pushes carry the
+    no-gradient mark; a chunk all of whose pushes carry it is left as it is)."""
+
+    def model(self):
+        torch.manual_seed(0)
+        m = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 3), "b": torch.nn.Linear(3, 2),
+                                 "c": torch.nn.Linear(4, 2)})
+        for p in m["a"].parameters():
+            p.requires_grad_(False)
+        return m
+
+    def forward(self, m, x, step):
+        out = m["b"](torch.tanh(m["a"](x)))
+        return out if step in (2, 3) else out + m["c"](x)  # "c" unused at steps 2 and 3
+
+    def run_pair(self, make_opt, overlap):
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
+                for _ in range(6)]
+        ref = self.model()
+        ref_opt = make_opt(ref)
+        model = self.model()
+        frozen0 = [p.detach().clone() for p in model["a"].parameters()]
+        with cluster(servers=2) as cl:
+            opt = spt.DistributedOptimizer(make_opt(model), model, client=connect(cl),
+                                           overlap=overlap, bucket_bytes=64)
+            for step, (x, y) in enumerate(data):
+                for m, o in ((model, opt), (ref, ref_opt)):
+                    m.zero_grad(set_to_none=True)  # unused parameters keep .grad None
+                    torch.nn.functional.mse_loss(self.forward(m, x, step), y).backward()
+                    o.step()
+            opt.close()
+        for f, p in zip(frozen0, model["a"].parameters()):
+            self.assertTrue(torch.equal(f, p.detach()), "a frozen parameter moved")
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            self.assertTrue(torch.allclose(p, q, rtol=1e-5, atol=1e-6),
+                            f"{n}: {(p - q).abs().max()}")
+
+    def test_frozen_and_unused_parameters_follow_torch_sgd(self):
+        self.run_pair(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                weight_decay=0.1), overlap=False)
+
+    def test_frozen_and_unused_parameters_follow_torch_adam(self):
+        self.run_pair(lambda m: torch.optim.Adam(m.parameters(), lr=0.05, weight_decay=0.01),
+                      overlap=False)
+
+    def test_frozen_and_unused_buckets_follow_torch_with_overlap(self):
+        self.run_pair(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                weight_decay=0.1), overlap=True)
+
+
 class StateDictTest(unittest.TestCase):
     """state_dict() / load_state_dict() in torch's own format, carrying the servers' optimizer
     state (and float32 master weights): a ShardPS run continued in plain torch, and a plain

@@ -158,6 +158,12 @@ SHARDPS_EXPORT int shardps_client_start(shardps_client* client, shardps_error* e
 /* Client::MarkNonFinite: the next pushes come from a step with non-finite gradients. */
 SHARDPS_EXPORT int shardps_client_mark_non_finite(shardps_client* client, int non_finite,
                                                   shardps_error* err);
+/* Client::SetNoGradient: the next pushes of a dense tensor carry no gradient (a frozen
+ * parameter); BSP leaves a chunk all of whose pushes of a clock carry the mark as it is. */
+SHARDPS_EXPORT int shardps_client_set_no_gradient(shardps_client* client, const char* name,
+                                                  int no_gradient, shardps_error* err);
+/* Whether this library was built with CUDA (device tensors recognised): 1 or 0. */
+SHARDPS_EXPORT int shardps_built_with_cuda(void);
 /* Asynchronous push / pull of one tensor; *handle is then passed to shardps_client_wait. */
 SHARDPS_EXPORT int shardps_client_push(shardps_client* client, const char* name, uint64_t* handle,
                                        shardps_error* err);

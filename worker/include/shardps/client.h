@@ -317,6 +317,17 @@ class SHARDPS_EXPORT Client {
   // update. Tensors with the kStore rule are stored all the same (shardps.torch counts the
   // workers that overflowed in one, so every worker's GradScaler backs off alike).
   virtual void MarkNonFinite(bool non_finite) = 0;
+  // Marks this worker's next pushes of `tensor` (until called again with false) as carrying no
+  // gradient: a frozen parameter (requires_grad=False) or one that got no .grad this step. The
+  // pushes still go (every clock needs every push) with the gradient buffer as it is, which the
+  // caller keeps at zero. BSP: a chunk whose pushes of a clock all carry the mark is left as it
+  // is, optimizer state and step count included (torch skips a parameter whose .grad is None);
+  // if any worker's push has a gradient, the marked zeros are summed in (as DDP's unused
+  // parameters). ASP/SSP: a marked push changes nothing. A kStore tensor is stored all the
+  // same. NOT_FOUND for an unknown tensor; INVALID_ARGUMENT for a row table (its pushes carry
+  // only the rows touched). Hierarchical mode (an aggregator) does not apply the mark yet: its
+  // pushes sum the learners' zeros as before.
+  virtual Status SetNoGradient(const std::string& tensor, bool no_gradient) = 0;
 
   // Moving a tensor's state between this trainer and the servers (shardps.torch's
   // state_dict / load_state_dict, docs/python.md), between steps. Each chunk's transfer is a
