@@ -395,9 +395,15 @@ class BucketedSync:
             self._seen_order = []
         for b in self._pull_order:  # forward order: the first layers' buckets first
             if not b.pushed:
+                # No parameter of the bucket has a gradient: each is frozen, or backward did not
+                # reach it and its .grad is None (model.zero_grad() set it so; zero_grad() of
+                # the optimizer keeps the zeroed buffers, which then count as zero gradients,
+                # as torch's set_to_none=False does).
+                none = all(not s.param.requires_grad or (not s.ready and s.param.grad is None)
+                           for s in b.slots)
                 for s in b.slots:
                     self._adopt_grad(s, zero_if_none=True)
-                self._push(b)
+                self._push(b, no_grad=none)
         if self.step_pushes:
             if not self._prepared:  # no bucket was pushed this step: the rules go first
                 self._prepared = True
@@ -530,7 +536,7 @@ class BucketedSync:
                 s.grad_view.copy_(p.grad)
         p.grad = s.grad_view
 
-    def _push(self, b):
+    def _push(self, b, no_grad=False):
         if not self._prepared:
             self._prepared = True
             if self._before_push is not None:
@@ -540,10 +546,9 @@ class BucketedSync:
             self.client.wait(h)
         if b.weights.is_cuda:
             torch.cuda.current_stream().synchronize()
-        # No parameter of the bucket got a gradient this step (all frozen, or unused): the push
+        # No parameter of the bucket has a gradient this step (finish_step decides): the push
         # carries the mark, and a clock where every worker's does leaves the bucket as it is
         # (weights and optimizer state), as torch skips parameters without a .grad.
-        no_grad = b.ready == 0
         if b.no_grad_sent != no_grad:
             self.client.set_no_gradient(b.name, no_grad)
             b.no_grad_sent = no_grad
