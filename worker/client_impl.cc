@@ -1026,9 +1026,7 @@ Status ClientImpl::StepOnce() {
   std::vector<Handle> hs;
   {
     // CUDA-staged tensors: every device->host copy starts now, back to back.
-    std::vector<uint32_t> all(tensors_.size());
-    for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
-    push_->Prestart(all);
+    push_->PrestartAll();
     struct Cancel {
       PushPipeline* p;
       ~Cancel() { p->CancelPrestart(); }

@@ -48,25 +48,35 @@ void PushPipeline::PlaceSmallStaging(uint64_t base) {
 }
 
 void PushPipeline::Prestart(const std::vector<uint32_t>& tensors) {
-  for (uint32_t i : tensors) {
-    Tensor& t = tensors_[i];
-    if (t.staging == nullptr || t.staging_prestarted || handles_.Contains(t.push_handle)) {
-      continue;  // not staged, already started, or refused by Push below
-    }
-    // A failure is Push's to report: it starts the copy again itself.
-    t.staging_prestarted = t.staging->StartGradsToHost().ok();
+  for (uint32_t i : tensors) Prestart(tensors_[i]);
+}
+
+void PushPipeline::PrestartAll() {
+  for (Tensor& t : tensors_) Prestart(t);
+}
+
+void PushPipeline::Prestart(Tensor& t) {
+  if (t.staging == nullptr || t.staging_prestarted || handles_.Contains(t.push_handle)) {
+    return;  // not staged, already started, or refused by Push (StageGradients)
   }
+  // A failure is Push's to report: it starts the copy again itself.
+  t.staging_prestarted = t.staging->StartGradsToHost().ok();
+}
+
+Status PushPipeline::StageGradients(Tensor& t, const char* what) {
+  if (t.staging == nullptr) return Status::OK();
+  // The mirror still holds the bytes of a push the caller has not waited for.
+  if (handles_.Contains(t.push_handle)) {
+    return FailedPreconditionError(std::string(what) + " of '" + t.name +
+                                   "' before Wait() on its previous push");
+  }
+  const bool started = t.staging_prestarted;
+  t.staging_prestarted = false;
+  return started ? Status::OK() : t.staging->StartGradsToHost();
 }
 
 Status PushPipeline::StageForStateTransfer(uint32_t tensor) {
-  Tensor& t = tensors_[tensor];
-  if (t.staging == nullptr) return Status::OK();
-  if (handles_.Contains(t.push_handle)) {
-    return FailedPreconditionError("state transfer of '" + t.name +
-                                   "' before Wait() on its previous push");
-  }
-  t.staging_prestarted = false;
-  return t.staging->StartGradsToHost();
+  return StageGradients(tensors_[tensor], "state transfer");
 }
 
 void PushPipeline::CancelPrestart() {
@@ -75,15 +85,7 @@ void PushPipeline::CancelPrestart() {
 
 StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status()>& recover) {
   Tensor& t = tensors_[tensor];
-  if (t.staging != nullptr) {
-    // The mirror still holds the bytes of a push the caller has not waited for.
-    if (handles_.Contains(t.push_handle)) {
-      return FailedPreconditionError("Push of '" + t.name + "' before Wait() on its previous push");
-    }
-    const bool started = t.staging_prestarted;
-    t.staging_prestarted = false;
-    if (!started) RETURN_IF_ERROR(t.staging->StartGradsToHost());
-  }
+  RETURN_IF_ERROR(StageGradients(t, "Push"));
   const uint64_t h = handles_.Create();
   HandleState& hs = handles_[h];
   t.push_handle = h;

@@ -47,6 +47,7 @@ class PushPipeline {
   // engine while the first ones are on the wire, instead of one copy per Push call. Tensors
   // whose previous push is not waited for are left to Push (which refuses them).
   void Prestart(const std::vector<uint32_t>& tensors);
+  void PrestartAll();  // every tensor (Step)
   // A state transfer (SetState) of a CUDA-staged tensor pushes its gradient buffer like a
   // gradient: copies it to the pinned mirror first (the chunks' posts wait for the copy), or
   // refuses while a push of the tensor is not waited for (the mirror still holds its bytes).
@@ -79,6 +80,10 @@ class PushPipeline {
   uint64_t pushes_lost() const { return pushes_lost_; }
 
  private:
+  void Prestart(Tensor& t);
+  // Copies a CUDA-staged tensor's gradient to its mirror (unless prestarted), or refuses
+  // (`what` names the caller) while a push of it is not waited for. No-op for other tensors.
+  Status StageGradients(Tensor& t, const char* what);
   struct ChunkPush {
     uint64_t seq = 0;
     uint64_t known_acked = 0;

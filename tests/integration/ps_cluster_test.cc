@@ -713,6 +713,57 @@ TEST_P(PsClusterTest, NoGradientPushesLeaveTheChunkAsItIs) {
   for (auto& x : c) EXPECT_TRUE(x->Close().ok());
 }
 
+// The same mark on the per-push path (SSP and ASP apply each push by itself): a marked push
+// changes nothing, momentum buffer included. One worker, SSP with s = 0, so each step's pull
+// waits for its own push and the weights after every step are exact: steps 0 and 2 carry
+// gradients, step 1 is marked.
+TEST_P(PsClusterTest, ANoGradientPushChangesNothingUnderSsp) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.mode = control::SSP;
+  spec.staleness = 0;
+  spec.workers = 1;
+  spec.servers = 2;
+  Cluster cluster(spec);
+  const size_t n = 2000;
+  Model m(n);
+  for (size_t i = 0; i < n; ++i) m.w[i] = static_cast<float>(i % 5) - 2.0f;
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->RegisterTensor("w", m.w.data(), m.gw.data(), {static_cast<int64_t>(n)}).ok());
+  Status st = (*c)->Start();
+  ASSERT_TRUE(st.ok()) << st;
+  UpdateRule sgd;
+  sgd.kind = UpdateRule::Kind::kSgd;
+  sgd.lr = 0.5f;
+  sgd.momentum = 0.5f;
+  sgd.weight_decay = 0.25f;
+  ASSERT_TRUE((*c)->SetUpdateRule("w", sgd).ok());
+  std::vector<float> v(n, 0.0f), want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = static_cast<float>(i % 5) - 2.0f;
+  bool first = true;
+  for (int t = 0; t < 3; ++t) {
+    const bool none = t == 1;
+    for (size_t i = 0; i < n; ++i) m.gw[i] = none ? 0.0f : Grad(0, t, i);
+    ASSERT_TRUE((*c)->SetNoGradient("w", none).ok());
+    st = (*c)->Step();
+    ASSERT_TRUE(st.ok()) << "step " << t << ": " << st;
+    if (!none) {  // torch.optim.SGD's arithmetic, as server/optimizer.cc does it
+      for (size_t i = 0; i < n; ++i) {
+        float d = 1.0f * m.gw[i];
+        d = d + 0.25f * want[i];
+        v[i] = first ? d : v[i] * 0.5f + d;
+        want[i] = want[i] - 0.5f * v[i];
+      }
+      first = false;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(m.w[i], want[i]) << "step " << t << " w[" << i << "]";
+    }
+  }
+  EXPECT_TRUE((*c)->Close().ok());
+}
+
 // A row table takes no mark (its pushes carry only the rows touched); an unknown tensor is
 // NOT_FOUND.
 TEST_P(PsClusterTest, NoGradientNamesADenseTensor) {
