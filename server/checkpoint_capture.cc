@@ -58,23 +58,23 @@ std::optional<ShardSnapshot> CheckpointCapture::Captured(uint32_t slot, ChunkSta
 }
 
 std::optional<CheckpointCapture::Base> CheckpointCapture::IncrementalBase(uint32_t slot,
-                                                                          bool has_state) const {
+                                                                          uint32_t state) const {
   if (slot >= history_.size() || pending_ == nullptr) return std::nullopt;
   const SlotHistory& h = history_[slot];
   if (h.clock == 0 || h.clock >= pending_->clock || h.since_whole + 1 >= full_every_ ||
-      h.had_state != has_state) {
+      h.had_state != state) {
     return std::nullopt;
   }
   return Base{h.clock, h.version};
 }
 
-void CheckpointCapture::NoteCapture(uint32_t slot, uint64_t version, bool whole, bool has_state) {
+void CheckpointCapture::NoteCapture(uint32_t slot, uint64_t version, bool whole, uint32_t state) {
   if (slot >= history_.size() || pending_ == nullptr) return;
   SlotHistory& h = history_[slot];
   h.clock = pending_->clock;
   h.version = version;
   h.since_whole = whole ? 0 : h.since_whole + 1;
-  h.had_state = has_state;
+  h.had_state = state;
 }
 
 void CheckpointCapture::ForceFull() {

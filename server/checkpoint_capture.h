@@ -55,14 +55,15 @@ class CheckpointCapture {
   // Incremental checkpoints of row shards (docs/checkpoints.md): the base a capture of `slot`
   // for the checkpoint being taken may be relative to — the clock and the version of its last
   // capture — or nothing (a whole capture: the first, every `full_every`-th, after ForceFull,
-  // or when its optimizer state appeared since). has_state: whether the slot has state now.
+  // or when its optimizer state buffers changed since: an increment's state rows need them in
+  // its base). state: which buffers the slot has now (ChunkStore::state_buffers).
   struct Base {
     uint64_t clock;
     uint64_t version;
   };
-  std::optional<Base> IncrementalBase(uint32_t slot, bool has_state) const;
-  // Records a capture of `slot` (its version, whether it was whole, whether it had state).
-  void NoteCapture(uint32_t slot, uint64_t version, bool whole, bool has_state);
+  std::optional<Base> IncrementalBase(uint32_t slot, uint32_t state) const;
+  // Records a capture of `slot` (its version, whether it was whole, its state buffers).
+  void NoteCapture(uint32_t slot, uint64_t version, bool whole, uint32_t state);
   // The next capture of every slot is whole (a write failed: its increments have no base).
   void ForceFull();
   void set_full_every(uint32_t n) { full_every_ = n; }
@@ -80,7 +81,7 @@ class CheckpointCapture {
     uint64_t clock = 0;  // of its last capture (0: none)
     uint64_t version = 0;
     uint32_t since_whole = 0;  // increments since the last whole capture
-    bool had_state = false;
+    uint32_t had_state = 0;  // state buffers (bit 0: state 1, bit 1: state 2)
   };
   std::vector<SlotHistory> history_ = std::vector<SlotHistory>(slots_);
   uint32_t full_every_ = 8;  // a whole capture at least every this many

@@ -136,9 +136,14 @@ uint32_t ChunkStore::Compute(uint32_t slot, const float* grad, float scale, floa
 }
 
 uint32_t ChunkStore::Set(uint32_t slot, layout::PushOp op, const float* values,
-                         uint64_t steps) {
+                         uint64_t steps, const layout::UpdateRule& rule) {
   DenseChunk& c = chunks_[slot];
-  if (c.rows) return 0;  // refused by the server before it gets here
+  if (c.rows) {
+    // In place, like Compute: `values` is a checked sparse payload (kClearState is refused
+    // before it gets here).
+    c.rows->Set(op, reinterpret_cast<const char*>(values), steps, c.version + 1, rule);
+    return 0;
+  }
   const uint32_t target = 1 - c.published;
   BeginOverwrite(c.header, target);
   const size_t n = c.elems * sizeof(float);

@@ -96,8 +96,10 @@ class ChunkStore {
                    const layout::UpdateRule& rule = layout::UpdateRule{}, bool skip = false);
   // A trainer's state transfer (layout::PushOp kSetWeights, kSetState1/2, kClearState):
   // `values` (float32, elems; unused for kClearState) replace the weights or a state buffer,
-  // `steps` the optimizer's step count, in the next version; returns its buffer.
-  uint32_t Set(uint32_t slot, layout::PushOp op, const float* values, uint64_t steps);
+  // `steps` the optimizer's step count, in the next version; returns its buffer. A row shard:
+  // `values` is a sparse payload of the rows to set (RowShard::Set), in place.
+  uint32_t Set(uint32_t slot, layout::PushOp op, const float* values, uint64_t steps,
+               const layout::UpdateRule& rule = layout::UpdateRule{});
   // VSGD: the learning-rate scale for a gradient computed on `base_version` (1 when current).
   float ValueStalenessScale(uint32_t slot, uint64_t base_version, float lambda) const;
   // Makes the version in `buffer` (the next version number) visible to pulls.
@@ -112,10 +114,11 @@ class ChunkStore {
   // A row shard's rows written after `since_version`, as an increment on the checkpoint at
   // `base_clock` (ChunkState::base_clock, row_index).
   ChunkState CaptureIncrement(uint32_t slot, uint64_t since_version, uint64_t base_clock) const;
-  bool has_state(uint32_t slot) const {
-    return chunks_[slot].rows ? chunks_[slot].rows->has_state()
-                              : !chunks_[slot].optimizer->state1().empty() ||
-                                    !chunks_[slot].optimizer->state2().empty();
+  // Which optimizer state buffers the slot has: bit 0 state 1, bit 1 state 2.
+  uint32_t state_buffers(uint32_t slot) const {
+    if (chunks_[slot].rows) return chunks_[slot].rows->state_buffers();
+    return (chunks_[slot].optimizer->state1().empty() ? 0u : 1u) |
+           (chunks_[slot].optimizer->state2().empty() ? 0u : 2u);
   }
   Status Restore(uint32_t slot, const ChunkState& state, uint64_t clock);
   // Re-replication (server/replica_handoff.h): a slot's VSGD history (version -> weights,

@@ -17,10 +17,15 @@ Status CheckRecord(const layout::ReplHeader& h, uint64_t expected_seq, uint64_t 
   // An init carries the wire bytes, an update the float32 values.
   const bool init = h.kind == static_cast<uint32_t>(layout::ReplKind::kInit);
   if (chunks.is_rows(h.slot)) {
-    // A row shard's records are updates only, of a sparse payload (checked by the applier).
-    if (h.kind != static_cast<uint32_t>(layout::ReplKind::kApply) ||
+    // A row shard's records are updates and row sets, of a sparse payload (checked by the
+    // applier).
+    const bool set = h.kind == static_cast<uint32_t>(layout::ReplKind::kSet) &&
+                     h.op >= static_cast<uint32_t>(layout::PushOp::kSetWeights) &&
+                     h.op <= static_cast<uint32_t>(layout::PushOp::kSetState2);
+    if ((h.kind != static_cast<uint32_t>(layout::ReplKind::kApply) && !set) ||
         h.bytes > chunks.value_bytes(h.slot) || h.contributors > max_workers) {
-      return InvalidArgumentError("a row shard's record is not an update that fits the slot");
+      return InvalidArgumentError(
+          "a row shard's record is not an update or a row set that fits the slot");
     }
     if (const char* bad = layout::CheckRowRule(h.rule)) return InvalidArgumentError(bad);
   } else if (h.bytes != (init ? chunks.bytes(h.slot) : chunks.value_bytes(h.slot)) ||
@@ -63,7 +68,11 @@ Status ReplicaApplier::Apply(uint32_t entry, uint64_t fence_epoch, ChunkStore& c
     if (h.kind == static_cast<uint32_t>(layout::ReplKind::kInit)) {
       target = chunks.Init(h.slot, payload);
     } else if (h.kind == static_cast<uint32_t>(layout::ReplKind::kSet)) {
-      target = chunks.Set(h.slot, static_cast<layout::PushOp>(h.op), payload, h.steps);
+      if (chunks.is_rows(h.slot)) {
+        RETURN_IF_ERROR(chunks.row_shard(h.slot)->CheckPayload(
+            reinterpret_cast<const char*>(payload), h.bytes));
+      }
+      target = chunks.Set(h.slot, static_cast<layout::PushOp>(h.op), payload, h.steps, h.rule);
     } else {
       if (chunks.is_rows(h.slot) && (h.flags & layout::kReplSkip) == 0) {
         RETURN_IF_ERROR(chunks.row_shard(h.slot)->CheckPayload(

@@ -141,10 +141,10 @@ void RowShard::InitRows() {
   }
 }
 
-int64_t RowShard::Place(uint64_t key, uint64_t version) {
+int64_t RowShard::Place(uint64_t key, uint64_t version, bool force) {
   auto it = slot_of_.find(key);
   if (it != slot_of_.end()) return static_cast<int64_t>(it->second);
-  if (init_.admit_probability < 1.0f) {
+  if (init_.admit_probability < 1.0f && !force) {
     // Deterministic in (key, version): the backup, applying the same record, decides alike.
     const double u = static_cast<double>(SplitMix64(key ^ SplitMix64(version)) >> 11) *
                      (1.0 / 9007199254740992.0);
@@ -382,6 +382,95 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
     }
   }
   SealDense(seal_, sealing, version);
+}
+
+void RowShard::Set(layout::PushOp op, const char* payload, uint64_t steps, uint64_t version,
+                   const layout::UpdateRule& rule) {
+  uint64_t n;
+  std::memcpy(&n, payload, sizeof(n));
+  const char* locals = payload + sizeof(n);
+  const auto* vals = reinterpret_cast<const float*>(locals + n * sizeof(uint64_t));
+  const uint32_t dim = g_.dim;
+  std::vector<float>* state = nullptr;
+  if (op == layout::PushOp::kSetState1 || op == layout::PushOp::kSetState2) {
+    // Rows not in any set keep a fresh row's state: Adagrad's initial sum, zeros otherwise (a
+    // hashed key placed later starts from it too).
+    state = op == layout::PushOp::kSetState1 ? &s1_ : &s2_;
+    if (state->empty()) {
+      if (op == layout::PushOp::kSetState1 && rule.kind() == layout::RuleKind::kAdagrad) {
+        s1_init_ = rule.dampening;  // initial_accumulator_value
+      }
+      state->assign(elems(), op == layout::PushOp::kSetState1 ? s1_init_ : 0.0f);
+    }
+    steps_ = steps;
+  }
+  size_t sealing = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t r;
+    std::memcpy(&r, locals + i * sizeof(r), sizeof(r));
+    if (g_.hashed) r = static_cast<uint64_t>(Place(r, version, /*force=*/true));
+    float* dst = state != nullptr ? state->data() + r * dim : values(r);
+    std::memcpy(dst, vals + i * dim, dim * sizeof(float));
+    // Sealed with the new version even when only its state changed: an incremental
+    // checkpoint takes the rows whose version moved, state included.
+    if (g_.hashed) {
+      Seal(r, version);
+      continue;
+    }
+    seal_[sealing++] = r;
+    if (sealing == kSealBatch) {
+      SealDense(seal_, sealing, version);
+      sealing = 0;
+    }
+  }
+  SealDense(seal_, sealing, version);
+}
+
+std::pair<bool, bool> RowShard::Read(const uint64_t* ids, uint64_t n, char* out) const {
+  const layout::RowOutbox ob{n, g_.dim};
+  auto* keys = reinterpret_cast<uint64_t*>(out + ob.keys());
+  auto* versions = reinterpret_cast<uint64_t*>(out + ob.versions());
+  auto* w = reinterpret_cast<float*>(out + ob.values());
+  auto* s1 = reinterpret_cast<float*>(out + ob.state1());
+  auto* s2 = reinterpret_cast<float*>(out + ob.state2());
+  const uint32_t dim = g_.dim;
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t id = ids[i];
+    keys[i] = id;
+    int64_t r = -1;
+    if (g_.hashed) {
+      auto it = slot_of_.find(id);
+      if (it != slot_of_.end()) r = static_cast<int64_t>(it->second);
+    } else {
+      r = static_cast<int64_t>(id / g_.shards);
+    }
+    if (r < 0) {
+      // A key without a row reads as a new row would be: its initial value and state.
+      versions[i] = 0;
+      InitRow(init_.kind, init_.scale, init_.seed, id, dim, w + i * dim);
+      if (!s1_.empty()) std::fill_n(s1 + i * dim, dim, s1_init_);
+      if (!s2_.empty()) std::fill_n(s2 + i * dim, dim, 0.0f);
+      continue;
+    }
+    const auto* h = reinterpret_cast<const layout::RowHeader*>(record(static_cast<uint64_t>(r)));
+    versions[i] = h->version | layout::kRowVersionOccupied;
+    std::memcpy(w + i * dim, values(static_cast<uint64_t>(r)), dim * sizeof(float));
+    if (!s1_.empty()) std::memcpy(s1 + i * dim, s1_.data() + r * dim, dim * sizeof(float));
+    if (!s2_.empty()) std::memcpy(s2 + i * dim, s2_.data() + r * dim, dim * sizeof(float));
+  }
+  return {!s1_.empty(), !s2_.empty()};
+}
+
+void RowShard::List(uint64_t first, uint64_t n, char* out) const {
+  const layout::RowOutbox ob{n, g_.dim};
+  auto* keys = reinterpret_cast<uint64_t*>(out + ob.keys());
+  auto* versions = reinterpret_cast<uint64_t*>(out + ob.versions());
+  for (uint64_t i = 0; i < n; ++i) {
+    const auto* h = reinterpret_cast<const layout::RowHeader*>(record(first + i));
+    keys[i] = h->key;
+    versions[i] =
+        h->version | ((h->flags & layout::kRowOccupied) != 0 ? layout::kRowVersionOccupied : 0);
+  }
 }
 
 ChunkState RowShard::Capture() const {

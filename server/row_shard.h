@@ -118,6 +118,22 @@ class RowShard {
   void Apply(const char* payload, float scale, float lr_scale, const layout::UpdateRule& rule,
              uint64_t version);
 
+  // A trainer's state transfer (layout::PushOp on a row shard, Client::SetRows): the rows of
+  // a checked sparse payload get its values (kSetWeights) or state rows (kSetState1/2, the
+  // shard's step count then `steps`); the rows written carry `version`. A hashed key without a
+  // row is placed (admission bypassed; a full bucket evicts as for an update).
+  // `rule`: the one the set carried (Adagrad's: a fresh row's sum is its
+  // initial_accumulator_value, for state 1 allocated here).
+  void Set(layout::PushOp op, const char* payload, uint64_t steps, uint64_t version,
+           const layout::UpdateRule& rule);
+  // Client::GetRows: rows `ids` (global ids or keys, checked: of this shard) into an outbox
+  // laid out as layout::RowOutbox{n, dim}: key, version (kRowVersionOccupied: has a row), the
+  // float32 values and state rows. A hashed key without a row: its initial value and state,
+  // version 0. Returns whether state 1 / state 2 exist (written only then).
+  std::pair<bool, bool> Read(const uint64_t* ids, uint64_t n, char* out) const;
+  // Client::TableKeys: the keys and versions of slots [first, first + n) (checked in range).
+  void List(uint64_t first, uint64_t n, char* out) const;
+
   // Checkpoints and re-replication: every row's float32 value and the optimizer state, and
   // for a hashed shard every slot's key and version (with kRowOccupied in bit 63).
   ChunkState Capture() const;
@@ -125,6 +141,7 @@ class RowShard {
   // checkpoint (ChunkState::row_index; base_clock is the caller's).
   ChunkState CaptureSince(uint64_t since_version) const;
   bool has_state() const { return !s1_.empty() || !s2_.empty(); }
+  uint32_t state_buffers() const { return (s1_.empty() ? 0u : 1u) | (s2_.empty() ? 0u : 2u); }
   // Restores them (rows written with `version`; a hashed shard's records keep their own).
   Status Restore(const ChunkState& state);
   const HashedRowStats& hashed_stats() const { return hashed_; }
@@ -146,7 +163,8 @@ class RowShard {
   // Encodes the master row into the record (16-bit) and writes its header.
   void Seal(uint64_t local, uint64_t version);
   // Hashed: the slot of `key`, admitting (and evicting) as the policy says; -1: not admitted.
-  int64_t Place(uint64_t key, uint64_t version);
+  // `force`: admit whatever the policy's probability (an explicit load).
+  int64_t Place(uint64_t key, uint64_t version, bool force = false);
   void ResetState(uint64_t local);  // a slot given to a new key: initial optimizer state
 
   const layout::RowGeometry g_;

@@ -180,6 +180,7 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   // wire bytes; a row shard's, its largest sparse payload). The outbox holds dense chunks only.
   uint64_t max_chunk = layout::kAlign;
   uint64_t max_dense = layout::kAlign;
+  uint64_t max_outbox = 0;
   std::vector<layout::RowGeometry> rows(bytes.size());
   row_inits_.assign(bytes.size(), RowInit{});
   for (size_t i = 0; i < bytes.size(); ++i) {
@@ -208,6 +209,8 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
       }
       row_inits_[i] = RowInit{static_cast<RowInitKind>(rs.init()), rs.init_scale(),
                               rs.init_seed(), g.hashed ? rs.admit_probability() : 1.0f};
+      // kGetState of max_ids rows (RowOutbox) fits the outbox.
+      max_outbox = std::max(max_outbox, layout::RowOutbox{g.max_ids, g.dim}.bytes());
       max_chunk = std::max(
           max_chunk, SparsePayloadBytes(std::min<uint64_t>(g.rows, uint64_t{g.max_ids} * a.max_workers()),
                                         g.dim));
@@ -225,7 +228,7 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
       acks_, fabric_->AllocateMemory(AtLeastAligned(layout_->acks_bytes()), Access::kRemoteRead));
   ASSIGN_OR_RETURN(clocks_, fabric_->AllocateMemory(AtLeastAligned(layout_->clocks_bytes()),
                                                     Access::kRemoteWrite));
-  ASSIGN_OR_RETURN(outbox_, fabric_->AllocateMemory(layout::OutboxBytes(max_dense),
+  ASSIGN_OR_RETURN(outbox_, fabric_->AllocateMemory(std::max(layout::OutboxBytes(max_dense), max_outbox),
                                                     Access::kRemoteRead));
   // Replication: the ring (backup) or the records' staging (primary). Both sides compute the
   // ring's geometry from the same assignment.

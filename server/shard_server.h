@@ -173,6 +173,9 @@ class ShardServer {
   // state (a new version, replicated) or copies them into the outbox. False: deferred.
   bool HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
                      const layout::PushHeader& h);
+  // HandleStateOp for a row shard (layout::PushOp on rows: sets, gets, lists).
+  bool HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
+                        const layout::PushHeader& h);
   void HandleClock(uint32_t worker, uint32_t clock_low);
   // Counts a gradient push taken (applied now, or summed into its BSP clock) and its clock lag.
   void ObservePushApplied(uint32_t slot, const layout::PushHeader& h);
@@ -272,6 +275,7 @@ class ShardServer {
   SparseAccumulator* row_acc(uint32_t dim);  // scratch of the apply thread
   std::unique_ptr<SparseAccumulator> row_acc_;
   uint32_t row_acc_dim_ = 0;
+  std::vector<uint64_t> row_ids_;  // HandleRowStateOp: a get's ids, out of the inbox
 };
 
 }  // namespace shardps::server

@@ -190,17 +190,41 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   if (rows) {
     // A row shard's push: n entries (id, row) within the inbox slot's capacity.
     const layout::RowGeometry& g = layout_->rows(slot);
-    if (h.bytes % g.entry_bytes() != 0 || h.bytes / g.entry_bytes() > g.max_ids) {
-      return reject("row push size is not a whole number of entries within max_ids");
-    }
-    if (h.op != static_cast<uint32_t>(layout::PushOp::kGradient)) {
-      return reject("state transfer of a row table (not supported)");
+    const char* data = base + layout_->push_data_offset(worker, slot, parity);
+    // What the payload holds: entries (a gradient, a set), ids (a get), a slot range (a list).
+    uint64_t ids_n = 0;
+    switch (static_cast<layout::PushOp>(h.op)) {
+      case layout::PushOp::kGradient:
+      case layout::PushOp::kSetWeights:
+      case layout::PushOp::kSetState1:
+      case layout::PushOp::kSetState2:
+        if (h.bytes % g.entry_bytes() != 0 || h.bytes / g.entry_bytes() > g.max_ids) {
+          return reject("row push size is not a whole number of entries within max_ids");
+        }
+        ids_n = h.bytes / g.entry_bytes();
+        break;
+      case layout::PushOp::kGetState:
+        if (h.bytes % sizeof(uint64_t) != 0 || h.bytes / sizeof(uint64_t) > g.max_ids) {
+          return reject("row get size is not a whole number of ids within max_ids");
+        }
+        ids_n = h.bytes / sizeof(uint64_t);
+        break;
+      case layout::PushOp::kListRows: {
+        uint64_t range[2] = {0, 0};
+        if (h.bytes == sizeof(range)) std::memcpy(range, data, sizeof(range));
+        if (h.bytes != sizeof(range) || range[1] > g.max_ids || range[0] > g.rows ||
+            range[1] > g.rows - range[0]) {
+          return reject("row list is not a slot range of this shard within max_ids");
+        }
+        break;
+      }
+      default:
+        return reject("state op not applicable to a row table");
     }
     if (const char* bad = layout::CheckUpdateRule(h.rule)) return reject(bad);
     if (const char* bad = layout::CheckRowRule(h.rule)) return reject(bad);
     if (!workers_->IsDuplicate(worker, slot, h.seq)) {
-      const Status ids = chunks_->row_shard(slot)->CheckEntries(
-          base + layout_->push_data_offset(worker, slot, parity), h.bytes / g.entry_bytes());
+      const Status ids = chunks_->row_shard(slot)->CheckEntries(data, ids_n);
       if (!ids.ok()) {
         LOG_EVERY_N(WARNING, 100) << "server rank " << rank_ << ": row push from worker "
                                   << worker << " slot " << slot << " rejected: " << ids.message();
@@ -220,7 +244,9 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     return true;  // applied already: exactly once
   }
   if (h.op != static_cast<uint32_t>(layout::PushOp::kGradient)) {
-    if (h.op > static_cast<uint32_t>(layout::PushOp::kGetState)) return reject("unknown op");
+    if (h.op > static_cast<uint32_t>(layout::PushOp::kGetState) && !rows) {
+      return reject("unknown op");
+    }
     if (!chunks_->initialised(slot)) return reject("state transfer before the chunk has weights");
     return HandleStateOp(worker, slot, parity, h);
   }
@@ -327,6 +353,7 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
   }
   const WorkerState* w = workers_->Find(worker);
   const auto op = static_cast<layout::PushOp>(h.op);
+  if (chunks_->is_rows(slot)) return HandleRowStateOp(worker, slot, parity, h);
   if (op == layout::PushOp::kGetState) {
     // The published version's values and optimizer state, for the worker to read one-sided.
     // One outbox per server: the nonce tells a reader whether another request overwrote it.
@@ -384,6 +411,80 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
                                                     : "optimizer state")
             << " of chunk " << chunks_->chunk_id(slot) << " (steps " << r.steps << ")";
   Commit(chunks_->Set(slot, op, values, r.steps), std::move(r));
+  return true;
+}
+
+bool ShardServer::HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
+                                   const layout::PushHeader& h) {
+  // The op and the payload were checked by HandlePush (its kind, size and ids).
+  const WorkerState* w = workers_->Find(worker);
+  const auto op = static_cast<layout::PushOp>(h.op);
+  const RowShard& shard = *chunks_->row_shard(slot);
+  const uint32_t dim = layout_->rows(slot).dim;
+  const char* data =
+      static_cast<const char*>(inbox_->data()) + layout_->push_data_offset(worker, slot, parity);
+  if (op == layout::PushOp::kGetState || op == layout::PushOp::kListRows) {
+    // Rows of the published version (rows are updated in place: everything applied so far)
+    // into the outbox, which the worker reads one-sided; the nonce tells it whether another
+    // request overwrote the outbox meanwhile.
+    char* out = static_cast<char*>(outbox_->data());
+    auto* oh = reinterpret_cast<layout::OutboxHeader*>(out);
+    oh->magic = 0;
+    std::atomic_thread_fence(std::memory_order_release);
+    uint64_t n;
+    std::pair<bool, bool> has{false, false};
+    if (op == layout::PushOp::kGetState) {
+      n = h.bytes / sizeof(uint64_t);
+      // The ids are copied out of the inbox first: a peer may rewrite its inbox meanwhile.
+      row_ids_.resize(n);
+      std::memcpy(row_ids_.data(), data, n * sizeof(uint64_t));
+      has = shard.Read(row_ids_.data(), n, out);
+    } else {
+      uint64_t range[2];
+      std::memcpy(range, data, sizeof(range));
+      n = range[1];
+      shard.List(range[0], n, out);
+    }
+    oh->nonce = h.op_arg;
+    oh->worker = worker;
+    oh->chunk_id = chunks_->chunk_id(slot);
+    oh->version = chunks_->version(slot);
+    oh->steps = shard.steps();
+    oh->state1 = has.first ? n * dim : 0;
+    oh->state2 = has.second ? n * dim : 0;
+    oh->elems = op == layout::PushOp::kGetState ? n * dim : n;
+    std::atomic_thread_fence(std::memory_order_release);
+    oh->magic = layout::kOutboxMagic;
+    workers_->Consume(worker, slot, h.seq, -1);
+    ack_board_->Raise(worker, slot, h.seq);
+    stats_.Bump(&ShardServerCounters::state_reads);
+    return true;
+  }
+  // A set of rows: coalesced into a sparse payload (the record's, which the backup applies
+  // alike), a new version.
+  SparseAccumulator& acc = *row_acc(dim);
+  acc.Clear();
+  if (!shard.Accumulate(data, h.bytes / layout_->rows(slot).entry_bytes(), acc).ok()) {
+    stats_.Bump(&ShardServerCounters::rejected_pushes);  // checked by HandlePush: not reached
+    return true;
+  }
+  ReplRecord r;
+  r.slot = slot;
+  r.kind = layout::ReplKind::kSet;
+  r.op = op;
+  r.steps = h.op_arg;
+  r.rule = h.rule;  // Adagrad's initial sum for state it allocates (RowShard::Set)
+  r.bytes = SparsePayloadBytes(acc.size(), dim);
+  r.payload = stream_->sum_payload(slot, r.bytes);
+  acc.Emit(reinterpret_cast<char*>(stream_->sum(slot)));
+  r.min_clock_plus1 = chunks_->published_min_clock_plus1(slot);
+  workers_->Consume(worker, slot, h.seq, -1);
+  r.contributors = {Contributor{worker, parity, h.seq, w->incarnation, -1}};
+  stats_.Bump(&ShardServerCounters::state_sets);
+  VLOG(1) << "server rank " << rank_ << ": worker " << worker << " set " << acc.size()
+          << (op == layout::PushOp::kSetWeights ? " rows" : " rows' optimizer state")
+          << " of chunk " << chunks_->chunk_id(slot);
+  Commit(chunks_->Set(slot, op, stream_->sum(slot), r.steps, h.rule), std::move(r));
   return true;
 }
 
@@ -562,12 +663,12 @@ void ShardServer::MaybeCapture(uint32_t slot) {
   // the capture component allows; a dense chunk always whole.
   trace::Span span("ckpt_capture", "server");
   span.Arg("chunk", chunks_->chunk_id(slot)).Arg("version", chunks_->version(slot));
-  const bool has_state = chunks_->has_state(slot);
+  const uint32_t buffers = chunks_->state_buffers(slot);
   std::optional<CheckpointCapture::Base> base;
-  if (chunks_->is_rows(slot)) base = capture_->IncrementalBase(slot, has_state);
+  if (chunks_->is_rows(slot)) base = capture_->IncrementalBase(slot, buffers);
   ChunkState state = base ? chunks_->CaptureIncrement(slot, base->version, base->clock)
                           : chunks_->Capture(slot);
-  capture_->NoteCapture(slot, chunks_->version(slot), !base.has_value(), has_state);
+  capture_->NoteCapture(slot, chunks_->version(slot), !base.has_value(), buffers);
   std::optional<ShardSnapshot> snap = capture_->Captured(slot, std::move(state), *workers_);
   if (!snap) return;
   VLOG(1) << "server rank " << rank_ << ": checkpoint of group " << group_ << " at clock "

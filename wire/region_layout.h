@@ -180,6 +180,16 @@ static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines")
 //   kGetState: the server copies an OutboxHeader, the weights and both state buffers of the
 //     published version into its outbox (remote-read) and acknowledges; the worker reads them.
 // (A 16-bit chunk's state is therefore set at 16-bit precision; a get returns float32.)
+// On a row shard (an embedding's; Client::SetRows / GetRows / TableKeys) the ops name rows:
+//   kSetWeights, kSetState1, kSetState2: the payload is entries as a gradient push's ([ids |
+//     rows in the table's dtype], distinct ids of this shard); those rows' values / state rows
+//     are replaced (a hashed key without a row is given one, admission bypassed: a load is
+//     explicit), and a state set makes op_arg the shard's step count; a new version.
+//   kClearState: refused (a row table's state is set by rows).
+//   kGetState: the payload is n ids (uint64, n <= max_ids, of this shard); the server writes
+//     RowOutbox(n) into its outbox: the rows' keys and versions, float32 values, state rows.
+//   kListRows: the payload is two uint64 (first slot, count <= max_ids); the server writes
+//     the keys and versions of those slots (a hashed table's keys, for a state_dict).
 enum class PushOp : uint32_t {
   kGradient = 0,
   kSetWeights = 1,
@@ -187,6 +197,7 @@ enum class PushOp : uint32_t {
   kSetState2 = 3,
   kClearState = 4,
   kGetState = 5,
+  kListRows = 6,  // row shards only
 };
 struct alignas(kAlign) OutboxHeader {
   uint64_t magic;  // kOutboxMagic
@@ -205,6 +216,22 @@ constexpr uint64_t kOutboxMagic = 0x5348505342584f4full;  // "SHPSOBXO"
 inline uint64_t OutboxBytes(uint64_t max_value_bytes) {
   return kAlign + 3 * AlignUp(max_value_bytes);
 }
+// A row shard's answer to kGetState / kListRows of n rows of `dim` values: the header (elems =
+// n x dim for a get, n for a list; state1/state2 = n x dim where the shard has that state, else
+// 0), then per row its key and its version (uint64 each; bit 63 of the version: the slot holds
+// a row), then (a get only) the float32 values, state 1 and state 2, each AlignUp'd.
+struct RowOutbox {
+  uint64_t n = 0;
+  uint32_t dim = 0;
+  uint64_t keys() const { return kAlign; }                     // uint64 key[n]
+  uint64_t versions() const { return kAlign + AlignUp(8 * n); }  // uint64 version[n]
+  uint64_t value_stride() const { return AlignUp(4 * n * uint64_t{dim}); }
+  uint64_t values() const { return versions() + AlignUp(8 * n); }
+  uint64_t state1() const { return values() + value_stride(); }
+  uint64_t state2() const { return state1() + value_stride(); }
+  uint64_t bytes() const { return state2() + value_stride(); }
+};
+constexpr uint64_t kRowVersionOccupied = 1ull << 63;
 
 // The worker's gradients of this step were not all finite (a mixed-precision overflow): BSP
 // skips the whole clock's update on every server (every worker pushes every chunk, so every

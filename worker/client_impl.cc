@@ -925,12 +925,11 @@ Status ClientImpl::GetState(const std::string& name, float* weights, float* stat
   const uint64_t esize = tensor.dtype == TensorDType::kFloat32 ? 4 : 2;
   uint64_t most = 0;
   for (const ChunkPlacement& c : chunks_) {
+    if (c.rows.rows_kind()) continue;  // a row shard's answers are sized by rows (GetRows)
     const uint64_t e = c.bytes / (tensors_[c.tensor].dtype == TensorDType::kFloat32 ? 4 : 2);
     most = std::max(most, layout::OutboxBytes(e * sizeof(float)));
   }
-  if (state_staging_ == nullptr) {
-    ASSIGN_OR_RETURN(state_staging_, fabric_->AllocateMemory(most, Access::kLocalOnly));
-  }
+  RETURN_IF_ERROR(EnsureStateStaging(most));
   bool all1 = !tensor.chunks.empty(), all2 = all1;
   uint64_t most_steps = 0;
   const auto* base = static_cast<const char*>(state_staging_->data());

@@ -77,6 +77,11 @@ class ClientImpl final : public Client, private CompletionSink {
   Status SetNoGradient(const std::string& tensor, bool no_gradient) override;
   void SetPushWeight(uint32_t weight) { step_.weight = weight == 0 ? 1 : weight; }
   Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
+  Status SetRows(const std::string& table, StatePart part, const int64_t* ids, size_t n,
+                 const float* values, uint64_t steps) override;
+  Status GetRows(const std::string& table, const int64_t* ids, size_t n, float* weights,
+                 float* state1, float* state2, RowStateInfo* info) override;
+  StatusOr<std::vector<int64_t>> TableKeys(const std::string& table) override;
   Status GetState(const std::string& tensor, float* weights, float* state1, float* state2,
                   uint64_t* steps, bool* has1, bool* has2) override;
   uint32_t rank() const override { return rank_; }
@@ -152,6 +157,16 @@ class ClientImpl final : public Client, private CompletionSink {
   std::unique_ptr<RowTables> rows_;
   std::unique_ptr<transport::MemoryRegion> state_staging_;  // GetState's outbox reads
   uint64_t state_nonce_ = 0;
+  // The state staging, at least `bytes` long (grown, never shrunk).
+  Status EnsureStateStaging(uint64_t bytes);
+  // A row shard's answer to a kGetState / kListRows (RowTables::SetOpPayload set already) of
+  // `n` rows, read into the state staging: pushes, reads the outbox, checks the header (the
+  // server's single outbox may have answered another request meanwhile: asked again).
+  Status RowOutboxRound(uint32_t chunk, layout::PushOp op, uint64_t n, uint32_t dim,
+                        layout::OutboxHeader* header);
+  // The table's ids checked (dense: in range) and grouped by shard (indices into ids).
+  StatusOr<std::vector<std::vector<size_t>>> RowIdsByShard(uint32_t tensor, const int64_t* ids,
+                                                           size_t n) const;
   std::unique_ptr<Recovery> recovery_;
 };
 

@@ -166,6 +166,17 @@ StatusOr<uint64_t> HostClient::RequestCheckpoint(const std::string&) {
 Status HostClient::SetState(const std::string&, StatePart, uint64_t) {
   return NotInHostMode("SetState()");
 }
+Status HostClient::SetRows(const std::string&, StatePart, const int64_t*, size_t, const float*,
+                           uint64_t) {
+  return NotInHostMode("SetRows()");
+}
+Status HostClient::GetRows(const std::string&, const int64_t*, size_t, float*, float*, float*,
+                           RowStateInfo*) {
+  return NotInHostMode("GetRows()");
+}
+StatusOr<std::vector<int64_t>> HostClient::TableKeys(const std::string&) {
+  return NotInHostMode("TableKeys()");
+}
 Status HostClient::GetState(const std::string&, float*, float*, float*, uint64_t*, bool*, bool*) {
   return NotInHostMode("GetState()");
 }

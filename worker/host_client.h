@@ -59,6 +59,11 @@ class HostClient final : public Client {
   // Not applied through the aggregator yet (client.h): the learners' zeros are summed.
   Status SetNoGradient(const std::string& tensor, bool no_gradient) override;
   Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
+  Status SetRows(const std::string& table, StatePart part, const int64_t* ids, size_t n,
+                 const float* values, uint64_t steps) override;
+  Status GetRows(const std::string& table, const int64_t* ids, size_t n, float* weights,
+                 float* state1, float* state2, RowStateInfo* info) override;
+  StatusOr<std::vector<int64_t>> TableKeys(const std::string& table) override;
   Status GetState(const std::string& tensor, float* weights, float* state1, float* state2,
                   uint64_t* steps, bool* has1, bool* has2) override;
   uint32_t rank() const override;

@@ -125,7 +125,12 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   }
   // A row shard: this step's gradient rows go into the staging of this parity, which push
   // seq-2 (acknowledged above) no longer needs.
-  if (chunks_[id].rows.rows_kind()) c.last_bytes = rows_->Stage(id, parity);
+  // A state transfer's payload instead (RowTables::SetOpPayload): the gradient rows added this
+  // step stay pending for the next gradient push.
+  if (chunks_[id].rows.rows_kind()) {
+    c.last_bytes = op == layout::PushOp::kGradient ? rows_->Stage(id, parity)
+                                                   : rows_->StageOp(id, parity);
+  }
   c.seq = seq;
   c.last_clock = step_.clock;
   c.last_base = pull_.pulled_version(id);

@@ -149,6 +149,26 @@ uint64_t RowTables::Stage(uint32_t chunk, uint32_t parity) {
   return n * (sizeof(uint64_t) + uint64_t{t.dim} * t.elem);
 }
 
+RowTables::Shape RowTables::shape(uint32_t tensor) const {
+  const Table& t = tables_[table_of_tensor_.at(tensor)];
+  return Shape{t.shards, t.dim, t.elem, t.max_ids, t.rows, t.hashed, t.geometry, &t.shard_chunk};
+}
+
+void RowTables::SetOpPayload(uint32_t chunk, std::vector<char> payload) {
+  op_chunk_ = chunk;
+  op_payload_ = std::move(payload);
+}
+
+uint64_t RowTables::StageOp(uint32_t chunk, uint32_t parity) {
+  const auto [ti, k] = shard_of_chunk_[chunk];
+  const Table& t = tables_[ti];
+  // The callers (ClientImpl's state transfers) size payloads within max_ids entries.
+  const uint64_t bytes = chunk == op_chunk_ ? std::min<uint64_t>(op_payload_.size(), t.push_slot_bytes) : 0;
+  char* dst = static_cast<char*>(t.push_staging->data()) + (2 * uint64_t{k} + parity) * t.push_slot_bytes;
+  if (bytes != 0) std::memcpy(dst, op_payload_.data(), bytes);
+  return bytes;
+}
+
 transport::LocalSlice RowTables::Staged(uint32_t chunk, uint32_t parity, uint64_t bytes) const {
   const auto [ti, k] = shard_of_chunk_[chunk];
   const Table& t = tables_[ti];

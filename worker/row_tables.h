@@ -51,6 +51,22 @@ class RowTables {
   // Where Stage put them.
   transport::LocalSlice Staged(uint32_t chunk, uint32_t parity, uint64_t bytes) const;
 
+  // State transfers (Client::SetRows / GetRows / TableKeys): a table's shape, and the payload
+  // (layout::PushOp on a row shard: entries, ids or a slot range) that the next non-gradient
+  // push of `chunk` carries instead of the step's gradient rows, which stay pending.
+  struct Shape {
+    uint32_t shards = 0, dim = 0, elem = 4, max_ids = 0;
+    uint64_t rows = 0;  // dense: ids < rows; hashed: the capacity
+    bool hashed = false;
+    layout::RowGeometry geometry;              // shard 0's (ShardOf is the same for all)
+    const std::vector<uint32_t>* shard_chunk;  // chunk id of shard k
+  };
+  Shape shape(uint32_t tensor) const;
+  void SetOpPayload(uint32_t chunk, std::vector<char> payload);
+  // PushPipeline, for a non-gradient push: moves that payload into the push staging of
+  // `parity` (whose previous push the server has acknowledged); returns its bytes.
+  uint64_t StageOp(uint32_t chunk, uint32_t parity);
+
   // Client::PullRows. `required_plus1`: the min clock (+1) the rows must include.
   // `recover` repairs a failed session (reconnect or failover) or says why not.
   Status Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out, uint64_t required_plus1,
@@ -136,6 +152,8 @@ class RowTables {
   const StepClock& step_;
   std::vector<Table> tables_;
   std::unordered_map<uint32_t, uint32_t> table_of_tensor_;
+  std::vector<char> op_payload_;  // SetOpPayload's, for op_chunk_
+  uint32_t op_chunk_ = ~0u;
   std::vector<std::pair<uint32_t, uint32_t>> shard_of_chunk_;  // (table, shard); table ~0u: dense
   // The pull in flight: its round, its lists, those completed (in completion order), how many,
   // and whether one failed.

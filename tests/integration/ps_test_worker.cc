@@ -82,6 +82,9 @@ DEFINE_int32(dim, 64, "linreg: input features");
 DEFINE_int32(outputs, 8, "linreg: outputs");
 DEFINE_int32(embedding_rows, 0,
              "linreg: also train a row table E of this many rows x 4 (0: none); see RowTask");
+DEFINE_bool(embedding_load, false,
+            "--embedding_rows (dense): every worker sets every row to RowTask::Loaded after "
+            "Start (Client::SetRows, a pretrained table); standalone starts from them");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -181,6 +184,8 @@ struct RowTask {
     return ids;
   }
   static float Target(int64_t id, int j) { return Uniform((5ull << 60) ^ (id * 8 + j)); }
+  // --embedding_load: a row's loaded value.
+  static float Loaded(int64_t id, int j) { return Uniform((7ull << 60) ^ (id * 8 + j)); }
   // Hashed: every key any worker touches in `steps` steps, in a fixed order (the result's rows).
   static std::vector<int64_t> AllKeys(int steps, int workers, int rows) {
     std::vector<int64_t> all;
@@ -329,6 +334,11 @@ int RunStandalone() {
   float max_abs_grad = 0;
   const int erows = FLAGS_embedding_rows;
   std::vector<float> e(static_cast<size_t>(erows) * RowTask::kDim, 0.0f);  // zeros-initialised
+  if (FLAGS_embedding_load && !FLAGS_embedding_hashed) {
+    for (int64_t id = 0; id < erows; ++id) {
+      for (int j = 0; j < RowTask::kDim; ++j) e[id * RowTask::kDim + j] = RowTask::Loaded(id, j);
+    }
+  }
   // Hashed: the servers' placement, admission and eviction, in one process (2 shards: the
   // cluster's --servers of these tests).
   shardps::test::HashedTableModel hashed_e(static_cast<uint64_t>(std::max(erows, 1)), 2,
@@ -537,6 +547,18 @@ int RunCluster() {
     st = c.RegisterEmbedding("E", erows, RowTask::kDim, shardps::TensorDType::kFloat32, eo);
   }
   if (st.ok()) st = c.Start();
+  if (st.ok() && erows > 0 && FLAGS_embedding_load && !FLAGS_embedding_hashed && !FLAGS_resume) {
+    // A pretrained table, set by every worker (the same values: idempotent) before its first
+    // step, so that no worker reads a row before it is set.
+    std::vector<int64_t> all(static_cast<size_t>(erows));
+    std::vector<float> values(all.size() * RowTask::kDim);
+    for (int64_t id = 0; id < erows; ++id) {
+      all[id] = id;
+      for (int j = 0; j < RowTask::kDim; ++j) values[id * RowTask::kDim + j] = RowTask::Loaded(id, j);
+    }
+    st = c.SetRows("E", shardps::Client::StatePart::kWeights, all.data(), all.size(),
+                   values.data(), 0);
+  }
   if (st.ok()) st = refresh();
   if (!st.ok()) {
     fprintf(stderr, "ps_test_worker rank %d: setup failed: %s\n", me, st.ToString().c_str());

@@ -348,6 +348,35 @@ class SHARDPS_EXPORT Client {
   virtual Status GetState(const std::string& tensor, float* weights, float* state1,
                           float* state2, uint64_t* steps, bool* has1, bool* has2) = 0;
 
+  // Row tables' state (shardps.torch's Embedding state_dict / load_state_dict, a pretrained
+  // embedding, a table's optimizer state), between steps, through the data path as SetState:
+  // per shard, pushes of at most max_ids rows, each acknowledged before the next (exactly once,
+  // replicated like an update). The gradient rows added this step stay pending.
+  // Sets `part` of rows ids[0, n) to `values` (n x dim float32, row-major; a 16-bit table's
+  // are rounded to its dtype on the wire): kWeights the rows' values; kState1 / kState2 their
+  // optimizer state rows (Adagrad's sum, Adam's first moment / Adam's second moment), and the
+  // table's step count to `steps` (lazy Adam's bias correction). Rows not named keep theirs.
+  // A hashed table's keys are given a row (admission bypassed: the load is explicit; a full
+  // bucket evicts as for an update). INVALID_ARGUMENT, nothing set, for an id out of range, an
+  // id given twice, or kNoState. Readers see the new rows as soon as each push is applied: set
+  // a table before training (every worker may set the same rows: the sets are idempotent).
+  virtual Status SetRows(const std::string& table, StatePart part, const int64_t* ids,
+                         size_t n, const float* values, uint64_t steps) = 0;
+  struct RowStateInfo {
+    uint64_t steps = 0;  // the table's optimizer step count (the largest of its shards')
+    bool has1 = false;   // whether state 1 / 2 exists on some shard (elsewhere: a fresh row's)
+    bool has2 = false;
+  };
+  // Reads rows ids[0, n) (duplicates fine; any output may be null; n x dim float32 each): the
+  // values (a 16-bit table's float32 master copy) and optimizer state rows, as of everything
+  // the servers have applied. A hashed key without a row reads as a new row would be (its
+  // initial value and state). INVALID_ARGUMENT for an id out of range.
+  virtual Status GetRows(const std::string& table, const int64_t* ids, size_t n, float* weights,
+                         float* state1, float* state2, RowStateInfo* info) = 0;
+  // The keys holding a row in a hashed table, in slot order (with GetRows: a hashed table's
+  // state_dict). INVALID_ARGUMENT for a dense table (every id in [0, rows) holds one).
+  virtual StatusOr<std::vector<int64_t>> TableKeys(const std::string& table) = 0;
+
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
   virtual uint64_t clock() const = 0;

@@ -1,0 +1,209 @@
+// ClientImpl's state transfers of row tables (Client::SetRows, GetRows, TableKeys): per shard,
+// pushes of layout::PushOp on the row shard (wire/region_layout.h), each acknowledged before
+// the next; a get or a list is answered in the server's outbox, which the worker reads
+// one-sided. Between steps, on the trainer's thread (as the rest of ClientImpl).
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/half.h"
+#include "worker/client_impl.h"
+
+namespace shardps::worker {
+
+Status ClientImpl::EnsureStateStaging(uint64_t bytes) {
+  if (state_staging_ != nullptr && state_staging_->length() >= bytes) return Status::OK();
+  state_staging_.reset();
+  ASSIGN_OR_RETURN(state_staging_, fabric_->AllocateMemory(bytes, transport::Access::kLocalOnly));
+  return Status::OK();
+}
+
+StatusOr<std::vector<std::vector<size_t>>> ClientImpl::RowIdsByShard(uint32_t tensor,
+                                                                     const int64_t* ids,
+                                                                     size_t n) const {
+  const RowTables::Shape s = rows_->shape(tensor);
+  std::vector<std::vector<size_t>> by_shard(s.shards);
+  for (size_t i = 0; i < n; ++i) {
+    if (!s.hashed && (ids[i] < 0 || static_cast<uint64_t>(ids[i]) >= s.rows)) {
+      return InvalidArgumentError("row id " + std::to_string(ids[i]) + " of table '" +
+                                  tensors_[tensor].name + "' is outside [0, " +
+                                  std::to_string(s.rows) + ")");
+    }
+    by_shard[s.geometry.ShardOf(static_cast<uint64_t>(ids[i]))].push_back(i);
+  }
+  return by_shard;
+}
+
+Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64_t* ids,
+                           size_t n, const float* values, uint64_t steps) {
+  RETURN_IF_ERROR(lifecycle_.Require("SetRows()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  if (part != StatePart::kWeights && part != StatePart::kState1 && part != StatePart::kState2) {
+    return InvalidArgumentError("a row table's state is set by rows: weights, state 1 or "
+                                "state 2 (table '" + table + "')");
+  }
+  if (n > 0 && (ids == nullptr || values == nullptr)) {
+    return InvalidArgumentError("SetRows: null ids or values");
+  }
+  ASSIGN_OR_RETURN(const auto by_shard, RowIdsByShard(t, ids, n));
+  {
+    std::vector<int64_t> sorted(ids, ids + n);
+    std::sort(sorted.begin(), sorted.end());
+    const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+    if (twice != sorted.end()) {
+      return InvalidArgumentError("SetRows: id " + std::to_string(*twice) + " of table '" +
+                                  table + "' given twice");
+    }
+  }
+  RETURN_IF_ERROR(MaybeRecover());
+  const RowTables::Shape s = rows_->shape(t);
+  const uint64_t row_bytes = uint64_t{s.dim} * s.elem;
+  const auto op = static_cast<layout::PushOp>(part);  // the same numbers
+  for (uint32_t k = 0; k < s.shards; ++k) {
+    const std::vector<size_t>& mine = by_shard[k];
+    const uint32_t chunk = (*s.shard_chunk)[k];
+    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
+      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
+      // Entries, as a gradient push's: [ids | rows in the table's dtype].
+      std::vector<char> payload(m * (sizeof(uint64_t) + row_bytes));
+      char* rows = payload.data() + m * sizeof(uint64_t);
+      for (size_t j = 0; j < m; ++j) {
+        const size_t i = mine[b + j];
+        const uint64_t id = static_cast<uint64_t>(ids[i]);
+        std::memcpy(payload.data() + j * sizeof(uint64_t), &id, sizeof(id));
+        const float* src = values + i * uint64_t{s.dim};
+        if (s.elem == 4) {
+          std::memcpy(rows + j * row_bytes, src, row_bytes);
+        } else {
+          EncodeHalf(static_cast<uint32_t>(tensors_[t].dtype), src,
+                     reinterpret_cast<uint16_t*>(rows + j * row_bytes), s.dim);
+        }
+      }
+      rows_->SetOpPayload(chunk, std::move(payload));
+      RETURN_IF_ERROR(push_->PushOpAndAwait(chunk, op, steps, [this] { return RecoverOrBreak(); }));
+    }
+  }
+  return Status::OK();
+}
+
+Status ClientImpl::RowOutboxRound(uint32_t chunk, layout::PushOp op, uint64_t n, uint32_t dim,
+                                  layout::OutboxHeader* header) {
+  const layout::RowOutbox ob{n, dim};
+  const uint64_t bytes = op == layout::PushOp::kGetState ? ob.bytes() : ob.values();
+  const uint64_t elems = op == layout::PushOp::kGetState ? n * dim : n;
+  RETURN_IF_ERROR(EnsureStateStaging(bytes));
+  const ChunkPlacement& c = chunks_[chunk];
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const uint64_t nonce = (static_cast<uint64_t>(rank_) << 48) | ++state_nonce_;
+    RETURN_IF_ERROR(push_->PushOpAndAwait(chunk, op, nonce, [this] { return RecoverOrBreak(); }));
+    const auto deadline = std::chrono::steady_clock::now() + options_.wait_timeout;
+    RETURN_IF_ERROR(sessions_->ReadOutbox(
+        c.server, 0, bytes, {state_staging_.get(), 0, bytes}, deadline,
+        [] { return DeadlineExceededError("reading a server's outbox"); }));
+    std::memcpy(header, state_staging_->data(), sizeof(*header));
+    if (header->magic == layout::kOutboxMagic && header->nonce == nonce &&
+        header->worker == rank_ && header->chunk_id == chunk && header->elems == elems &&
+        header->state1 <= elems && header->state2 <= elems) {
+      return Status::OK();
+    }
+  }
+  return AbortedError("rows of '" + tensors_[c.tensor].name +
+                      "': the servers' outboxes stayed busy");
+}
+
+Status ClientImpl::GetRows(const std::string& table, const int64_t* ids, size_t n,
+                           float* weights, float* state1, float* state2, RowStateInfo* info) {
+  RETURN_IF_ERROR(lifecycle_.Require("GetRows()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  if (n > 0 && ids == nullptr) return InvalidArgumentError("GetRows: null ids");
+  ASSIGN_OR_RETURN(const auto by_shard, RowIdsByShard(t, ids, n));
+  RETURN_IF_ERROR(MaybeRecover());
+  const RowTables::Shape s = rows_->shape(t);
+  const uint64_t dim = s.dim;
+  // A shard without a state buffer has fresh rows' state there: Adagrad's initial sum, zeros.
+  // (The wire rule carries Adagrad's initial_accumulator_value in `dampening`.)
+  const layout::UpdateRule& rule = tensors_[t].rule;
+  const float fresh1 = rule.kind() == layout::RuleKind::kAdagrad ? rule.dampening : 0.0f;
+  RowStateInfo out;
+  std::vector<char> payload;
+  for (uint32_t k = 0; k < s.shards; ++k) {
+    const std::vector<size_t>& mine = by_shard[k];
+    const uint32_t chunk = (*s.shard_chunk)[k];
+    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
+      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
+      payload.resize(m * sizeof(uint64_t));
+      for (size_t j = 0; j < m; ++j) {
+        const uint64_t id = static_cast<uint64_t>(ids[mine[b + j]]);
+        std::memcpy(payload.data() + j * sizeof(uint64_t), &id, sizeof(id));
+      }
+      rows_->SetOpPayload(chunk, payload);
+      layout::OutboxHeader oh{};
+      RETURN_IF_ERROR(RowOutboxRound(chunk, layout::PushOp::kGetState, m, s.dim, &oh));
+      const layout::RowOutbox ob{m, s.dim};
+      const char* base = static_cast<const char*>(state_staging_->data());
+      for (size_t j = 0; j < m; ++j) {
+        uint64_t key;
+        std::memcpy(&key, base + ob.keys() + j * sizeof(key), sizeof(key));
+        if (key != static_cast<uint64_t>(ids[mine[b + j]])) {
+          return DataLossError("rows of '" + table + "': the server answered for another id");
+        }
+      }
+      auto copy = [&](float* dst, uint64_t at, bool has, float fresh) {
+        if (dst == nullptr) return;
+        for (size_t j = 0; j < m; ++j) {
+          float* row = dst + mine[b + j] * dim;
+          if (has) {
+            std::memcpy(row, base + at + j * dim * sizeof(float), dim * sizeof(float));
+          } else {
+            std::fill_n(row, dim, fresh);
+          }
+        }
+      };
+      copy(weights, ob.values(), true, 0.0f);
+      copy(state1, ob.state1(), oh.state1 != 0, fresh1);
+      copy(state2, ob.state2(), oh.state2 != 0, 0.0f);
+      out.steps = std::max(out.steps, oh.steps);
+      out.has1 = out.has1 || oh.state1 != 0;
+      out.has2 = out.has2 || oh.state2 != 0;
+    }
+  }
+  if (info != nullptr) *info = out;
+  return Status::OK();
+}
+
+StatusOr<std::vector<int64_t>> ClientImpl::TableKeys(const std::string& table) {
+  RETURN_IF_ERROR(lifecycle_.Require("TableKeys()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  const RowTables::Shape s = rows_->shape(t);
+  if (!s.hashed) {
+    return InvalidArgumentError("'" + table + "' has dense ids: every id in [0, " +
+                                std::to_string(s.rows) + ") holds a row");
+  }
+  RETURN_IF_ERROR(MaybeRecover());
+  std::vector<int64_t> keys;
+  for (uint32_t k = 0; k < s.shards; ++k) {
+    const uint32_t chunk = (*s.shard_chunk)[k];
+    const uint64_t slots = layout::RowGeometry::ShardRows(s.rows, s.shards, k, true);
+    for (uint64_t first = 0; first < slots; first += s.max_ids) {
+      const uint64_t m = std::min<uint64_t>(s.max_ids, slots - first);
+      std::vector<char> payload(2 * sizeof(uint64_t));
+      std::memcpy(payload.data(), &first, sizeof(first));
+      std::memcpy(payload.data() + sizeof(first), &m, sizeof(m));
+      rows_->SetOpPayload(chunk, std::move(payload));
+      layout::OutboxHeader oh{};
+      RETURN_IF_ERROR(RowOutboxRound(chunk, layout::PushOp::kListRows, m, s.dim, &oh));
+      const layout::RowOutbox ob{m, s.dim};
+      const char* base = static_cast<const char*>(state_staging_->data());
+      for (uint64_t j = 0; j < m; ++j) {
+        uint64_t key, version;
+        std::memcpy(&key, base + ob.keys() + j * sizeof(key), sizeof(key));
+        std::memcpy(&version, base + ob.versions() + j * sizeof(version), sizeof(version));
+        if ((version & layout::kRowVersionOccupied) != 0) keys.push_back(static_cast<int64_t>(key));
+      }
+    }
+  }
+  return keys;
+}
+
+}  // namespace shardps::worker
