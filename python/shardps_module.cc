@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -307,6 +308,69 @@ class PyClient {
     });
     return py::make_tuple(steps, has1, has2);
   }
+  // Row tables' state (Client::SetRows / GetRows / TableKeys): float32 host buffers of
+  // len(ids) x dim values.
+  float* RowStateBuffer(const std::string& name, const py::object& obj, size_t n,
+                        const char* what) {
+    auto it = tables_.find(name);
+    if (it == tables_.end()) Raise(shardps::NotFoundError("no row table '" + name + "'"));
+    const Buffer b = Describe(obj, std::string(what) + " of '" + name + "'");
+    int64_t elems = 1;
+    for (int64_t d : b.shape) elems *= d;
+    if (b.dtype != shardps::TensorDType::kFloat32 || b.cuda) {
+      throw py::type_error("'" + name + "': " + what + " is a float32 host buffer");
+    }
+    if (elems != static_cast<int64_t>(n) * it->second.dim) {
+      throw py::value_error("'" + name + "': " + what + " holds " + std::to_string(elems) +
+                            " values, not len(ids) x dim = " +
+                            std::to_string(static_cast<int64_t>(n) * it->second.dim));
+    }
+    return static_cast<float*>(b.data);
+  }
+  void SetRows(const std::string& name, const std::string& part, const py::object& ids,
+               const py::object& values, uint64_t steps) {
+    using P = shardps::Client::StatePart;
+    P p;
+    if (part == "weights") {
+      p = P::kWeights;
+    } else if (part == "state1") {
+      p = P::kState1;
+    } else if (part == "state2") {
+      p = P::kState2;
+    } else {
+      throw py::value_error("a row table's part is 'weights', 'state1' or 'state2'");
+    }
+    const auto [id, n] = DescribeIds(ids);
+    const float* v = RowStateBuffer(name, values, n, "values");
+    Blocking([&](shardps::Client& c) { return c.SetRows(name, p, id, n, v, steps); });
+  }
+  py::tuple GetRows(const std::string& name, const py::object& ids, py::object weights,
+                    py::object state1, py::object state2) {
+    const auto [id, n] = DescribeIds(ids);
+    float* out[3] = {nullptr, nullptr, nullptr};
+    py::object objs[3] = {weights, state1, state2};
+    const char* what[3] = {"weights output", "state1 output", "state2 output"};
+    for (int i = 0; i < 3; ++i) {
+      if (!objs[i].is_none()) out[i] = RowStateBuffer(name, objs[i], n, what[i]);
+    }
+    shardps::Client::RowStateInfo info;
+    Blocking([&](shardps::Client& c) {
+      return c.GetRows(name, id, n, out[0], out[1], out[2], &info);
+    });
+    return py::make_tuple(info.steps, info.has1, info.has2);
+  }
+  py::array_t<int64_t> TableKeys(const std::string& name) {
+    shardps::Client& c = Live();
+    shardps::StatusOr<std::vector<int64_t>> keys = shardps::InternalError("unset");
+    {
+      py::gil_scoped_release nogil;
+      keys = c.TableKeys(name);
+    }
+    if (!keys.ok()) Raise(keys.status());
+    py::array_t<int64_t> out(static_cast<py::ssize_t>(keys->size()));
+    if (!keys->empty()) std::memcpy(out.mutable_data(), keys->data(), keys->size() * sizeof(int64_t));
+    return out;
+  }
   uint64_t RequestCheckpoint(const std::string& dir) {
     shardps::Client& c = Live();
     shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
@@ -547,6 +611,19 @@ PYBIND11_MODULE(_shardps, m) {
            "Reads the servers' float32 master weights and optimizer state of tensor `name` "
            "into the given float32 buffers (None: skipped); returns (steps, has_state1, "
            "has_state2).")
+      .def("set_rows", &PyClient::SetRows, py::arg("name"), py::arg("part"), py::arg("ids"),
+           py::arg("values"), py::arg("steps") = 0,
+           "Sets part ('weights', 'state1', 'state2') of rows `ids` (int64, distinct) of row "
+           "table `name` to `values` (float32, len(ids) x dim), and for a state part the "
+           "table's optimizer step count to `steps` (Client::SetRows).")
+      .def("get_rows", &PyClient::GetRows, py::arg("name"), py::arg("ids"),
+           py::arg("weights") = py::none(), py::arg("state1") = py::none(),
+           py::arg("state2") = py::none(),
+           "Reads rows `ids` of row table `name`: float32 values and optimizer state rows "
+           "into the given buffers (len(ids) x dim; None: skipped); returns (steps, "
+           "has_state1, has_state2) (Client::GetRows).")
+      .def("table_keys", &PyClient::TableKeys, py::arg("name"),
+           "The keys holding a row in hashed row table `name` (int64 numpy array).")
       .def("set_no_gradient", &PyClient::SetNoGradient, py::arg("name"), py::arg("no_gradient"),
            "Marks the next pushes of a tensor as carrying no gradient (a frozen parameter, or "
            "none this step): BSP leaves a chunk whose pushes all carry the mark as it is, "

@@ -216,6 +216,55 @@ int shardps_client_add_row_gradients(shardps_client* c, const char* name, const 
   });
 }
 
+int shardps_client_set_rows(shardps_client* c, const char* name, uint32_t part,
+                            const int64_t* ids, size_t n, const float* values, uint64_t steps,
+                            shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    if (part < 1 || part > 3) {
+      return shardps::InvalidArgumentError("part must be 1 (values), 2 (state 1) or 3 (state 2)");
+    }
+    return c->impl->SetRows(name, static_cast<shardps::Client::StatePart>(part), ids, n, values, steps);
+  });
+}
+
+int shardps_client_get_rows(shardps_client* c, const char* name, const int64_t* ids, size_t n,
+                            float* weights, float* state1, float* state2, uint64_t* steps,
+                            int* has1, int* has2, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    shardps::Client::RowStateInfo info;
+    RETURN_IF_ERROR(c->impl->GetRows(name, ids, n, weights, state1, state2, &info));
+    if (steps != nullptr) *steps = info.steps;
+    if (has1 != nullptr) *has1 = info.has1 ? 1 : 0;
+    if (has2 != nullptr) *has2 = info.has2 ? 1 : 0;
+    return Status::OK();
+  });
+}
+
+int shardps_client_table_keys(shardps_client* c, const char* name, int64_t* keys,
+                              size_t capacity, size_t* count, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    if (count == nullptr) return Null("count");
+    ASSIGN_OR_RETURN(std::vector<int64_t> all, c->impl->TableKeys(name));
+    *count = all.size();
+    if (all.size() > capacity) {
+      return shardps::ResourceExhaustedError("table '" + std::string(name) + "' has " +
+                                    std::to_string(all.size()) + " keys; capacity " +
+                                    std::to_string(capacity));
+    }
+    if (!all.empty()) {
+      if (keys == nullptr) return Null("keys");
+      std::memcpy(keys, all.data(), all.size() * sizeof(int64_t));
+    }
+    return Status::OK();
+  });
+}
+
 int shardps_client_mark_non_finite(shardps_client* c, int non_finite, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));

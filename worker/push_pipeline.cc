@@ -159,8 +159,12 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
     --hs.pending;
     return st;
   }
-  ++pushes_;
-  bytes_pushed_ += chunks_[id].rows.rows_kind() ? c.last_bytes : chunks_[id].bytes;
+  // Training traffic only: a state transfer (SetState, SetRows, GetRows) is not a push of a
+  // gradient.
+  if (op == layout::PushOp::kGradient) {
+    ++pushes_;
+    bytes_pushed_ += chunks_[id].rows.rows_kind() ? c.last_bytes : chunks_[id].bytes;
+  }
   return Status::OK();
 }
 

@@ -69,6 +69,8 @@ _NONFINITE = "shardps.nonfinite_workers"
 
 _TABLE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _TABLE_RULES = ("server", "sgd", "adagrad", "adam")
+# A table's optimizer state rows in DistributedOptimizer.state_dict(), under torch's names.
+_TABLE_STATE_KEYS = {"adagrad": ("sum", None), "adam": ("exp_avg", "exp_avg_sq")}
 
 
 class _PullRows(torch.autograd.Function):
@@ -111,6 +113,8 @@ class _RowTable(torch.nn.Module):
         self.hashed, self.admit_probability = bool(hashed), float(admit_probability)
         self.cache_rows = int(cache_rows)
         self._client = None
+        self._started = False
+        self._pending = None  # a load_state_dict before the client started: (keys, weight)
         self._sent = None
         # Makes the pulled rows part of the autograd graph (the table has no torch parameter).
         self._anchor = torch.zeros(0, requires_grad=True)
@@ -129,6 +133,96 @@ class _RowTable(torch.nn.Module):
                                   admit_probability=self.admit_probability,
                                   cache_rows=self.cache_rows)
         self._client = client
+
+    def started(self):
+        """DistributedOptimizer, after the client started: a table loaded before is set now
+        (load_state_dict), by every worker that loaded it."""
+        self._started = True
+        if self._pending is not None:
+            keys, weight = self._pending
+            self._pending = None
+            self._set_rows(keys, weight)
+
+    # ---- state_dict / load_state_dict: the rows (the optimizer state: DistributedOptimizer's) --
+    # torch's own keys: "weight" (num_embeddings x dim, the table's dtype) for dense ids; a
+    # hashed table also "keys" (int64: the keys holding a row, with "weight" their rows).
+    _BATCH = 1 << 16  # rows per get / set call
+
+    def _all_ids(self):
+        if self.hashed:
+            return torch.from_numpy(self._client.table_keys(self.table_name)).sort().values
+        return torch.arange(self.num_embeddings, dtype=torch.int64)
+
+    def _get_rows(self, ids, state=False):
+        """float32 rows `ids` (and their optimizer state rows): (weight, s1, s2, steps,
+        has1, has2)."""
+        n, d = len(ids), self.embedding_dim
+        w = torch.empty(n, d)
+        s1 = torch.empty(n, d) if state else None
+        s2 = torch.empty(n, d) if state else None
+        steps, has1, has2 = 0, False, False
+        for a in range(0, n, self._BATCH):
+            b = min(n, a + self._BATCH)
+            st, h1, h2 = self._client.get_rows(
+                self.table_name, ids[a:b].contiguous(), w[a:b],
+                None if s1 is None else s1[a:b], None if s2 is None else s2[a:b])
+            steps, has1, has2 = max(steps, st), has1 or h1, has2 or h2
+        return w, s1, s2, steps, has1, has2
+
+    def _set_rows(self, ids, values, part="weights", steps=0):
+        values = values.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        for a in range(0, len(ids), self._BATCH):
+            b = min(len(ids), a + self._BATCH)
+            self._client.set_rows(self.table_name, part, ids[a:b].contiguous(), values[a:b], steps)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._started:
+            ids = self._all_ids()
+            weight = self._get_rows(ids)[0].to(self.dtype)
+        elif self._pending is not None:
+            ids, weight = self._pending
+            weight = weight.to(self.dtype)
+        elif self.hashed:
+            ids = torch.zeros(0, dtype=torch.int64)
+            weight = torch.zeros(0, self.embedding_dim, dtype=self.dtype)
+        else:
+            # Not started yet: the rows the servers will start from (shardps.row_init).
+            from . import row_init
+            ids = None
+            all_ids = torch.arange(self.num_embeddings, dtype=torch.int64).numpy()
+            weight = torch.from_numpy(row_init(self.init, self.init_scale, self.init_seed,
+                                               all_ids, self.embedding_dim)).to(self.dtype)
+        destination[prefix + "weight"] = weight
+        if self.hashed:
+            destination[prefix + "keys"] = ids
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        wkey, kkey = prefix + "weight", prefix + "keys"
+        if wkey not in state_dict or (self.hashed and kkey not in state_dict):
+            missing_keys.extend(k for k in ([wkey, kkey] if self.hashed else [wkey])
+                                if k not in state_dict)
+            return
+        weight = state_dict[wkey]
+        if self.hashed:
+            keys = torch.as_tensor(state_dict[kkey], dtype=torch.int64).reshape(-1)
+            want = (len(keys), self.embedding_dim)
+        else:
+            keys = torch.arange(self.num_embeddings, dtype=torch.int64)
+            want = (self.num_embeddings, self.embedding_dim)
+        if tuple(weight.shape) != want:
+            error_msgs.append(f"size mismatch for {wkey}: copying a param with shape "
+                              f"{tuple(weight.shape)}, the shape in the current model is "
+                              f"{want} (row table '{self.table_name}')")
+            return
+        if self.hashed and len(keys) > self.num_embeddings:
+            error_msgs.append(f"{kkey}: {len(keys)} keys exceed row table "
+                              f"'{self.table_name}''s capacity {self.num_embeddings}")
+            return
+        if self._started:
+            self._set_rows(keys, weight)
+        else:
+            self._pending = (keys, weight.detach().to("cpu", torch.float32).clone())
 
     def rule(self):
         """The wire rule: (kind, lr, momentum, dampening, nesterov, wd, b1, b2, eps, lr_decay,
@@ -362,6 +456,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         client.start()  # rank 0's weights become every worker's
         for m in self._tables:
             m.send_rule()
+            m.started()  # a table loaded before now is set (by each worker that loaded it)
         if self._sync is None:
             client.set_rule(_NONFINITE, "store", 0.0)
         else:
@@ -577,6 +672,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     state[i] = st
         sd["state"] = state
         sd["shardps_master_weights"] = master
+        # Row tables (not torch parameters): their optimizer state rows, under torch's sparse
+        # optimizers' names (Adagrad "sum"; SparseAdam "exp_avg", "exp_avg_sq"), and a hashed
+        # table's keys. Their rows are the model's state_dict.
+        tables = {}
+        for m in self._tables:
+            ids = m._all_ids()
+            _, s1, s2, steps, has1, has2 = m._get_rows(ids, state=True)
+            k1, k2 = _TABLE_STATE_KEYS.get(m.optimizer, ("shardps_state1", "shardps_state2"))
+            entry = {"step": int(steps)}
+            if has1:
+                entry[k1] = s1
+            if has2:
+                entry[k2] = s2
+            if m.hashed:
+                entry["keys"] = ids
+            tables[m.table_name] = entry
+        if tables:
+            sd["shardps_row_tables"] = tables
         return sd
 
     @torch.no_grad()
@@ -620,6 +733,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         fill(lambda i, p, st: st.get(k2))
                         self.client.set_state(name, "state2", steps)
                 g.zero_()
+            for m in self._tables:
+                entry = state_dict.get("shardps_row_tables", {}).get(m.table_name)
+                if entry is None:
+                    continue
+                ids = (torch.as_tensor(entry["keys"], dtype=torch.int64) if m.hashed
+                       else torch.arange(m.num_embeddings, dtype=torch.int64))
+                k1, k2 = _TABLE_STATE_KEYS.get(m.optimizer, ("shardps_state1", "shardps_state2"))
+                for key, part in ((k1, "state1"), (k2, "state2")):
+                    if key in entry:
+                        m._set_rows(ids, entry[key], part, int(entry.get("step", 0)))
         self.state.clear()  # the servers hold it
         # Every worker pulls the weights at its next step; rank 0 already has them.
 

@@ -359,6 +359,30 @@ static void* worker_main(void* p) {
   rc = shardps_client_pull_rows(c, "e", &outside, 1, rows, &err);
   EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "'e'") != NULL,
          "id outside the table: %s %s", shardps_code_name(rc), err.message);
+  /* A row table's state: this worker's own row read as float32 with its state, then row
+   * 10 + rank set and read back (Client::SetRows / GetRows). */
+  {
+    float w[2] = {0, 0};
+    uint64_t steps = 99;
+    int has1 = 7, has2 = 7;
+    rc = shardps_client_get_rows(c, "e", read_ids, 1, w, NULL, NULL, &steps, &has1, &has2, &err);
+    EXPECT(rc == SHARDPS_OK && w[0] == rows[0] && w[1] == rows[1] && has1 == 0 && has2 == 0,
+           "rank %d get rows: %s (%g %g, has %d %d)", a->rank, err.message, w[0], w[1], has1,
+           has2);
+    const int64_t mine = 10 + a->rank;
+    const float set[2] = {a->rank + 0.5f, -0.25f};
+    rc = shardps_client_set_rows(c, "e", 1, &mine, 1, set, 0, &err);
+    EXPECT(rc == SHARDPS_OK, "rank %d set rows: %s", a->rank, err.message);
+    rc = shardps_client_get_rows(c, "e", &mine, 1, w, NULL, NULL, NULL, NULL, NULL, &err);
+    EXPECT(rc == SHARDPS_OK && w[0] == set[0] && w[1] == set[1], "rank %d row set: %g %g",
+           a->rank, w[0], w[1]);
+    rc = shardps_client_set_rows(c, "e", 4, &mine, 1, set, 0, &err);
+    EXPECT(rc == SHARDPS_INVALID_ARGUMENT, "part 4: %s", shardps_code_name(rc));
+    size_t count = 0;
+    rc = shardps_client_table_keys(c, "e", NULL, 0, &count, &err);
+    EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "dense") != NULL,
+           "keys of a dense table: %s %s", shardps_code_name(rc), err.message);
+  }
   uint32_t rank = 99;
   uint64_t clock = 0;
   EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank, "rank %u",

@@ -148,5 +148,129 @@ class EmbeddingTest(unittest.TestCase):
             spt.Embedding(10, 4, optimizer="adamw")
 
 
+@unittest.skipIf(torch is None, "torch is not installed")
+class EmbeddingStateDictTest(unittest.TestCase):
+    """A model with row tables saved with torch.save(model.state_dict()) and
+    opt.state_dict(), loaded into a fresh cluster (the model before or after the optimizer is
+    built), trains on exactly as the run that never stopped: rows, optimizer state rows (lazy
+    Adam's moments and step count, Adagrad's sums) and hashed keys travel."""
+    ROWS, DIM, STEPS = 300, 8, 8
+
+    def make(self, hashed):
+        class M(torch.nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.emb = spt.Embedding(self.ROWS, self.DIM, optimizer="adam", lr=0.05,
+                                      init="uniform", init_scale=0.1, init_seed=3, max_ids=64)
+                s.tags = spt.Embedding(4096 if hashed else self.ROWS, self.DIM,
+                                       optimizer="adagrad", lr=0.1,
+                                       initial_accumulator_value=0.1, hashed=hashed,
+                                       max_ids=64, init="uniform", init_scale=0.1)
+                s.fc = torch.nn.Linear(2 * self.DIM, 1)
+
+            def forward(s, a, t):
+                return s.fc(torch.cat([s.emb(a).sum(1), s.tags(t).mean(1)], 1))
+
+        torch.manual_seed(1)
+        return M()
+
+    def batches(self, hashed):
+        g = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(2 * self.STEPS):
+            a = torch.randint(0, self.ROWS, (16, 3), generator=g)
+            t = torch.randint(0, self.ROWS, (16, 2), generator=g)
+            out.append((a, t * 1000003 - 5 if hashed else t))
+        return out
+
+    def train(self, m, opt, batches):
+        target = torch.linspace(-1, 1, 16).unsqueeze(1)
+        losses = []
+        for a, t in batches:
+            opt.zero_grad()
+            loss = ((m(a, t) - target) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        return losses
+
+    def opt(self, m, cl):
+        return spt.DistributedOptimizer(torch.optim.Adam(m.fc.parameters(), lr=0.01), m,
+                                        coordinator=cl.address, cluster_token=cl.token, rank=0,
+                                        transport="tcp")
+
+    def check(self, hashed, load_model_first):
+        import io
+        batches = self.batches(hashed)
+        with cluster() as cl:  # the run that never stops
+            m = self.make(hashed)
+            opt = self.opt(m, cl)
+            straight = self.train(m, opt, batches)
+            opt.close()
+        with cluster() as cl:  # the first half, saved
+            m = self.make(hashed)
+            opt = self.opt(m, cl)
+            first = self.train(m, opt, batches[:self.STEPS])
+            buf = io.BytesIO()
+            torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, buf)
+            opt.close()
+        self.assertEqual(first, straight[:self.STEPS])
+        buf.seek(0)
+        saved = torch.load(buf)
+        sd = saved["model"]
+        self.assertEqual(tuple(sd["emb.weight"].shape), (self.ROWS, self.DIM))
+        self.assertIn("emb", saved["opt"]["shardps_row_tables"])
+        self.assertEqual(saved["opt"]["shardps_row_tables"]["emb"]["step"], self.STEPS)
+        if hashed:
+            touched = torch.unique(torch.cat([t.reshape(-1) for _, t in batches[:self.STEPS]]))
+            self.assertTrue(torch.equal(sd["tags.keys"], touched), "the keys holding a row")
+        else:
+            # Plain torch takes the rows as they are (export for inference).
+            plain = torch.nn.Embedding(self.ROWS, self.DIM)
+            plain.load_state_dict({"weight": sd["tags.weight"]})
+        with cluster() as cl:  # a fresh cluster, resumed
+            m = self.make(hashed)
+            if load_model_first:
+                m.load_state_dict(sd)  # before the optimizer: set once the client starts
+                opt = self.opt(m, cl)
+            else:
+                opt = self.opt(m, cl)
+                m.load_state_dict(sd)
+            opt.load_state_dict(saved["opt"])
+            second = self.train(m, opt, batches[self.STEPS:])
+            opt.close()
+        self.assertEqual(second, straight[self.STEPS:], "the resumed run trained differently")
+
+    def test_dense_tables_resume_exactly_model_loaded_first(self):
+        self.check(hashed=False, load_model_first=True)
+
+    def test_hashed_table_resumes_exactly_model_loaded_after(self):
+        self.check(hashed=True, load_model_first=False)
+
+    def test_pretrained_rows_and_bad_shapes(self):
+        with cluster() as cl:
+            m = torch.nn.ModuleDict({"emb": spt.Embedding(10, 4, optimizer="sgd", lr=0.1),
+                                     "fc": torch.nn.Linear(4, 1)})
+            before = m.state_dict()["emb.weight"]  # the servers' initial rows, computed here
+            opt = spt.DistributedOptimizer(torch.optim.SGD(m["fc"].parameters(), lr=0.1), m,
+                                           coordinator=cl.address, cluster_token=cl.token,
+                                           rank=0, transport="tcp")
+            self.assertTrue(torch.equal(m["emb"](torch.arange(10)), before))
+            pretrained = torch.arange(40, dtype=torch.float32).reshape(10, 4) / 8
+            m.load_state_dict({"emb.weight": pretrained, "fc.weight": m["fc"].weight,
+                               "fc.bias": m["fc"].bias})
+            self.assertTrue(torch.equal(m["emb"](torch.tensor([7, 2])), pretrained[[7, 2]]))
+            with self.assertRaises(RuntimeError) as e:
+                m.load_state_dict({"emb.weight": torch.zeros(11, 4), "fc.weight": m["fc"].weight,
+                                   "fc.bias": m["fc"].bias})
+            self.assertIn("emb.weight", str(e.exception))
+            self.assertTrue(torch.equal(m["emb"](torch.tensor([7])), pretrained[[7]]))
+            with self.assertRaises(shardps.Error) as e:
+                opt.client.set_rows("emb", "weights", np.array([3, 3], np.int64),
+                                    np.zeros((2, 4), np.float32))
+            self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+            opt.close()
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -154,6 +154,25 @@ SHARDPS_EXPORT int shardps_client_pull_rows(shardps_client* client, const char* 
 SHARDPS_EXPORT int shardps_client_add_row_gradients(shardps_client* client, const char* name,
                                                     const int64_t* ids, size_t n, const void* grads,
                                                     shardps_error* err);
+/* A row table's state (Client::SetRows / GetRows / TableKeys): part 1 the rows' values, 2 and 3
+ * their optimizer state rows (Adagrad's sum or Adam's first moment; Adam's second), with the
+ * table's step count set to `steps`. values: n x dim float32 (16-bit tables: rounded on the
+ * wire); ids distinct. */
+SHARDPS_EXPORT int shardps_client_set_rows(shardps_client* client, const char* name,
+                                           uint32_t part, const int64_t* ids, size_t n,
+                                           const float* values, uint64_t steps,
+                                           shardps_error* err);
+/* Reads rows ids[0, n): float32 values and state rows (n x dim each; any may be NULL);
+ * *steps, *has1, *has2 (may be NULL): the table's step count and whether each state exists. */
+SHARDPS_EXPORT int shardps_client_get_rows(shardps_client* client, const char* name,
+                                           const int64_t* ids, size_t n, float* weights,
+                                           float* state1, float* state2, uint64_t* steps,
+                                           int* has1, int* has2, shardps_error* err);
+/* The keys holding a row in a hashed table: *count receives how many; up to `capacity` of them
+ * are written to keys (SHARDPS_RESOURCE_EXHAUSTED when capacity < *count: call again). */
+SHARDPS_EXPORT int shardps_client_table_keys(shardps_client* client, const char* name,
+                                             int64_t* keys, size_t capacity, size_t* count,
+                                             shardps_error* err);
 SHARDPS_EXPORT int shardps_client_start(shardps_client* client, shardps_error* err);
 /* Client::MarkNonFinite: the next pushes come from a step with non-finite gradients. */
 SHARDPS_EXPORT int shardps_client_mark_non_finite(shardps_client* client, int non_finite,

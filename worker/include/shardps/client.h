@@ -146,7 +146,7 @@ SHARDPS_EXPORT bool IsCudaDeviceMemory(const void* ptr);
 struct ClientCounters {
   uint64_t control_messages_sent = 0;  // excluding periodic heartbeats
   uint64_t heartbeats_sent = 0;
-  uint64_t pushes = 0;        // chunk pushes
+  uint64_t pushes = 0;        // chunk pushes of gradients (state transfers not counted)
   uint64_t pulls = 0;         // chunk pulls (consistent snapshots)
   uint64_t pull_retries = 0;  // torn or not-yet-ready reads that were repeated
   uint64_t bytes_pushed = 0;
