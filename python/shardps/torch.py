@@ -349,6 +349,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not named:
             raise ValueError("no parameters to train")
         name_of = {id(p): n for n, p in named}
+        if isinstance(model_or_named_params, torch.nn.Module):
+            # torch's sparse embeddings train here, but as dense tensors: their whole table is
+            # pushed and pulled every step. Say so, and what to use instead.
+            for mname, m in model_or_named_params.named_modules():
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                    log.warning("shardps: %s '%s' (%d x %d, sparse=True) is trained as a dense "
+                                "tensor: its whole table is pushed and pulled every step. Use "
+                                "shardps.torch.%s for a row table (only the rows a batch "
+                                "touches move; docs/embeddings.md)", type(m).__name__, mname,
+                                m.num_embeddings, m.embedding_dim, type(m).__name__)
         if inner is not None:
             trained = {id(p) for g in inner.param_groups for p in g["params"]}
             missing = [n for n, p in named if id(p) not in trained]

@@ -147,6 +147,33 @@ class EmbeddingTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             spt.Embedding(10, 4, optimizer="adamw")
 
+    def test_a_torch_sparse_embedding_is_named_as_trained_dense(self):
+        """nn.Embedding(sparse=True) trains (as a dense tensor, exactly as torch's SGD would
+        with a dense gradient), and the optimizer says once that its whole table moves every
+        step, naming the module and the row table to use instead."""
+        with cluster() as cl:
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Embedding(50, 4, sparse=True), torch.nn.Linear(4, 1))
+            ref = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 1))
+            ref.load_state_dict(m.state_dict())
+            with self.assertLogs("shardps", level="WARNING") as logs:
+                opt = spt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
+                                               coordinator=cl.address, cluster_token=cl.token,
+                                               rank=0, transport="tcp")
+            self.assertTrue(any("'0'" in r and "sparse=True" in r and
+                                "shardps.torch.Embedding" in r for r in logs.output), logs.output)
+            ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            x = torch.tensor([[1, 2], [3, 1]])
+            for _ in range(3):
+                opt.zero_grad()
+                m(x).sum().backward()
+                opt.step()
+                ropt.zero_grad()
+                ref(x).sum().backward()
+                ropt.step()
+            torch.testing.assert_close(m[0].weight, ref[0].weight)
+            opt.close()
+
 
 @unittest.skipIf(torch is None, "torch is not installed")
 class EmbeddingStateDictTest(unittest.TestCase):
