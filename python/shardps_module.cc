@@ -272,20 +272,18 @@ class PyClient {
   }
   void MarkNonFinite(bool v) { Live().MarkNonFinite(v); }
   void SetNoGradient(const std::string& name, bool v) { Check(Live().SetNoGradient(name, v)); }
-  void SetState(const std::string& name, const std::string& part, uint64_t steps) {
+  // 'weights', 'state1', 'state2' (and 'none' where `none` is allowed) -> the StatePart.
+  static shardps::Client::StatePart ParsePart(const std::string& part, bool none) {
     using P = shardps::Client::StatePart;
-    P p;
-    if (part == "weights") {
-      p = P::kWeights;
-    } else if (part == "state1") {
-      p = P::kState1;
-    } else if (part == "state2") {
-      p = P::kState2;
-    } else if (part == "none") {
-      p = P::kNoState;
-    } else {
-      throw py::value_error("part must be 'weights', 'state1', 'state2' or 'none'");
-    }
+    if (part == "weights") return P::kWeights;
+    if (part == "state1") return P::kState1;
+    if (part == "state2") return P::kState2;
+    if (none && part == "none") return P::kNoState;
+    throw py::value_error(none ? "part must be 'weights', 'state1', 'state2' or 'none'"
+                               : "a row table's part is 'weights', 'state1' or 'state2'");
+  }
+  void SetState(const std::string& name, const std::string& part, uint64_t steps) {
+    const shardps::Client::StatePart p = ParsePart(part, /*none=*/true);
     Blocking([&](shardps::Client& c) { return c.SetState(name, p, steps); });
   }
   // Into float32 buffers (numpy or torch, contiguous) of the tensor's element count, or None.
@@ -329,17 +327,7 @@ class PyClient {
   }
   void SetRows(const std::string& name, const std::string& part, const py::object& ids,
                const py::object& values, uint64_t steps) {
-    using P = shardps::Client::StatePart;
-    P p;
-    if (part == "weights") {
-      p = P::kWeights;
-    } else if (part == "state1") {
-      p = P::kState1;
-    } else if (part == "state2") {
-      p = P::kState2;
-    } else {
-      throw py::value_error("a row table's part is 'weights', 'state1' or 'state2'");
-    }
+    const shardps::Client::StatePart p = ParsePart(part, /*none=*/false);
     const auto [id, n] = DescribeIds(ids);
     const float* v = RowStateBuffer(name, values, n, "values");
     Blocking([&](shardps::Client& c) { return c.SetRows(name, p, id, n, v, steps); });

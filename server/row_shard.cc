@@ -370,18 +370,22 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
       default:  // kSgd (CheckRowRule refused the rest)
         for (uint32_t j = 0; j < dim; ++j) w[j] = w[j] - lr * (scale * gr[j]);
     }
-    if (g_.hashed) {
-      Seal(r, version);  // at once: a later key of this payload may take the same slot
-      continue;
-    }
-    // Dense: sealed in batches (interleaved crcs); the payload's rows are distinct.
-    seal_[sealing++] = r;
-    if (sealing == kSealBatch) {
-      SealDense(seal_, sealing, version);
-      sealing = 0;
-    }
+    SealSoon(r, version, &sealing);
   }
   SealDense(seal_, sealing, version);
+}
+
+void RowShard::SealSoon(uint64_t local, uint64_t version, size_t* sealing) {
+  if (g_.hashed) {
+    Seal(local, version);  // at once: a later key of the same payload may take the same slot
+    return;
+  }
+  // Dense: sealed in batches (interleaved crcs); a payload's rows are distinct.
+  seal_[(*sealing)++] = local;
+  if (*sealing == kSealBatch) {
+    SealDense(seal_, *sealing, version);
+    *sealing = 0;
+  }
 }
 
 void RowShard::Set(layout::PushOp op, const char* payload, uint64_t steps, uint64_t version,
@@ -413,15 +417,7 @@ void RowShard::Set(layout::PushOp op, const char* payload, uint64_t steps, uint6
     std::memcpy(dst, vals + i * dim, dim * sizeof(float));
     // Sealed with the new version even when only its state changed: an incremental
     // checkpoint takes the rows whose version moved, state included.
-    if (g_.hashed) {
-      Seal(r, version);
-      continue;
-    }
-    seal_[sealing++] = r;
-    if (sealing == kSealBatch) {
-      SealDense(seal_, sealing, version);
-      sealing = 0;
-    }
+    SealSoon(r, version, &sealing);
   }
   SealDense(seal_, sealing, version);
 }

@@ -154,6 +154,9 @@ class RowShard {
   // computed together.
   void SealDense(const uint64_t* locals, size_t n, uint64_t version);
   static constexpr size_t kSealBatch = 64;
+  // Apply / Set, per row written: a hashed row is sealed at once, a dense one queued in seal_
+  // (*sealing of them), the batch sealed when full; the caller seals the rest at the end.
+  void SealSoon(uint64_t local, uint64_t version, size_t* sealing);
   uint64_t seal_[kSealBatch];  // Apply: dense rows updated, not yet sealed
 
   char* record(uint64_t local) const { return area_ + local * g_.row_stride(); }

@@ -173,6 +173,10 @@ class ShardServer {
   // state (a new version, replicated) or copies them into the outbox. False: deferred.
   bool HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
                      const layout::PushHeader& h);
+  // A state set's replication record (kSet; its payload to be filled in the record's staging),
+  // the push consumed and counted.
+  ReplRecord SetRecord(uint32_t worker, uint32_t slot, uint32_t parity,
+                       const layout::PushHeader& h, uint64_t bytes);
   // HandleStateOp for a row shard (layout::PushOp on rows: sets, gets, lists).
   bool HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
                         const layout::PushHeader& h);

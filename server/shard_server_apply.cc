@@ -351,7 +351,6 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
     deferred_ops_.push_back(DeferredOp{worker, slot, parity});
     return false;
   }
-  const WorkerState* w = workers_->Find(worker);
   const auto op = static_cast<layout::PushOp>(h.op);
   if (chunks_->is_rows(slot)) return HandleRowStateOp(worker, slot, parity, h);
   if (op == layout::PushOp::kGetState) {
@@ -386,13 +385,7 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
     return true;
   }
   // A set: a new version, replicated like an update (the backup sets the same values).
-  ReplRecord r;
-  r.slot = slot;
-  r.kind = layout::ReplKind::kSet;
-  r.op = op;
-  r.steps = h.op_arg;
-  r.bytes = chunks_->value_bytes(slot);
-  r.payload = stream_->sum_payload(slot, r.bytes);
+  ReplRecord r = SetRecord(worker, slot, parity, h, chunks_->value_bytes(slot));
   float* values = stream_->sum(slot);
   if (op == layout::PushOp::kClearState) {
     std::memset(values, 0, r.bytes);
@@ -401,10 +394,6 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
     chunks_->DecodeGradient(slot, base + layout_->push_data_offset(worker, slot, parity), values,
                             false);
   }
-  r.min_clock_plus1 = chunks_->published_min_clock_plus1(slot);
-  workers_->Consume(worker, slot, h.seq, -1);
-  r.contributors = {Contributor{worker, parity, h.seq, w->incarnation, -1}};
-  stats_.Bump(&ShardServerCounters::state_sets);
   LOG(INFO) << "server rank " << rank_ << ": worker " << worker << " set "
             << (op == layout::PushOp::kSetWeights   ? "the weights"
                 : op == layout::PushOp::kClearState ? "no optimizer state"
@@ -414,10 +403,27 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
   return true;
 }
 
+ReplRecord ShardServer::SetRecord(uint32_t worker, uint32_t slot, uint32_t parity,
+                                  const layout::PushHeader& h, uint64_t bytes) {
+  const WorkerState* w = workers_->Find(worker);
+  ReplRecord r;
+  r.slot = slot;
+  r.kind = layout::ReplKind::kSet;
+  r.op = static_cast<layout::PushOp>(h.op);
+  r.steps = h.op_arg;
+  r.rule = h.rule;  // a row set: Adagrad's initial sum for state it allocates (RowShard::Set)
+  r.bytes = bytes;
+  r.payload = stream_->sum_payload(slot, r.bytes);
+  r.min_clock_plus1 = chunks_->published_min_clock_plus1(slot);
+  workers_->Consume(worker, slot, h.seq, -1);
+  r.contributors = {Contributor{worker, parity, h.seq, w->incarnation, -1}};
+  stats_.Bump(&ShardServerCounters::state_sets);
+  return r;
+}
+
 bool ShardServer::HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
                                    const layout::PushHeader& h) {
   // The op and the payload were checked by HandlePush (its kind, size and ids).
-  const WorkerState* w = workers_->Find(worker);
   const auto op = static_cast<layout::PushOp>(h.op);
   const RowShard& shard = *chunks_->row_shard(slot);
   const uint32_t dim = layout_->rows(slot).dim;
@@ -468,19 +474,8 @@ bool ShardServer::HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t pari
     stats_.Bump(&ShardServerCounters::rejected_pushes);  // checked by HandlePush: not reached
     return true;
   }
-  ReplRecord r;
-  r.slot = slot;
-  r.kind = layout::ReplKind::kSet;
-  r.op = op;
-  r.steps = h.op_arg;
-  r.rule = h.rule;  // Adagrad's initial sum for state it allocates (RowShard::Set)
-  r.bytes = SparsePayloadBytes(acc.size(), dim);
-  r.payload = stream_->sum_payload(slot, r.bytes);
+  ReplRecord r = SetRecord(worker, slot, parity, h, SparsePayloadBytes(acc.size(), dim));
   acc.Emit(reinterpret_cast<char*>(stream_->sum(slot)));
-  r.min_clock_plus1 = chunks_->published_min_clock_plus1(slot);
-  workers_->Consume(worker, slot, h.seq, -1);
-  r.contributors = {Contributor{worker, parity, h.seq, w->incarnation, -1}};
-  stats_.Bump(&ShardServerCounters::state_sets);
   VLOG(1) << "server rank " << rank_ << ": worker " << worker << " set " << acc.size()
           << (op == layout::PushOp::kSetWeights ? " rows" : " rows' optimizer state")
           << " of chunk " << chunks_->chunk_id(slot);
