@@ -44,8 +44,7 @@ ChunkStore::ChunkStore(const Options& options, const layout::ServerLayout& layou
                                           options_.optimizer,
                                           base + layout.buffer_offset(s, 0));
       c.elems = g.rows * g.dim;
-      c.value_bytes = SparsePayloadBytes(
-          std::min<uint64_t>(g.rows, uint64_t{g.max_ids} * layout.max_workers()), g.dim);
+      c.value_bytes = SparsePayloadBytes(MaxSparseRows(g, layout.max_workers()), g.dim);
       c.optimizer = std::make_unique<ChunkOptimizer>(options_.optimizer, 0);
       c.rows->InitRows();
       c.version = 1;

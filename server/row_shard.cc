@@ -198,13 +198,15 @@ void RowShard::ResetState(uint64_t local) {
 }
 
 Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const {
-  RETURN_IF_ERROR(CheckEntries(entries, n));
   const auto* ids = reinterpret_cast<const uint64_t*>(entries);
   const char* rows = entries + n * sizeof(uint64_t);
   std::vector<float> tmp(g_.dim);
   for (uint64_t i = 0; i < n; ++i) {
+    // Each id read once and checked as read: the entries are in a peer-writable inbox, so an
+    // id checked before and read again after could have changed in between.
     uint64_t id;
     std::memcpy(&id, ids + i, sizeof(id));
+    RETURN_IF_ERROR(CheckId(id));
     // hashed: by key (see the top)
     const auto [dst, fresh] = acc.RowForStore(g_.hashed ? id : id / g_.shards);
     const char* src = rows + i * g_.row_value_bytes();
@@ -222,24 +224,28 @@ Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& 
   return Status::OK();
 }
 
+Status RowShard::CheckId(uint64_t id) const {
+  if (g_.hashed) {
+    if (g_.ShardOf(id) != g_.shard) {
+      return InvalidArgumentError("key " + std::to_string(id) + " does not hash to shard " +
+                                  std::to_string(g_.shard) + " of " + std::to_string(g_.shards));
+    }
+    return Status::OK();
+  }
+  if (id >= g_.table_rows || id % g_.shards != g_.shard) {
+    return InvalidArgumentError("row id " + std::to_string(id) + " is not in shard " +
+                                std::to_string(g_.shard) + " of " + std::to_string(g_.shards) +
+                                " of a table of " + std::to_string(g_.table_rows) + " rows");
+  }
+  return Status::OK();
+}
+
 Status RowShard::CheckEntries(const char* entries, uint64_t n) const {
   const auto* ids = reinterpret_cast<const uint64_t*>(entries);
   for (uint64_t i = 0; i < n; ++i) {
     uint64_t id;
     std::memcpy(&id, ids + i, sizeof(id));
-    if (g_.hashed) {
-      if (g_.ShardOf(id) != g_.shard) {
-        return InvalidArgumentError("key " + std::to_string(id) + " does not hash to shard " +
-                                    std::to_string(g_.shard) + " of " +
-                                    std::to_string(g_.shards));
-      }
-      continue;
-    }
-    if (id >= g_.table_rows || id % g_.shards != g_.shard) {
-      return InvalidArgumentError("row id " + std::to_string(id) + " is not in shard " +
-                                  std::to_string(g_.shard) + " of " + std::to_string(g_.shards) +
-                                  " of a table of " + std::to_string(g_.table_rows) + " rows");
-    }
+    RETURN_IF_ERROR(CheckId(id));
   }
   return Status::OK();
 }

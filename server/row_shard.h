@@ -36,6 +36,7 @@
 #ifndef SHARDPS_SERVER_ROW_SHARD_H_
 #define SHARDPS_SERVER_ROW_SHARD_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <unordered_map>
 #include <utility>
@@ -68,6 +69,14 @@ struct HashedRowStats {
 // Bytes of a sparse payload of n rows of `dim` values.
 inline uint64_t SparsePayloadBytes(uint64_t n, uint32_t dim) {
   return sizeof(uint64_t) + n * sizeof(uint64_t) + n * uint64_t{dim} * sizeof(float);
+}
+
+// The most rows a sparse payload of a shard holds: a BSP clock sums up to max_ids distinct ids
+// from each worker; dense ids are also bounded by the shard's rows, hashed keys are not (a
+// shard of few slots may be pushed more distinct keys than it holds).
+inline uint64_t MaxSparseRows(const layout::RowGeometry& g, uint32_t max_workers) {
+  const uint64_t pushed = uint64_t{g.max_ids} * max_workers;
+  return g.hashed ? pushed : std::min<uint64_t>(g.rows, pushed);
 }
 
 // Coalesces sparse gradients: each local row once, rows summed in the order they come.
@@ -106,11 +115,13 @@ class RowShard {
   void InitRows();
 
   // A worker's pushed entries: `n` global ids, then n rows in the table's dtype. Adds them to
-  // `acc` (local rows). INVALID_ARGUMENT (nothing added) for an id not of this shard or a
-  // non-finite-free check failure.
+  // `acc` (local rows), each id checked as it is read. INVALID_ARGUMENT for an id not of this
+  // shard (the entries before it are added: the caller discards `acc` or logs it).
   Status Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const;
-  // The ids of `n` pushed entries: each of this shard and in the table.
+  // The ids of `n` pushed entries: each of this shard and in the table. Callers that use the
+  // ids afterwards check a copy that no peer can write (the inbox is peer-writable).
   Status CheckEntries(const char* entries, uint64_t n) const;
+  Status CheckId(uint64_t id) const;
   // Checks a sparse payload of `bytes` (a replication record's): n consistent with the size,
   // every local row in range.
   Status CheckPayload(const char* payload, uint64_t bytes) const;

@@ -211,9 +211,7 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
                               rs.init_seed(), g.hashed ? rs.admit_probability() : 1.0f};
       // kGetState of max_ids rows (RowOutbox) fits the outbox.
       max_outbox = std::max(max_outbox, layout::RowOutbox{g.max_ids, g.dim}.bytes());
-      max_chunk = std::max(
-          max_chunk, SparsePayloadBytes(std::min<uint64_t>(g.rows, uint64_t{g.max_ids} * a.max_workers()),
-                                        g.dim));
+      max_chunk = std::max(max_chunk, SparsePayloadBytes(MaxSparseRows(g, a.max_workers()), g.dim));
       continue;
     }
     max_chunk = std::max(max_chunk, b / esize * sizeof(float));

@@ -439,15 +439,26 @@ bool ShardServer::HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t pari
     std::atomic_thread_fence(std::memory_order_release);
     uint64_t n;
     std::pair<bool, bool> has{false, false};
+    // What is used is copied out of the inbox and checked in the copy: a peer may rewrite
+    // its inbox at any time, so what HandlePush checked there proves nothing now.
     if (op == layout::PushOp::kGetState) {
       n = h.bytes / sizeof(uint64_t);
-      // The ids are copied out of the inbox first: a peer may rewrite its inbox meanwhile.
       row_ids_.resize(n);
       std::memcpy(row_ids_.data(), data, n * sizeof(uint64_t));
+      if (!shard.CheckEntries(reinterpret_cast<const char*>(row_ids_.data()), n).ok()) {
+        stats_.Bump(&ShardServerCounters::rejected_pushes);
+        return true;
+      }
       has = shard.Read(row_ids_.data(), n, out);
     } else {
       uint64_t range[2];
       std::memcpy(range, data, sizeof(range));
+      const uint64_t slots = shard.geometry().rows;
+      if (range[1] > layout_->rows(slot).max_ids || range[0] > slots ||
+          range[1] > slots - range[0]) {
+        stats_.Bump(&ShardServerCounters::rejected_pushes);
+        return true;
+      }
       n = range[1];
       shard.List(range[0], n, out);
     }
@@ -545,10 +556,17 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
     layout::PushHeader ph;
     std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
     if (rows) {
-      // Each row's sum over the clock's pushes, in worker-rank order (checked when taken).
-      const Status st = chunks_->row_shard(slot)->Accumulate(
-          base + layout_->push_data_offset(k.worker, slot, k.parity),
-          ph.bytes / layout_->rows(slot).entry_bytes(), *acc);
+      // Each row's sum over the clock's pushes, in worker-rank order. The header is read again
+      // here, from the peer-writable inbox: its size is checked again (within the slot's
+      // max_ids) and each id as it is read (Accumulate).
+      const layout::RowGeometry& g = layout_->rows(slot);
+      const uint64_t n = ph.bytes / g.entry_bytes();
+      const Status st =
+          ph.bytes % g.entry_bytes() != 0 || n > g.max_ids
+              ? InvalidArgumentError("worker " + std::to_string(k.worker) +
+                                     "'s row push changed size after it was taken")
+              : chunks_->row_shard(slot)->Accumulate(
+                    base + layout_->push_data_offset(k.worker, slot, k.parity), n, *acc);
       if (!st.ok()) LOG(ERROR) << "server rank " << rank_ << ": " << st.message();
     } else {
       chunks_->DecodeGradient(slot, base + layout_->push_data_offset(k.worker, slot, k.parity),

@@ -929,7 +929,7 @@ Status ClientImpl::GetState(const std::string& name, float* weights, float* stat
     const uint64_t e = c.bytes / (tensors_[c.tensor].dtype == TensorDType::kFloat32 ? 4 : 2);
     most = std::max(most, layout::OutboxBytes(e * sizeof(float)));
   }
-  RETURN_IF_ERROR(EnsureStateStaging(most));
+  RETURN_IF_ERROR(EnsureStateStaging(layout::AlignUp(most) + layout::kAlign));
   bool all1 = !tensor.chunks.empty(), all2 = all1;
   uint64_t most_steps = 0;
   const auto* base = static_cast<const char*>(state_staging_->data());
@@ -942,18 +942,15 @@ Status ClientImpl::GetState(const std::string& name, float* weights, float* stat
     // The server has one outbox: another worker's request may overwrite it between this
     // worker's acknowledgement and its read; the nonce shows it, and the request is repeated.
     bool got = false;
-    for (int attempt = 0; attempt < 200 && !got; ++attempt) {
+    const auto until = std::chrono::steady_clock::now() + options_.wait_timeout;
+    for (int attempt = 0; !got && OutboxRetry(attempt, until); ++attempt) {
       const uint64_t nonce = (static_cast<uint64_t>(rank_) << 48) | ++state_nonce_;
       RETURN_IF_ERROR(push_->PushOpAndAwait(id, layout::PushOp::kGetState, nonce,
                                             [this] { return RecoverOrBreak(); }));
-      const auto deadline = std::chrono::steady_clock::now() + options_.wait_timeout;
-      RETURN_IF_ERROR(sessions_->ReadOutbox(
-          c.server, 0, layout::OutboxBytes(elems * sizeof(float)),
-          {state_staging_.get(), 0, state_staging_->length()}, deadline,
-          [] { return DeadlineExceededError("reading a server's outbox"); }));
-      std::memcpy(&oh, base, sizeof(oh));
-      got = oh.magic == layout::kOutboxMagic && oh.nonce == nonce && oh.worker == rank_ &&
-            oh.chunk_id == id && oh.elems == elems;
+      ASSIGN_OR_RETURN(const bool mine,
+                       ReadOwnOutbox(c.server, layout::OutboxBytes(elems * sizeof(float)), nonce,
+                                     id, &oh));
+      got = mine && oh.elems == elems;
     }
     if (!got) return AbortedError("state of '" + name + "': the servers' outboxes stayed busy");
     if (weights != nullptr) std::memcpy(weights + at, base + layout::kAlign, elems * 4);

@@ -159,6 +159,17 @@ class ClientImpl final : public Client, private CompletionSink {
   uint64_t state_nonce_ = 0;
   // The state staging, at least `bytes` long (grown, never shrunk).
   Status EnsureStateStaging(uint64_t bytes);
+  // Reads a server's answer to this worker's request `nonce` on `chunk` (kGetState,
+  // kListRows): `bytes` of its outbox into the state staging (which must hold AlignUp(bytes) +
+  // kAlign), then the header once more behind them. True when both headers name this request:
+  // the server has one outbox, and another worker's request answered while it was being read
+  // shows in the second (the server clears the magic before it writes an answer).
+  // Whether attempt `attempt` (0, 1, ...) of an outbox request may go, before `until`; from
+  // the second on, after a random pause growing with the attempts (up to ~4 ms): workers
+  // whose requests keep overwriting each other's answers fall out of step.
+  bool OutboxRetry(int attempt, std::chrono::steady_clock::time_point until);
+  StatusOr<bool> ReadOwnOutbox(uint32_t server, uint64_t bytes, uint64_t nonce, uint32_t chunk,
+                               layout::OutboxHeader* header);
   // A row shard's answer to a kGetState / kListRows (RowTables::SetOpPayload set already) of
   // `n` rows, read into the state staging: pushes, reads the outbox, checks the header (the
   // server's single outbox may have answered another request meanwhile: asked again).

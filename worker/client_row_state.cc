@@ -5,12 +5,41 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/half.h"
+#include "common/row_init.h"  // SplitMix64
 #include "worker/client_impl.h"
 
 namespace shardps::worker {
+
+bool ClientImpl::OutboxRetry(int attempt, std::chrono::steady_clock::time_point until) {
+  if (attempt == 0) return true;
+  if (std::chrono::steady_clock::now() >= until) return false;
+  const uint64_t cap_us = uint64_t{16} << std::min(attempt, 8);  // 32 us .. 4 ms
+  const uint64_t r = SplitMix64((uint64_t{rank_} << 32) ^ ++state_nonce_ ^ static_cast<uint64_t>(attempt));
+  std::this_thread::sleep_for(std::chrono::microseconds(r % cap_us));
+  return std::chrono::steady_clock::now() < until;
+}
+
+StatusOr<bool> ClientImpl::ReadOwnOutbox(uint32_t server, uint64_t bytes, uint64_t nonce,
+                                         uint32_t chunk, layout::OutboxHeader* header) {
+  const uint64_t again = layout::AlignUp(bytes);
+  const auto deadline = std::chrono::steady_clock::now() + options_.wait_timeout;
+  auto timeout = [] { return DeadlineExceededError("reading a server's outbox"); };
+  // Two reads on one endpoint, executed in order: the answer, then its header again.
+  RETURN_IF_ERROR(sessions_->ReadOutbox(server, 0, bytes, {state_staging_.get(), 0, bytes},
+                                        deadline, timeout));
+  RETURN_IF_ERROR(sessions_->ReadOutbox(server, 0, sizeof(layout::OutboxHeader),
+                                        {state_staging_.get(), again, sizeof(layout::OutboxHeader)},
+                                        deadline, timeout));
+  const char* base = static_cast<const char*>(state_staging_->data());
+  std::memcpy(header, base, sizeof(*header));
+  return header->magic == layout::kOutboxMagic && header->nonce == nonce &&
+         header->worker == rank_ && header->chunk_id == chunk &&
+         std::memcmp(base, base + again, sizeof(*header)) == 0;
+}
 
 Status ClientImpl::EnsureStateStaging(uint64_t bytes) {
   if (state_staging_ != nullptr && state_staging_->length() >= bytes) return Status::OK();
@@ -60,10 +89,14 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
   const RowTables::Shape s = rows_->shape(t);
   const uint64_t row_bytes = uint64_t{s.dim} * s.elem;
   const auto op = static_cast<layout::PushOp>(part);  // the same numbers
+  rows_->Forget(t, ids, n);  // this worker's cache reads them again
   for (uint32_t k = 0; k < s.shards; ++k) {
     const std::vector<size_t>& mine = by_shard[k];
     const uint32_t chunk = (*s.shard_chunk)[k];
-    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
+    // A state set reaches every shard, one without rows too (an empty push): the step count
+    // is the table's, on every shard.
+    const bool every = part != StatePart::kWeights && mine.empty();
+    for (size_t b = 0; b < mine.size() || (every && b == 0); b += s.max_ids) {
       const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
       // Entries, as a gradient push's: [ids | rows in the table's dtype].
       std::vector<char> payload(m * (sizeof(uint64_t) + row_bytes));
@@ -84,6 +117,45 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
       RETURN_IF_ERROR(push_->PushOpAndAwait(chunk, op, steps, [this] { return RecoverOrBreak(); }));
     }
   }
+  if (!s.hashed || n == 0) return Status::OK();
+  // A hashed key's bucket holds kBucketSlots rows: a load can evict keys it (or an earlier
+  // batch of it) set. Read back which of them hold a row, and say so rather than return OK.
+  uint64_t missing = 0;
+  int64_t example = 0;
+  std::vector<char> request;
+  for (uint32_t k = 0; k < s.shards; ++k) {
+    const std::vector<size_t>& mine = by_shard[k];
+    const uint32_t chunk = (*s.shard_chunk)[k];
+    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
+      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
+      request.resize(m * sizeof(uint64_t));
+      for (size_t j = 0; j < m; ++j) {
+        const uint64_t id = static_cast<uint64_t>(ids[mine[b + j]]);
+        std::memcpy(request.data() + j * sizeof(uint64_t), &id, sizeof(id));
+      }
+      rows_->SetOpPayload(chunk, request);
+      layout::OutboxHeader oh{};
+      RETURN_IF_ERROR(RowOutboxRound(chunk, layout::PushOp::kGetState, m, s.dim, &oh));
+      const layout::RowOutbox ob{m, s.dim};
+      const char* base = static_cast<const char*>(state_staging_->data());
+      for (size_t j = 0; j < m; ++j) {
+        uint64_t version;
+        std::memcpy(&version, base + ob.versions() + j * sizeof(version), sizeof(version));
+        if ((version & layout::kRowVersionOccupied) == 0 && missing++ == 0) {
+          example = ids[mine[b + j]];
+        }
+      }
+    }
+  }
+  if (missing != 0) {
+    return ResourceExhaustedError(
+        "hashed table '" + table + "': " + std::to_string(missing) + " of " +
+        std::to_string(n) + " keys set hold no row (e.g. key " + std::to_string(example) +
+        "): their buckets (" + std::to_string(layout::kBucketSlots) +
+        " rows each) were full and evicted them; the table's capacity " +
+        std::to_string(s.rows) + " over " + std::to_string(s.shards) +
+        " shard(s) is too small for these keys");
+  }
   return Status::OK();
 }
 
@@ -92,19 +164,14 @@ Status ClientImpl::RowOutboxRound(uint32_t chunk, layout::PushOp op, uint64_t n,
   const layout::RowOutbox ob{n, dim};
   const uint64_t bytes = op == layout::PushOp::kGetState ? ob.bytes() : ob.values();
   const uint64_t elems = op == layout::PushOp::kGetState ? n * dim : n;
-  RETURN_IF_ERROR(EnsureStateStaging(bytes));
+  RETURN_IF_ERROR(EnsureStateStaging(layout::AlignUp(bytes) + layout::kAlign));
   const ChunkPlacement& c = chunks_[chunk];
-  for (int attempt = 0; attempt < 200; ++attempt) {
+  const auto until = std::chrono::steady_clock::now() + options_.wait_timeout;
+  for (int attempt = 0; OutboxRetry(attempt, until); ++attempt) {
     const uint64_t nonce = (static_cast<uint64_t>(rank_) << 48) | ++state_nonce_;
     RETURN_IF_ERROR(push_->PushOpAndAwait(chunk, op, nonce, [this] { return RecoverOrBreak(); }));
-    const auto deadline = std::chrono::steady_clock::now() + options_.wait_timeout;
-    RETURN_IF_ERROR(sessions_->ReadOutbox(
-        c.server, 0, bytes, {state_staging_.get(), 0, bytes}, deadline,
-        [] { return DeadlineExceededError("reading a server's outbox"); }));
-    std::memcpy(header, state_staging_->data(), sizeof(*header));
-    if (header->magic == layout::kOutboxMagic && header->nonce == nonce &&
-        header->worker == rank_ && header->chunk_id == chunk && header->elems == elems &&
-        header->state1 <= elems && header->state2 <= elems) {
+    ASSIGN_OR_RETURN(const bool mine, ReadOwnOutbox(c.server, bytes, nonce, chunk, header));
+    if (mine && header->elems == elems && header->state1 <= elems && header->state2 <= elems) {
       return Status::OK();
     }
   }
@@ -203,6 +270,10 @@ StatusOr<std::vector<int64_t>> ClientImpl::TableKeys(const std::string& table) {
       }
     }
   }
+  // Not a snapshot while others train: a key moved within its bucket between two rounds could
+  // be listed twice (docs/embeddings.md). Each key once.
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
   return keys;
 }
 

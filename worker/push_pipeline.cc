@@ -101,6 +101,11 @@ StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status(
 
 Status PushPipeline::PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
                                     const std::function<Status()>& recover) {
+  // The chunk's previous push first: the server acknowledges an op at once, and an
+  // acknowledgement covers every lower sequence number, so an op posted while a gradient push
+  // still waits in the inbox (a BSP clock not complete yet, a version replicating) would let
+  // the op after it overwrite that push's slot, and a failover skip resending it.
+  if (push_[id].seq > 0) RETURN_IF_ERROR(EnsureAcked(id, push_[id].seq, recover));
   const uint64_t h = handles_.Create();
   Status st = PushChunk(id, h, recover, op, arg);
   if (st.ok()) st = EnsureAcked(id, push_[id].seq, recover);

@@ -56,9 +56,10 @@ class PushPipeline {
   // rewrite its gradients before the next Push, which must then copy them again.
   void CancelPrestart();
   void OnCompletion(uint32_t chunk, uint64_t handle, const Status& err);
-  // A state transfer of one chunk (layout::PushOp other than kGradient): pushed like a
-  // gradient (from the tensor's gradient buffer; kGetState's payload is ignored), then awaited
-  // until the server acknowledged it (applied, or answered in its outbox).
+  // A state transfer of one chunk (layout::PushOp other than kGradient): posted once the
+  // chunk's previous push is acknowledged, pushed like a gradient (from the tensor's gradient
+  // buffer, or a row shard's op payload; kGetState's payload is ignored for a dense chunk),
+  // then awaited until the server acknowledged it (applied, or answered in its outbox).
   Status PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
                         const std::function<Status()>& recover);
   // Waits until every chunk's latest push is acknowledged (consumed, hence replicated where

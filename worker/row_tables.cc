@@ -154,6 +154,12 @@ RowTables::Shape RowTables::shape(uint32_t tensor) const {
   return Shape{t.shards, t.dim, t.elem, t.max_ids, t.rows, t.hashed, t.geometry, &t.shard_chunk};
 }
 
+void RowTables::Forget(uint32_t tensor, const int64_t* ids, size_t n) {
+  Table& t = tables_[table_of_tensor_.at(tensor)];
+  if (t.cache.empty()) return;
+  for (size_t i = 0; i < n; ++i) t.cache.erase(ids[i]);  // cache_order is pruned lazily
+}
+
 void RowTables::SetOpPayload(uint32_t chunk, std::vector<char> payload) {
   op_chunk_ = chunk;
   op_payload_ = std::move(payload);
@@ -287,8 +293,9 @@ Status RowTables::Pull(uint32_t tensor, const int64_t* ids, size_t n, void* out,
   std::vector<size_t> miss_at;
   for (size_t i = 0; i < n; ++i) {
     auto it = t.cache.find(ids[i]);
-    if (it != t.cache.end() && it->second.min_clock_plus1 >= required_plus1 &&
-        it->second.min_clock_plus1 > 0) {
+    // (ASP requires nothing: required_plus1 is 0, and a cached row serves until evicted, also
+    // one read from a header that names no min clock.)
+    if (it != t.cache.end() && it->second.min_clock_plus1 >= required_plus1) {
       std::memcpy(dst + i * row_bytes, it->second.row.data(), row_bytes);
       ++cache_hits_;
       cache_staleness_ += step_.clock + 1 - std::min(step_.clock + 1, it->second.min_clock_plus1);

@@ -62,6 +62,8 @@ class RowTables {
     const std::vector<uint32_t>* shard_chunk;  // chunk id of shard k
   };
   Shape shape(uint32_t tensor) const;
+  // Drops ids from the table's row cache (a set by this worker: read them again).
+  void Forget(uint32_t tensor, const int64_t* ids, size_t n);
   void SetOpPayload(uint32_t chunk, std::vector<char> payload);
   // PushPipeline, for a non-gradient push: moves that payload into the push staging of
   // `parity` (whose previous push the server has acknowledged); returns its bytes.

@@ -199,6 +199,10 @@ class _RowTable(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         wkey, kkey = prefix + "weight", prefix + "keys"
+        if strict:
+            mine = (wkey, kkey) if self.hashed else (wkey,)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and
+                                   "." not in k[len(prefix):] and k not in mine)
         if wkey not in state_dict or (self.hashed and kkey not in state_dict):
             missing_keys.extend(k for k in ([wkey, kkey] if self.hashed else [wkey])
                                 if k not in state_dict)

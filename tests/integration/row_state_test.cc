@@ -4,11 +4,13 @@
 // into a fresh one trains on exactly as the original does, bit for bit (weights, optimizer
 // state and step count), for dense and hashed ids, over shards and batches of max_ids.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -16,6 +18,7 @@
 #include "common/row_init.h"
 #include "shardps/client.h"
 #include "tests/integration/in_process_cluster.h"
+#include "wire/region_layout.h"
 
 namespace shardps {
 namespace {
@@ -253,6 +256,224 @@ TEST_P(RowStateTest, HalfPrecisionSetsAreRoundedAndReadBackAsMaster) {
   ASSERT_TRUE(c.PullRows("t", &id, 1, pulled).ok());
   EXPECT_EQ(pulled[1], 0x4040);  // 3.0
   EXPECT_TRUE(c.Close().ok());
+}
+
+// BSP: a worker's gradient push of a clock waits in the server's inbox until every worker
+// pushed that clock. A get of more rows than max_ids (several state ops on one shard) right
+// after the step must not overwrite it: row 0 must move by worker 0's gradient. Before the
+// fix (ops posted without waiting for the previous push's acknowledgement) it stayed 0.
+TEST_P(RowStateTest, StateOpsAfterAStepKeepTheGradientTheClockWaitsFor) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.average = false;
+  Cluster cluster(spec);
+  EmbeddingOptions eo;
+  eo.max_ids = 4;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  UpdateRule sgd;
+  sgd.kind = UpdateRule::Kind::kSgd;
+  sgd.lr = 1.0f;
+  std::atomic<int> phase{0};
+  std::vector<std::vector<float>> row0(2, std::vector<float>(kDim, 99.0f));
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterEmbedding("t", 64, kDim, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      ASSERT_TRUE(cl.SetUpdateRule("t", sgd).ok());
+      const int me = static_cast<int>(cl.rank());
+      const float g[kDim] = {1, 1, 1, 1};
+      const int64_t id = me == 0 ? 0 : 2;
+      if (me == 1) {
+        while (phase.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ASSERT_TRUE(cl.AddRowGradients("t", &id, 1, g).ok());
+      if (me == 0) {
+        // Push (not Step: Step's pull would wait for the clock), then read 16 rows: four gets
+        // per shard, while the push waits for worker 1's.
+        auto h = cl.Push("t");
+        ASSERT_TRUE(h.ok()) << h.status();
+        ASSERT_TRUE(cl.Wait(*h).ok());
+        std::vector<int64_t> ids(16);
+        for (int i = 0; i < 16; ++i) ids[i] = i;
+        std::vector<float> w(16 * kDim);
+        std::thread release([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          phase = 1;  // worker 1 pushes only now: the gets had to wait for the clock
+        });
+        Status st = cl.GetRows("t", ids.data(), ids.size(), w.data(), nullptr, nullptr, nullptr);
+        release.join();
+        EXPECT_TRUE(st.ok()) << st;
+        EXPECT_EQ(w[0], -1.0f) << "the get waited for the clock, so it sees its update";
+        ASSERT_TRUE(cl.Clock().ok());
+      } else {
+        ASSERT_TRUE(cl.Step().ok());
+      }
+      const int64_t first = 0;
+      ASSERT_TRUE(cl.PullRows("t", &first, 1, row0[me].data()).ok());
+      phase.fetch_add(1);
+      while (phase.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(row0[r], std::vector<float>(kDim, -1.0f))
+        << "worker " << r << ": worker 0's gradient of row 0 was lost";
+  }
+}
+
+// The server has one outbox: two workers reading rows at once must each get their own rows
+// (seen before the fix: 48-111 of 600 reads on shm returned the other worker's rows, OK).
+TEST_P(RowStateTest, ConcurrentGetsReturnTheirOwnRows) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 1;
+  spec.mode = control::ASP;
+  Cluster cluster(spec);
+  EmbeddingOptions eo;
+  eo.max_ids = 4096;  // a 1 MiB answer: long reads, which another answer may overwrite
+  eo.init = EmbeddingOptions::Init::kZeros;
+  constexpr int64_t kRows = 8192;
+  constexpr int kD = 64;
+  std::atomic<int> bad{0}, errors{0}, ready{0};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterEmbedding("t", kRows, kD, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      const int me = static_cast<int>(cl.rank());
+      std::vector<int64_t> ids;  // worker 0: even ids, worker 1: odd; row id holds id
+      for (int64_t i = me; i < kRows; i += 2) ids.push_back(i);
+      std::vector<float> v(ids.size() * kD);
+      for (size_t i = 0; i < ids.size(); ++i) std::fill_n(&v[i * kD], kD, float(ids[i]));
+      ASSERT_TRUE(cl.SetRows("t", Client::StatePart::kWeights, ids.data(), ids.size(), v.data(),
+                             0).ok());
+      ready.fetch_add(1);
+      while (ready.load() < 2) std::this_thread::yield();
+      std::vector<float> w(ids.size() * kD);
+      for (int it = 0; it < 100; ++it) {
+        const Status st =
+            cl.GetRows("t", ids.data(), ids.size(), w.data(), nullptr, nullptr, nullptr);
+        if (!st.ok()) {
+          if (errors.fetch_add(1) < 3) ADD_FAILURE() << st;
+          continue;
+        }
+        if (w != v && bad.fetch_add(1) < 2) {
+          size_t k = 0;
+          while (w[k] == v[k]) ++k;
+          ADD_FAILURE() << "worker " << me << ": id " << ids[k / kD] << " read " << w[k];
+        }
+      }
+      ready.fetch_add(1);
+      while (ready.load() < 4) std::this_thread::yield();
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(bad.load(), 0) << "a GetRows returned another request's rows";
+}
+
+// A set drops the rows from this worker's own row cache (ASP serves a cached row until it is
+// evicted): the next pull reads the set value, not the cached one.
+TEST_P(RowStateTest, ASetDropsTheRowsFromTheWorkersCache) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 2;
+  spec.mode = control::ASP;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 4;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  eo.cache_rows = 16;
+  ASSERT_TRUE(cl.RegisterEmbedding("t", 64, kDim, TensorDType::kFloat32, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  const int64_t id = 5;
+  float row[kDim];
+  // Two steps with a gradient of another row: the shard's header then names a min clock,
+  // which a cached row needs.
+  const int64_t other = 9;
+  const float zero[kDim] = {};
+  for (int t = 0; t < 2; ++t) {
+    ASSERT_TRUE(cl.AddRowGradients("t", &other, 1, zero).ok());
+    ASSERT_TRUE(cl.Step().ok());
+  }
+  ASSERT_TRUE(cl.PullRows("t", &id, 1, row).ok());
+  ASSERT_TRUE(cl.PullRows("t", &id, 1, row).ok());
+  ASSERT_EQ(cl.counters().row_cache_hits, 1u)
+      << "the test needs the row cached (misses " << cl.counters().row_cache_misses << ")";
+  const float v[kDim] = {7, 7, 7, 7};
+  ASSERT_TRUE(cl.SetRows("t", Client::StatePart::kWeights, &id, 1, v, 0).ok());
+  ASSERT_TRUE(cl.PullRows("t", &id, 1, row).ok());
+  EXPECT_EQ(row[0], 7.0f) << "the pull served the cached row from before the set";
+  EXPECT_TRUE(cl.Close().ok());
+}
+
+// A hashed load holds what fits: a set whose keys overflow their 4-slot buckets says how many
+// keys hold no row (RESOURCE_EXHAUSTED), rather than OK; one that fits lists every key. A
+// state set reaches every shard: the step count is the table's, also where no row was set.
+TEST_P(RowStateTest, AHashedLoadSaysWhatDidNotFitAndStepsReachEveryShard) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 2;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 64;
+  eo.hashed = true;
+  ASSERT_TRUE(cl.RegisterEmbedding("small", 256, kDim, TensorDType::kFloat32, eo).ok());
+  ASSERT_TRUE(cl.RegisterEmbedding("large", 1 << 14, kDim, TensorDType::kFloat32, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  std::vector<int64_t> keys;
+  for (int i = 0; i < 128; ++i) keys.push_back(i * 7919 + 3);
+  std::vector<float> v(keys.size() * kDim, 1.5f);
+  Status st = cl.SetRows("small", Client::StatePart::kWeights, keys.data(), keys.size(),
+                         v.data(), 0);
+  ASSERT_EQ(st.code(), StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("'small'"), std::string::npos) << st;
+  auto listed = cl.TableKeys("small");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  const std::string held = std::to_string(keys.size() - listed->size()) + " of 128 keys";
+  EXPECT_NE(st.message().find(held), std::string::npos) << st << " (listed " << listed->size() << ")";
+  ASSERT_TRUE(cl.SetRows("large", Client::StatePart::kWeights, keys.data(), keys.size(),
+                         v.data(), 0).ok());
+  listed = cl.TableKeys("large");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::vector<int64_t> sorted = keys;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(*listed, sorted);
+  // State 1 of one key, step count 7: a key of the other shard then reads steps 7 too.
+  const int64_t one = keys[0];
+  int64_t other = 1;
+  while ((layout::RowHash(static_cast<uint64_t>(other)) % 2) ==
+         (layout::RowHash(static_cast<uint64_t>(one)) % 2)) {
+    ++other;
+  }
+  ASSERT_TRUE(cl.SetRows("large", Client::StatePart::kState1, &one, 1, v.data(), 7).ok());
+  Client::RowStateInfo info;
+  float w[kDim], s1[kDim];
+  ASSERT_TRUE(cl.GetRows("large", &other, 1, w, s1, nullptr, &info).ok());
+  EXPECT_EQ(info.steps, 7u) << "the shard without a row set kept step count 0";
+  EXPECT_TRUE(info.has1);
+  EXPECT_EQ(s1[0], 0.0f) << "a row not set keeps a fresh row's state";
+  EXPECT_TRUE(cl.Close().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, RowStateTest, ::testing::Values("tcp", "shm", "verbs"),

@@ -291,6 +291,10 @@ class EmbeddingStateDictTest(unittest.TestCase):
                 m.load_state_dict({"emb.weight": torch.zeros(11, 4), "fc.weight": m["fc"].weight,
                                    "fc.bias": m["fc"].bias})
             self.assertIn("emb.weight", str(e.exception))
+            with self.assertRaises(RuntimeError) as e:  # strict: a stray key of the table
+                m.load_state_dict({"emb.weight": pretrained, "emb.keys": torch.arange(3),
+                                   "fc.weight": m["fc"].weight, "fc.bias": m["fc"].bias})
+            self.assertIn("emb.keys", str(e.exception))
             self.assertTrue(torch.equal(m["emb"](torch.tensor([7])), pretrained[[7]]))
             with self.assertRaises(shardps.Error) as e:
                 opt.client.set_rows("emb", "weights", np.array([3, 3], np.int64),

@@ -357,9 +357,12 @@ class SHARDPS_EXPORT Client {
   // optimizer state rows (Adagrad's sum, Adam's first moment / Adam's second moment), and the
   // table's step count to `steps` (lazy Adam's bias correction). Rows not named keep theirs.
   // A hashed table's keys are given a row (admission bypassed: the load is explicit; a full
-  // bucket evicts as for an update). INVALID_ARGUMENT, nothing set, for an id out of range, an
-  // id given twice, or kNoState. Readers see the new rows as soon as each push is applied: set
-  // a table before training (every worker may set the same rows: the sets are idempotent).
+  // bucket evicts as for an update); the keys are then read back, and RESOURCE_EXHAUSTED names
+  // how many of them hold no row (evicted: the capacity is too small for them; the others are
+  // set). INVALID_ARGUMENT, nothing set, for an id out of range, an id given twice, or
+  // kNoState. A state part reaches every shard (the step count is the table's). Readers see
+  // the new rows as soon as each push is applied: set a table before training (every worker
+  // may set the same rows: the sets are idempotent); this worker's row cache drops them.
   virtual Status SetRows(const std::string& table, StatePart part, const int64_t* ids,
                          size_t n, const float* values, uint64_t steps) = 0;
   struct RowStateInfo {
@@ -373,8 +376,9 @@ class SHARDPS_EXPORT Client {
   // initial value and state). INVALID_ARGUMENT for an id out of range.
   virtual Status GetRows(const std::string& table, const int64_t* ids, size_t n, float* weights,
                          float* state1, float* state2, RowStateInfo* info) = 0;
-  // The keys holding a row in a hashed table, in slot order (with GetRows: a hashed table's
-  // state_dict). INVALID_ARGUMENT for a dense table (every id in [0, rows) holds one).
+  // The keys holding a row in a hashed table, sorted, each once (with GetRows: a hashed
+  // table's state_dict). Read shard by shard, max_ids slots at a time: a snapshot only while no
+  // worker trains. INVALID_ARGUMENT for a dense table (every id in [0, rows) holds one).
   virtual StatusOr<std::vector<int64_t>> TableKeys(const std::string& table) = 0;
 
   virtual uint32_t rank() const = 0;
