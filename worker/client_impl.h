@@ -175,6 +175,10 @@ class ClientImpl final : public Client, private CompletionSink {
   // server's single outbox may have answered another request meanwhile: asked again).
   Status RowOutboxRound(uint32_t chunk, layout::PushOp op, uint64_t n, uint32_t dim,
                         layout::OutboxHeader* header);
+  // One kGetState of rows ids[at[0]], ..., ids[at[m - 1]] of one shard (`chunk`): asked,
+  // answered into the state staging (RowOutbox{m, dim}), each key checked against its id.
+  Status GetRowsRound(const std::string& table, uint32_t chunk, const int64_t* ids,
+                      const size_t* at, size_t m, uint32_t dim, layout::OutboxHeader* header);
   // The table's ids checked (dense: in range) and grouped by shard (indices into ids).
   StatusOr<std::vector<std::vector<size_t>>> RowIdsByShard(uint32_t tensor, const int64_t* ids,
                                                            size_t n) const;

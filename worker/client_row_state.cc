@@ -122,20 +122,13 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
   // batch of it) set. Read back which of them hold a row, and say so rather than return OK.
   uint64_t missing = 0;
   int64_t example = 0;
-  std::vector<char> request;
   for (uint32_t k = 0; k < s.shards; ++k) {
     const std::vector<size_t>& mine = by_shard[k];
     const uint32_t chunk = (*s.shard_chunk)[k];
     for (size_t b = 0; b < mine.size(); b += s.max_ids) {
       const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
-      request.resize(m * sizeof(uint64_t));
-      for (size_t j = 0; j < m; ++j) {
-        const uint64_t id = static_cast<uint64_t>(ids[mine[b + j]]);
-        std::memcpy(request.data() + j * sizeof(uint64_t), &id, sizeof(id));
-      }
-      rows_->SetOpPayload(chunk, request);
       layout::OutboxHeader oh{};
-      RETURN_IF_ERROR(RowOutboxRound(chunk, layout::PushOp::kGetState, m, s.dim, &oh));
+      RETURN_IF_ERROR(GetRowsRound(table, chunk, ids, &mine[b], m, s.dim, &oh));
       const layout::RowOutbox ob{m, s.dim};
       const char* base = static_cast<const char*>(state_staging_->data());
       for (size_t j = 0; j < m; ++j) {
@@ -179,6 +172,28 @@ Status ClientImpl::RowOutboxRound(uint32_t chunk, layout::PushOp op, uint64_t n,
                       "': the servers' outboxes stayed busy");
 }
 
+Status ClientImpl::GetRowsRound(const std::string& table, uint32_t chunk, const int64_t* ids,
+                                const size_t* at, size_t m, uint32_t dim,
+                                layout::OutboxHeader* header) {
+  std::vector<char> request(m * sizeof(uint64_t));
+  for (size_t j = 0; j < m; ++j) {
+    const uint64_t id = static_cast<uint64_t>(ids[at[j]]);
+    std::memcpy(request.data() + j * sizeof(uint64_t), &id, sizeof(id));
+  }
+  rows_->SetOpPayload(chunk, std::move(request));
+  RETURN_IF_ERROR(RowOutboxRound(chunk, layout::PushOp::kGetState, m, dim, header));
+  const layout::RowOutbox ob{m, dim};
+  const char* base = static_cast<const char*>(state_staging_->data());
+  for (size_t j = 0; j < m; ++j) {
+    uint64_t key;
+    std::memcpy(&key, base + ob.keys() + j * sizeof(key), sizeof(key));
+    if (key != static_cast<uint64_t>(ids[at[j]])) {
+      return DataLossError("rows of '" + table + "': the server answered for another id");
+    }
+  }
+  return Status::OK();
+}
+
 Status ClientImpl::GetRows(const std::string& table, const int64_t* ids, size_t n,
                            float* weights, float* state1, float* state2, RowStateInfo* info) {
   RETURN_IF_ERROR(lifecycle_.Require("GetRows()", {ClientState::kRunning}));
@@ -193,29 +208,15 @@ Status ClientImpl::GetRows(const std::string& table, const int64_t* ids, size_t 
   const layout::UpdateRule& rule = tensors_[t].rule;
   const float fresh1 = rule.kind() == layout::RuleKind::kAdagrad ? rule.dampening : 0.0f;
   RowStateInfo out;
-  std::vector<char> payload;
   for (uint32_t k = 0; k < s.shards; ++k) {
     const std::vector<size_t>& mine = by_shard[k];
     const uint32_t chunk = (*s.shard_chunk)[k];
     for (size_t b = 0; b < mine.size(); b += s.max_ids) {
       const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
-      payload.resize(m * sizeof(uint64_t));
-      for (size_t j = 0; j < m; ++j) {
-        const uint64_t id = static_cast<uint64_t>(ids[mine[b + j]]);
-        std::memcpy(payload.data() + j * sizeof(uint64_t), &id, sizeof(id));
-      }
-      rows_->SetOpPayload(chunk, payload);
       layout::OutboxHeader oh{};
-      RETURN_IF_ERROR(RowOutboxRound(chunk, layout::PushOp::kGetState, m, s.dim, &oh));
+      RETURN_IF_ERROR(GetRowsRound(table, chunk, ids, &mine[b], m, s.dim, &oh));
       const layout::RowOutbox ob{m, s.dim};
       const char* base = static_cast<const char*>(state_staging_->data());
-      for (size_t j = 0; j < m; ++j) {
-        uint64_t key;
-        std::memcpy(&key, base + ob.keys() + j * sizeof(key), sizeof(key));
-        if (key != static_cast<uint64_t>(ids[mine[b + j]])) {
-          return DataLossError("rows of '" + table + "': the server answered for another id");
-        }
-      }
       auto copy = [&](float* dst, uint64_t at, bool has, float fresh) {
         if (dst == nullptr) return;
         for (size_t j = 0; j < m; ++j) {
