@@ -373,6 +373,7 @@ Status Aggregator::StepOnce(bool* done) {
   for (uint32_t t = 0; t < layout_.tensors; ++t) {
     uint32_t n = 0;
     bool non_finite = false;
+    bool no_gradient = true;  // every contributor's push carries the mark
     const host::TensorControl* first = nullptr;
     const uint64_t bytes = layout_.tensor_bytes[t];
     const uint32_t dtype = tensors_[t].dtype();
@@ -402,6 +403,7 @@ Status Aggregator::StepOnce(bool* done) {
       }
       if (first == nullptr) first = tc;
       non_finite |= (slot(l)->flags & layout::kPushNonFinite) != 0;
+      no_gradient = no_gradient && tc->no_gradient != 0;
       ++n;
     }
     if (n == 0) continue;  // nobody pushed this tensor at this clock
@@ -418,6 +420,9 @@ Status Aggregator::StepOnce(bool* done) {
       has_rule_[t] = true;
     }
     client_->MarkNonFinite(non_finite);
+    // The host's sum carries no gradient only when none of its learners' pushes did (then the
+    // servers leave the chunk as it is if every host's push is marked, as for flat workers).
+    RETURN_IF_ERROR(client_->SetNoGradient(tensors_[t].name(), no_gradient));
     SetPushWeight(client_.get(), n);
     ASSIGN_OR_RETURN(Handle hd, client_->Push(tensors_[t].name()));
     handles.push_back(hd);

@@ -355,6 +355,7 @@ StatusOr<Handle> HostClient::Push(const std::string& name) {
   tc->lr = x.lr;
   tc->has_rule = x.has_rule ? 1 : 0;
   tc->rule = x.rule;
+  tc->no_gradient = x.no_gradient ? 1 : 0;
   tc->pushed_clock = clock_ + 1;
   ++counters_.pushes;
   counters_.bytes_pushed += x.bytes;
@@ -416,13 +417,10 @@ Status HostClient::Step() {
 }
 
 Status HostClient::SetNoGradient(const std::string& tensor, bool no_gradient) {
-  RETURN_IF_ERROR(TensorIndex(tensor).status());
-  if (no_gradient && !warned_no_gradient_) {
-    LOG(WARNING) << "learner " << local_rank_ << ": SetNoGradient('" << tensor
-                 << "') is not applied through a host aggregator yet: its zeros are summed "
-                    "like a gradient (momentum and weight decay still move it)";
-    warned_no_gradient_ = true;
-  }
+  // The aggregator marks the host's push when every learner's push of the clock carries it
+  // (as a server does for the workers' pushes).
+  ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(tensor));
+  tensors_[t].no_gradient = no_gradient;
   return Status::OK();
 }
 

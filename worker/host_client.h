@@ -87,6 +87,7 @@ class HostClient final : public Client {
     float lr = 0;
     bool has_rule = false;
     UpdateRule rule;
+    bool no_gradient = false;  // SetNoGradient
   };
   struct Pending {
     bool pull = false;
@@ -129,7 +130,6 @@ class HostClient final : public Client {
   uint32_t local_workers_ = 1;
   bool started_ = false;
   bool non_finite_ = false;
-  bool warned_no_gradient_ = false;
   std::string consistency_ = "unknown";
   std::string cluster_transport_;
   ClientCounters counters_;

@@ -80,6 +80,8 @@ struct TensorControl {
   float lr;               // SetLearningRate (0: the servers')
   uint32_t has_rule;      // SetUpdateRule was called
   UpdateRule rule;
+  uint32_t no_gradient;   // SetNoGradient: this gradient is no gradient (zeros, a frozen tensor)
+  uint32_t reserved;
 };
 
 // The layout both sides derive from LocalWelcome (checked by the local worker against the

@@ -16,6 +16,9 @@
 //                                     aggregator takes the host's workers back: the clock in
 //                                     flight is applied exactly 0 or 1 times, as the crash point
 //                                     says, every other clock exactly once.
+//   AFrozenTensorStaysAsItIsThroughTheAggregators  learners' no-gradient marks reach the
+//                                     servers through the aggregators: a frozen tensor under
+//                                     weight decay stays bit for bit as it started.
 //   BalancedLayoutSplitsTheServersToOneElement  the balanced shard layout (Herring's fusion
 //                                     buffers): both servers hold 260 of the 520 floats, and
 //                                     training is still bit for bit.
@@ -187,6 +190,35 @@ TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
           << Tail(aggs[h]);
     }
     EndRun();
+  }
+}
+
+// A frozen tensor (Client::SetNoGradient on every learner: b, under SGD with weight decay 0.5,
+// which moves it unless the update is skipped) stays exactly as it started through the
+// aggregators: each host's summed push carries the mark when all its learners' do, and the
+// servers skip a clock whose pushes all carry it. W trains as the host-ordered sum, bit for bit.
+// Before the aggregator passed the mark on, b decayed by 1 - lr x 0.5 each step.
+TEST_P(HierarchicalTransportTest, AFrozenTensorStaysAsItIsThroughTheAggregators) {
+  ClusterSpec spec = Spec();
+  const int kSteps = 8;
+  std::vector<ChildProcess*> aggs;
+  std::vector<ChildProcess*> workers = StartHosts(
+      spec, {"--model=linreg", "--steps=" + std::to_string(kSteps), "--freeze_b"}, &aggs);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  ChildProcess* standalone =
+      Spawn({PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(kWorkers),
+             "--local_workers=" + std::to_string(kLocal), "--steps=" + std::to_string(kSteps),
+             LrFlag(spec.lr), "--freeze_b", "--out=" + Path("standalone.out")},
+            "standalone.log");
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, Bound()), 0) << Tail(w);
+  for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, Bound()), 0) << Tail(a);
+  auto ref = StandaloneResult(standalone, Bound());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  for (int r = 0; r < kWorkers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r << ": the frozen b moved";
+    EXPECT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r << ": W differs";
   }
 }
 

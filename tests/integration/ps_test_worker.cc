@@ -82,6 +82,10 @@ DEFINE_int32(dim, 64, "linreg: input features");
 DEFINE_int32(outputs, 8, "linreg: outputs");
 DEFINE_int32(embedding_rows, 0,
              "linreg: also train a row table E of this many rows x 4 (0: none); see RowTask");
+DEFINE_bool(freeze_b, false,
+            "--model=linreg: tensor b is frozen (Client::SetNoGradient, zeros pushed) under SGD "
+            "with weight decay 0.5, so only the servers' skip keeps it as it is; standalone "
+            "leaves b at its initial value");
 DEFINE_bool(embedding_load, false,
             "--embedding_rows (dense): every worker sets every row to RowTask::Loaded after "
             "Start (Client::SetRows, a pretrained table); standalone starts from them");
@@ -423,10 +427,10 @@ int RunStandalone() {
     if (FLAGS_optimizer == "momentum") {
       const float mu = static_cast<float>(FLAGS_momentum);
       MomentumApply(&w, &vw, sw, scale, lr, mu);
-      MomentumApply(&b, &vb, sb, scale, lr, mu);
+      if (!FLAGS_freeze_b) MomentumApply(&b, &vb, sb, scale, lr, mu);
     } else {
       SgdApply(&w, sw, scale, lr);
-      SgdApply(&b, sb, scale, lr);
+      if (!FLAGS_freeze_b) SgdApply(&b, sb, scale, lr);
     }
   }
   Result r;
@@ -560,6 +564,16 @@ int RunCluster() {
                    values.data(), 0);
   }
   if (st.ok()) st = refresh();
+  if (st.ok() && linreg && FLAGS_freeze_b) {
+    // A frozen tensor under a rule that would move it anyway (weight decay): only the
+    // no-gradient mark keeps it as it is.
+    shardps::UpdateRule decay;
+    decay.kind = shardps::UpdateRule::Kind::kSgd;
+    decay.lr = static_cast<float>(FLAGS_lr);
+    decay.weight_decay = 0.5f;
+    st = c.SetUpdateRule("b", decay);
+    if (st.ok()) st = c.SetNoGradient("b", true);
+  }
   if (!st.ok()) {
     fprintf(stderr, "ps_test_worker rank %d: setup failed: %s\n", me, st.ToString().c_str());
     return 4;
@@ -595,6 +609,7 @@ int RunCluster() {
     }
     if (linreg) {
       m.Gradient(w, b, m.FirstSample(t, FLAGS_workers, me, FLAGS_batch), FLAGS_batch, &gw, &gb);
+      if (FLAGS_freeze_b) std::fill(gb.begin(), gb.end(), 0.0f);  // no gradient: zeros
     } else if (signature) {
       shardps::testing_util::SignatureCheck::Gradient(me, t, FLAGS_steps, &gw);
       shardps::testing_util::SignatureCheck::Gradient(me, t, FLAGS_steps, &gb);

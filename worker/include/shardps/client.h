@@ -325,8 +325,8 @@ class SHARDPS_EXPORT Client {
   // if any worker's push has a gradient, the marked zeros are summed in (as DDP's unused
   // parameters). ASP/SSP: a marked push changes nothing. A kStore tensor is stored all the
   // same. NOT_FOUND for an unknown tensor; INVALID_ARGUMENT for a row table (its pushes carry
-  // only the rows touched). Hierarchical mode (an aggregator) does not apply the mark yet: its
-  // pushes sum the learners' zeros as before.
+  // only the rows touched). Under a host aggregator (hierarchical mode) the host's summed push
+  // carries the mark when every one of its learners' pushes of the clock does.
   virtual Status SetNoGradient(const std::string& tensor, bool no_gradient) = 0;
 
   // Moving a tensor's state between this trainer and the servers (shardps.torch's
