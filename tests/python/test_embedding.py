@@ -221,12 +221,12 @@ class EmbeddingStateDictTest(unittest.TestCase):
             losses.append(float(loss))
         return losses
 
-    def opt(self, m, cl):
+    def opt(self, m, cl, overlap=False):
         return spt.DistributedOptimizer(torch.optim.Adam(m.fc.parameters(), lr=0.01), m,
                                         coordinator=cl.address, cluster_token=cl.token, rank=0,
-                                        transport="tcp")
+                                        transport="tcp", overlap=overlap)
 
-    def check(self, hashed, load_model_first):
+    def check(self, hashed, load_model_first, overlap=False):
         import io
         batches = self.batches(hashed)
         with cluster() as cl:  # the run that never stops
@@ -236,7 +236,7 @@ class EmbeddingStateDictTest(unittest.TestCase):
             opt.close()
         with cluster() as cl:  # the first half, saved
             m = self.make(hashed)
-            opt = self.opt(m, cl)
+            opt = self.opt(m, cl, overlap)
             first = self.train(m, opt, batches[:self.STEPS])
             buf = io.BytesIO()
             torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, buf)
@@ -259,9 +259,9 @@ class EmbeddingStateDictTest(unittest.TestCase):
             m = self.make(hashed)
             if load_model_first:
                 m.load_state_dict(sd)  # before the optimizer: set once the client starts
-                opt = self.opt(m, cl)
+                opt = self.opt(m, cl, overlap)
             else:
-                opt = self.opt(m, cl)
+                opt = self.opt(m, cl, overlap)
                 m.load_state_dict(sd)
             opt.load_state_dict(saved["opt"])
             second = self.train(m, opt, batches[self.STEPS:])
@@ -273,6 +273,11 @@ class EmbeddingStateDictTest(unittest.TestCase):
 
     def test_hashed_table_resumes_exactly_model_loaded_after(self):
         self.check(hashed=True, load_model_first=False)
+
+    def test_overlapped_steps_save_and_resume_exactly(self):
+        """overlap=True (the dense bucket pushed during backward, the tables at step()):
+        saved right after a step and resumed, against the plain uninterrupted run."""
+        self.check(hashed=False, load_model_first=True, overlap=True)
 
     def test_pretrained_rows_and_bad_shapes(self):
         with cluster() as cl:
