@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -57,7 +58,16 @@ StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(const std::vector<st
     posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
     posix_spawnattr_setpgroup(&attr, 0);
   }
-  const int rc = posix_spawn(&p->pid_, full[0].c_str(), &fa, &attr, args.data(), environ);
+  // Tests read their children's logs (INFO and WARNING lines): a GLOG_minloglevel set for the
+  // run to quiet it must not hide them, so the children log everything into their files.
+  std::vector<char*> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "GLOG_minloglevel=", 17) != 0) env.push_back(*e);
+  }
+  static char kAllLevels[] = "GLOG_minloglevel=0";
+  env.push_back(kAllLevels);
+  env.push_back(nullptr);
+  const int rc = posix_spawn(&p->pid_, full[0].c_str(), &fa, &attr, args.data(), env.data());
   posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) {
