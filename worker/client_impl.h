@@ -25,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -179,6 +180,13 @@ class ClientImpl final : public Client, private CompletionSink {
   // answered into the state staging (RowOutbox{m, dim}), each key checked against its id.
   Status GetRowsRound(const std::string& table, uint32_t chunk, const int64_t* ids,
                       const size_t* at, size_t m, uint32_t dim, layout::OutboxHeader* header);
+  // Every get round of ids grouped by shard (`by_shard`, indices into ids; max_ids a round):
+  // `each(at, m, header, staging)` with the round's m indices and its answer (RowOutbox{m}).
+  using RowsAnswerFn = std::function<void(const size_t* at, size_t m,
+                                          const layout::OutboxHeader& header, const char* base)>;
+  Status ForEachRowsAnswer(const std::string& table, const RowTables::Shape& s,
+                           const std::vector<std::vector<size_t>>& by_shard, const int64_t* ids,
+                           const RowsAnswerFn& each);
   // The table's ids checked (dense: in range) and grouped by shard (indices into ids).
   StatusOr<std::vector<std::vector<size_t>>> RowIdsByShard(uint32_t tensor, const int64_t* ids,
                                                            size_t n) const;

@@ -122,24 +122,16 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
   // batch of it) set. Read back which of them hold a row, and say so rather than return OK.
   uint64_t missing = 0;
   int64_t example = 0;
-  for (uint32_t k = 0; k < s.shards; ++k) {
-    const std::vector<size_t>& mine = by_shard[k];
-    const uint32_t chunk = (*s.shard_chunk)[k];
-    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
-      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
-      layout::OutboxHeader oh{};
-      RETURN_IF_ERROR(GetRowsRound(table, chunk, ids, &mine[b], m, s.dim, &oh));
-      const layout::RowOutbox ob{m, s.dim};
-      const char* base = static_cast<const char*>(state_staging_->data());
-      for (size_t j = 0; j < m; ++j) {
-        uint64_t version;
-        std::memcpy(&version, base + ob.versions() + j * sizeof(version), sizeof(version));
-        if ((version & layout::kRowVersionOccupied) == 0 && missing++ == 0) {
-          example = ids[mine[b + j]];
-        }
-      }
+  RETURN_IF_ERROR(ForEachRowsAnswer(table, s, by_shard, ids,
+                                    [&](const size_t* at, size_t m, const layout::OutboxHeader&,
+                                        const char* base) {
+    const layout::RowOutbox ob{m, s.dim};
+    for (size_t j = 0; j < m; ++j) {
+      uint64_t version;
+      std::memcpy(&version, base + ob.versions() + j * sizeof(version), sizeof(version));
+      if ((version & layout::kRowVersionOccupied) == 0 && missing++ == 0) example = ids[at[j]];
     }
-  }
+  }));
   if (missing != 0) {
     return ResourceExhaustedError(
         "hashed table '" + table + "': " + std::to_string(missing) + " of " +
@@ -194,6 +186,21 @@ Status ClientImpl::GetRowsRound(const std::string& table, uint32_t chunk, const 
   return Status::OK();
 }
 
+Status ClientImpl::ForEachRowsAnswer(const std::string& table, const RowTables::Shape& s,
+                                     const std::vector<std::vector<size_t>>& by_shard,
+                                     const int64_t* ids, const RowsAnswerFn& each) {
+  for (uint32_t k = 0; k < s.shards; ++k) {
+    const std::vector<size_t>& mine = by_shard[k];
+    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
+      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
+      layout::OutboxHeader oh{};
+      RETURN_IF_ERROR(GetRowsRound(table, (*s.shard_chunk)[k], ids, &mine[b], m, s.dim, &oh));
+      each(&mine[b], m, oh, static_cast<const char*>(state_staging_->data()));
+    }
+  }
+  return Status::OK();
+}
+
 Status ClientImpl::GetRows(const std::string& table, const int64_t* ids, size_t n,
                            float* weights, float* state1, float* state2, RowStateInfo* info) {
   RETURN_IF_ERROR(lifecycle_.Require("GetRows()", {ClientState::kRunning}));
@@ -208,34 +215,28 @@ Status ClientImpl::GetRows(const std::string& table, const int64_t* ids, size_t 
   const layout::UpdateRule& rule = tensors_[t].rule;
   const float fresh1 = rule.kind() == layout::RuleKind::kAdagrad ? rule.dampening : 0.0f;
   RowStateInfo out;
-  for (uint32_t k = 0; k < s.shards; ++k) {
-    const std::vector<size_t>& mine = by_shard[k];
-    const uint32_t chunk = (*s.shard_chunk)[k];
-    for (size_t b = 0; b < mine.size(); b += s.max_ids) {
-      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
-      layout::OutboxHeader oh{};
-      RETURN_IF_ERROR(GetRowsRound(table, chunk, ids, &mine[b], m, s.dim, &oh));
-      const layout::RowOutbox ob{m, s.dim};
-      const char* base = static_cast<const char*>(state_staging_->data());
-      auto copy = [&](float* dst, uint64_t at, bool has, float fresh) {
-        if (dst == nullptr) return;
-        for (size_t j = 0; j < m; ++j) {
-          float* row = dst + mine[b + j] * dim;
-          if (has) {
-            std::memcpy(row, base + at + j * dim * sizeof(float), dim * sizeof(float));
-          } else {
-            std::fill_n(row, dim, fresh);
-          }
+  RETURN_IF_ERROR(ForEachRowsAnswer(table, s, by_shard, ids,
+                                    [&](const size_t* at, size_t m, const layout::OutboxHeader& oh,
+                                        const char* base) {
+    const layout::RowOutbox ob{m, s.dim};
+    auto copy = [&](float* dst, uint64_t from, bool has, float fresh) {
+      if (dst == nullptr) return;
+      for (size_t j = 0; j < m; ++j) {
+        float* row = dst + at[j] * dim;
+        if (has) {
+          std::memcpy(row, base + from + j * dim * sizeof(float), dim * sizeof(float));
+        } else {
+          std::fill_n(row, dim, fresh);
         }
-      };
-      copy(weights, ob.values(), true, 0.0f);
-      copy(state1, ob.state1(), oh.state1 != 0, fresh1);
-      copy(state2, ob.state2(), oh.state2 != 0, 0.0f);
-      out.steps = std::max(out.steps, oh.steps);
-      out.has1 = out.has1 || oh.state1 != 0;
-      out.has2 = out.has2 || oh.state2 != 0;
-    }
-  }
+      }
+    };
+    copy(weights, ob.values(), true, 0.0f);
+    copy(state1, ob.state1(), oh.state1 != 0, fresh1);
+    copy(state2, ob.state2(), oh.state2 != 0, 0.0f);
+    out.steps = std::max(out.steps, oh.steps);
+    out.has1 = out.has1 || oh.state1 != 0;
+    out.has2 = out.has2 || oh.state2 != 0;
+  }));
   if (info != nullptr) *info = out;
   return Status::OK();
 }
