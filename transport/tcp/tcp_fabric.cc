@@ -295,12 +295,22 @@ void TcpEngine::Loop() {
   epoll_event evs[64];
   while (!stop_.load(std::memory_order_acquire)) {
     int timeout = -1;
-    if (NowNs() - last_inline_ns_.load(std::memory_order_relaxed) < kParkNs) {
+    // Parked while an application thread polls: woken early only by Unpark/Wake. A timed-out
+    // wait parks again for what is left of kParkNs since the application's last poll, so the
+    // thread never takes events from under a poller that is still polling (it used to check
+    // every 200 us, and each check could take a response the poller was about to receive, on
+    // the core of the process that sent it).
+    for (;;) {
+      const int64_t polled_ago = NowNs() - last_inline_ns_.load(std::memory_order_relaxed);
+      if (polled_ago >= kParkNs) break;
       MutexLock lk(&park_mu_);
-      park_cv_.WaitFor(&park_mu_, std::chrono::nanoseconds(kParkNs),
+      park_cv_.WaitFor(&park_mu_, std::chrono::nanoseconds(kParkNs - polled_ago),
                        [&]() REQUIRES(park_mu_) { return park_wake_; });
-      park_wake_ = false;
-      timeout = 0;
+      if (park_wake_) {
+        park_wake_ = false;
+        timeout = 0;
+        break;
+      }
     }
     {
       MutexLock l(&progress_mu_);

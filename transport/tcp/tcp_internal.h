@@ -8,8 +8,9 @@
 //    be served.
 //  * Progress work runs under the engine's progress mutex. CompletionQueue::Poll/Wait on the
 //    application's thread try to take it and do the work inline (TryProgress); while they keep
-//    doing so the progress thread parks (condition variable, re-checked every 200 us), so on a
-//    2-core machine a spinning poller and the progress thread do not fight over the events.
+//    doing so the progress thread parks (condition variable) until 200 us after their last poll
+//    or an Unpark/Wake, so on a 2-core machine a spinning poller and the progress thread do
+//    not fight over the events.
 //  * The application's polling thread posts (the send is attempted inline, under the
 //    endpoint's send mutex), polls CQs and destroys endpoints/CQs/regions.
 //  * Setup (Connect/Accept/Listen/registration) may run on any thread; it takes the engine's
