@@ -3,6 +3,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/crash_point.h"
+
 namespace shardps::server {
 
 Status CheckRecord(const layout::ReplHeader& h, uint64_t expected_seq, uint64_t fence_epoch,
@@ -97,6 +99,8 @@ Status ReplicaApplier::Apply(uint32_t entry, uint64_t fence_epoch, ChunkStore& c
     chunks.Publish(h.slot, target, h.min_clock_plus1);
     ++expected_;
     consumed_->store(h.seq, std::memory_order_release);
+    // The backup's side of the same point: "@N", the Nth state set's record applied.
+    if (h.kind == static_cast<uint32_t>(layout::ReplKind::kSet)) CrashPoint("server.after_state_set");
     return Status::OK();
   }();
   if (!st.ok()) MarkBroken();

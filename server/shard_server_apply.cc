@@ -607,12 +607,15 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
 
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
   const uint32_t slot = r.slot;
+  const bool set = r.kind == layout::ReplKind::kSet;
   r.version = chunks_->version(slot) + 1;
   pending_[slot] = PendingVersion{buffer, r.min_clock_plus1};
   gate_->BeginVersion(slot, r.contributors);
-  if (stream_->Submit(std::move(r)) == ReplicationStream::Disposition::kPublishNow) {
-    FinishCommit(slot);
-  }
+  const ReplicationStream::Disposition d = stream_->Submit(std::move(r));
+  // "@N": the Nth state set (a loaded table or tensor), applied and its record posted, neither
+  // published nor acknowledged (the worker sends it again to whoever serves next).
+  if (set) CrashPoint("server.after_state_set");
+  if (d == ReplicationStream::Disposition::kPublishNow) FinishCommit(slot);
 }
 
 void ShardServer::FinishCommit(uint32_t slot) {

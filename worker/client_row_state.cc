@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/crash_point.h"
 #include "common/half.h"
 #include "common/row_init.h"  // SplitMix64
 #include "worker/client_impl.h"
@@ -115,6 +116,7 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
       }
       rows_->SetOpPayload(chunk, std::move(payload));
       RETURN_IF_ERROR(push_->PushOpAndAwait(chunk, op, steps, [this] { return RecoverOrBreak(); }));
+      CrashPoint("worker.mid_state_transfer");  // "@N": after the Nth acknowledged set push
     }
   }
   if (!s.hashed || n == 0) return Status::OK();

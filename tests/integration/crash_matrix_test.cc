@@ -44,6 +44,9 @@ struct CrashCase {
   bool kill_primary_first;  // failover points: primary 0 is killed mid-training first
   Outcome outcome;
   bool checkpoints = false;
+  // Workers also train a row table that each loads first (Client::SetRows of all 600 rows,
+  // 16 rows per push: 19 set pushes per shard and worker), so the point falls in a load.
+  bool loads_table = false;
 };
 
 const CrashCase kCases[] = {
@@ -64,6 +67,10 @@ const CrashCase kCases[] = {
     // Training and checkpointing.
     {"server.after_publish@10", Role::kPrimary, false, Outcome::kBitIdentical},
     {"server.after_checkpoint_submit", Role::kPrimary, false, Outcome::kBitIdentical, true},
+    // State transfer: a table being loaded (every worker sets every row before its first step).
+    {"server.after_state_set@20", Role::kPrimary, false, Outcome::kBitIdentical, false, true},
+    {"server.after_state_set@20", Role::kBackup, false, Outcome::kBitIdentical, false, true},
+    {"worker.mid_state_transfer@10", Role::kWorker, false, Outcome::kWorkersAgree, false, true},
     // Failover (primary 0 killed first).
     {"coordinator.after_promote", Role::kCoordinator, true, Outcome::kBitIdentical},
     {"worker.before_resend", Role::kWorker, true, Outcome::kWorkersAgree},
@@ -129,18 +136,23 @@ class CrashMatrixTest : public ProcessTestBase,
     StartServers(spec);
     const int kSteps = 20;
     const std::string delay = Emulated() ? "40" : "15";
+    const std::string rows_flag = "--embedding_rows=600";
+    std::vector<std::string> table;
+    if (c.loads_table) table = {rows_flag, "--embedding_load"};
     std::vector<ChildProcess*> workers;
     for (int r = 0; r < spec.workers; ++r) {
       if (c.role == Role::kWorker && r == kVictimWorker) {
         setenv("SHARDPS_CRASH_POINT", c.point, 1);
       }
-      workers.push_back(SpawnWorker(
-          WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
-          {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
-           "--progress_file=" + Path("progress" + std::to_string(r))}));
+      std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps),
+                                        "--step_delay_ms=" + delay,
+                                        "--progress_file=" + Path("progress" + std::to_string(r))};
+      flags.insert(flags.end(), table.begin(), table.end());
+      workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+                                    flags));
       unsetenv("SHARDPS_CRASH_POINT");
     }
-    ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+    ChildProcess* standalone = SpawnStandalone(spec, kSteps, table);
     // The armed process.
     ChildProcess* victim = c.role == Role::kCoordinator ? first_coordinator
                            : c.role == Role::kWorker    ? workers[kVictimWorker]
@@ -159,9 +171,11 @@ class CrashMatrixTest : public ProcessTestBase,
     }
     ChildProcess* again = nullptr;
     if (c.role == Role::kWorker) {
-      again = SpawnWorker(WorkerArgs(spec, kVictimWorker), "worker-restarted.log",
-                          {"--steps=3", "--step_delay_ms=" + delay,
-                           "--out=" + Path("restarted.out")});
+      // (It trains the table but does not load it again: it rejoins a running job.)
+      std::vector<std::string> flags = {"--steps=3", "--step_delay_ms=" + delay,
+                                        "--out=" + Path("restarted.out")};
+      if (c.loads_table) flags.push_back(rows_flag);
+      again = SpawnWorker(WorkerArgs(spec, kVictimWorker), "worker-restarted.log", flags);
     }
     switch (c.outcome) {
       case Outcome::kBitIdentical:

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -43,9 +44,12 @@ struct OneWorker {
   std::unique_ptr<Client> client;
 };
 OneWorker Start(const std::string& transport, int64_t rows, bool hashed, TensorDType dtype,
-                const UpdateRule& rule) {
+                const UpdateRule& rule, control::ConsistencyMode mode = control::BSP,
+                uint32_t staleness = 0) {
   ClusterSpec spec;
   spec.transport = transport;
+  spec.mode = mode;
+  spec.staleness = staleness;
   spec.workers = 1;
   spec.servers = 2;
   OneWorker w;
@@ -120,8 +124,13 @@ void Load(Client& c, const Saved& s) {
 }
 
 // Save after 5 steps, load into a fresh cluster, 5 more steps on both: equal bit for bit, for
-// lazy Adam (two state buffers and the step count's bias correction) and Adagrad.
-TEST_P(RowStateTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
+// lazy Adam (two state buffers and the step count's bias correction) and Adagrad. The steps'
+// gradients do not depend on the rows read, so with one worker the rows after a step are the
+// same in every mode (its pushes apply in order): under SSP and ASP too, a load must carry
+// exactly the state that the saved table's next steps start from.
+void ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(const std::string& transport,
+                                                    control::ConsistencyMode mode,
+                                                    uint32_t staleness) {
   for (const bool hashed : {false, true}) {
     for (const UpdateRule::Kind kind : {UpdateRule::Kind::kAdam, UpdateRule::Kind::kAdagrad}) {
       SCOPED_TRACE(std::string(hashed ? "hashed " : "dense ") +
@@ -133,7 +142,7 @@ TEST_P(RowStateTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
       // Hashed: a capacity with room for every key (eviction order depends on the rows'
       // recency, which a load does not carry: docs/embeddings.md).
       const int64_t rows = hashed ? 1024 : 100;
-      OneWorker a = Start(GetParam(), rows, hashed, TensorDType::kFloat32, rule);
+      OneWorker a = Start(transport, rows, hashed, TensorDType::kFloat32, rule, mode, staleness);
       ASSERT_NE(a.client, nullptr);
       TrainSteps(*a.client, 0, 5, hashed);
       const Saved saved = Save(*a.client, rows, hashed);
@@ -151,7 +160,7 @@ TEST_P(RowStateTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
         std::sort(listed.begin(), listed.end());
         ASSERT_EQ(listed, touched) << "TableKeys lists exactly the keys holding a row";
       }
-      OneWorker b = Start(GetParam(), rows, hashed, TensorDType::kFloat32, rule);
+      OneWorker b = Start(transport, rows, hashed, TensorDType::kFloat32, rule, mode, staleness);
       ASSERT_NE(b.client, nullptr);
       Load(*b.client, saved);
       // The loaded state reads back as saved.
@@ -175,6 +184,34 @@ TEST_P(RowStateTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
     }
   }
 }
+
+TEST_P(RowStateTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
+  ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(GetParam(), control::BSP, 0);
+}
+
+// The same property under SSP (staleness 2) and ASP, over every transport.
+class RowStateModeTest
+    : public ::testing::TestWithParam<std::tuple<std::string, control::ConsistencyMode>> {
+ protected:
+  void SetUp() override {
+    const std::string why = SkipReason(std::get<0>(GetParam()));
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+TEST_P(RowStateModeTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
+  const control::ConsistencyMode mode = std::get<1>(GetParam());
+  ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(std::get<0>(GetParam()), mode,
+                                                 mode == control::SSP ? 2 : 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, RowStateModeTest,
+    ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                       ::testing::Values(control::SSP, control::ASP)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + (std::get<1>(info.param) == control::SSP ? "_ssp2" : "_asp");
+    });
 
 // A set is of exactly the rows named (others keep their value), in batches over shards; the
 // gradient rows added before it stay pending and are pushed by the next step; rows set twice
