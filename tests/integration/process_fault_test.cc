@@ -209,6 +209,78 @@ TEST_P(ServerKillTest, BspHashedRowTableIsBitIdenticalAfterAServerKill) {
   }
 }
 
+// Exactly once for row tables, in every mode: each worker pushes -1 into its own row (100 +
+// rank) and into a shared row 7 every step (servers sum, lr 1), so a row counts the pushes
+// applied to it. A primary (of group 0, which holds rows 100 and 102) is SIGKILLed mid-run,
+// each worker's own row must end at exactly its number of steps: under BSP, SSP(2) and ASP, the
+// backup holds each row push once (replicated sparse records), and the pushes it lacks are
+// resent from the client's row staging, none twice.
+class RowFailoverModeTest : public ProcessTestBase,
+                            public ::testing::WithParamInterface<std::tuple<std::string, int>> {
+ protected:
+  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+  bool Emulated() const { return std::get<0>(GetParam()) == "verbs"; }
+};
+
+struct RowModeCase {
+  const char* name;
+  const char* consistency;
+  int staleness;
+};
+constexpr RowModeCase kRowModes[] = {{"bsp", "bsp", 0}, {"ssp2", "ssp", 2}, {"asp", "asp", 0}};
+
+TEST_P(RowFailoverModeTest, RowPushesAreAppliedExactlyOnceAcrossAFailover) {
+  const RowModeCase& mode = kRowModes[std::get<1>(GetParam())];
+  const milliseconds bound = Emulated() ? 4 * kProcessBound : kProcessBound;
+  ClusterSpec spec;
+  spec.transport = std::get<0>(GetParam());
+  spec.consistency = mode.consistency;
+  spec.staleness = mode.staleness;
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
+  const int kSteps = 30;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.push_back(SpawnWorker(
+        WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+        {"--model=counter", "--embedding_rows=200", "--steps=" + std::to_string(kSteps),
+         "--staleness=" + std::to_string(mode.staleness),
+         std::string("--max_delay_ms=") + (r == 0 ? "20" : "6"),
+         "--progress_file=" + Path("progress" + std::to_string(r))}));
+  }
+  const int done = WaitProgress(Path("progress1"), kSteps / 3, bound, workers[1]);
+  ASSERT_GE(done, kSteps / 3) << Tail(workers[1]);
+  ASSERT_LT(done, kSteps) << "training ended before the kill";
+  servers_[0]->Kill();  // the primary of group 0
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("steps"), kSteps);
+    EXPECT_EQ(res->Int("row_count"), kSteps)
+        << "worker " << r << "'s row holds " << res->Int("row_count") << " of its " << kSteps
+        << " pushes (log: " << Tail(workers[r]) << ")";
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+    if (std::string(mode.consistency) != "asp") {
+      EXPECT_EQ(res->Int("violations"), 0) << "worker " << r << ": a dense read broke the bound";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, RowFailoverModeTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Range(0, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" +
+                                  kRowModes[std::get<1>(info.param)].name;
+                         });
+
 // Crashes at named points of start-up, training, checkpointing and failover, in every role:
 // tests/integration/crash_matrix_test.cc.
 

@@ -235,6 +235,9 @@ struct Result {
   uint64_t injected_errors = 0;
   uint64_t violations = 0;
   int64_t max_lead = 0;
+  // --model=counter with --embedding_rows: how many of this worker's row pushes its own row
+  // (100 + rank) holds at the end (-1: not measured).
+  int64_t row_count = -1;
   int view_buffer_untouched = -1;  // --weights_view: 1 if the registered buffers kept their values
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
   int64_t sig_max_staleness = 0;
@@ -276,6 +279,7 @@ int WriteResult(const Result& r) {
   kv("start_clock", std::to_string(r.start_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
+  if (r.row_count >= 0) kv("row_count", std::to_string(r.row_count));
   if (r.view_buffer_untouched >= 0) {
     kv("view_buffer_untouched", std::to_string(r.view_buffer_untouched));
   }
@@ -542,7 +546,10 @@ int RunCluster() {
   };
   Status st = c.RegisterTensor("W", wbuf, gw.data(), shape_w);
   if (st.ok()) st = c.RegisterTensor("b", bbuf, gb.data(), {static_cast<int64_t>(nb)});
-  const int erows = linreg ? FLAGS_embedding_rows : 0;
+  // The counter model's row table: each step pushes -1 into row 100 + rank and the shared
+  // row 7 (servers sum, lr 1), so a row counts the pushes applied to it.
+  const bool counter_rows = FLAGS_model == "counter" && FLAGS_embedding_rows > 0;
+  const int erows = linreg || counter_rows ? FLAGS_embedding_rows : 0;
   if (st.ok() && erows > 0) {
     shardps::EmbeddingOptions eo;
     eo.max_ids = 16;
@@ -589,6 +596,16 @@ int RunCluster() {
     }
     if (FLAGS_max_delay_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % FLAGS_max_delay_ms));
+    }
+    if (counter_rows) {
+      const int64_t ids[2] = {100 + me, 7};
+      const std::vector<float> minus(2 * RowTask::kDim, -1.0f);
+      st = c.AddRowGradients("E", ids, 2, minus.data());
+      if (!st.ok()) {
+        fprintf(stderr, "ps_test_worker rank %d: rows of step %d: %s\n", me, t,
+                st.ToString().c_str());
+        return 5;
+      }
     }
     if (linreg && erows > 0) {
       const std::vector<int64_t> ids = RowTask::Ids(t, me, erows);
@@ -650,6 +667,32 @@ int RunCluster() {
       }
     }
     Progress(t + 1);
+  }
+  if (counter_rows) {
+    // Its own row, once every push of its is in (SSP and ASP reads need not hold the last
+    // ones yet: read until they do, bounded), then again a little later: a push applied twice
+    // (a resend after a failover) would overshoot, a lost one never arrive.
+    const int64_t own = 100 + me;
+    std::vector<float> row(RowTask::kDim);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (;;) {
+      st = c.PullRows("E", &own, 1, row.data());
+      if (!st.ok() || row[0] >= static_cast<float>(FLAGS_steps) ||
+          std::chrono::steady_clock::now() > until) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (st.ok()) st = c.PullRows("E", &own, 1, row.data());
+    if (!st.ok()) {
+      fprintf(stderr, "ps_test_worker rank %d: own row: %s\n", me, st.ToString().c_str());
+      return 5;
+    }
+    r.row_count = static_cast<int64_t>(row[0]);
+    for (int j = 1; j < RowTask::kDim; ++j) {
+      if (row[j] != row[0]) r.row_count = -2;  // a torn or mixed row
+    }
   }
   const ClientCounters after = c.counters();
   if (FLAGS_weights_view) r.view_buffer_untouched = (wreg == wreg0 && breg == breg0) ? 1 : 0;
