@@ -16,9 +16,10 @@
 //                                     aggregator takes the host's workers back: the clock in
 //                                     flight is applied exactly 0 or 1 times, as the crash point
 //                                     says, every other clock exactly once.
-//   AFrozenTensorStaysAsItIsThroughTheAggregators  learners' no-gradient marks reach the
-//                                     servers through the aggregators: a frozen tensor under
-//                                     weight decay stays bit for bit as it started.
+//   AFrozenTensorStaysAsItIsInEveryMode  learners' no-gradient marks reach the servers
+//                                     through the aggregators: a frozen tensor under weight
+//                                     decay stays bit for bit as it started, in every mode
+//                                     (and under BSP the rest trains as the host-ordered sum).
 //   BalancedLayoutSplitsTheServersToOneElement  the balanced shard layout (Herring's fusion
 //                                     buffers): both servers hold 260 of the 520 floats, and
 //                                     training is still bit for bit.
@@ -126,6 +127,19 @@ class HierarchicalTest : public ProcessTestBase {
     coordinator_ = nullptr;
   }
 
+  // The one-process reference of kHosts x kLocal learners summed host by host (or, with
+  // --steps=0, the initial weights), writing `out`.
+  ChildProcess* SpawnHostReference(double lr, int steps, const std::vector<std::string>& extra,
+                                   const std::string& out = "standalone") {
+    std::vector<std::string> argv = {PS_TEST_WORKER_BIN, "--standalone",
+                                     "--workers=" + std::to_string(kWorkers),
+                                     "--local_workers=" + std::to_string(kLocal),
+                                     "--steps=" + std::to_string(steps), LrFlag(lr),
+                                     "--out=" + Path(out + ".out")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Spawn(argv, out + ".log");
+  }
+
   int serial_ = 0;
 };
 
@@ -155,12 +169,7 @@ TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
     if (run == 1) flags.push_back("--weights_view");
     std::vector<ChildProcess*> workers = StartHosts(spec, flags, &aggs);
     ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
-    std::vector<std::string> ref_argv = {PS_TEST_WORKER_BIN, "--standalone",
-                                         "--workers=" + std::to_string(kWorkers),
-                                         "--local_workers=" + std::to_string(kLocal),
-                                         "--steps=" + std::to_string(kSteps), LrFlag(spec.lr),
-                                         "--out=" + Path("standalone.out")};
-    ChildProcess* standalone = Spawn(ref_argv, "standalone.log");
+    ChildProcess* standalone = SpawnHostReference(spec.lr, kSteps, {});
     for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, Bound()), 0) << Tail(w);
     for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, Bound()), 0) << Tail(a);
     auto ref = StandaloneResult(standalone, Bound());
@@ -193,35 +202,6 @@ TEST_P(HierarchicalTransportTest, BspIsTheHostOrderedSumBitForBit) {
   }
 }
 
-// A frozen tensor (Client::SetNoGradient on every learner: b, under SGD with weight decay 0.5,
-// which moves it unless the update is skipped) stays exactly as it started through the
-// aggregators: each host's summed push carries the mark when all its learners' do, and the
-// servers skip a clock whose pushes all carry it. W trains as the host-ordered sum, bit for bit.
-// Before the aggregator passed the mark on, b decayed by 1 - lr x 0.5 each step.
-TEST_P(HierarchicalTransportTest, AFrozenTensorStaysAsItIsThroughTheAggregators) {
-  ClusterSpec spec = Spec();
-  const int kSteps = 8;
-  std::vector<ChildProcess*> aggs;
-  std::vector<ChildProcess*> workers = StartHosts(
-      spec, {"--model=linreg", "--steps=" + std::to_string(kSteps), "--freeze_b"}, &aggs);
-  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
-  ChildProcess* standalone =
-      Spawn({PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(kWorkers),
-             "--local_workers=" + std::to_string(kLocal), "--steps=" + std::to_string(kSteps),
-             LrFlag(spec.lr), "--freeze_b", "--out=" + Path("standalone.out")},
-            "standalone.log");
-  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, Bound()), 0) << Tail(w);
-  for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, Bound()), 0) << Tail(a);
-  auto ref = StandaloneResult(standalone, Bound());
-  ASSERT_TRUE(ref.ok()) << ref.status();
-  for (int r = 0; r < kWorkers; ++r) {
-    auto res = Result(r);
-    ASSERT_TRUE(res.ok()) << res.status();
-    EXPECT_EQ(res->tensors["b"], ref->tensors["b"]) << "worker " << r << ": the frozen b moved";
-    EXPECT_EQ(res->tensors["W"], ref->tensors["W"]) << "worker " << r << ": W differs";
-  }
-}
-
 // Balanced fusion buffers (proto/shard_plan.h, ShardLayout::kBalanced) under the same cluster:
 // W (512 floats) and b (8) are one buffer cut into 260 floats per server -- the LPT layout gives
 // 264 and 256 -- and training is still the host-ordered sum bit for bit.
@@ -233,11 +213,7 @@ TEST_P(HierarchicalTransportTest, BalancedLayoutSplitsTheServersToOneElement) {
   std::vector<ChildProcess*> workers =
       StartHosts(spec, {"--model=linreg", "--steps=" + std::to_string(kSteps)}, &aggs);
   ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
-  ChildProcess* standalone =
-      Spawn({PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(kWorkers),
-             "--local_workers=" + std::to_string(kLocal), "--steps=" + std::to_string(kSteps),
-             LrFlag(spec.lr), "--out=" + Path("standalone.out")},
-            "standalone.log");
+  ChildProcess* standalone = SpawnHostReference(spec.lr, kSteps, {});
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, Bound()), 0) << Tail(w);
   EXPECT_TRUE(WaitForLog(coordinator_, "layout balanced, imbalance 1, bytes per server 1040,1040",
                          milliseconds(1000)))
@@ -468,22 +444,32 @@ class HierarchicalModeTest
       public ::testing::WithParamInterface<std::tuple<std::string, int>> {
  protected:
   void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+  std::string transport() const { return std::get<0>(GetParam()); }
+  const ModeCase& mode() const { return kModes[std::get<1>(GetParam())]; }
+  milliseconds ModeBound() const {
+    return Emulated(transport()) ? 4 * kProcessBound : kProcessBound;
+  }
+  // The mode's cluster: 2 servers, whose workers are the hosts' aggregators.
+  ClusterSpec ModeSpec() const {
+    ClusterSpec spec;
+    spec.transport = transport();
+    spec.consistency = mode().consistency;
+    spec.staleness = mode().staleness;
+    spec.servers = 2;
+    spec.workers = kHosts;
+    spec.heartbeat_timeout_ms = Emulated(transport()) ? 6000 : 1500;
+    return spec;
+  }
 };
 
 TEST_P(HierarchicalModeTest, EveryPullHoldsWhatTheModeGuarantees) {
-  const std::string transport = std::get<0>(GetParam());
-  const ModeCase& mode = kModes[std::get<1>(GetParam())];
-  const milliseconds bound = Emulated(transport) ? 4 * kProcessBound : kProcessBound;
-  ClusterSpec spec;
-  spec.transport = transport;
-  spec.consistency = mode.consistency;
-  spec.staleness = mode.staleness;
-  spec.servers = 2;
-  spec.workers = kHosts;
+  const std::string transport = this->transport();
+  const ModeCase& mode = this->mode();
+  const milliseconds bound = ModeBound();
+  ClusterSpec spec = ModeSpec();
   spec.lr = 1.0;
   spec.aggregation = "sum";
   spec.partition_bytes = 128;
-  spec.heartbeat_timeout_ms = Emulated(transport) ? 6000 : 1500;
   const int kSteps = 20;
   std::vector<ChildProcess*> aggs;
   std::vector<ChildProcess*> workers;
@@ -526,32 +512,16 @@ TEST_P(HierarchicalModeTest, EveryPullHoldsWhatTheModeGuarantees) {
 // and staleness the mode lets the pushes have; W trains. (W's bits depend on timing outside
 // BSP, so only b is compared with the one-process reference.)
 TEST_P(HierarchicalModeTest, AFrozenTensorStaysAsItIsInEveryMode) {
-  const std::string transport = std::get<0>(GetParam());
-  const ModeCase& mode = kModes[std::get<1>(GetParam())];
-  const milliseconds bound = Emulated(transport) ? 4 * kProcessBound : kProcessBound;
-  ClusterSpec spec;
-  spec.transport = transport;
-  spec.consistency = mode.consistency;
-  spec.staleness = mode.staleness;
-  spec.servers = 2;
-  spec.workers = kHosts;
-  spec.heartbeat_timeout_ms = Emulated(transport) ? 6000 : 1500;
+  const ModeCase& mode = this->mode();
+  const milliseconds bound = ModeBound();
+  const ClusterSpec spec = ModeSpec();
   const int kSteps = 8;
   std::vector<ChildProcess*> aggs;
   std::vector<ChildProcess*> workers = StartHosts(
       spec, {"--model=linreg", "--steps=" + std::to_string(kSteps), "--freeze_b"}, &aggs);
   ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
-  ChildProcess* standalone =
-      Spawn({PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(kWorkers),
-             "--local_workers=" + std::to_string(kLocal), "--steps=" + std::to_string(kSteps),
-             LrFlag(spec.lr), "--freeze_b", "--out=" + Path("standalone.out")},
-            "standalone.log");
-  // The initial weights (no step).
-  ChildProcess* initial =
-      Spawn({PS_TEST_WORKER_BIN, "--standalone", "--workers=" + std::to_string(kWorkers),
-             "--local_workers=" + std::to_string(kLocal), "--steps=0", LrFlag(spec.lr),
-             "--freeze_b", "--out=" + Path("initial.out")},
-            "initial.log");
+  ChildProcess* standalone = SpawnHostReference(spec.lr, kSteps, {"--freeze_b"});
+  ChildProcess* initial = SpawnHostReference(spec.lr, 0, {"--freeze_b"}, "initial");
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
   for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, bound), 0) << Tail(a);
   auto ref = StandaloneResult(standalone, bound);
