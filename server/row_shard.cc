@@ -197,9 +197,12 @@ void RowShard::ResetState(uint64_t local) {
   if (!s2_.empty()) std::fill_n(s2_.data() + local * g_.dim, g_.dim, 0.0f);
 }
 
-Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const {
+Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc,
+                            bool f32_rows) const {
   const auto* ids = reinterpret_cast<const uint64_t*>(entries);
   const char* rows = entries + n * sizeof(uint64_t);
+  const bool f32 = f32_rows || dtype_ == layout::DType::kF32;
+  const uint64_t row_bytes = f32 ? uint64_t{g_.dim} * sizeof(float) : g_.row_value_bytes();
   std::vector<float> tmp(g_.dim);
   for (uint64_t i = 0; i < n; ++i) {
     // Each id read once and checked as read: the entries are in a peer-writable inbox, so an
@@ -209,10 +212,10 @@ Status RowShard::Accumulate(const char* entries, uint64_t n, SparseAccumulator& 
     RETURN_IF_ERROR(CheckId(id));
     // hashed: by key (see the top)
     const auto [dst, fresh] = acc.RowForStore(g_.hashed ? id : id / g_.shards);
-    const char* src = rows + i * g_.row_value_bytes();
+    const char* src = rows + i * row_bytes;
     float* into = fresh ? dst : tmp.data();  // a row's first addend is stored, not added
-    if (dtype_ == layout::DType::kF32) {
-      std::memcpy(into, src, g_.row_value_bytes());
+    if (f32) {
+      std::memcpy(into, src, row_bytes);
     } else {
       DecodeHalf(static_cast<uint32_t>(dtype_), reinterpret_cast<const uint16_t*>(src), into,
                  g_.dim);

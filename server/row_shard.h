@@ -114,10 +114,12 @@ class RowShard {
   // Every row to its initial value, with version 0.
   void InitRows();
 
-  // A worker's pushed entries: `n` global ids, then n rows in the table's dtype. Adds them to
-  // `acc` (local rows), each id checked as it is read. INVALID_ARGUMENT for an id not of this
-  // shard (the entries before it are added: the caller discards `acc` or logs it).
-  Status Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc) const;
+  // A worker's pushed entries: `n` global ids, then n rows in the table's dtype (float32 with
+  // `f32_rows`: a set with layout::kPushF32Rows). Adds them to `acc` (local rows), each id
+  // checked as it is read. INVALID_ARGUMENT for an id not of this shard (the entries before it
+  // are added: the caller discards `acc` or logs it).
+  Status Accumulate(const char* entries, uint64_t n, SparseAccumulator& acc,
+                    bool f32_rows = false) const;
   // The ids of `n` pushed entries: each of this shard and in the table. Callers that use the
   // ids afterwards check a copy that no peer can write (the inbox is peer-writable).
   Status CheckEntries(const char* entries, uint64_t n) const;

@@ -193,16 +193,25 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     const char* data = base + layout_->push_data_offset(worker, slot, parity);
     // What the payload holds: entries (a gradient, a set), ids (a get), a slot range (a list).
     uint64_t ids_n = 0;
-    switch (static_cast<layout::PushOp>(h.op)) {
+    const bool f32_rows = (h.flags & layout::kPushF32Rows) != 0;
+    const auto op = static_cast<layout::PushOp>(h.op);
+    if (f32_rows && op != layout::PushOp::kSetWeights && op != layout::PushOp::kSetState1 &&
+        op != layout::PushOp::kSetState2) {
+      return reject("float32 rows on a push that is not a row set");
+    }
+    switch (op) {
       case layout::PushOp::kGradient:
       case layout::PushOp::kSetWeights:
       case layout::PushOp::kSetState1:
-      case layout::PushOp::kSetState2:
-        if (h.bytes % g.entry_bytes() != 0 || h.bytes / g.entry_bytes() > g.max_ids) {
+      case layout::PushOp::kSetState2: {
+        // Float32 rows (a 16-bit table's exact set) fill the same slot bytes with fewer entries.
+        const uint64_t entry = g.set_entry_bytes(f32_rows);
+        if (h.bytes % entry != 0 || h.bytes / entry > g.max_set_entries(f32_rows)) {
           return reject("row push size is not a whole number of entries within max_ids");
         }
-        ids_n = h.bytes / g.entry_bytes();
+        ids_n = h.bytes / entry;
         break;
+      }
       case layout::PushOp::kGetState:
         if (h.bytes % sizeof(uint64_t) != 0 || h.bytes / sizeof(uint64_t) > g.max_ids) {
           return reject("row get size is not a whole number of ids within max_ids");
@@ -232,6 +241,9 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
         return true;
       }
     }
+  }
+  if (!rows && (h.flags & layout::kPushF32Rows) != 0) {
+    return reject("float32 rows on a push that is not a row set");
   }
   if ((h.seq & 1) != parity) return reject("parity does not match seq");
   // Clocks move by one per step: 2^40 is beyond any run, and keeps every clock arithmetic of the
@@ -478,10 +490,12 @@ bool ShardServer::HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t pari
     return true;
   }
   // A set of rows: coalesced into a sparse payload (the record's, which the backup applies
-  // alike), a new version.
+  // alike: float32, whatever the rows were on the wire), a new version.
   SparseAccumulator& acc = *row_acc(dim);
   acc.Clear();
-  if (!shard.Accumulate(data, h.bytes / layout_->rows(slot).entry_bytes(), acc).ok()) {
+  const bool f32_rows = (h.flags & layout::kPushF32Rows) != 0;
+  const uint64_t n_set = h.bytes / layout_->rows(slot).set_entry_bytes(f32_rows);
+  if (!shard.Accumulate(data, n_set, acc, f32_rows).ok()) {
     stats_.Bump(&ShardServerCounters::rejected_pushes);  // checked by HandlePush: not reached
     return true;
   }

@@ -182,7 +182,8 @@ static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines")
 // (A 16-bit chunk's state is therefore set at 16-bit precision; a get returns float32.)
 // On a row shard (an embedding's; Client::SetRows / GetRows / TableKeys) the ops name rows:
 //   kSetWeights, kSetState1, kSetState2: the payload is entries as a gradient push's ([ids |
-//     rows in the table's dtype], distinct ids of this shard); those rows' values / state rows
+//     rows in the table's dtype, or float32 with kPushF32Rows], distinct ids of this shard);
+//     those rows' values / state rows
 //     are replaced (a hashed key without a row is given one, admission bypassed: a load is
 //     explicit), and a state set makes op_arg the shard's step count; a new version.
 //   kClearState: refused (a row table's state is set by rows).
@@ -244,6 +245,12 @@ constexpr uint32_t kPushNonFinite = 1;
 // skips a parameter whose .grad is None; otherwise the zeros are summed in. ASP and SSP skip
 // the marked push's update. A kStore rule's value is stored all the same.
 constexpr uint32_t kPushNoGradient = 2;
+// A row set (kSetWeights, kSetState1, kSetState2 on a row shard) whose rows are float32 whatever
+// the table's dtype: a 16-bit table's float32 master rows and state rows, set exactly (a
+// state_dict saved from GetRows, which reads float32, loads back bit for bit). Its entries are
+// [ids | n x dim float32], within the inbox slot's bytes (max_ids entries of the table's
+// dtype). Refused on any other push.
+constexpr uint32_t kPushF32Rows = 4;
 constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
 
 // The 32-bit immediate of a worker's write-with-immediate to a server.
@@ -461,6 +468,14 @@ struct RowGeometry {
   // One pushed entry: its id and its gradient row.
   uint64_t entry_bytes() const { return sizeof(uint64_t) + row_value_bytes(); }
   uint64_t inbox_bytes() const { return uint64_t{max_ids} * entry_bytes(); }
+  // A row set's entry (kPushF32Rows: float32 rows), and how many fit one inbox slot.
+  uint64_t set_entry_bytes(bool f32_rows) const {
+    return f32_rows ? sizeof(uint64_t) + uint64_t{dim} * sizeof(float) : entry_bytes();
+  }
+  uint64_t max_set_entries(bool f32_rows) const {
+    const uint64_t fit = inbox_bytes() / set_entry_bytes(f32_rows);
+    return fit < max_ids ? fit : max_ids;
+  }
   // Where an id lives.
   uint32_t ShardOf(uint64_t id) const {
     return static_cast<uint32_t>((hashed ? RowHash(id) : id) % shards);

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "common/crash_point.h"
-#include "common/half.h"
 #include "common/row_init.h"  // SplitMix64
 #include "worker/client_impl.h"
 
@@ -88,7 +87,12 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
   }
   RETURN_IF_ERROR(MaybeRecover());
   const RowTables::Shape s = rows_->shape(t);
-  const uint64_t row_bytes = uint64_t{s.dim} * s.elem;
+  // A 16-bit table's rows go as float32 (layout::kPushF32Rows): its float32 master and state
+  // rows are set exactly, as GetRows reads them (a state_dict loads back bit for bit); fewer
+  // rows fit one push.
+  const bool f32_rows = s.elem != 4;
+  const uint64_t row_bytes = uint64_t{s.dim} * (f32_rows ? sizeof(float) : s.elem);
+  const size_t per_push = static_cast<size_t>(s.geometry.max_set_entries(f32_rows));
   const auto op = static_cast<layout::PushOp>(part);  // the same numbers
   rows_->Forget(t, ids, n);  // this worker's cache reads them again
   for (uint32_t k = 0; k < s.shards; ++k) {
@@ -97,24 +101,18 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
     // A state set reaches every shard, one without rows too (an empty push): the step count
     // is the table's, on every shard.
     const bool every = part != StatePart::kWeights && mine.empty();
-    for (size_t b = 0; b < mine.size() || (every && b == 0); b += s.max_ids) {
-      const size_t m = std::min<size_t>(s.max_ids, mine.size() - b);
-      // Entries, as a gradient push's: [ids | rows in the table's dtype].
+    for (size_t b = 0; b < mine.size() || (every && b == 0); b += per_push) {
+      const size_t m = std::min<size_t>(per_push, mine.size() - b);
+      // Entries, as a gradient push's: [ids | float32 rows].
       std::vector<char> payload(m * (sizeof(uint64_t) + row_bytes));
       char* rows = payload.data() + m * sizeof(uint64_t);
       for (size_t j = 0; j < m; ++j) {
         const size_t i = mine[b + j];
         const uint64_t id = static_cast<uint64_t>(ids[i]);
         std::memcpy(payload.data() + j * sizeof(uint64_t), &id, sizeof(id));
-        const float* src = values + i * uint64_t{s.dim};
-        if (s.elem == 4) {
-          std::memcpy(rows + j * row_bytes, src, row_bytes);
-        } else {
-          EncodeHalf(static_cast<uint32_t>(tensors_[t].dtype), src,
-                     reinterpret_cast<uint16_t*>(rows + j * row_bytes), s.dim);
-        }
+        std::memcpy(rows + j * row_bytes, values + i * uint64_t{s.dim}, row_bytes);
       }
-      rows_->SetOpPayload(chunk, std::move(payload));
+      rows_->SetOpPayload(chunk, std::move(payload), f32_rows);
       RETURN_IF_ERROR(push_->PushOpAndAwait(chunk, op, steps, [this] { return RecoverOrBreak(); }));
       CrashPoint("worker.mid_state_transfer");  // "@N": after the Nth acknowledged set push
     }

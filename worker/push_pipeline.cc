@@ -142,6 +142,9 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.last_rule = tensors_[chunks_[id].tensor].rule;
   c.last_flags = (step_.non_finite ? layout::kPushNonFinite : 0) |
                  (tensors_[chunks_[id].tensor].no_gradient ? layout::kPushNoGradient : 0);
+  if (op != layout::PushOp::kGradient && chunks_[id].rows.rows_kind()) {
+    c.last_flags |= rows_->OpFlags(id);  // a row set's float32 rows
+  }
   c.last_weight = step_.weight;
   c.last_op = op;
   c.last_arg = arg;

@@ -160,9 +160,10 @@ void RowTables::Forget(uint32_t tensor, const int64_t* ids, size_t n) {
   for (size_t i = 0; i < n; ++i) t.cache.erase(ids[i]);  // cache_order is pruned lazily
 }
 
-void RowTables::SetOpPayload(uint32_t chunk, std::vector<char> payload) {
+void RowTables::SetOpPayload(uint32_t chunk, std::vector<char> payload, bool f32_rows) {
   op_chunk_ = chunk;
   op_payload_ = std::move(payload);
+  op_f32_rows_ = f32_rows;
 }
 
 uint64_t RowTables::StageOp(uint32_t chunk, uint32_t parity) {

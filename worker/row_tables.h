@@ -64,10 +64,16 @@ class RowTables {
   Shape shape(uint32_t tensor) const;
   // Drops ids from the table's row cache (a set by this worker: read them again).
   void Forget(uint32_t tensor, const int64_t* ids, size_t n);
-  void SetOpPayload(uint32_t chunk, std::vector<char> payload);
+  // The payload of the next state transfer on `chunk`; `f32_rows`: a set whose rows are float32
+  // (layout::kPushF32Rows: a 16-bit table's exact set).
+  void SetOpPayload(uint32_t chunk, std::vector<char> payload, bool f32_rows = false);
   // PushPipeline, for a non-gradient push: moves that payload into the push staging of
   // `parity` (whose previous push the server has acknowledged); returns its bytes.
   uint64_t StageOp(uint32_t chunk, uint32_t parity);
+  // The push flags of that payload (kPushF32Rows or 0).
+  uint32_t OpFlags(uint32_t chunk) const {
+    return chunk == op_chunk_ && op_f32_rows_ ? layout::kPushF32Rows : 0;
+  }
 
   // Client::PullRows. `required_plus1`: the min clock (+1) the rows must include.
   // `recover` repairs a failed session (reconnect or failover) or says why not.
@@ -156,6 +162,7 @@ class RowTables {
   std::unordered_map<uint32_t, uint32_t> table_of_tensor_;
   std::vector<char> op_payload_;  // SetOpPayload's, for op_chunk_
   uint32_t op_chunk_ = ~0u;
+  bool op_f32_rows_ = false;
   std::vector<std::pair<uint32_t, uint32_t>> shard_of_chunk_;  // (table, shard); table ~0u: dense
   // The pull in flight: its round, its lists, those completed (in completion order), how many,
   // and whether one failed.

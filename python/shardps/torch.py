@@ -688,13 +688,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd["shardps_master_weights"] = master
         # Row tables (not torch parameters): their optimizer state rows, under torch's sparse
         # optimizers' names (Adagrad "sum"; SparseAdam "exp_avg", "exp_avg_sq"), and a hashed
-        # table's keys. Their rows are the model's state_dict.
+        # table's keys. Their rows are the model's state_dict; a 16-bit table's float32 master
+        # rows also travel here, under "shardps_master" (as a dense model's
+        # "shardps_master_weights"), so that it resumes bit for bit.
         tables = {}
         for m in self._tables:
             ids = m._all_ids()
-            _, s1, s2, steps, has1, has2 = m._get_rows(ids, state=True)
+            w, s1, s2, steps, has1, has2 = m._get_rows(ids, state=True)
             k1, k2 = _TABLE_STATE_KEYS.get(m.optimizer, ("shardps_state1", "shardps_state2"))
             entry = {"step": int(steps)}
+            if m.dtype in (torch.float16, torch.bfloat16):
+                entry["shardps_master"] = w
             if has1:
                 entry[k1] = s1
             if has2:
@@ -754,6 +758,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 ids = (torch.as_tensor(entry["keys"], dtype=torch.int64) if m.hashed
                        else torch.arange(m.num_embeddings, dtype=torch.int64))
                 k1, k2 = _TABLE_STATE_KEYS.get(m.optimizer, ("shardps_state1", "shardps_state2"))
+                if "shardps_master" in entry:
+                    # After the model's load (torch's order), which set the 16-bit rows.
+                    m._set_rows(ids, entry["shardps_master"], "weights")
                 for key, part in ((k1, "state1"), (k2, "state2")):
                     if key in entry:
                         m._set_rows(ids, entry[key], part, int(entry.get("step", 0)))

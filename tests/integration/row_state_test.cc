@@ -78,12 +78,27 @@ std::vector<int64_t> StepIds(int t, bool hashed) {
   ids.push_back(ids[0]);
   return ids;
 }
-void TrainSteps(Client& c, int from, int to, bool hashed) {
+// bfloat16 of a finite float, rounded to nearest even (a 16-bit table's gradients are of its
+// dtype).
+uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+void TrainSteps(Client& c, int from, int to, bool hashed,
+                TensorDType dtype = TensorDType::kFloat32) {
   for (int t = from; t < to; ++t) {
     const std::vector<int64_t> ids = StepIds(t, hashed);
     std::vector<float> g(ids.size() * kDim);
     for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>((i * 5 + t) % 7) * 0.25f - 0.7f;
-    ASSERT_TRUE(c.AddRowGradients("t", ids.data(), ids.size(), g.data()).ok());
+    if (dtype == TensorDType::kBFloat16) {
+      std::vector<uint16_t> g16(g.size());
+      for (size_t i = 0; i < g.size(); ++i) g16[i] = ToBf16(g[i]);
+      ASSERT_TRUE(c.AddRowGradients("t", ids.data(), ids.size(), g16.data()).ok());
+    } else {
+      ASSERT_TRUE(c.AddRowGradients("t", ids.data(), ids.size(), g.data()).ok());
+    }
     ASSERT_TRUE(c.Step().ok());
   }
 }
@@ -130,7 +145,8 @@ void Load(Client& c, const Saved& s) {
 // exactly the state that the saved table's next steps start from.
 void ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(const std::string& transport,
                                                     control::ConsistencyMode mode,
-                                                    uint32_t staleness) {
+                                                    uint32_t staleness,
+                                                    TensorDType dtype = TensorDType::kFloat32) {
   for (const bool hashed : {false, true}) {
     for (const UpdateRule::Kind kind : {UpdateRule::Kind::kAdam, UpdateRule::Kind::kAdagrad}) {
       SCOPED_TRACE(std::string(hashed ? "hashed " : "dense ") +
@@ -142,9 +158,9 @@ void ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(const std::string& transport
       // Hashed: a capacity with room for every key (eviction order depends on the rows'
       // recency, which a load does not carry: docs/embeddings.md).
       const int64_t rows = hashed ? 1024 : 100;
-      OneWorker a = Start(transport, rows, hashed, TensorDType::kFloat32, rule, mode, staleness);
+      OneWorker a = Start(transport, rows, hashed, dtype, rule, mode, staleness);
       ASSERT_NE(a.client, nullptr);
-      TrainSteps(*a.client, 0, 5, hashed);
+      TrainSteps(*a.client, 0, 5, hashed, dtype);
       const Saved saved = Save(*a.client, rows, hashed);
       ASSERT_EQ(saved.info.steps, 5u) << "each shard steps once per clock";
       ASSERT_TRUE(saved.info.has1);
@@ -160,22 +176,32 @@ void ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(const std::string& transport
         std::sort(listed.begin(), listed.end());
         ASSERT_EQ(listed, touched) << "TableKeys lists exactly the keys holding a row";
       }
-      OneWorker b = Start(transport, rows, hashed, TensorDType::kFloat32, rule, mode, staleness);
+      OneWorker b = Start(transport, rows, hashed, dtype, rule, mode, staleness);
       ASSERT_NE(b.client, nullptr);
       Load(*b.client, saved);
       // The loaded state reads back as saved.
       const Saved again = Save(*b.client, rows, hashed);
-      EXPECT_EQ(again.w, saved.w);
+      EXPECT_EQ(again.w, saved.w) << "the float32 (master) rows read back as saved";
       EXPECT_EQ(again.s1, saved.s1);
+      EXPECT_EQ(again.s2, saved.s2);
       EXPECT_EQ(again.info.steps, saved.info.steps);
-      TrainSteps(*a.client, 5, 10, hashed);
-      TrainSteps(*b.client, 5, 10, hashed);
+      TrainSteps(*a.client, 5, 10, hashed, dtype);
+      TrainSteps(*b.client, 5, 10, hashed, dtype);
       const Saved fa = Save(*a.client, rows, hashed), fb = Save(*b.client, rows, hashed);
-      std::vector<float> pa(fa.w.size()), pb(fb.w.size());
-      ASSERT_TRUE(a.client->PullRows("t", fa.ids.data(), fa.ids.size(), pa.data()).ok());
-      ASSERT_TRUE(b.client->PullRows("t", fa.ids.data(), fa.ids.size(), pb.data()).ok());
-      EXPECT_EQ(pa, fa.w) << "a pull reads what GetRows read";
-      EXPECT_EQ(pb, pa) << "the loaded table trained differently";
+      if (dtype == TensorDType::kFloat32) {
+        std::vector<float> pa(fa.w.size()), pb(fb.w.size());
+        ASSERT_TRUE(a.client->PullRows("t", fa.ids.data(), fa.ids.size(), pa.data()).ok());
+        ASSERT_TRUE(b.client->PullRows("t", fa.ids.data(), fa.ids.size(), pb.data()).ok());
+        EXPECT_EQ(pa, fa.w) << "a pull reads what GetRows read";
+        EXPECT_EQ(pb, pa) << "the loaded table trained differently";
+      } else {
+        // The 16-bit rows workers read, rounded from the float32 master.
+        std::vector<uint16_t> pa(fa.w.size()), pb(fb.w.size());
+        ASSERT_TRUE(a.client->PullRows("t", fa.ids.data(), fa.ids.size(), pa.data()).ok());
+        ASSERT_TRUE(b.client->PullRows("t", fa.ids.data(), fa.ids.size(), pb.data()).ok());
+        EXPECT_EQ(pb, pa) << "the loaded table's 16-bit rows differ";
+        EXPECT_EQ(fb.w, fa.w) << "the loaded table's float32 master trained differently";
+      }
       EXPECT_EQ(fb.s1, fa.s1);
       EXPECT_EQ(fb.s2, fa.s2);
       EXPECT_NE(fa.w, saved.w) << "the steps after the load must change the rows";
@@ -187,6 +213,15 @@ void ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(const std::string& transport
 
 TEST_P(RowStateTest, ALoadedTableTrainsOnExactlyAsTheSavedOne) {
   ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(GetParam(), control::BSP, 0);
+}
+
+// The same for a bfloat16 table: its float32 master and state rows are saved (GetRows reads
+// float32) and set back exactly (SetRows sends float32 rows, kPushF32Rows), so the loaded
+// table trains on bit for bit, master and 16-bit rows alike. (Before, a set sent the rows in
+// the table's dtype: the master and the optimizer state came back rounded to 16 bits.)
+TEST_P(RowStateTest, AHalfPrecisionTableResumesBitForBit) {
+  ExpectALoadedTableTrainsOnExactlyAsTheSavedOne(GetParam(), control::BSP, 0,
+                                                 TensorDType::kBFloat16);
 }
 
 // The same property under SSP (staleness 2) and ASP, over every transport.
@@ -273,7 +308,7 @@ TEST_P(RowStateTest, SetsNameTheirRowsAndBadInputSetsNothing) {
 
 // A bfloat16 table: a set travels in bfloat16 (rounded as torch's .to()), GetRows returns the
 // float32 master, which then trains in float32.
-TEST_P(RowStateTest, HalfPrecisionSetsAreRoundedAndReadBackAsMaster) {
+TEST_P(RowStateTest, HalfPrecisionSetsKeepTheirFloat32Master) {
   UpdateRule sgd;
   sgd.kind = UpdateRule::Kind::kSgd;
   sgd.lr = 1.0f;
@@ -285,13 +320,20 @@ TEST_P(RowStateTest, HalfPrecisionSetsAreRoundedAndReadBackAsMaster) {
   ASSERT_TRUE(c.SetRows("t", Client::StatePart::kWeights, &id, 1, v, 0).ok());
   float w[kDim];
   ASSERT_TRUE(c.GetRows("t", &id, 1, w, nullptr, nullptr, nullptr).ok());
-  EXPECT_EQ(w[0], 1.0f) << "1 + 2^-8 rounds to even in bfloat16";
-  EXPECT_EQ(w[1], 3.0f);
-  EXPECT_EQ(w[2], -0.5f);
-  EXPECT_EQ(w[3], 0.333984375f);  // bf16(1/3) = 0x3EAB
+  for (int j = 0; j < kDim; ++j) EXPECT_EQ(w[j], v[j]) << "the float32 master is the value set";
   uint16_t pulled[kDim];
   ASSERT_TRUE(c.PullRows("t", &id, 1, pulled).ok());
+  EXPECT_EQ(pulled[0], 0x3F80) << "1 + 2^-8 rounds to even in bfloat16: 1.0";
   EXPECT_EQ(pulled[1], 0x4040);  // 3.0
+  EXPECT_EQ(pulled[2], 0xBF00);  // -0.5
+  EXPECT_EQ(pulled[3], 0x3EAB);  // bf16(1/3)
+  // A step moves the master, not the rounded row: 1 + 2^-8 - 2^-8 = 1 exactly.
+  const uint16_t g[kDim] = {ToBf16(1.0f / 256), 0, 0, 0};  // bf16 gradients: 2^-8 exactly
+  ASSERT_TRUE(c.AddRowGradients("t", &id, 1, g).ok());
+  ASSERT_TRUE(c.Step().ok());
+  ASSERT_TRUE(c.GetRows("t", &id, 1, w, nullptr, nullptr, nullptr).ok());
+  EXPECT_EQ(w[0], 1.0f);
+  EXPECT_EQ(w[3], v[3]);
   EXPECT_TRUE(c.Close().ok());
 }
 

@@ -183,12 +183,13 @@ class EmbeddingStateDictTest(unittest.TestCase):
     Adam's moments and step count, Adagrad's sums) and hashed keys travel."""
     ROWS, DIM, STEPS = 300, 8, 8
 
-    def make(self, hashed):
+    def make(self, hashed, dtype=torch.float32):
         class M(torch.nn.Module):
             def __init__(s):
                 super().__init__()
                 s.emb = spt.Embedding(self.ROWS, self.DIM, optimizer="adam", lr=0.05,
-                                      init="uniform", init_scale=0.1, init_seed=3, max_ids=64)
+                                      init="uniform", init_scale=0.1, init_seed=3, max_ids=64,
+                                      dtype=dtype)
                 s.tags = spt.Embedding(4096 if hashed else self.ROWS, self.DIM,
                                        optimizer="adagrad", lr=0.1,
                                        initial_accumulator_value=0.1, hashed=hashed,
@@ -196,7 +197,7 @@ class EmbeddingStateDictTest(unittest.TestCase):
                 s.fc = torch.nn.Linear(2 * self.DIM, 1)
 
             def forward(s, a, t):
-                return s.fc(torch.cat([s.emb(a).sum(1), s.tags(t).mean(1)], 1))
+                return s.fc(torch.cat([s.emb(a).float().sum(1), s.tags(t).mean(1)], 1))
 
         torch.manual_seed(1)
         return M()
@@ -226,16 +227,16 @@ class EmbeddingStateDictTest(unittest.TestCase):
                                         coordinator=cl.address, cluster_token=cl.token, rank=0,
                                         transport="tcp", overlap=overlap)
 
-    def check(self, hashed, load_model_first, overlap=False):
+    def check(self, hashed, load_model_first, overlap=False, dtype=torch.float32):
         import io
         batches = self.batches(hashed)
         with cluster() as cl:  # the run that never stops
-            m = self.make(hashed)
+            m = self.make(hashed, dtype)
             opt = self.opt(m, cl)
             straight = self.train(m, opt, batches)
             opt.close()
         with cluster() as cl:  # the first half, saved
-            m = self.make(hashed)
+            m = self.make(hashed, dtype)
             opt = self.opt(m, cl, overlap)
             first = self.train(m, opt, batches[:self.STEPS])
             buf = io.BytesIO()
@@ -255,8 +256,15 @@ class EmbeddingStateDictTest(unittest.TestCase):
             # Plain torch takes the rows as they are (export for inference).
             plain = torch.nn.Embedding(self.ROWS, self.DIM)
             plain.load_state_dict({"weight": sd["tags.weight"]})
+        if dtype != torch.float32:
+            self.assertEqual(sd["emb.weight"].dtype, dtype)
+            master = saved["opt"]["shardps_row_tables"]["emb"]["shardps_master"]
+            self.assertEqual(master.dtype, torch.float32)
+            self.assertTrue(torch.equal(master.to(dtype), sd["emb.weight"]))
+            self.assertFalse(torch.equal(master, sd["emb.weight"].float()),
+                             "the master holds more than the 16-bit rows")
         with cluster() as cl:  # a fresh cluster, resumed
-            m = self.make(hashed)
+            m = self.make(hashed, dtype)
             if load_model_first:
                 m.load_state_dict(sd)  # before the optimizer: set once the client starts
                 opt = self.opt(m, cl, overlap)
@@ -273,6 +281,11 @@ class EmbeddingStateDictTest(unittest.TestCase):
 
     def test_hashed_table_resumes_exactly_model_loaded_after(self):
         self.check(hashed=True, load_model_first=False)
+
+    def test_a_bfloat16_table_resumes_exactly(self):
+        """A bfloat16 table: its rows in model.state_dict() are bfloat16, its float32 master
+        rides in the optimizer's (shardps_master) and is set exactly, with the state rows."""
+        self.check(hashed=False, load_model_first=True, dtype=torch.bfloat16)
 
     def test_overlapped_steps_save_and_resume_exactly(self):
         """overlap=True (the dense bucket pushed during backward, the tables at step()):
