@@ -634,8 +634,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # chunk, through the data path (Client.get_state / set_state: pushes, acknowledged).
     # Keys are torch's: SGD "momentum_buffer"; Adam/AdamW "step", "exp_avg", "exp_avg_sq"
     # (the servers' own rule: "shardps_state1", "shardps_state2", "step"). The float32 master
-    # weights travel too, under "shardps_master_weights" (plain torch ignores the key), so a
-    # 16-bit model resumes with its full-precision master.
+    # weights travel too, under "shardps_master_weights" (plain torch ignores the key). A 16-bit
+    # tensor's master and state are set back through its 16-bit buffer, so they load rounded to
+    # 16 bits (docs/python.md, limits); row tables set theirs in float32.
 
     def _units(self):
         """The registered tensors in torch's state_dict order: (tensor name, registered
