@@ -187,19 +187,21 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
       (!rows && h.bytes != chunks_->bytes(slot))) {
     return reject("header does not match the slot");
   }
+  // Float32 rows (layout::kPushF32Rows) only on a row set.
+  if ((h.flags & layout::kPushF32Rows) != 0 &&
+      (!rows || (h.op != static_cast<uint32_t>(layout::PushOp::kSetWeights) &&
+                 h.op != static_cast<uint32_t>(layout::PushOp::kSetState1) &&
+                 h.op != static_cast<uint32_t>(layout::PushOp::kSetState2)))) {
+    return reject("float32 rows on a push that is not a row set");
+  }
   if (rows) {
     // A row shard's push: n entries (id, row) within the inbox slot's capacity.
     const layout::RowGeometry& g = layout_->rows(slot);
     const char* data = base + layout_->push_data_offset(worker, slot, parity);
     // What the payload holds: entries (a gradient, a set), ids (a get), a slot range (a list).
     uint64_t ids_n = 0;
-    const bool f32_rows = (h.flags & layout::kPushF32Rows) != 0;
-    const auto op = static_cast<layout::PushOp>(h.op);
-    if (f32_rows && op != layout::PushOp::kSetWeights && op != layout::PushOp::kSetState1 &&
-        op != layout::PushOp::kSetState2) {
-      return reject("float32 rows on a push that is not a row set");
-    }
-    switch (op) {
+    const bool f32_rows = (h.flags & layout::kPushF32Rows) != 0;  // a row set's (checked above)
+    switch (static_cast<layout::PushOp>(h.op)) {
       case layout::PushOp::kGradient:
       case layout::PushOp::kSetWeights:
       case layout::PushOp::kSetState1:
@@ -241,9 +243,6 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
         return true;
       }
     }
-  }
-  if (!rows && (h.flags & layout::kPushF32Rows) != 0) {
-    return reject("float32 rows on a push that is not a row set");
   }
   if ((h.seq & 1) != parity) return reject("parity does not match seq");
   // Clocks move by one per step: 2^40 is beyond any run, and keeps every clock arithmetic of the

@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/half.h"
 #include "common/row_init.h"
 #include "shardps/client.h"
 #include "tests/integration/in_process_cluster.h"
@@ -78,14 +79,6 @@ std::vector<int64_t> StepIds(int t, bool hashed) {
   ids.push_back(ids[0]);
   return ids;
 }
-// bfloat16 of a finite float, rounded to nearest even (a 16-bit table's gradients are of its
-// dtype).
-uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 void TrainSteps(Client& c, int from, int to, bool hashed,
                 TensorDType dtype = TensorDType::kFloat32) {
   for (int t = from; t < to; ++t) {
@@ -94,7 +87,7 @@ void TrainSteps(Client& c, int from, int to, bool hashed,
     for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>((i * 5 + t) % 7) * 0.25f - 0.7f;
     if (dtype == TensorDType::kBFloat16) {
       std::vector<uint16_t> g16(g.size());
-      for (size_t i = 0; i < g.size(); ++i) g16[i] = ToBf16(g[i]);
+      for (size_t i = 0; i < g.size(); ++i) g16[i] = FloatToBF16(g[i]);  // its dtype's
       ASSERT_TRUE(c.AddRowGradients("t", ids.data(), ids.size(), g16.data()).ok());
     } else {
       ASSERT_TRUE(c.AddRowGradients("t", ids.data(), ids.size(), g.data()).ok());
@@ -328,7 +321,7 @@ TEST_P(RowStateTest, HalfPrecisionSetsKeepTheirFloat32Master) {
   EXPECT_EQ(pulled[2], 0xBF00);  // -0.5
   EXPECT_EQ(pulled[3], 0x3EAB);  // bf16(1/3)
   // A step moves the master, not the rounded row: 1 + 2^-8 - 2^-8 = 1 exactly.
-  const uint16_t g[kDim] = {ToBf16(1.0f / 256), 0, 0, 0};  // bf16 gradients: 2^-8 exactly
+  const uint16_t g[kDim] = {FloatToBF16(1.0f / 256), 0, 0, 0};  // bf16 gradients: 2^-8 exactly
   ASSERT_TRUE(c.AddRowGradients("t", &id, 1, g).ok());
   ASSERT_TRUE(c.Step().ok());
   ASSERT_TRUE(c.GetRows("t", &id, 1, w, nullptr, nullptr, nullptr).ok());
