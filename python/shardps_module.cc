@@ -282,9 +282,36 @@ class PyClient {
     throw py::value_error(none ? "part must be 'weights', 'state1', 'state2' or 'none'"
                                : "a row table's part is 'weights', 'state1' or 'state2'");
   }
-  void SetState(const std::string& name, const std::string& part, uint64_t steps) {
-    const shardps::Client::StatePart p = ParsePart(part, /*none=*/true);
-    Blocking([&](shardps::Client& c) { return c.SetState(name, p, steps); });
+  int64_t TensorElements(const std::string& name) {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) Raise(shardps::NotFoundError("no tensor '" + name + "'"));
+    int64_t n = 1;
+    for (int64_t d : Describe(it->second.weights, "'" + name + "'").shape) n *= d;
+    return n;
+  }
+  // From the gradient buffer, or from `values` (a float32 host buffer of the tensor's element
+  // count: a 16-bit tensor's float32 master and state, set exactly).
+  void SetState(const std::string& name, const std::string& part, uint64_t steps,
+                const py::object& values) {
+    if (values.is_none()) {
+      const shardps::Client::StatePart p = ParsePart(part, /*none=*/true);
+      Blocking([&](shardps::Client& c) { return c.SetState(name, p, steps); });
+      return;
+    }
+    const shardps::Client::StatePart p = ParsePart(part, /*none=*/false);
+    const Buffer b = Describe(values, "state values of '" + name + "'");
+    if (b.dtype != shardps::TensorDType::kFloat32 || b.cuda) {
+      throw py::type_error("'" + name + "': state values are a float32 host buffer");
+    }
+    int64_t elems = 1;
+    for (int64_t d : b.shape) elems *= d;
+    const int64_t want = TensorElements(name);
+    if (elems != want) {
+      throw py::value_error("'" + name + "': state values hold " + std::to_string(elems) +
+                            " values, not the tensor's " + std::to_string(want));
+    }
+    const auto* v = static_cast<const float*>(b.data);
+    Blocking([&](shardps::Client& c) { return c.SetStateValues(name, p, v, steps); });
   }
   // Into float32 buffers (numpy or torch, contiguous) of the tensor's element count, or None.
   py::tuple GetState(const std::string& name, py::object weights, py::object state1,
@@ -590,10 +617,12 @@ PYBIND11_MODULE(_shardps, m) {
            "servers apply to this worker's next pushes of tensor `name` ('' = every tensor), "
            "with torch.optim's semantics; it travels with the pushes.")
       .def("set_state", &PyClient::SetState, py::arg("name"), py::arg("part"),
-           py::arg("steps") = 0,
+           py::arg("steps") = 0, py::arg("values") = py::none(),
            "Sets part ('weights', 'state1', 'state2'; 'none' drops the optimizer state) of "
-           "tensor `name` on the servers to the values in its registered GRADIENT buffer, and "
-           "the optimizer step count to `steps` (Client::SetState).")
+           "tensor `name` on the servers to the values in its registered GRADIENT buffer, or "
+           "to `values` (float32 host buffer of the tensor's element count, whatever its "
+           "dtype: a 16-bit tensor's float32 master and state, exactly), and the optimizer "
+           "step count to `steps` (Client::SetState / SetStateValues).")
       .def("get_state", &PyClient::GetState, py::arg("name"), py::arg("weights") = py::none(),
            py::arg("state1") = py::none(), py::arg("state2") = py::none(),
            "Reads the servers' float32 master weights and optimizer state of tensor `name` "

@@ -183,15 +183,26 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   std::memcpy(&h, base + layout_->push_header_offset(worker, slot, parity), sizeof(h));
   if (h.magic != layout::kPushMagic) return reject("bad magic");
   const bool rows = chunks_->is_rows(slot);
+  const bool f32_values = (h.flags & layout::kPushF32Values) != 0;
   if (h.chunk_id != chunks_->chunk_id(slot) || h.worker != worker ||
-      (!rows && h.bytes != chunks_->bytes(slot))) {
+      (!rows && !f32_values && h.bytes != chunks_->bytes(slot))) {
     return reject("header does not match the slot");
   }
+  const bool set_op = h.op == static_cast<uint32_t>(layout::PushOp::kSetWeights) ||
+                      h.op == static_cast<uint32_t>(layout::PushOp::kSetState1) ||
+                      h.op == static_cast<uint32_t>(layout::PushOp::kSetState2);
+  // Float32 values of a range of the chunk (layout::kPushF32Values) only on a dense set, whole
+  // floats, inside the inbox slot and inside the chunk.
+  if (f32_values) {
+    if (rows || !set_op) return reject("float32 values on a push that is not a dense set");
+    const uint64_t elems = chunks_->elems(slot);
+    if (h.bytes == 0 || h.bytes % sizeof(float) != 0 || h.bytes > layout_->push_capacity(slot) ||
+        h.first > elems || h.bytes / sizeof(float) > elems - h.first) {
+      return reject("float32 values outside the slot or the chunk");
+    }
+  }
   // Float32 rows (layout::kPushF32Rows) only on a row set.
-  if ((h.flags & layout::kPushF32Rows) != 0 &&
-      (!rows || (h.op != static_cast<uint32_t>(layout::PushOp::kSetWeights) &&
-                 h.op != static_cast<uint32_t>(layout::PushOp::kSetState1) &&
-                 h.op != static_cast<uint32_t>(layout::PushOp::kSetState2)))) {
+  if ((h.flags & layout::kPushF32Rows) != 0 && (!rows || !set_op)) {
     return reject("float32 rows on a push that is not a row set");
   }
   if (rows) {
@@ -400,6 +411,22 @@ bool ShardServer::HandleStateOp(uint32_t worker, uint32_t slot, uint32_t parity,
   float* values = stream_->sum(slot);
   if (op == layout::PushOp::kClearState) {
     std::memset(values, 0, r.bytes);
+  } else if ((h.flags & layout::kPushF32Values) != 0) {
+    // A range in float32 (checked by HandlePush, on this copy of the header): the other
+    // elements keep the values they have, and the record carries the whole chunk's.
+    const ChunkOptimizer& opt = chunks_->optimizer(slot);
+    const std::vector<float>* state = op == layout::PushOp::kSetState1   ? &opt.state1()
+                                      : op == layout::PushOp::kSetState2 ? &opt.state2()
+                                                                         : nullptr;
+    if (op == layout::PushOp::kSetWeights) {
+      std::memcpy(values, chunks_->published(slot), r.bytes);
+    } else if (!state->empty()) {
+      std::memcpy(values, state->data(), r.bytes);
+    } else {
+      std::memset(values, 0, r.bytes);
+    }
+    const char* base = static_cast<const char*>(inbox_->data());
+    std::memcpy(values + h.first, base + layout_->push_data_offset(worker, slot, parity), h.bytes);
   } else {
     const char* base = static_cast<const char*>(inbox_->data());
     chunks_->DecodeGradient(slot, base + layout_->push_data_offset(worker, slot, parity), values,

@@ -167,7 +167,8 @@ struct alignas(kAlign) PushHeader {
   // divides by the total weight, not by the number of pushes.
   uint32_t weight;
   uint32_t reserved32;
-  uint64_t reserved[2];
+  uint64_t first;  // kPushF32Values: the chunk element the values start at
+  uint64_t reserved;
 };
 static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines");
 // What a push carries. Not a gradient: the chunk's state moved between a trainer and the
@@ -179,7 +180,8 @@ static_assert(sizeof(PushHeader) == 2 * kAlign, "PushHeader is two cache lines")
 //   kClearState: the optimizer state is dropped (a torch optimizer that has not stepped).
 //   kGetState: the server copies an OutboxHeader, the weights and both state buffers of the
 //     published version into its outbox (remote-read) and acknowledges; the worker reads them.
-// (A 16-bit chunk's state is therefore set at 16-bit precision; a get returns float32.)
+// (Such a set of a 16-bit chunk is at 16-bit precision; a get returns float32. With
+// kPushF32Values a set carries float32 values of a range of the chunk instead: exact.)
 // On a row shard (an embedding's; Client::SetRows / GetRows / TableKeys) the ops name rows:
 //   kSetWeights, kSetState1, kSetState2: the payload is entries as a gradient push's ([ids |
 //     rows in the table's dtype, or float32 with kPushF32Rows], distinct ids of this shard);
@@ -251,6 +253,13 @@ constexpr uint32_t kPushNoGradient = 2;
 // [ids | n x dim float32], within the inbox slot's bytes (max_ids entries of the table's
 // dtype). Refused on any other push.
 constexpr uint32_t kPushF32Rows = 4;
+// A dense set (kSetWeights, kSetState1, kSetState2 on a dense chunk) whose payload is float32
+// values of elements [first, first + bytes / 4) of the chunk, whatever its dtype: a 16-bit
+// chunk's float32 master weights and state, set exactly (Client::SetStateValues), in as many
+// pushes as the inbox slot (the chunk's bytes, AlignUp'd) needs. The other elements keep
+// theirs (a state not yet allocated: zeros). bytes: a positive multiple of 4, within the slot
+// and the chunk. Refused on any other push.
+constexpr uint32_t kPushF32Values = 8;
 constexpr uint64_t kPushMagic = 0x5348505350555348ull;  // "SHPSPUSH"
 
 // The 32-bit immediate of a worker's write-with-immediate to a server.

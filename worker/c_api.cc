@@ -216,6 +216,35 @@ int shardps_client_add_row_gradients(shardps_client* c, const char* name, const 
   });
 }
 
+int shardps_client_set_state(shardps_client* c, const char* name, uint32_t part,
+                             const float* values, uint64_t steps, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    if (part < 1 || part > 4 || (part == 4 && values != nullptr)) {
+      return shardps::InvalidArgumentError(
+          "part must be 1 (weights), 2 (state 1), 3 (state 2) or 4 (no state, values NULL)");
+    }
+    const auto p = static_cast<shardps::Client::StatePart>(part);
+    return values == nullptr ? c->impl->SetState(name, p, steps)
+                             : c->impl->SetStateValues(name, p, values, steps);
+  });
+}
+
+int shardps_client_get_state(shardps_client* c, const char* name, float* weights, float* state1,
+                             float* state2, uint64_t* steps, int* has1, int* has2,
+                             shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    bool h1 = false, h2 = false;
+    RETURN_IF_ERROR(c->impl->GetState(name, weights, state1, state2, steps, &h1, &h2));
+    if (has1 != nullptr) *has1 = h1 ? 1 : 0;
+    if (has2 != nullptr) *has2 = h2 ? 1 : 0;
+    return Status::OK();
+  });
+}
+
 int shardps_client_set_rows(shardps_client* c, const char* name, uint32_t part,
                             const int64_t* ids, size_t n, const float* values, uint64_t steps,
                             shardps_error* err) {

@@ -912,6 +912,51 @@ Status ClientImpl::SetState(const std::string& name, StatePart part, uint64_t st
   return Status::OK();
 }
 
+Status ClientImpl::SetStateValues(const std::string& name, StatePart part, const float* values,
+                                  uint64_t steps) {
+  RETURN_IF_ERROR(lifecycle_.Require("SetStateValues()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  if (part != StatePart::kWeights && part != StatePart::kState1 && part != StatePart::kState2) {
+    return InvalidArgumentError("SetStateValues of '" + name +
+                                "': the part is the weights or a state buffer");
+  }
+  if (values == nullptr) return InvalidArgumentError("SetStateValues of '" + name + "': no values");
+  if (tensors_[t].embedding) {
+    return InvalidArgumentError("SetStateValues of row table '" + name + "': use SetRows");
+  }
+  RETURN_IF_ERROR(MaybeRecover());
+  const Tensor& tensor = tensors_[t];
+  const uint64_t esize = tensor.dtype == TensorDType::kFloat32 ? 4 : 2;
+  // Every push acknowledged first: none may still be resent from the staging rewritten here.
+  RETURN_IF_ERROR(push_->AwaitAllAcked([this] { return RecoverOrBreak(); }));
+  uint64_t most = 0;
+  for (uint32_t id : tensor.chunks) most = std::max(most, chunks_[id].bytes / esize * 4);
+  if (values_staging_ == nullptr || values_staging_->length() < most) {
+    values_staging_.reset();
+    ASSIGN_OR_RETURN(values_staging_,
+                     fabric_->AllocateMemory(std::max<uint64_t>(most, layout::kAlign),
+                                             transport::Access::kLocalOnly));
+  }
+  const auto op = static_cast<layout::PushOp>(part);  // the same numbers
+  for (uint32_t id : tensor.chunks) {
+    const ChunkPlacement& c = chunks_[id];
+    const uint64_t elems = c.bytes / esize;
+    // The chunk's values stay whole in the staging while its ranges are pushed: a range
+    // resent after a failover finds its own bytes.
+    std::memcpy(values_staging_->data(), values + c.offset / esize, elems * 4);
+    // As many float32 values per push as the inbox slot holds (AlignUp'd: at least 16).
+    const uint64_t per_push =
+        sessions_->at(c.server).layout->push_capacity(c.slot) / sizeof(float);
+    for (uint64_t first = 0; first < elems; first += per_push) {
+      const uint64_t n = std::min(per_push, elems - first);
+      const PushPipeline::F32Values v{{values_staging_.get(), first * 4, n * 4}, first};
+      RETURN_IF_ERROR(
+          push_->PushOpAndAwait(id, op, steps, [this] { return RecoverOrBreak(); }, &v));
+    }
+  }
+  return Status::OK();
+}
+
 Status ClientImpl::GetState(const std::string& name, float* weights, float* state1,
                             float* state2, uint64_t* steps, bool* has1, bool* has2) {
   RETURN_IF_ERROR(lifecycle_.Require("GetState()", {ClientState::kRunning}));

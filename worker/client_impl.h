@@ -78,6 +78,8 @@ class ClientImpl final : public Client, private CompletionSink {
   Status SetNoGradient(const std::string& tensor, bool no_gradient) override;
   void SetPushWeight(uint32_t weight) { step_.weight = weight == 0 ? 1 : weight; }
   Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
+  Status SetStateValues(const std::string& tensor, StatePart part, const float* values,
+                        uint64_t steps) override;
   Status SetRows(const std::string& table, StatePart part, const int64_t* ids, size_t n,
                  const float* values, uint64_t steps) override;
   Status GetRows(const std::string& table, const int64_t* ids, size_t n, float* weights,
@@ -157,6 +159,9 @@ class ClientImpl final : public Client, private CompletionSink {
   std::unique_ptr<PushPipeline> push_;
   std::unique_ptr<RowTables> rows_;
   std::unique_ptr<transport::MemoryRegion> state_staging_;  // GetState's outbox reads
+  // SetStateValues' float32 payloads; only rewritten or replaced once every push is
+  // acknowledged (a push not yet acknowledged may be resent from it).
+  std::unique_ptr<transport::MemoryRegion> values_staging_;
   uint64_t state_nonce_ = 0;
   // The state staging, at least `bytes` long (grown, never shrunk).
   Status EnsureStateStaging(uint64_t bytes);

@@ -166,6 +166,10 @@ StatusOr<uint64_t> HostClient::RequestCheckpoint(const std::string&) {
 Status HostClient::SetState(const std::string&, StatePart, uint64_t) {
   return NotInHostMode("SetState()");
 }
+
+Status HostClient::SetStateValues(const std::string&, StatePart, const float*, uint64_t) {
+  return NotInHostMode("SetStateValues()");
+}
 Status HostClient::SetRows(const std::string&, StatePart, const int64_t*, size_t, const float*,
                            uint64_t) {
   return NotInHostMode("SetRows()");

@@ -59,6 +59,8 @@ class HostClient final : public Client {
   // Not applied through the aggregator yet (client.h): the learners' zeros are summed.
   Status SetNoGradient(const std::string& tensor, bool no_gradient) override;
   Status SetState(const std::string& tensor, StatePart part, uint64_t steps) override;
+  Status SetStateValues(const std::string& tensor, StatePart part, const float* values,
+                        uint64_t steps) override;
   Status SetRows(const std::string& table, StatePart part, const int64_t* ids, size_t n,
                  const float* values, uint64_t steps) override;
   Status GetRows(const std::string& table, const int64_t* ids, size_t n, float* weights,

@@ -100,21 +100,22 @@ StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status(
 }
 
 Status PushPipeline::PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
-                                    const std::function<Status()>& recover) {
+                                    const std::function<Status()>& recover,
+                                    const F32Values* values) {
   // The chunk's previous push first: the server acknowledges an op at once, and an
   // acknowledgement covers every lower sequence number, so an op posted while a gradient push
   // still waits in the inbox (a BSP clock not complete yet, a version replicating) would let
   // the op after it overwrite that push's slot, and a failover skip resending it.
   if (push_[id].seq > 0) RETURN_IF_ERROR(EnsureAcked(id, push_[id].seq, recover));
   const uint64_t h = handles_.Create();
-  Status st = PushChunk(id, h, recover, op, arg);
+  Status st = PushChunk(id, h, recover, op, arg, values);
   if (st.ok()) st = EnsureAcked(id, push_[id].seq, recover);
   if (handles_.Contains(h) && handles_[h].pending == 0) handles_.Erase(h);
   return st;
 }
 
 Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover,
-                               layout::PushOp op, uint64_t arg) {
+                               layout::PushOp op, uint64_t arg, const F32Values* values) {
   trace::Span span("push", "worker");  // waiting for the inbox slot, then posting
   span.Arg("chunk", id).Arg("clock", step_.clock).Arg("step", step_.in_step ? step_.step_id : 0)
       .Arg("bytes", chunks_[id].bytes).Arg("server", chunks_[id].server);
@@ -146,6 +147,8 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
     c.last_flags |= rows_->OpFlags(id);  // a row set's float32 rows
   }
   c.last_weight = step_.weight;
+  c.last_values = values != nullptr ? *values : F32Values{};
+  if (values != nullptr) c.last_flags |= layout::kPushF32Values;
   c.last_op = op;
   c.last_arg = arg;
   c.step = step_.in_step ? step_.step_id : 0;
@@ -261,7 +264,10 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h, bool hold) 
   ph->base_version = c.last_base;
   ph->chunk_id = id;
   ph->worker = rank_;
-  ph->bytes = p.rows.rows_kind() ? c.last_bytes : p.bytes;
+  const bool f32_values = c.last_values.payload.region != nullptr;
+  ph->bytes = f32_values ? c.last_values.payload.length
+                         : p.rows.rows_kind() ? c.last_bytes : p.bytes;
+  ph->first = c.last_values.first;
   ph->epoch = std::max(control_.epoch(), sessions_.map_epoch());
   ph->magic = layout::kPushMagic;
   ph->rule = c.last_rule;
@@ -273,7 +279,7 @@ Status PushPipeline::PostPush(uint32_t id, uint64_t seq, uint64_t h, bool hold) 
       transport::AtOffset(s.inbox, s.layout->push_header_offset(rank_, p.slot, parity));
   const uint32_t imm = layout::MakeImm(layout::ImmKind::kPush, (p.slot << 1) | parity);
   const uint32_t last_flags = more_ || hold ? transport::kMore : transport::kSignaled;
-  if (c.small_staging != 0 && t.staging == nullptr) {
+  if (c.small_staging != 0 && t.staging == nullptr && !f32_values) {
     // [PushHeader | data] in one write; this staging parity was last sent by push seq-2,
     // which the server has consumed (EnsureAcked).
     const uint64_t off = c.small_staging + parity * (sizeof(layout::PushHeader) + layout::AlignUp(p.bytes));
@@ -299,6 +305,12 @@ Status PushPipeline::PostPushData(uint32_t id, uint32_t parity, uint64_t h) {
   Tensor& t = tensors_[c.tensor];
   ServerSession& s = sessions_.at(c.server);
   const uint64_t dst = s.layout->push_data_offset(rank_, c.slot, parity);
+  if (const F32Values& v = push_[id].last_values; v.payload.region != nullptr) {
+    return sessions_.PostWithCredit([&] {
+      return s.ep->PostWrite(v.payload, transport::AtOffset(s.inbox, dst),
+                             MakeContext(kOpPush, id, h), transport::kUnsignaled);
+    });
+  }
   if (c.rows.rows_kind()) {
     const uint64_t bytes = push_[id].last_bytes;
     if (bytes == 0) return Status::OK();  // an empty push: the header alone

@@ -60,8 +60,16 @@ class PushPipeline {
   // chunk's previous push is acknowledged, pushed like a gradient (from the tensor's gradient
   // buffer, or a row shard's op payload; kGetState's payload is ignored for a dense chunk),
   // then awaited until the server acknowledged it (applied, or answered in its outbox).
+  // `values` (a dense set only): the push carries these float32 values of the chunk's
+  // elements [first, first + length / 4) instead of the gradient buffer (layout::
+  // kPushF32Values); the caller keeps them unchanged until the call returns.
+  struct F32Values {
+    transport::LocalSlice payload;
+    uint64_t first = 0;
+  };
   Status PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
-                        const std::function<Status()>& recover);
+                        const std::function<Status()>& recover,
+                        const F32Values* values = nullptr);
   // Waits until every chunk's latest push is acknowledged (consumed, hence replicated where
   // the group has a backup): after it, the caller may overwrite its gradient buffers without
   // risking a push that a failover could neither find on the backup nor resend.
@@ -103,11 +111,14 @@ class PushPipeline {
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;
     uint64_t last_bytes = 0;  // a row shard's latest push: its staged entries' bytes
+    // The latest push's float32 values (kPushF32Values; region null: none), resent as they are.
+    F32Values last_values;
   };
 
   // Pushes one chunk as part of handle h (its pending count already taken).
   Status PushChunk(uint32_t id, uint64_t h, const std::function<Status()>& recover,
-                   layout::PushOp op = layout::PushOp::kGradient, uint64_t arg = 0);
+                   layout::PushOp op = layout::PushOp::kGradient, uint64_t arg = 0,
+                   const F32Values* values = nullptr);
   // Waits until the server acknowledged push `need` of a chunk (its inbox slot is free).
   Status EnsureAcked(uint32_t id, uint64_t need, const std::function<Status()>& recover);
   // Posts push `seq` of a chunk: the header's clock and base version are those of the chunk's

@@ -634,9 +634,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # chunk, through the data path (Client.get_state / set_state: pushes, acknowledged).
     # Keys are torch's: SGD "momentum_buffer"; Adam/AdamW "step", "exp_avg", "exp_avg_sq"
     # (the servers' own rule: "shardps_state1", "shardps_state2", "step"). The float32 master
-    # weights travel too, under "shardps_master_weights" (plain torch ignores the key). A 16-bit
-    # tensor's master and state are set back through its 16-bit buffer, so they load rounded to
-    # 16 bits (docs/python.md, limits); row tables set theirs in float32.
+    # weights travel too, under "shardps_master_weights" (plain torch ignores the key). Both are
+    # set back in float32 whatever the tensor's dtype (a 16-bit tensor resumes bit for bit), as
+    # row tables set theirs.
 
     def _units(self):
         """The registered tensors in torch's state_dict order: (tensor name, registered
@@ -669,7 +669,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.synchronize()
         sd = super().state_dict()
         k1, k2 = self._state_keys()
-        state, master = {}, {}
+        state, master, master_state = {}, {}, {}
         for name, g, params in self._units():
             n = g.numel()
             w, s1, s2 = torch.empty(n), torch.empty(n), torch.empty(n)
@@ -685,8 +685,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     st["step"] = torch.tensor(float(steps))
                 if st:
                     state[i] = st
+                if p.dtype != torch.float32 and (has1 or has2):
+                    # torch keeps a 16-bit parameter's state in its dtype; the servers' float32
+                    # state travels beside it, so that a load resumes bit for bit.
+                    master_state[i] = {k: s[off:off + cnt].view(p.shape).clone()
+                                       for k, s, has in ((k1, s1, has1), (k2, s2, has2))
+                                       if has and k is not None}
         sd["state"] = state
         sd["shardps_master_weights"] = master
+        if master_state:
+            sd["shardps_master_state"] = master_state
         # Row tables (not torch parameters): their optimizer state rows, under torch's sparse
         # optimizers' names (Adagrad "sum"; SparseAdam "exp_avg", "exp_avg_sq"), and a hashed
         # table's keys. Their rows are the model's state_dict; a 16-bit table's float32 master
@@ -726,6 +734,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sent_rule.clear()
         state = state_dict.get("state", {})
         master = state_dict.get("shardps_master_weights", {})
+        master_state = state_dict.get("shardps_master_state", {})
         k1, k2 = self._state_keys()
         if self.rank == 0:
             for name, g, params in self._units():
@@ -734,24 +743,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 st0 = next((st for st in sts if st), {})
                 steps = int(float(st0["step"])) if "step" in st0 else (1 if k1 in st0 else 0)
 
-                def fill(value_of):
-                    g.zero_()
+                # float32 values whatever the unit's dtype (Client::SetStateValues): a 16-bit
+                # unit's float32 master and state load exactly; the gradient buffer is left
+                # alone.
+                values = torch.zeros(g.numel(), dtype=torch.float32)
+
+                def send(part, value_of, n=0):
+                    values.zero_()
                     for (i, p, off, cnt), st in zip(params, sts):
                         v = value_of(i, p, st)
                         if v is not None:
-                            g[off:off + cnt].copy_(v.reshape(-1))
+                            values[off:off + cnt].copy_(v.reshape(-1))
+                    self.client.set_state(name, part, n, values=values)
 
-                fill(lambda i, p, st: master.get(i, p.detach()))
-                self.client.set_state(name, "weights")
+                send("weights", lambda i, p, st: master.get(i, p.detach()))
                 if not any(k1 in st for st in sts):
                     self.client.set_state(name, "none", steps)
                 else:
-                    fill(lambda i, p, st: st.get(k1))
-                    self.client.set_state(name, "state1", steps)
+                    def state_of(k):
+                        # The float32 state saved beside a 16-bit parameter's, if it is there.
+                        return lambda i, p, st: master_state.get(i, {}).get(k, st.get(k))
+
+                    send("state1", state_of(k1), steps)
                     if k2 is not None and any(k2 in st for st in sts):
-                        fill(lambda i, p, st: st.get(k2))
-                        self.client.set_state(name, "state2", steps)
-                g.zero_()
+                        send("state2", state_of(k2), steps)
             for m in self._tables:
                 entry = state_dict.get("shardps_row_tables", {}).get(m.table_name)
                 if entry is None:

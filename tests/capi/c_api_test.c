@@ -383,6 +383,30 @@ static void* worker_main(void* p) {
     EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "dense") != NULL,
            "keys of a dense table: %s %s", shardps_code_name(rc), err.message);
   }
+  /* A dense tensor's state (Client::GetState / SetStateValues): the float32 master of "w" is
+   * the weights this worker pulled; rank 0 sets "b" from float32 values and reads them back. */
+  {
+    float mw[kRows * kCols], mb[kBias];
+    uint64_t steps = 99;
+    int has1 = 7, has2 = 7;
+    rc = shardps_client_get_state(c, "w", mw, NULL, NULL, &steps, &has1, &has2, &err);
+    EXPECT(rc == SHARDPS_OK && memcmp(mw, a->w, sizeof mw) == 0 && has1 == 0 && has2 == 0,
+           "rank %d get state: %s (has %d %d)", a->rank, err.message, has1, has2);
+    if (a->rank == 0) {
+      float set[kBias];
+      for (int k = 0; k < kBias; ++k) set[k] = 0.1f * k - 1.0f / 3;
+      rc = shardps_client_set_state(c, "b", 1, set, 0, &err);
+      EXPECT(rc == SHARDPS_OK, "set state: %s", err.message);
+      rc = shardps_client_get_state(c, "b", mb, NULL, NULL, NULL, NULL, NULL, &err);
+      EXPECT(rc == SHARDPS_OK && memcmp(mb, set, sizeof mb) == 0, "state set: %s",
+             err.message);
+    }
+    rc = shardps_client_set_state(c, "b", 4, mb, 0, &err);
+    EXPECT(rc == SHARDPS_INVALID_ARGUMENT, "part 4 with values: %s", shardps_code_name(rc));
+    rc = shardps_client_set_state(c, "e", 1, mb, 0, &err);
+    EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "'e'") != NULL,
+           "a row table's dense state: %s %s", shardps_code_name(rc), err.message);
+  }
   uint32_t rank = 99;
   uint64_t clock = 0;
   EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank, "rank %u",

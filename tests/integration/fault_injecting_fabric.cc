@@ -50,6 +50,10 @@ class FaultInjectingEndpoint final : public Endpoint {
         ++posts_;
         return inner_->PostRead(local, remote, context, flags);
       case transport::OpType::kWriteImm: {
+        if (options_.rewrite && local.region != nullptr) {
+          options_.rewrite(static_cast<char*>(local.region->data()) + local.offset, local.length,
+                           imm);
+        }
         const bool inject = Choose(flags);
         RemoteSlice target = remote;
         if (inject) target.rkey ^= kWrongRkeyMask;

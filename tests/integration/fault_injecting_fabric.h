@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -29,6 +30,9 @@ namespace shardps::test {
 struct FaultOptions {
   uint64_t error_every = 0;  // every Nth eligible post fails; 0: none
   int skip_first_posts = 1;  // per endpoint: its first posts are never failed
+  // A hostile peer's rewrite: called with the local bytes of every write-with-immediate before
+  // it is forwarded (the bytes it will carry; a push header comes first), which it may change.
+  std::function<void(char* data, uint64_t length, uint32_t imm)> rewrite;
 };
 
 // What was injected, shared by the fabric and its endpoints; outlives both if the caller holds it.

@@ -131,8 +131,8 @@ class GpuLearnerTest(unittest.TestCase):
 
     def test_state_dict_round_trips_through_a_gpu_model(self):
         """Adam on a GPU model: 8 steps through ShardPS, state_dict(), then 8 more steps in a
-        fresh cluster after load_state_dict() (the weights and Adam's moments set from the GPU
-        gradient buffers, through the staging), against 16 uninterrupted steps of plain torch
+        fresh cluster after load_state_dict() (the weights and Adam's moments copied from the
+        GPU tensors into a host float32 buffer and set from there), against 16 uninterrupted steps of plain torch
         on the GPU."""
         data = batches(6)
 

@@ -610,6 +610,63 @@ class StateDictTest(unittest.TestCase):
                                                atol=1e-6), (i, k))
         self.check_close(model, ref)
 
+    def resume_16_bit(self, wire_dtype=None, failover=False):
+        # A 16-bit model (or float32 on a 16-bit wire) under Adam: 10 steps uninterrupted, and
+        # 5 + 5 with a save and a load into a fresh cluster in between. The servers' float32
+        # master and Adam state are set back in float32, so the resumed run is the
+        # uninterrupted one bit for bit (rounded to 16 bits on the way back, it was not).
+        data = [(x.to(self.dtype(wire_dtype)), y.to(self.dtype(wire_dtype))) for x, y in self.data()]
+        make = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)
+
+        def run(steps, start=0, ckpt=None):
+            with cluster(servers=2, replicas=2 if failover and ckpt else 1) as cl:
+                model = self.model()
+                if wire_dtype is None:
+                    model = model.to(torch.bfloat16)
+                opt = spt.DistributedOptimizer(make(model), model, client=connect(cl),
+                                               wire_dtype=wire_dtype)
+                if ckpt is not None:
+                    model.load_state_dict(ckpt["model"])
+                    opt.load_state_dict(ckpt["opt"])
+                    if failover:  # the backups took the float32 sets as they are
+                        for victim in (cl._procs[1], cl._procs[2]):  # both groups' primaries
+                            victim.kill()
+                            victim.wait()
+                for step in range(start, start + steps):
+                    x, y = data[step % len(data)]
+                    opt.zero_grad()
+                    ((model(x).float() - y.float()) ** 2).mean().backward()
+                    opt.step()
+                if failover and ckpt:
+                    self.assertGreaterEqual(opt.client.counters()["failovers"], 1)
+                out = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                       "opt": opt.state_dict()}
+                opt.close()
+            return out
+
+        whole = run(10)
+        half = run(5)
+        resumed = run(5, start=5, ckpt=half)
+        for k, v in whole["model"].items():
+            self.assertTrue(torch.equal(resumed["model"][k], v), k)
+        for i, w in whole["opt"]["shardps_master_weights"].items():
+            self.assertTrue(torch.equal(resumed["opt"]["shardps_master_weights"][i], w), i)
+        for i, st in whole["opt"]["state"].items():
+            for k, v in st.items():
+                self.assertTrue(torch.equal(resumed["opt"]["state"][i][k], v), (i, k))
+
+    def dtype(self, wire_dtype):
+        return torch.float32 if wire_dtype is not None else torch.bfloat16
+
+    def test_a_bfloat16_model_resumes_bit_for_bit(self):
+        self.resume_16_bit()
+
+    def test_a_float32_model_on_a_float16_wire_resumes_bit_for_bit(self):
+        self.resume_16_bit(wire_dtype=torch.float16)
+
+    def test_a_bfloat16_model_resumes_bit_for_bit_across_a_failover(self):
+        self.resume_16_bit(failover=True)
+
     def test_a_fresh_optimizer_state_clears_the_servers(self):
         data = self.data()
         with cluster(servers=1) as cl:

@@ -154,6 +154,20 @@ SHARDPS_EXPORT int shardps_client_pull_rows(shardps_client* client, const char* 
 SHARDPS_EXPORT int shardps_client_add_row_gradients(shardps_client* client, const char* name,
                                                     const int64_t* ids, size_t n, const void* grads,
                                                     shardps_error* err);
+/* A dense tensor's state (Client::SetState / SetStateValues / GetState), between steps: part 1
+ * the master weights, 2 and 3 the optimizer state buffers (momentum or Adam's first moment;
+ * Adam's second), 4 (set only, values NULL) drops the state; the step count set to `steps`.
+ * values: the tensor's element count of float32, whatever its dtype (a 16-bit tensor's float32
+ * master and state set exactly); NULL: the values now in its gradient buffer, in its dtype. */
+SHARDPS_EXPORT int shardps_client_set_state(shardps_client* client, const char* name,
+                                            uint32_t part, const float* values, uint64_t steps,
+                                            shardps_error* err);
+/* Reads the float32 master weights and optimizer state of a dense tensor (its element count
+ * each; any may be NULL); *steps, *has1, *has2 (may be NULL) as for shardps_client_get_rows. */
+SHARDPS_EXPORT int shardps_client_get_state(shardps_client* client, const char* name,
+                                            float* weights, float* state1, float* state2,
+                                            uint64_t* steps, int* has1, int* has2,
+                                            shardps_error* err);
 /* A row table's state (Client::SetRows / GetRows / TableKeys): part 1 the rows' values, 2 and 3
  * their optimizer state rows (Adagrad's sum or Adam's first moment; Adam's second), with the
  * table's step count set to `steps`. values: n x dim float32 (16-bit tables: rounded on the

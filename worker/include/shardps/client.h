@@ -342,6 +342,14 @@ class SHARDPS_EXPORT Client {
   // buffer must be written by work that is complete or ordered on the legacy default stream, as
   // for Push.
   virtual Status SetState(const std::string& tensor, StatePart part, uint64_t steps) = 0;
+  // As SetState, from `values` (elements() float32, host memory) instead of the gradient
+  // buffer, whatever the tensor's dtype: a 16-bit tensor's float32 master weights and state
+  // are set exactly, so what GetState read loads back bit for bit. Each chunk is sent as
+  // float32 ranges of at most its inbox slot's bytes (two pushes for a 16-bit chunk), each
+  // acknowledged before the next; readers may see a chunk half set until the last. The
+  // gradient buffer is not touched. kNoState is refused (SetState drops the state).
+  virtual Status SetStateValues(const std::string& tensor, StatePart part, const float* values,
+                                uint64_t steps) = 0;
   // Reads the servers' float32 master weights and optimizer state of `tensor` (elements()
   // floats each; any output may be null). *has1/*has2: whether that state buffer exists on
   // every chunk; *steps: the optimizer's step count (the largest of the chunks').
