@@ -133,6 +133,10 @@ const char* BodyName(const Envelope& e) {
       return "status_request";
     case Envelope::kStatusReply:
       return "status_reply";
+    case Envelope::kBarrier:
+      return "barrier";
+    case Envelope::kBarrierRelease:
+      return "barrier_release";
     case Envelope::BODY_NOT_SET:
       return "none";
   }

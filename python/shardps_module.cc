@@ -386,6 +386,10 @@ class PyClient {
     if (!keys->empty()) std::memcpy(out.mutable_data(), keys->data(), keys->size() * sizeof(int64_t));
     return out;
   }
+  void Barrier(double timeout_s) {
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+    Blocking([&](shardps::Client& c) { return c.Barrier(ms); });
+  }
   uint64_t RequestCheckpoint(const std::string& dir) {
     shardps::Client& c = Live();
     shardps::StatusOr<uint64_t> clock = shardps::InternalError("unset");
@@ -649,6 +653,10 @@ PYBIND11_MODULE(_shardps, m) {
            py::arg("non_finite"),
            "The next pushes come from a step whose gradients were not all finite: BSP skips "
            "the clock's update on every server (see Client::MarkNonFinite).")
+      .def("barrier", &PyClient::Barrier, py::arg("timeout") = 0.0,
+           "Waits until every live worker has called barrier() as often as this one (e.g. "
+           "after every worker loaded a checkpoint under SSP/ASP); timeout in seconds, 0: the "
+           "setup timeout (Client::Barrier).")
       .def("request_checkpoint", &PyClient::RequestCheckpoint, py::arg("dir") = "",
            "Asks every server for a checkpoint at the next clock; returns that clock.")
       .def("close", &PyClient::Close)

@@ -252,6 +252,13 @@ void Coordinator::Handle(Conn* c, const Envelope& e) {
       }
       HandleHeartbeat(c, e.heartbeat());
       return;
+    case Envelope::kBarrier:
+      if (c->member.role() != ROLE_WORKER) {
+        Close(c, "barrier from a non-worker", true);
+        return;
+      }
+      HandleBarrier(c, e.barrier());
+      return;
     case Envelope::kLeave:
       Close(c, "left: " + e.leave().reason(), false);
       return;
@@ -341,6 +348,7 @@ void Coordinator::SendJoinAccepted(Conn* c) {
   // (counted before this member joined). A late worker then starts at once.
   r->set_cluster_started(shard_map_ready_ &&
                          most_workers_ >= std::max<uint32_t>(1, options_.config.num_workers()));
+  r->set_barrier_generation(barrier_generation_);
   Queue(c, reply);
 }
 
@@ -604,6 +612,12 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   for (auto& [fd, c] : conns_) {
     if (c->joined && !c->closing) Queue(c.get(), e);
   }
+  // A departure (or a pending member's expiry) may leave every remaining worker at a barrier.
+  if (departed != 0) {
+    barrier_arrived_.erase(departed);
+    barrier_released_.erase(departed);
+  }
+  MaybeReleaseBarriers();
 }
 
 void Coordinator::CheckTimeouts() {

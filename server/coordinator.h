@@ -87,6 +87,7 @@ struct CoordinatorCounters {
   // `shardps status` (StatusRequest): answered, and refused (wrong token or over the rate).
   uint64_t status_answered = 0;
   uint64_t status_refused = 0;
+  uint64_t barriers_released = 0;  // BarrierRelease messages sent
 };
 
 // At most this many StatusRequests are answered per second (the rest get an Error), and a
@@ -171,6 +172,10 @@ class Coordinator {
   void HandleStatusRequest(Conn* c, const StatusRequest& r);
   void NoteStats(Conn* c, const MemberStats& s);
   StatusReply BuildStatus() const;
+  // Barriers (coordinator_barrier.cc): a worker's arrival; the releases every live worker's
+  // arrival allows (after an arrival or any membership change).
+  void HandleBarrier(Conn* c, const Barrier& b);
+  void MaybeReleaseBarriers();
   // Restart support (a state file, or etcd for HA coordinators).
   bool Persistent() const { return !options_.state_file.empty() || !options_.etcd_endpoints.empty(); }
   void SaveState();
@@ -245,6 +250,11 @@ class Coordinator {
   uint64_t checkpoint_seen_clock_ = 0;
   uint64_t checkpoint_seen_unix_ms_ = 0;
   CheckpointRequest last_checkpoint_request_;
+  // Barriers, by worker member id: the newest generation it arrived at, and the newest it was
+  // released from; the highest generation released to anyone (JoinReply.barrier_generation).
+  std::map<uint32_t, uint64_t> barrier_arrived_;
+  std::map<uint32_t, uint64_t> barrier_released_;
+  uint64_t barrier_generation_ = 0;
 
   mutable Mutex mu_;  // guards the snapshot below (written by the loop thread, read by anyone)
   Membership membership_ GUARDED_BY(mu_);  // epoch + members

@@ -2,6 +2,7 @@
 // everything: no exception crosses into C.
 #include "shardps/c_api.h"
 
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -405,6 +406,13 @@ int shardps_client_request_checkpoint(shardps_client* c, const char* dir, uint64
     if (!k.ok()) return k.status();
     if (clock != nullptr) *clock = *k;
     return Status::OK();
+  });
+}
+
+int shardps_client_barrier(shardps_client* c, uint64_t timeout_ms, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    return c->impl->Barrier(std::chrono::milliseconds(timeout_ms));
   });
 }
 

@@ -72,6 +72,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status Clock() override;
   Status Step() override;
   StatusOr<uint64_t> RequestCheckpoint(const std::string& dir) override;
+  Status Barrier(std::chrono::milliseconds timeout) override;
   Status SetLearningRate(const std::string& tensor, float lr) override;
   Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
   void MarkNonFinite(bool non_finite) override { step_.non_finite = non_finite; }
@@ -162,6 +163,7 @@ class ClientImpl final : public Client, private CompletionSink {
   // SetStateValues' float32 payloads; only rewritten or replaced once every push is
   // acknowledged (a push not yet acknowledged may be resent from it).
   std::unique_ptr<transport::MemoryRegion> values_staging_;
+  uint64_t barrier_generation_ = 0;  // the newest Barrier() this worker arrived at
   uint64_t state_nonce_ = 0;
   // The state staging, at least `bytes` long (grown, never shrunk).
   Status EnsureStateStaging(uint64_t bytes);

@@ -163,6 +163,8 @@ Status HostClient::AddRowGradients(const std::string&, const int64_t*, size_t, c
 StatusOr<uint64_t> HostClient::RequestCheckpoint(const std::string&) {
   return NotInHostMode("RequestCheckpoint()");
 }
+
+Status HostClient::Barrier(std::chrono::milliseconds) { return NotInHostMode("Barrier()"); }
 Status HostClient::SetState(const std::string&, StatePart, uint64_t) {
   return NotInHostMode("SetState()");
 }

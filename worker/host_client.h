@@ -53,6 +53,7 @@ class HostClient final : public Client {
   Status Clock() override;
   Status Step() override;
   StatusOr<uint64_t> RequestCheckpoint(const std::string& dir) override;
+  Status Barrier(std::chrono::milliseconds timeout) override;
   Status SetLearningRate(const std::string& tensor, float lr) override;
   Status SetUpdateRule(const std::string& tensor, const UpdateRule& rule) override;
   void MarkNonFinite(bool non_finite) override { non_finite_ = non_finite; }

@@ -504,6 +504,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         import contextlib
         return self._sync.no_sync() if self._sync is not None else contextlib.nullcontext()
 
+    def barrier(self, timeout=0.0):
+        """Waits until every live worker has called barrier() as often as this one
+        (Client::Barrier; ps-lite's Barrier, torch.distributed.barrier without a process
+        group). Under SSP and ASP call it after every worker's load_state_dict(), before
+        training on, so that no worker reads or updates what another one's load then
+        overwrites. timeout in seconds (0: the setup timeout)."""
+        self.synchronize()
+        self.client.barrier(timeout)
+
     def synchronize(self):
         """overlap=True: waits for the pulls in flight (the parameters hold the new weights
         after it; forward pre-hooks do this per layer). Without overlap: nothing to wait for."""

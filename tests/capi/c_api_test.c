@@ -407,6 +407,9 @@ static void* worker_main(void* p) {
     EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "'e'") != NULL,
            "a row table's dense state: %s %s", shardps_code_name(rc), err.message);
   }
+  /* Client::Barrier: both workers pass it (each waits for the other). */
+  rc = shardps_client_barrier(c, 20000, &err);
+  EXPECT(rc == SHARDPS_OK, "rank %d barrier: %s", a->rank, err.message);
   uint32_t rank = 99;
   uint64_t clock = 0;
   EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank, "rank %u",

@@ -312,17 +312,25 @@ TEST(CoordinatorTest, RejoinOfAnUnknownMemberIsRefused) {
       << r.status();
 }
 
+// A coordinator that saves its state in a fresh file named by `tag` (restartable: start it
+// again with the same options, listen_address set to the first one's).
+CoordinatorOptions RestartableOptions(const std::string& tag, std::string* state) {
+  *state = ::testing::TempDir() + tag + std::to_string(getpid());
+  std::remove(state->c_str());
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.cluster_token = kToken;
+  o.state_file = *state;
+  o.rejoin_grace = milliseconds(10000);
+  return o;
+}
+
 // After a coordinator restart, a process that holds the cluster token but not the member's
 // credential cannot rejoin as that member (it would take over its rank and the real member,
 // refused, would fence itself). The real member then rejoins as itself.
 TEST(CoordinatorTest, RejoinUnderAnotherMembersIdNeedsItsCredential) {
-  const std::string state = ::testing::TempDir() + "coord-cred-" + std::to_string(getpid());
-  std::remove(state.c_str());
-  CoordinatorOptions o;
-  o.listen_address = "127.0.0.1:0";
-  o.cluster_token = kToken;
-  o.state_file = state;
-  o.rejoin_grace = milliseconds(10000);
+  std::string state;
+  CoordinatorOptions o = RestartableOptions("coord-cred-", &state);
   auto c = Coordinator::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
   o.listen_address = (*c)->address();
@@ -465,6 +473,93 @@ TEST(CoordinatorTest, JoinGivesUpOnAnUnreachableCoordinatorAfterTheBound) {
   EXPECT_EQ(w.status().code(), StatusCode::kUnavailable) << w.status();
   EXPECT_GE(waited, milliseconds(500));
   EXPECT_LT(waited, milliseconds(3000));
+}
+
+
+
+Envelope BarrierAt(uint64_t generation) {
+  Envelope e;
+  e.mutable_barrier()->set_generation(generation);
+  return e;
+}
+
+// The barrier survives a coordinator restart: its state is not saved, the members' repeated
+// arrivals rebuild it. Worker A waits at barrier 2, B passed barrier 1; after the restart A is
+// still not released by B's repeat of 1, only by B's arrival at 2. Without A's repeat (a
+// client that forgot its arrival once released) A would wait for ever.
+TEST(CoordinatorTest, BarriersAreRebuiltAfterACoordinatorRestart) {
+  std::string state;
+  CoordinatorOptions o = RestartableOptions("coord-barrier-", &state);
+  o.config.set_num_workers(2);
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  o.listen_address = (*c)->address();
+  ControlClientOptions wo = ClientOptions(**c, ROLE_WORKER, kToken);
+  wo.rejoin_window = milliseconds(10000);
+  auto a = ControlClient::Join(wo);
+  auto b = ControlClient::Join(wo);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto arrive = [](ControlClient& w, uint64_t g) {
+    w.Forget(Envelope::kBarrier);
+    return w.SendAndRepeatOnRejoin(BarrierAt(g));
+  };
+  ASSERT_TRUE(arrive(**a, 1).ok());
+  EXPECT_EQ((*a)->WaitMessage(Envelope::kBarrierRelease, milliseconds(300)).status().code(),
+            StatusCode::kDeadlineExceeded) << "released before B arrived";
+  ASSERT_TRUE(arrive(**b, 1).ok());
+  for (auto* w : {&*a, &*b}) {
+    auto r = (*w)->WaitMessage(Envelope::kBarrierRelease, milliseconds(3000));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->barrier_release().generation(), 1u);
+    EXPECT_EQ(r->barrier_release().workers(), 2u);
+  }
+  ASSERT_TRUE(arrive(**a, 2).ok());
+  c->reset();
+  auto again = Coordinator::Start(o);  // same address and state file
+  ASSERT_TRUE(again.ok()) << again.status();
+  const auto until = std::chrono::steady_clock::now() + milliseconds(8000);
+  while ((*again)->counters().rejoins < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  ASSERT_EQ((*again)->counters().rejoins, 2u);
+  // B's repeat of barrier 1 may earn it a stale release of 1; A must not be released.
+  auto early = (*a)->WaitMessage(Envelope::kBarrierRelease, milliseconds(500));
+  EXPECT_EQ(early.status().code(), StatusCode::kDeadlineExceeded)
+      << "A released from barrier 2 before B arrived: " << early->DebugString();
+  ASSERT_TRUE(arrive(**b, 2).ok());
+  auto ra = (*a)->WaitMessage(Envelope::kBarrierRelease, milliseconds(3000));
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  EXPECT_EQ(ra->barrier_release().generation(), 2u);
+  bool b_released = false;
+  for (int i = 0; i < 2 && !b_released; ++i) {  // a stale release of 1 may come first
+    auto rb = (*b)->WaitMessage(Envelope::kBarrierRelease, milliseconds(3000));
+    ASSERT_TRUE(rb.ok()) << rb.status();
+    b_released = rb->barrier_release().generation() == 2;
+  }
+  EXPECT_TRUE(b_released);
+  std::remove(state.c_str());
+}
+
+// A barrier from a server, or a generation of 0 or beyond 2^40, is a protocol error: that
+// connection is closed and the coordinator goes on.
+TEST(CoordinatorTest, ABadBarrierIsAProtocolError) {
+  auto c = StartCoordinator();
+  ASSERT_TRUE(c);
+  auto s = ControlClient::Join(ClientOptions(*c, ROLE_SERVER, kToken));
+  auto w0 = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  auto w1 = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  ASSERT_TRUE(s.ok() && w0.ok() && w1.ok());
+  ASSERT_TRUE((*s)->Send(BarrierAt(1)).ok());
+  ASSERT_TRUE((*w0)->Send(BarrierAt(0)).ok());
+  ASSERT_TRUE((*w1)->Send(BarrierAt(uint64_t{1} << 41)).ok());
+  const auto until = std::chrono::steady_clock::now() + milliseconds(3000);
+  while (c->counters().protocol_errors < 3 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(c->counters().protocol_errors, 3u);
+  EXPECT_EQ(c->counters().barriers_released, 0u);
+  auto late = ControlClient::Join(ClientOptions(*c, ROLE_WORKER, kToken));
+  EXPECT_TRUE(late.ok()) << "the coordinator still serves: " << late.status();
 }
 
 }  // namespace

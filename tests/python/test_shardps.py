@@ -949,6 +949,43 @@ class LateStartTest(unittest.TestCase):
             c1.close()
 
 
+class BarrierTest(unittest.TestCase):
+    """Client.barrier(): no worker passes it before every worker arrived; a timeout raises
+    DEADLINE_EXCEEDED and leaves the barrier open (Client::Barrier)."""
+
+    def test_barrier_waits_for_the_late_worker(self):
+        import threading
+        import time
+        with cluster(servers=1, workers=2) as cl:
+            cs = [connect(cl, rank=0), connect(cl, rank=1)]
+            bufs = [np.zeros(8, dtype=np.float32) for _ in range(4)]
+            for i, c in enumerate(cs):
+                c.register("w", bufs[2 * i], bufs[2 * i + 1])
+            starts = [threading.Thread(target=c.start) for c in cs]
+            for t in starts:
+                t.start()
+            for t in starts:
+                t.join()
+            arrived = []
+
+            def late():
+                time.sleep(0.3)
+                arrived.append(1)
+                cs[1].barrier()
+
+            t = threading.Thread(target=late)
+            t.start()
+            cs[0].barrier()
+            self.assertEqual(arrived, [1], "worker 0 passed the barrier before worker 1 came")
+            t.join()
+            with self.assertRaises(shardps.Error) as e:
+                cs[0].barrier(timeout=0.2)
+            self.assertEqual(e.exception.code, "DEADLINE_EXCEEDED")
+            cs[1].barrier(timeout=5)  # worker 0 arrived already: open, and now passed
+            for c in cs:
+                c.close()
+
+
 class CleanEndTest(unittest.TestCase):
     """A job that ends normally logs no ERROR: the servers leaving after the workers are done
     is the job's end, not a group's lost state (operators page on ERROR)."""

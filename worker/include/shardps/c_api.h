@@ -228,6 +228,10 @@ SHARDPS_EXPORT int shardps_client_set_update_rule(shardps_client* client, const 
  * directory or dir (NULL or "": the cluster's); *clock receives that clock (may be NULL). */
 SHARDPS_EXPORT int shardps_client_request_checkpoint(shardps_client* client, const char* dir,
                                                      uint64_t* clock, shardps_error* err);
+/* Client::Barrier: waits until every live worker called it as often as this one; timeout_ms 0:
+ * the setup timeout (SHARDPS_DEADLINE_EXCEEDED after it). */
+SHARDPS_EXPORT int shardps_client_barrier(shardps_client* client, uint64_t timeout_ms,
+                                          shardps_error* err);
 /* Leaves the cluster. Closing again is OK; after it every other call but the accessors
  * returns SHARDPS_FAILED_PRECONDITION ("Push() after Close()"), until shardps_client_destroy.
  * The states and what each call does in each: shardps/client.h, "Lifecycle". A NULL client

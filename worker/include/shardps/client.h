@@ -23,8 +23,8 @@
 //
 //   joined        after Connect. RegisterTensor works; Start() works once tensors are
 //                 registered (without any it is refused and the client stays joined). Push,
-//                 Pull, Wait, Clock, Step and RequestCheckpoint are refused.
-//   running       after a successful Start(). Push, Pull, Wait, Clock, Step and
+//                 Pull, Wait, Clock, Step, Barrier and RequestCheckpoint are refused.
+//   running       after a successful Start(). Push, Pull, Wait, Clock, Step, Barrier and
 //                 RequestCheckpoint work (their own errors, e.g. NOT_FOUND for an unknown
 //                 tensor or handle, or DEADLINE_EXCEEDED for a pull that missed its bound, leave
 //                 the client running). RegisterTensor and Start are refused.
@@ -297,6 +297,13 @@ class SHARDPS_EXPORT Client {
   // BSP): written to the cluster's checkpoint directory, or `dir` if given. Returns the clock.
   // One control message; the write itself happens on the servers' writer threads.
   virtual StatusOr<uint64_t> RequestCheckpoint(const std::string& dir = "") = 0;
+  // Waits until every live worker of the cluster has called Barrier as often as this one (ps-lite's
+  // Postoffice::Barrier, torch.distributed.barrier): e.g. after every worker loaded a checkpoint
+  // under SSP or ASP, before any trains on. One control message each way, sent again after a
+  // coordinator restart; a worker that departs is no longer waited for, and none is released
+  // before every expected worker has joined. DEADLINE_EXCEEDED after `timeout` (0: the
+  // options' setup_timeout); the barrier stays open, and the next call waits for the next one.
+  virtual Status Barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) = 0;
   // The learning rate the servers apply to this worker's next pushes of `tensor` ("" = every
   // registered tensor); 0 = the servers' --lr. It travels in each push's header, so an LR
   // schedule costs no control message. In BSP a clock is applied with its lowest rank's rate:
