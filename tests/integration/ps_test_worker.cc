@@ -89,6 +89,12 @@ DEFINE_bool(freeze_b, false,
 DEFINE_bool(embedding_load, false,
             "--embedding_rows (dense): every worker sets every row to RowTask::Loaded after "
             "Start (Client::SetRows, a pretrained table); standalone starts from them");
+DEFINE_int32(load_delay_ms, 0,
+             "--embedding_load: rank 0 sleeps this long before its load (the others may start "
+             "training meanwhile unless --barrier_after_load holds them)");
+DEFINE_bool(barrier_after_load, true,
+            "--embedding_load: every worker calls Client::Barrier after its load, before its "
+            "first step");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -558,17 +564,26 @@ int RunCluster() {
     st = c.RegisterEmbedding("E", erows, RowTask::kDim, shardps::TensorDType::kFloat32, eo);
   }
   if (st.ok()) st = c.Start();
+  // The counter model's loaded rows all start at this count (an integer: the rows still count).
+  const float counter_base = counter_rows && FLAGS_embedding_load ? 1000.0f : 0.0f;
   if (st.ok() && erows > 0 && FLAGS_embedding_load && !FLAGS_embedding_hashed && !FLAGS_resume) {
     // A pretrained table, set by every worker (the same values: idempotent) before its first
-    // step, so that no worker reads a row before it is set.
+    // step; then a barrier, so that no worker reads or updates a row before every load is in
+    // (under SSP and ASP a late load would overwrite the others' first updates).
     std::vector<int64_t> all(static_cast<size_t>(erows));
     std::vector<float> values(all.size() * RowTask::kDim);
     for (int64_t id = 0; id < erows; ++id) {
       all[id] = id;
-      for (int j = 0; j < RowTask::kDim; ++j) values[id * RowTask::kDim + j] = RowTask::Loaded(id, j);
+      for (int j = 0; j < RowTask::kDim; ++j) {
+        values[id * RowTask::kDim + j] = counter_rows ? counter_base : RowTask::Loaded(id, j);
+      }
+    }
+    if (me == 0 && FLAGS_load_delay_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(FLAGS_load_delay_ms));
     }
     st = c.SetRows("E", shardps::Client::StatePart::kWeights, all.data(), all.size(),
                    values.data(), 0);
+    if (st.ok() && FLAGS_barrier_after_load) st = c.Barrier();
   }
   if (st.ok()) st = refresh();
   if (st.ok() && linreg && FLAGS_freeze_b) {
@@ -677,7 +692,7 @@ int RunCluster() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     for (;;) {
       st = c.PullRows("E", &own, 1, row.data());
-      if (!st.ok() || row[0] >= static_cast<float>(FLAGS_steps) ||
+      if (!st.ok() || row[0] >= counter_base + static_cast<float>(FLAGS_steps) ||
           std::chrono::steady_clock::now() > until) {
         break;
       }
@@ -689,7 +704,7 @@ int RunCluster() {
       fprintf(stderr, "ps_test_worker rank %d: own row: %s\n", me, st.ToString().c_str());
       return 5;
     }
-    r.row_count = static_cast<int64_t>(row[0]);
+    r.row_count = static_cast<int64_t>(row[0] - counter_base);
     for (int j = 1; j < RowTask::kDim; ++j) {
       if (row[j] != row[0]) r.row_count = -2;  // a torn or mixed row
     }
