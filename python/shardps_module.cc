@@ -387,6 +387,9 @@ class PyClient {
     return out;
   }
   void Barrier(double timeout_s) {
+    if (!(timeout_s >= 0.0) || timeout_s > 1e9) {  // NaN too
+      throw py::value_error("barrier timeout: seconds in [0, 1e9] (0: the setup timeout)");
+    }
     const auto ms = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
     Blocking([&](shardps::Client& c) { return c.Barrier(ms); });
   }

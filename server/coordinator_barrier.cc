@@ -25,7 +25,7 @@ void Coordinator::HandleBarrier(Conn* c, const Barrier& b) {
     // again (a worker ignores releases of generations it is not waiting for).
     if (b.generation() <= barrier_released_[c->member.member_id()]) {
       Envelope e;
-      e.mutable_barrier_release()->set_generation(b.generation());
+      e.mutable_barrier_release()->set_generation(b.generation());  // workers: 0, a repeat
       Queue(c, e);
     }
     return;
@@ -61,7 +61,10 @@ void Coordinator::MaybeReleaseBarriers() {
     uint64_t& released = barrier_released_[id];
     if (arrived <= released || arrived > lowest) continue;
     released = arrived;
-    barrier_generation_ = std::max(barrier_generation_, arrived);
+    if (arrived > barrier_generation_) {
+      barrier_generation_ = arrived;
+      dirty_ = true;  // saved: a worker joining after a restart counts on from it
+    }
     Envelope e;
     e.mutable_barrier_release()->set_generation(arrived);
     e.mutable_barrier_release()->set_workers(live);

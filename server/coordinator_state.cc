@@ -49,6 +49,8 @@ void Coordinator::SaveState() {
     *st.add_ready() = r;
   }
   for (uint32_t id : has_model_ids_) st.add_model_members(id);
+  st.set_most_workers(most_workers_);
+  st.set_barrier_generation(barrier_generation_);
   std::string bytes;
   if (!st.SerializeToString(&bytes)) {
     LOG(ERROR) << "coordinator: cannot serialise its state";
@@ -167,6 +169,8 @@ Status Coordinator::LoadState() {
     ready_[st.ready_ranks(i)] = st.ready(i);
   }
   has_model_ids_.assign(st.model_members().begin(), st.model_members().end());
+  most_workers_ = st.most_workers();
+  barrier_generation_ = st.barrier_generation();
   const auto deadline = Clock::now() + options_.rejoin_grace;
   for (const Member& m : st.members()) pending_[m.member_id()] = Pending{m, deadline};
   {

@@ -648,6 +648,9 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
   const uint32_t slot = r.slot;
   const bool set = r.kind == layout::ReplKind::kSet;
+  // "@N": the Nth state set, applied here and consumed, its record not posted: the backup never
+  // sees it, so the worker must send it again to the promoted backup.
+  if (set) CrashPoint("server.before_state_set_record");
   r.version = chunks_->version(slot) + 1;
   pending_[slot] = PendingVersion{buffer, r.min_clock_plus1};
   gate_->BeginVersion(slot, r.contributors);

@@ -2,6 +2,7 @@
 // everything: no exception crosses into C.
 #include "shardps/c_api.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -412,7 +413,9 @@ int shardps_client_request_checkpoint(shardps_client* c, const char* dir, uint64
 int shardps_client_barrier(shardps_client* c, uint64_t timeout_ms, shardps_error* err) {
   return Guard(err, [&]() -> Status {
     RETURN_IF_ERROR(NeedClient(c));
-    return c->impl->Barrier(std::chrono::milliseconds(timeout_ms));
+    // Beyond 30 years is "for ever" (and would overflow the steady clock's deadline).
+    const uint64_t most = uint64_t{1} << 40;
+    return c->impl->Barrier(std::chrono::milliseconds(std::min(timeout_ms, most)));
   });
 }
 

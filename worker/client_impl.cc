@@ -1122,24 +1122,31 @@ StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {
 Status ClientImpl::Barrier(std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(lifecycle_.Require("Barrier()", {ClientState::kRunning}));
   if (timeout.count() <= 0) timeout = options_.setup_timeout;
-  // Generations count from the last one the cluster released when this worker joined.
-  if (barrier_generation_ < control_->reply().barrier_generation()) {
-    barrier_generation_ = control_->reply().barrier_generation();
+  // A call after a timeout waits for the same barrier again: this worker has arrived there.
+  if (!barrier_waiting_) {
+    // Generations count from the last one the cluster released when this worker joined.
+    if (barrier_generation_ < control_->reply().barrier_generation()) {
+      barrier_generation_ = control_->reply().barrier_generation();
+    }
+    ++barrier_generation_;
+    control::Envelope e;
+    e.mutable_barrier()->set_generation(barrier_generation_);
+    // The newest arrival only is repeated after a rejoin (even once released: a restarted
+    // coordinator learns from it where this worker is).
+    control_->Forget(control::Envelope::kBarrier);
+    RETURN_IF_ERROR(control_->SendAndRepeatOnRejoin(e));
+    barrier_waiting_ = true;
   }
-  const uint64_t generation = ++barrier_generation_;
-  control::Envelope e;
-  e.mutable_barrier()->set_generation(generation);
-  // The newest arrival only is repeated after a rejoin (even once released: a restarted
-  // coordinator learns from it where this worker is).
-  control_->Forget(control::Envelope::kBarrier);
-  RETURN_IF_ERROR(control_->SendAndRepeatOnRejoin(e));
+  const uint64_t generation = barrier_generation_;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
-      return DeadlineExceededError("barrier " + std::to_string(generation) + ": not every worker arrived within " +
-                                   std::to_string(timeout.count()) + " ms");
+      return DeadlineExceededError("barrier " + std::to_string(generation) +
+                                   ": not every worker arrived within " +
+                                   std::to_string(timeout.count()) +
+                                   " ms (call Barrier again to keep waiting for it)");
     }
     StatusOr<control::Envelope> got =
         control_->WaitMessage(control::Envelope::kBarrierRelease, left);
@@ -1148,7 +1155,10 @@ Status ClientImpl::Barrier(std::chrono::milliseconds timeout) {
       return got.status();
     }
     // An older generation's release is a repeat after a rejoin: not this barrier's.
-    if (got->barrier_release().generation() >= generation) return Status::OK();
+    if (got->barrier_release().generation() >= generation) {
+      barrier_waiting_ = false;
+      return Status::OK();
+    }
   }
 }
 

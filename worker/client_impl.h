@@ -164,6 +164,7 @@ class ClientImpl final : public Client, private CompletionSink {
   // acknowledged (a push not yet acknowledged may be resent from it).
   std::unique_ptr<transport::MemoryRegion> values_staging_;
   uint64_t barrier_generation_ = 0;  // the newest Barrier() this worker arrived at
+  bool barrier_waiting_ = false;     // ... and was not released from yet (a timeout)
   uint64_t state_nonce_ = 0;
   // The state staging, at least `bytes` long (grown, never shrunk).
   Status EnsureStateStaging(uint64_t bytes);

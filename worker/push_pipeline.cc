@@ -108,8 +108,15 @@ Status PushPipeline::PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg
   // the op after it overwrite that push's slot, and a failover skip resending it.
   if (push_[id].seq > 0) RETURN_IF_ERROR(EnsureAcked(id, push_[id].seq, recover));
   const uint64_t h = handles_.Create();
+  // While it is awaited the op's payload is certainly where it was posted from (the caller is
+  // inside this call): a failover meanwhile resends it (Resync).
+  push_[id].op_awaited = true;
   Status st = PushChunk(id, h, recover, op, arg, values);
   if (st.ok()) st = EnsureAcked(id, push_[id].seq, recover);
+  push_[id].op_awaited = false;
+  // Acknowledged: never resent, so the caller's staging is no longer referenced. (Not
+  // acknowledged: the staging stays as it is until every push is, SetStateValues.)
+  if (st.ok()) push_[id].last_values = F32Values{};
   if (handles_.Contains(h) && handles_[h].pending == 0) handles_.Erase(h);
   return st;
 }
@@ -414,9 +421,12 @@ Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
   // caller may have reused the buffer: resending would apply other bytes — never twice,
   // never wrong: count it lost instead.
   // A row shard's push is in the client's own staging until the push after next: always.
+  // A state op being awaited (PushOpAndAwait), and float32 values (SetStateValues' staging,
+  // rewritten only once every push is acknowledged): always.
   const bool resendable = c.handle[p] != 0 || config_.mode() == control::BSP ||
                           (step_.in_step && c.step == step_.step_id) ||
-                          chunks_[id].rows.rows_kind();
+                          chunks_[id].rows.rows_kind() || c.op_awaited ||
+                          c.last_values.payload.region != nullptr;
   const uint64_t lost = resendable ? c.seq - 1 - a : c.seq - a;
   if (lost > 0) {
     pushes_lost_ += lost;

@@ -111,8 +111,10 @@ class PushPipeline {
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;
     uint64_t last_bytes = 0;  // a row shard's latest push: its staged entries' bytes
-    // The latest push's float32 values (kPushF32Values; region null: none), resent as they are.
+    // The latest push's float32 values (kPushF32Values; region null: none, or acknowledged),
+    // resent as they are.
     F32Values last_values;
+    bool op_awaited = false;  // PushOpAndAwait is waiting for the latest push (a state op)
   };
 
   // Pushes one chunk as part of handle h (its pending count already taken).

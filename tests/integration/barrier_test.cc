@@ -1,8 +1,8 @@
 // Client::Barrier end to end: real clients of an in-process cluster (coordinator and servers),
 // over tcp (the barrier is control plane only; the transport does not matter). The property:
 // no worker leaves barrier g before every live worker has arrived at it, over generations,
-// whatever the order of arrival; a worker that departs is not waited for; a timeout leaves
-// the barrier open.
+// whatever the order of arrival; a worker that departs is not waited for; a call after a
+// timeout waits for the same barrier again.
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -106,13 +106,15 @@ TEST(BarrierTest, AWorkerThatDepartsIsNotWaitedFor) {
   EXPECT_EQ(released_after_departure[1], 1);
 }
 
-// A timeout returns DEADLINE_EXCEEDED and leaves the barrier open: the late worker passes it
-// alone later (the other had arrived), and the next barrier holds both again.
-TEST(BarrierTest, ATimeoutLeavesTheBarrierOpen) {
+// A timeout returns DEADLINE_EXCEEDED and this worker stays arrived: calling Barrier again
+// waits for the same barrier (a retry), which passes once the late worker arrives there, and
+// the two are in step after it (a retry that moved on to the next barrier would let worker 1
+// pass its next one alone).
+TEST(BarrierTest, ATimeoutIsRetriedAtTheSameBarrier) {
   Cluster cluster(Spec(2));
   std::atomic<int> phase{0};
-  Status first_of_rank0 = Status::OK();
-  std::atomic<bool> second_released_early{false};
+  Status first_of_rank0 = Status::OK(), alone = Status::OK();
+  std::atomic<bool> retry_released_early{false};
   std::vector<std::thread> ts;
   for (int r = 0; r < 2; ++r) {
     ts.emplace_back([&, r] {
@@ -122,25 +124,29 @@ TEST(BarrierTest, ATimeoutLeavesTheBarrierOpen) {
       if (rank == 0) {
         first_of_rank0 = me.client->Barrier(std::chrono::milliseconds(300));
         phase = 1;
-        // Barrier 2: worker 1 arrives at it only after passing barrier 1 and a pause.
-        const Status st = me.client->Barrier(std::chrono::milliseconds(10000));
-        EXPECT_TRUE(st.ok()) << st;
-        second_released_early = phase.load() < 2;
+        const Status retry = me.client->Barrier(std::chrono::milliseconds(10000));
+        EXPECT_TRUE(retry.ok()) << retry;
+        retry_released_early = phase.load() < 2;
+        phase = 3;
       } else {
         while (phase.load() < 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        const Status st1 = me.client->Barrier(std::chrono::milliseconds(10000));
-        EXPECT_TRUE(st1.ok()) << st1;  // worker 0 arrived at 1 (and at 2) already
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
         phase = 2;
-        const Status st2 = me.client->Barrier(std::chrono::milliseconds(10000));
-        EXPECT_TRUE(st2.ok()) << st2;
+        const Status st = me.client->Barrier(std::chrono::milliseconds(10000));
+        EXPECT_TRUE(st.ok()) << st;
+        while (phase.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        alone = me.client->Barrier(std::chrono::milliseconds(300));  // worker 0 never comes
+        phase = 4;
       }
+      while (phase.load() < 4) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       EXPECT_TRUE(me.client->Close().ok());
     });
   }
   for (auto& t : ts) t.join();
   EXPECT_EQ(first_of_rank0.code(), StatusCode::kDeadlineExceeded) << first_of_rank0;
-  EXPECT_FALSE(second_released_early.load()) << "barrier 2 released before worker 1 arrived";
+  EXPECT_FALSE(retry_released_early.load()) << "the retry passed before worker 1 arrived";
+  EXPECT_EQ(alone.code(), StatusCode::kDeadlineExceeded)
+      << "worker 1 passed barrier 2 alone: worker 0's retry had moved on to it";
 }
 
 }  // namespace

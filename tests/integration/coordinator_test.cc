@@ -483,10 +483,11 @@ Envelope BarrierAt(uint64_t generation) {
   return e;
 }
 
-// The barrier survives a coordinator restart: its state is not saved, the members' repeated
-// arrivals rebuild it. Worker A waits at barrier 2, B passed barrier 1; after the restart A is
-// still not released by B's repeat of 1, only by B's arrival at 2. Without A's repeat (a
-// client that forgot its arrival once released) A would wait for ever.
+// The barrier survives a coordinator restart: the members' repeated arrivals rebuild it. Worker
+// A waits at barrier 2, B passed barrier 1; after the restart A is still not released by B's
+// repeat of 1, only once B and a worker that joined after the restart (numbering its barriers
+// on from the generation released, 1) arrived at 2. Without A's repeat (a client that forgot
+// its arrival once released) A would wait for ever.
 TEST(CoordinatorTest, BarriersAreRebuiltAfterACoordinatorRestart) {
   std::string state;
   CoordinatorOptions o = RestartableOptions("coord-barrier-", &state);
@@ -526,7 +527,20 @@ TEST(CoordinatorTest, BarriersAreRebuiltAfterACoordinatorRestart) {
   auto early = (*a)->WaitMessage(Envelope::kBarrierRelease, milliseconds(500));
   EXPECT_EQ(early.status().code(), StatusCode::kDeadlineExceeded)
       << "A released from barrier 2 before B arrived: " << early->DebugString();
+  // A worker new to the restarted coordinator counts on from the saved generation (1): its
+  // first barrier is 2, and A and B wait for it there.
+  auto late = ControlClient::Join(wo);
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ((*late)->reply().barrier_generation(), 1u);
   ASSERT_TRUE(arrive(**b, 2).ok());
+  auto waiting = (*a)->WaitMessage(Envelope::kBarrierRelease, milliseconds(300));
+  EXPECT_EQ(waiting.status().code(), StatusCode::kDeadlineExceeded)
+      << "A released before the new worker arrived";
+  ASSERT_TRUE(arrive(**late, (*late)->reply().barrier_generation() + 1).ok());
+  auto rl = (*late)->WaitMessage(Envelope::kBarrierRelease, milliseconds(3000));
+  ASSERT_TRUE(rl.ok()) << rl.status();
+  EXPECT_EQ(rl->barrier_release().generation(), 2u);
+  EXPECT_EQ(rl->barrier_release().workers(), 3u);
   auto ra = (*a)->WaitMessage(Envelope::kBarrierRelease, milliseconds(3000));
   ASSERT_TRUE(ra.ok()) << ra.status();
   EXPECT_EQ(ra->barrier_release().generation(), 2u);
@@ -537,6 +551,42 @@ TEST(CoordinatorTest, BarriersAreRebuiltAfterACoordinatorRestart) {
     b_released = rb->barrier_release().generation() == 2;
   }
   EXPECT_TRUE(b_released);
+  std::remove(state.c_str());
+}
+
+// The generation released is saved with the coordinator's state: after a restart with no
+// member left to repeat an arrival, a new worker still numbers its barriers on from it (with
+// 0 it would be at barrier 1 while the others' next is 2, and pass theirs alone).
+TEST(CoordinatorTest, ANewWorkerAfterARestartCountsBarriersOnFromTheSavedGeneration) {
+  std::string state;
+  CoordinatorOptions o = RestartableOptions("coord-barrier-gen-", &state);
+  o.config.set_num_workers(2);
+  auto c = Coordinator::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  o.listen_address = (*c)->address();
+  const ControlClientOptions wo = ClientOptions(**c, ROLE_WORKER, kToken);
+  {
+    auto a = ControlClient::Join(wo);
+    auto b = ControlClient::Join(wo);
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (int g = 1; g <= 3; ++g) {
+      ASSERT_TRUE((*a)->Send(BarrierAt(g)).ok());
+      ASSERT_TRUE((*b)->Send(BarrierAt(g)).ok());
+      for (auto* w : {&*a, &*b}) {
+        auto r = (*w)->WaitMessage(Envelope::kBarrierRelease, milliseconds(3000));
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_EQ(r->barrier_release().generation(), static_cast<uint64_t>(g));
+      }
+    }
+    ASSERT_TRUE((*a)->Leave("done").ok());
+    ASSERT_TRUE((*b)->Leave("done").ok());
+  }
+  c->reset();
+  auto again = Coordinator::Start(o);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto w = ControlClient::Join(wo);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)->reply().barrier_generation(), 3u);
   std::remove(state.c_str());
 }
 

@@ -68,6 +68,8 @@ const CrashCase kCases[] = {
     {"server.after_publish@10", Role::kPrimary, false, Outcome::kBitIdentical},
     {"server.after_checkpoint_submit", Role::kPrimary, false, Outcome::kBitIdentical, true},
     // State transfer: a table being loaded (every worker sets every row before its first step).
+    {"server.before_state_set_record@20", Role::kPrimary, false, Outcome::kBitIdentical, false,
+     true},
     {"server.after_state_set@20", Role::kPrimary, false, Outcome::kBitIdentical, false, true},
     {"server.after_state_set@20", Role::kBackup, false, Outcome::kBitIdentical, false, true},
     {"worker.mid_state_transfer@10", Role::kWorker, false, Outcome::kWorkersAgree, false, true},

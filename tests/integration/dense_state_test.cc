@@ -229,7 +229,7 @@ TEST_P(DenseStateAttackTest, AnOutOfRangeFloat32SetIsRefusedAndAppliesNothing) {
       ClientOptions o = cluster.WorkerOptions(r);
       std::unique_ptr<Client> owned;
       if (r == 0) {
-        o.wait_timeout = std::chrono::milliseconds(1500);
+        o.wait_timeout = std::chrono::milliseconds(4000);  // the refused set waits this long
         auto fabric = transport::Fabric::Open(worker::ClientFabricOptions(o));
         ASSERT_TRUE(fabric.ok()) << fabric.status();
         test::FaultOptions fault;

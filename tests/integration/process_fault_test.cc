@@ -224,6 +224,8 @@ class RowFailoverModeTest : public ProcessTestBase,
   // x 2 replicas; the primary of group 0 (rows 100 and 102) is SIGKILLed a third of the way in.
   // Every worker's own row must count exactly its 30 pushes.
   void RunAcrossAFailover(const std::vector<std::string>& extra);
+  // The mode's cluster: 2 groups x 2 replicas, `workers` workers, sums at lr 1.
+  ClusterSpec FailoverSpec(int workers) const;
 };
 
 struct RowModeCase {
@@ -233,9 +235,8 @@ struct RowModeCase {
 };
 constexpr RowModeCase kRowModes[] = {{"bsp", "bsp", 0}, {"ssp2", "ssp", 2}, {"asp", "asp", 0}};
 
-void RowFailoverModeTest::RunAcrossAFailover(const std::vector<std::string>& extra) {
+ClusterSpec RowFailoverModeTest::FailoverSpec(int workers) const {
   const RowModeCase& mode = kRowModes[std::get<1>(GetParam())];
-  const milliseconds bound = Emulated() ? 4 * kProcessBound : kProcessBound;
   ClusterSpec spec;
   spec.transport = std::get<0>(GetParam());
   spec.consistency = mode.consistency;
@@ -244,8 +245,15 @@ void RowFailoverModeTest::RunAcrossAFailover(const std::vector<std::string>& ext
   spec.aggregation = "sum";
   spec.servers = 2;
   spec.replicas = 2;
-  spec.workers = 3;
+  spec.workers = workers;
   spec.heartbeat_timeout_ms = Emulated() ? 6000 : 1500;
+  return spec;
+}
+
+void RowFailoverModeTest::RunAcrossAFailover(const std::vector<std::string>& extra) {
+  const RowModeCase& mode = kRowModes[std::get<1>(GetParam())];
+  const milliseconds bound = Emulated() ? 4 * kProcessBound : kProcessBound;
+  ClusterSpec spec = FailoverSpec(3);
   const int kSteps = 30;
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
@@ -290,6 +298,36 @@ TEST_P(RowFailoverModeTest, RowPushesAreAppliedExactlyOnceAcrossAFailover) {
 // bsp cannot race, and asp happened not to in that run).
 TEST_P(RowFailoverModeTest, ALoadedTableCountsExactlyOnceAfterABarrierAndAFailover) {
   RunAcrossAFailover({"--embedding_load", "--load_delay_ms=400"});
+}
+
+// A dense load (rank 0's Client::SetStateValues, float32 ranges) caught by the death of the
+// primary that takes it (crash point server.before_state_set_record@1: the set applied there,
+// its record never posted, so the backup lacks it): the worker resends the set to the promoted
+// backup, in every mode, and every worker reads the loaded weights back exactly after the
+// barrier. Before the fix (found by review), SSP and ASP counted the set lost (a state op's
+// push was not resendable once its send completed) and the load never finished.
+TEST_P(RowFailoverModeTest, ADenseLoadCaughtByAFailoverIsResent) {
+  const RowModeCase& mode = kRowModes[std::get<1>(GetParam())];
+  const milliseconds bound = Emulated() ? 4 * kProcessBound : kProcessBound;
+  ClusterSpec spec = FailoverSpec(2);
+  spec.crash_rank = 0;
+  spec.crash_point = "server.before_state_set_record@1";
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.push_back(SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log",
+                                  {"--model=counter", "--dense_load", "--steps=5",
+                                   "--staleness=" + std::to_string(mode.staleness)}));
+  }
+  ASSERT_EQ(ExitCode(servers_[0], bound), kCrashPointExitCode) << Tail(servers_[0]);
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("dense_loaded"), 1) << "worker " << r;
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, RowFailoverModeTest,

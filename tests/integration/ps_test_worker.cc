@@ -95,6 +95,10 @@ DEFINE_int32(load_delay_ms, 0,
 DEFINE_bool(barrier_after_load, true,
             "--embedding_load: every worker calls Client::Barrier after its load, before its "
             "first step");
+DEFINE_bool(dense_load, false,
+             "rank 0 sets every dense tensor's master weights to 1000 from float32 values "
+             "(Client::SetStateValues) after Start, then every worker passes a barrier, "
+             "reads them back (result: dense_loaded 1 when exactly 1000) and passes another");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -244,6 +248,7 @@ struct Result {
   // --model=counter with --embedding_rows: how many of this worker's row pushes its own row
   // (100 + rank) holds at the end (-1: not measured).
   int64_t row_count = -1;
+  int64_t dense_loaded = -1;  // --dense_load: 1 when the loaded weights read back exactly
   int view_buffer_untouched = -1;  // --weights_view: 1 if the registered buffers kept their values
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
   int64_t sig_max_staleness = 0;
@@ -286,6 +291,7 @@ int WriteResult(const Result& r) {
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
   if (r.row_count >= 0) kv("row_count", std::to_string(r.row_count));
+  if (r.dense_loaded >= 0) kv("dense_loaded", std::to_string(r.dense_loaded));
   if (r.view_buffer_untouched >= 0) {
     kv("view_buffer_untouched", std::to_string(r.view_buffer_untouched));
   }
@@ -564,6 +570,27 @@ int RunCluster() {
     st = c.RegisterEmbedding("E", erows, RowTask::kDim, shardps::TensorDType::kFloat32, eo);
   }
   if (st.ok()) st = c.Start();
+  if (st.ok() && FLAGS_dense_load && !FLAGS_resume) {
+    // A pretrained dense model: rank 0 sets it, everyone waits for it, and reads it back.
+    const std::vector<float> thousand(std::max(w.size(), b.size()), 1000.0f);
+    if (me == 0) {
+      st = c.SetStateValues("W", shardps::Client::StatePart::kWeights, thousand.data(), 0);
+      if (st.ok()) {
+        st = c.SetStateValues("b", shardps::Client::StatePart::kWeights, thousand.data(), 0);
+      }
+    }
+    if (st.ok()) st = c.Barrier();
+    std::vector<float> got_w(w.size()), got_b(b.size());
+    if (st.ok()) st = c.GetState("W", got_w.data(), nullptr, nullptr, nullptr, nullptr, nullptr);
+    if (st.ok()) st = c.GetState("b", got_b.data(), nullptr, nullptr, nullptr, nullptr, nullptr);
+    if (st.ok()) {
+      r.dense_loaded = 1;
+      for (float v : got_w) r.dense_loaded &= v == 1000.0f ? 1 : 0;
+      for (float v : got_b) r.dense_loaded &= v == 1000.0f ? 1 : 0;
+    }
+    // Nobody trains (SSP/ASP: its updates would show in a slower worker's read) before all read.
+    if (st.ok()) st = c.Barrier();
+  }
   // The counter model's loaded rows all start at this count (an integer: the rows still count).
   const float counter_base = counter_rows && FLAGS_embedding_load ? 1000.0f : 0.0f;
   if (st.ok() && erows > 0 && FLAGS_embedding_load && !FLAGS_embedding_hashed && !FLAGS_resume) {

@@ -302,7 +302,8 @@ class SHARDPS_EXPORT Client {
   // under SSP or ASP, before any trains on. One control message each way, sent again after a
   // coordinator restart; a worker that departs is no longer waited for, and none is released
   // before every expected worker has joined. DEADLINE_EXCEEDED after `timeout` (0: the
-  // options' setup_timeout); the barrier stays open, and the next call waits for the next one.
+  // options' setup_timeout); this worker stays arrived, and the next call waits for the same
+  // barrier again (a retry), not for the next one.
   virtual Status Barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) = 0;
   // The learning rate the servers apply to this worker's next pushes of `tensor` ("" = every
   // registered tensor); 0 = the servers' --lr. It travels in each push's header, so an LR
@@ -352,8 +353,8 @@ class SHARDPS_EXPORT Client {
   // As SetState, from `values` (elements() float32, host memory) instead of the gradient
   // buffer, whatever the tensor's dtype: a 16-bit tensor's float32 master weights and state
   // are set exactly, so what GetState read loads back bit for bit. Each chunk is sent as
-  // float32 ranges of at most its inbox slot's bytes (two pushes for a 16-bit chunk), each
-  // acknowledged before the next; readers may see a chunk half set until the last. The
+  // float32 ranges of at most its inbox slot's bytes (at most two pushes for a 16-bit chunk),
+  // each acknowledged before the next; readers may see a chunk half set until the last. The
   // gradient buffer is not touched. kNoState is refused (SetState drops the state).
   virtual Status SetStateValues(const std::string& tensor, StatePart part, const float* values,
                                 uint64_t steps) = 0;
