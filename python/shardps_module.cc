@@ -50,7 +50,8 @@ struct Buffer {
   bool cuda = false;
 };
 
-Buffer Describe(const py::object& obj, const std::string& what) {
+// `read_only`: the buffer is only read (values to set), so a read-only numpy array is fine.
+Buffer Describe(const py::object& obj, const std::string& what, bool read_only = false) {
   Buffer b;
   if (py::isinstance<py::array>(obj)) {
     py::array a = py::reinterpret_borrow<py::array>(obj);
@@ -63,8 +64,10 @@ Buffer Describe(const py::object& obj, const std::string& what) {
     if (!(a.flags() & py::array::c_style)) {
       throw py::value_error(what + ": numpy array must be C-contiguous (a copy would be needed)");
     }
-    if (!a.writeable()) throw py::value_error(what + ": numpy array must be writeable");
-    b.data = a.mutable_data();
+    if (!a.writeable() && !read_only) {
+      throw py::value_error(what + ": numpy array must be writeable");
+    }
+    b.data = const_cast<void*>(a.data());
     for (py::ssize_t i = 0; i < a.ndim(); ++i) b.shape.push_back(a.shape(i));
     if (b.shape.empty()) b.shape.push_back(1);
     return b;
@@ -280,7 +283,8 @@ class PyClient {
     if (part == "state2") return P::kState2;
     if (none && part == "none") return P::kNoState;
     throw py::value_error(none ? "part must be 'weights', 'state1', 'state2' or 'none'"
-                               : "a row table's part is 'weights', 'state1' or 'state2'");
+                               : "part must be 'weights', 'state1' or 'state2' (values are "
+                                 "set; 'none' drops the state without values)");
   }
   int64_t TensorElements(const std::string& name) {
     auto it = tensors_.find(name);
@@ -299,7 +303,7 @@ class PyClient {
       return;
     }
     const shardps::Client::StatePart p = ParsePart(part, /*none=*/false);
-    const Buffer b = Describe(values, "state values of '" + name + "'");
+    const Buffer b = Describe(values, "state values of '" + name + "'", /*read_only=*/true);
     if (b.dtype != shardps::TensorDType::kFloat32 || b.cuda) {
       throw py::type_error("'" + name + "': state values are a float32 host buffer");
     }

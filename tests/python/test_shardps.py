@@ -38,6 +38,26 @@ def cluster(**kw):
 
 
 class NumpyTest(unittest.TestCase):
+    def test_set_state_from_float32_values_of_a_float16_tensor(self):
+        # Client.set_state(values=): float32 values set exactly whatever the tensor's dtype
+        # (a read-only array is fine: it is only read); the gradient buffer is left alone.
+        with cluster() as cl, connect(cl) as c:
+            w = np.zeros(300, dtype=np.float16)
+            g = np.full(300, 7, dtype=np.float16)
+            c.register("w", w, g)
+            c.start()
+            v = (1 + np.arange(300, dtype=np.float32) / 4096).astype(np.float32)  # not float16
+            v.setflags(write=False)
+            c.set_state("w", "weights", values=v)
+            got = np.zeros(300, dtype=np.float32)
+            c.get_state("w", got)
+            np.testing.assert_array_equal(got, v)
+            np.testing.assert_array_equal(g, np.full(300, 7, dtype=np.float16))
+            with self.assertRaises(ValueError):
+                c.set_state("w", "weights", values=np.zeros(299, dtype=np.float32))
+            with self.assertRaises(ValueError):
+                c.set_state("w", "none", values=v)
+
     def test_zero_copy_and_weights_after_steps(self):
         with cluster() as cl, connect(cl) as c:
             w = np.linspace(-1, 1, 200, dtype=np.float32).reshape(10, 20)
