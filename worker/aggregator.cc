@@ -1,7 +1,7 @@
 #include "worker/aggregator.h"
 
-#include <poll.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include <glog/logging.h>
@@ -325,10 +326,38 @@ void Aggregator::Fail(const Status& s) {
   host::FutexWakeAll(&h->worker_bell);
 }
 
+Status Aggregator::MaybePassBarrier() {
+  host::GroupHeader* h = header();
+  const uint32_t released = h->barrier_released.load(std::memory_order_relaxed);
+  uint32_t lowest = std::numeric_limits<uint32_t>::max();
+  bool any = false;
+  for (uint32_t l = 0; l < locals_.size(); ++l) {
+    if (!locals_[l].live) continue;
+    any = true;
+    lowest = std::min(lowest, slot(l)->barrier_arrived.load(std::memory_order_acquire));
+  }
+  if (!any || lowest <= released) return Status::OK();
+  for (uint32_t b = released + 1; b <= lowest; ++b) {
+    // The cluster's barrier, retried in short waits (the same barrier each time) so that a
+    // stop is seen and late local workers are admitted meanwhile.
+    while (true) {
+      const Status st = client_->Barrier(std::chrono::milliseconds(200));
+      if (st.ok()) break;
+      if (st.code() != StatusCode::kDeadlineExceeded) return st;
+      if (stop_.load(std::memory_order_relaxed)) return CancelledError("stopped");
+      PollPending();
+    }
+    h->barrier_released.store(b, std::memory_order_release);
+    host::FutexWakeAll(&h->worker_bell);
+  }
+  return Status::OK();
+}
+
 Status Aggregator::WaitForLocals(uint64_t c) {
   host::GroupHeader* h = header();
   for (uint32_t spins = 0;; ++spins) {
     const uint32_t bell = h->agg_bell.load(std::memory_order_acquire);
+    RETURN_IF_ERROR(MaybePassBarrier());
     bool all = true;
     for (uint32_t l = 0; l < locals_.size(); ++l) {
       const Local& local = locals_[l];

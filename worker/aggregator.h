@@ -86,6 +86,9 @@ class Aggregator {
   Status StepOnce(bool* done);
   // Waits until every live local worker owes no clock below `c` + 1 or has gone.
   Status WaitForLocals(uint64_t c);
+  // Once every live local worker arrived at a barrier past the one released: passes the
+  // cluster's barrier (as many as they are ahead), then publishes the host's as passed.
+  Status MaybePassBarrier();
   void DropGone();
   void Fail(const Status& s);
   host::GroupHeader* header() const { return reinterpret_cast<host::GroupHeader*>(region_.data()); }

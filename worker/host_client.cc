@@ -164,7 +164,51 @@ StatusOr<uint64_t> HostClient::RequestCheckpoint(const std::string&) {
   return NotInHostMode("RequestCheckpoint()");
 }
 
-Status HostClient::Barrier(std::chrono::milliseconds) { return NotInHostMode("Barrier()"); }
+Status HostClient::Barrier(std::chrono::milliseconds timeout) {
+  // The host's barrier: this learner arrives in its slot; once every live learner of the host
+  // has, the aggregator passes the cluster's barrier (Client::Barrier, as one worker of the
+  // cluster) and publishes the barrier passed.
+  RETURN_IF_ERROR(life_.Require("Barrier()", {ClientState::kRunning}));
+  if (timeout.count() <= 0) timeout = options_.setup_timeout;
+  auto arrive = [this] {
+    barrier_ = std::max(barrier_, header()->barrier_released.load(std::memory_order_acquire)) + 1;
+    my_slot()->barrier_arrived.store(barrier_, std::memory_order_release);
+    host::FutexWakeAll(&header()->agg_bell);
+    barrier_waiting_ = true;
+  };
+  // A call after a timeout waits for the same barrier again (this learner stays arrived).
+  if (!barrier_waiting_) arrive();
+  const auto deadline = SteadyClock::now() + timeout;
+  for (uint32_t spins = 0;; ++spins) {
+    host::GroupHeader* h = header();
+    const uint32_t bell = h->worker_bell.load(std::memory_order_acquire);
+    if (h->barrier_released.load(std::memory_order_acquire) >= barrier_) {
+      barrier_waiting_ = false;
+      return Status::OK();
+    }
+    const auto state = static_cast<host::GroupState>(h->state.load(std::memory_order_acquire));
+    if (state == host::GroupState::kFailed) {
+      return life_.Break(UnavailableError(std::string("the host aggregator failed: ") +
+                                          std::string(h->error, strnlen(h->error, sizeof(h->error)))));
+    }
+    if (state == host::GroupState::kClosed || (spins % 8 == 7 && host::PeerGone(sock_.get()))) {
+      // A restarted aggregator has a fresh group: arrive there at its next barrier.
+      RETURN_IF_ERROR(Rejoin());
+      barrier_ = 0;
+      arrive();
+      continue;
+    }
+    const milliseconds left = Left(deadline);
+    if (left.count() <= 0) {
+      return DeadlineExceededError("barrier " + std::to_string(barrier_) +
+                                   ": not every worker arrived within " +
+                                   std::to_string(timeout.count()) +
+                                   " ms (call Barrier again to keep waiting for it)");
+    }
+    if (spins < 256) continue;
+    host::FutexWait(&h->worker_bell, bell, std::min(left, milliseconds(20)));
+  }
+}
 Status HostClient::SetState(const std::string&, StatePart, uint64_t) {
   return NotInHostMode("SetState()");
 }

@@ -128,6 +128,8 @@ class HostClient final : public Client {
   std::unordered_map<uint64_t, Pending> pending_;
   uint64_t next_handle_ = 1;
   uint64_t clock_ = 0;
+  uint32_t barrier_ = 0;           // the latest host barrier this learner arrived at
+  bool barrier_waiting_ = false;   // ... and has not passed yet (a timeout)
   uint32_t cluster_rank_ = 0;
   uint32_t hosts_ = 1;
   uint32_t local_workers_ = 1;

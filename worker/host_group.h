@@ -59,8 +59,10 @@ struct alignas(64) GroupHeader {
   uint32_t tensors;
   std::atomic<uint32_t> state;        // GroupState
   std::atomic<uint32_t> worker_bell;  // futex: rung by the aggregator (weights, state)
-  std::atomic<uint32_t> agg_bell;     // futex: rung by local workers (a clock done)
-  uint32_t reserved0;
+  std::atomic<uint32_t> agg_bell;     // futex: rung by local workers (a clock done, a barrier)
+  // The host's barriers passed (Client::Barrier): once every live local worker arrived at b,
+  // the aggregator passes the cluster's barrier, stores b (release) and rings worker_bell.
+  std::atomic<uint32_t> barrier_released;
   std::atomic<uint64_t> weights_clock;  // the host clock the weights area satisfies
   std::atomic<uint32_t> hosts;          // live workers of the cluster (aggregators)
   uint32_t reserved1;
@@ -71,7 +73,7 @@ struct alignas(64) GroupHeader {
 struct alignas(64) LocalSlot {
   std::atomic<uint64_t> clock_done;  // c + 1: its gradients of clock c are complete
   uint32_t flags;                    // of the latest clock done: kPushNonFinite
-  uint32_t reserved;
+  std::atomic<uint32_t> barrier_arrived;  // the latest barrier it arrived at (then agg_bell)
 };
 
 // Per local rank and tensor, written before clock_done.

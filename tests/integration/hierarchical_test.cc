@@ -507,6 +507,51 @@ TEST_P(HierarchicalModeTest, EveryPullHoldsWhatTheModeGuarantees) {
             << " at the bound, max staleness " << max_staleness << "\n";
 }
 
+// Client::Barrier under host aggregators, in every mode: every learner of both hosts passes
+// each of its 3 barriers (before steps 0, 4 and 8, each after a random pause of up to 40 ms)
+// only once every learner arrived there: the earliest release of a barrier is after the
+// latest arrival (steady clock, one host). A learner's arrival waits in its slot until the
+// host's all did; the aggregator then passes the cluster's barrier for the host.
+TEST_P(HierarchicalModeTest, ABarrierHoldsEveryLearnerOfEveryHost) {
+  const milliseconds bound = ModeBound();
+  const ClusterSpec spec = ModeSpec();
+  std::vector<ChildProcess*> aggs;
+  std::vector<ChildProcess*> workers =
+      StartHosts(spec, {"--model=linreg", "--steps=12", "--barrier_every=4"}, &aggs);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
+  for (ChildProcess* a : aggs) ASSERT_EQ(ExitCode(a, bound), 0) << Tail(a);
+  auto split = [](const std::string& list) {
+    std::vector<int64_t> v;
+    size_t at = 0;
+    while (at < list.size()) {
+      size_t end = list.find(',', at);
+      if (end == std::string::npos) end = list.size();
+      v.push_back(std::strtoll(list.substr(at, end - at).c_str(), nullptr, 10));
+      at = end + 1;
+    }
+    return v;
+  };
+  std::vector<int64_t> latest_arrival(3, 0), earliest_release(3, INT64_MAX);
+  for (int r = 0; r < kWorkers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    const std::vector<int64_t> arrive = split(res->Get("barrier_arrive_ns"));
+    const std::vector<int64_t> release = split(res->Get("barrier_release_ns"));
+    ASSERT_EQ(arrive.size(), 3u) << "worker " << r;
+    ASSERT_EQ(release.size(), 3u) << "worker " << r;
+    for (int b = 0; b < 3; ++b) {
+      latest_arrival[b] = std::max(latest_arrival[b], arrive[b]);
+      earliest_release[b] = std::min(earliest_release[b], release[b]);
+    }
+  }
+  for (int b = 0; b < 3; ++b) {
+    EXPECT_GE(earliest_release[b], latest_arrival[b])
+        << "barrier " << b + 1 << ": a learner passed it "
+        << (latest_arrival[b] - earliest_release[b]) / 1000 << " us before the last arrived";
+  }
+}
+
 // The frozen-tensor mark through the aggregators in every mode: b (SGD with weight decay 0.5,
 // which moves it unless the update is skipped) stays bit for bit as it started, whatever order
 // and staleness the mode lets the pushes have; W trains. (W's bits depend on timing outside

@@ -99,6 +99,10 @@ DEFINE_bool(dense_load, false,
              "rank 0 sets every dense tensor's master weights to 1000 from float32 values "
              "(Client::SetStateValues) after Start, then every worker passes a barrier, "
              "reads them back (result: dense_loaded 1 when exactly 1000) and passes another");
+DEFINE_int32(barrier_every, 0,
+             "every that many steps (and before the first), after a random pause of up to 40 "
+             "ms, Client::Barrier; the result lists each barrier's arrival and release times "
+             "(steady clock, ns: barrier_arrive_ns, barrier_release_ns)");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -249,6 +253,7 @@ struct Result {
   // (100 + rank) holds at the end (-1: not measured).
   int64_t row_count = -1;
   int64_t dense_loaded = -1;  // --dense_load: 1 when the loaded weights read back exactly
+  std::string barrier_arrive_ns, barrier_release_ns;  // --barrier_every: comma lists
   int view_buffer_untouched = -1;  // --weights_view: 1 if the registered buffers kept their values
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
   int64_t sig_max_staleness = 0;
@@ -292,6 +297,10 @@ int WriteResult(const Result& r) {
   kv("max_lead", std::to_string(r.max_lead));
   if (r.row_count >= 0) kv("row_count", std::to_string(r.row_count));
   if (r.dense_loaded >= 0) kv("dense_loaded", std::to_string(r.dense_loaded));
+  if (!r.barrier_arrive_ns.empty()) {
+    kv("barrier_arrive_ns", r.barrier_arrive_ns);
+    kv("barrier_release_ns", r.barrier_release_ns);
+  }
   if (r.view_buffer_untouched >= 0) {
     kv("view_buffer_untouched", std::to_string(r.view_buffer_untouched));
   }
@@ -633,6 +642,23 @@ int RunCluster() {
   Progress(0);
   const int first_step = FLAGS_resume ? static_cast<int>(r.start_clock) : 0;
   for (int t = first_step; t < FLAGS_steps; ++t) {
+    if (FLAGS_barrier_every > 0 && t % FLAGS_barrier_every == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 40));
+      auto now_ns = [] {
+        return std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now().time_since_epoch())
+                                  .count());
+      };
+      const std::string sep = r.barrier_arrive_ns.empty() ? "" : ",";
+      r.barrier_arrive_ns += sep + now_ns();
+      st = c.Barrier();
+      r.barrier_release_ns += sep + now_ns();
+      if (!st.ok()) {
+        fprintf(stderr, "ps_test_worker rank %d: barrier at step %d: %s\n", me, t,
+                st.ToString().c_str());
+        return 5;
+      }
+    }
     if (FLAGS_step_delay_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(FLAGS_step_delay_ms));
     }
