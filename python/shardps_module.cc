@@ -10,6 +10,7 @@
 //
 // The GIL is released while the client blocks (connect, start, step, push, pull, wait).
 // Thread safety: as shardps::Client, one thread at a time per Client object.
+#include <cmath>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -394,7 +395,8 @@ class PyClient {
     if (!(timeout_s >= 0.0) || timeout_s > 1e9) {  // NaN too
       throw py::value_error("barrier timeout: seconds in [0, 1e9] (0: the setup timeout)");
     }
-    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+    // Rounded up: a positive timeout under 1 ms is 1 ms, not 0 (which means the setup timeout).
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(timeout_s * 1000.0)));
     Blocking([&](shardps::Client& c) { return c.Barrier(ms); });
   }
   uint64_t RequestCheckpoint(const std::string& dir) {

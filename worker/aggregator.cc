@@ -290,6 +290,11 @@ Status Aggregator::StartCluster() {
   RETURN_IF_ERROR(client_->Start());
   host::GroupHeader* h = header();
   h->hosts.store(client_->num_workers(), std::memory_order_relaxed);
+  // Host barriers are numbered as the cluster's: a restarted aggregator starts at the
+  // generation the cluster had released when it joined, so a learner that was waiting at one
+  // released meanwhile passes it, and the next arrives at the cluster's next.
+  h->barrier_released.store(static_cast<uint32_t>(client_->barrier_generation()),
+                            std::memory_order_release);
   h->weights_clock.store(client_->clock(), std::memory_order_release);
   h->state.store(static_cast<uint32_t>(host::GroupState::kRunning), std::memory_order_release);
   host::FutexWakeAll(&h->worker_bell);
@@ -337,19 +342,20 @@ Status Aggregator::MaybePassBarrier() {
     lowest = std::min(lowest, slot(l)->barrier_arrived.load(std::memory_order_acquire));
   }
   if (!any || lowest <= released) return Status::OK();
-  for (uint32_t b = released + 1; b <= lowest; ++b) {
-    // The cluster's barrier, retried in short waits (the same barrier each time) so that a
-    // stop is seen and late local workers are admitted meanwhile.
-    while (true) {
-      const Status st = client_->Barrier(std::chrono::milliseconds(200));
-      if (st.ok()) break;
-      if (st.code() != StatusCode::kDeadlineExceeded) return st;
-      if (stop_.load(std::memory_order_relaxed)) return CancelledError("stopped");
-      PollPending();
-    }
-    h->barrier_released.store(b, std::memory_order_release);
-    host::FutexWakeAll(&h->worker_bell);
+  // A learner arrives only at the generation after the one released (the slot is learner-
+  // writable shared memory: anything higher is not believed).
+  const uint64_t target = static_cast<uint64_t>(released) + 1;
+  while (client_->barrier_generation() < target) {
+    // The cluster's barrier, retried in short waits (the same generation each time) so that a
+    // stop is seen and new local learners' joins are read meanwhile (admitted between steps).
+    const Status st = client_->Barrier(std::chrono::milliseconds(200));
+    if (st.ok()) break;
+    if (st.code() != StatusCode::kDeadlineExceeded) return st;
+    if (stop_.load(std::memory_order_relaxed)) return CancelledError("stopped");
+    PollPending();
   }
+  h->barrier_released.store(static_cast<uint32_t>(target), std::memory_order_release);
+  host::FutexWakeAll(&h->worker_bell);
   return Status::OK();
 }
 

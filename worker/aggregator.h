@@ -86,8 +86,8 @@ class Aggregator {
   Status StepOnce(bool* done);
   // Waits until every live local worker owes no clock below `c` + 1 or has gone.
   Status WaitForLocals(uint64_t c);
-  // Once every live local worker arrived at a barrier past the one released: passes the
-  // cluster's barrier (as many as they are ahead), then publishes the host's as passed.
+  // Once every live local worker arrived at the barrier after the one released: passes that
+  // generation of the cluster's barrier, then publishes it as passed.
   Status MaybePassBarrier();
   void DropGone();
   void Fail(const Status& s);

@@ -1119,9 +1119,16 @@ StatusOr<uint64_t> ClientImpl::RequestCheckpoint(const std::string& dir) {
   return step_.clock + 1;
 }
 
+uint64_t ClientImpl::barrier_generation() const {
+  const uint64_t passed = barrier_waiting_ ? barrier_generation_ - 1 : barrier_generation_;
+  return control_ ? std::max(passed, control_->reply().barrier_generation()) : passed;
+}
+
 Status ClientImpl::Barrier(std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(lifecycle_.Require("Barrier()", {ClientState::kRunning}));
   if (timeout.count() <= 0) timeout = options_.setup_timeout;
+  // A day at most: the deadline below must not overflow.
+  timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24));
   // A call after a timeout waits for the same barrier again: this worker has arrived there.
   if (!barrier_waiting_) {
     // Generations count from the last one the cluster released when this worker joined.
@@ -1129,13 +1136,15 @@ Status ClientImpl::Barrier(std::chrono::milliseconds timeout) {
       barrier_generation_ = control_->reply().barrier_generation();
     }
     ++barrier_generation_;
+    // Arrived from here on, even if the send fails: the arrival is queued to be repeated on
+    // the rejoin, so a retry must wait for this generation, not arrive at the next.
+    barrier_waiting_ = true;
     control::Envelope e;
     e.mutable_barrier()->set_generation(barrier_generation_);
     // The newest arrival only is repeated after a rejoin (even once released: a restarted
     // coordinator learns from it where this worker is).
     control_->Forget(control::Envelope::kBarrier);
     RETURN_IF_ERROR(control_->SendAndRepeatOnRejoin(e));
-    barrier_waiting_ = true;
   }
   const uint64_t generation = barrier_generation_;
   const auto deadline = std::chrono::steady_clock::now() + timeout;

@@ -91,6 +91,7 @@ class ClientImpl final : public Client, private CompletionSink {
   uint32_t rank() const override { return rank_; }
   uint32_t num_workers() const override;
   uint64_t clock() const override { return step_.clock; }
+  uint64_t barrier_generation() const override;
   std::string consistency() const override { return ConsistencyName(config_); }
   ClientCounters counters() const override;
   std::string transport_name() const override;

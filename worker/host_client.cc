@@ -164,20 +164,34 @@ StatusOr<uint64_t> HostClient::RequestCheckpoint(const std::string&) {
   return NotInHostMode("RequestCheckpoint()");
 }
 
+uint64_t HostClient::barrier_generation() const {
+  uint32_t passed = barrier_waiting_ ? barrier_ - 1 : barrier_;
+  if (rw_.data() != nullptr) {
+    passed = std::max(passed, header()->barrier_released.load(std::memory_order_acquire));
+  }
+  return passed;
+}
+
+void HostClient::ArriveAtBarrier() {
+  my_slot()->barrier_arrived.store(barrier_, std::memory_order_release);
+  host::FutexWakeAll(&header()->agg_bell);
+}
+
 Status HostClient::Barrier(std::chrono::milliseconds timeout) {
-  // The host's barrier: this learner arrives in its slot; once every live learner of the host
-  // has, the aggregator passes the cluster's barrier (Client::Barrier, as one worker of the
-  // cluster) and publishes the barrier passed.
+  // The host's barrier: this learner arrives in its slot at the cluster's next generation;
+  // once every live learner of the host has, the aggregator passes that generation of the
+  // cluster's barrier (Client::Barrier, as one worker of the cluster) and publishes it passed.
+  // Host barriers are numbered as the cluster's, so a restarted aggregator (whose group starts
+  // at the generation the cluster had released when it joined) continues the count.
   RETURN_IF_ERROR(life_.Require("Barrier()", {ClientState::kRunning}));
   if (timeout.count() <= 0) timeout = options_.setup_timeout;
-  auto arrive = [this] {
-    barrier_ = std::max(barrier_, header()->barrier_released.load(std::memory_order_acquire)) + 1;
-    my_slot()->barrier_arrived.store(barrier_, std::memory_order_release);
-    host::FutexWakeAll(&header()->agg_bell);
-    barrier_waiting_ = true;
-  };
+  timeout = std::min<milliseconds>(timeout, std::chrono::hours(24));
   // A call after a timeout waits for the same barrier again (this learner stays arrived).
-  if (!barrier_waiting_) arrive();
+  if (!barrier_waiting_) {
+    barrier_ = std::max(barrier_, header()->barrier_released.load(std::memory_order_acquire)) + 1;
+    barrier_waiting_ = true;
+    ArriveAtBarrier();
+  }
   const auto deadline = SteadyClock::now() + timeout;
   for (uint32_t spins = 0;; ++spins) {
     host::GroupHeader* h = header();
@@ -192,10 +206,9 @@ Status HostClient::Barrier(std::chrono::milliseconds timeout) {
                                           std::string(h->error, strnlen(h->error, sizeof(h->error)))));
     }
     if (state == host::GroupState::kClosed || (spins % 8 == 7 && host::PeerGone(sock_.get()))) {
-      // A restarted aggregator has a fresh group: arrive there at its next barrier.
+      // A restarted aggregator has a fresh group; Rejoin arrives there at the same generation
+      // (released at once if the cluster released it meanwhile).
       RETURN_IF_ERROR(Rejoin());
-      barrier_ = 0;
-      arrive();
       continue;
     }
     const milliseconds left = Left(deadline);
@@ -341,6 +354,9 @@ Status HostClient::Rejoin() {
     last = Join(Left(deadline), false);
     if (last.ok()) {
       ++counters_.reconnects;
+      // A barrier this learner had arrived at and not passed: arrive again in the new slot
+      // (whichever call noticed the restart, Barrier or a wait for weights).
+      if (barrier_waiting_) ArriveAtBarrier();
       LOG(INFO) << "shardps: local rank " << local_rank_ << " rejoined its host aggregator at clock "
                 << clock_;
       return Status::OK();

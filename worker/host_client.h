@@ -72,6 +72,7 @@ class HostClient final : public Client {
   uint32_t rank() const override;
   uint32_t num_workers() const override;
   uint64_t clock() const override { return clock_; }
+  uint64_t barrier_generation() const override;
   std::string consistency() const override { return consistency_; }
   ClientCounters counters() const override { return counters_; }
   std::string transport_name() const override;
@@ -106,6 +107,8 @@ class HostClient final : public Client {
   Status WaitForWeights(uint64_t c);
   // The aggregator is gone: reconnect (within the failover timeout) or break.
   Status Rejoin();
+  // Stores barrier_ in this learner's slot and rings the aggregator.
+  void ArriveAtBarrier();
   StatusOr<uint32_t> TensorIndex(const std::string& name) const;
   void TakeFacts(const control::LocalStarted& s);
   host::GroupHeader* header() const { return reinterpret_cast<host::GroupHeader*>(rw_.data()); }
@@ -128,8 +131,11 @@ class HostClient final : public Client {
   std::unordered_map<uint64_t, Pending> pending_;
   uint64_t next_handle_ = 1;
   uint64_t clock_ = 0;
-  uint32_t barrier_ = 0;           // the latest host barrier this learner arrived at
-  bool barrier_waiting_ = false;   // ... and has not passed yet (a timeout)
+  // The cluster's barrier generation this learner arrived at last (host barriers are numbered
+  // as the cluster's, so a restarted aggregator continues the count), and whether it has not
+  // passed it yet (a timeout; a rejoin arrives there again in the new group's slot).
+  uint32_t barrier_ = 0;
+  bool barrier_waiting_ = false;
   uint32_t cluster_rank_ = 0;
   uint32_t hosts_ = 1;
   uint32_t local_workers_ = 1;

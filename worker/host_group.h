@@ -60,8 +60,10 @@ struct alignas(64) GroupHeader {
   std::atomic<uint32_t> state;        // GroupState
   std::atomic<uint32_t> worker_bell;  // futex: rung by the aggregator (weights, state)
   std::atomic<uint32_t> agg_bell;     // futex: rung by local workers (a clock done, a barrier)
-  // The host's barriers passed (Client::Barrier): once every live local worker arrived at b,
-  // the aggregator passes the cluster's barrier, stores b (release) and rings worker_bell.
+  // The newest barrier generation passed (Client::Barrier), numbered as the cluster's: set at
+  // start to the cluster's released generation; once every live local worker arrived at b =
+  // this + 1, the aggregator passes the cluster's barrier b, stores b (release) and rings
+  // worker_bell.
   std::atomic<uint32_t> barrier_released;
   std::atomic<uint64_t> weights_clock;  // the host clock the weights area satisfies
   std::atomic<uint32_t> hosts;          // live workers of the cluster (aggregators)

@@ -102,7 +102,12 @@ DEFINE_bool(dense_load, false,
 DEFINE_int32(barrier_every, 0,
              "every that many steps (and before the first), after a random pause of up to 40 "
              "ms, Client::Barrier; the result lists each barrier's arrival and release times "
-             "(steady clock, ns: barrier_arrive_ns, barrier_release_ns)");
+             "(steady clock, ns: barrier_arrive_ns, barrier_release_ns) and the generation each "
+             "passed (barrier_gen)");
+DEFINE_bool(barrier_by_clock, false,
+            "--barrier_every: before a step whose clock (Client::clock) is a multiple of it, "
+            "and only if the cluster has not released that clock's generation (clock / every + "
+            "1) yet: a schedule that stays aligned when a restart skips clocks");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -253,7 +258,7 @@ struct Result {
   // (100 + rank) holds at the end (-1: not measured).
   int64_t row_count = -1;
   int64_t dense_loaded = -1;  // --dense_load: 1 when the loaded weights read back exactly
-  std::string barrier_arrive_ns, barrier_release_ns;  // --barrier_every: comma lists
+  std::string barrier_arrive_ns, barrier_release_ns, barrier_gen;  // --barrier_every: lists
   int view_buffer_untouched = -1;  // --weights_view: 1 if the registered buffers kept their values
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
   int64_t sig_max_staleness = 0;
@@ -300,6 +305,7 @@ int WriteResult(const Result& r) {
   if (!r.barrier_arrive_ns.empty()) {
     kv("barrier_arrive_ns", r.barrier_arrive_ns);
     kv("barrier_release_ns", r.barrier_release_ns);
+    kv("barrier_gen", r.barrier_gen);
   }
   if (r.view_buffer_untouched >= 0) {
     kv("view_buffer_untouched", std::to_string(r.view_buffer_untouched));
@@ -642,7 +648,13 @@ int RunCluster() {
   Progress(0);
   const int first_step = FLAGS_resume ? static_cast<int>(r.start_clock) : 0;
   for (int t = first_step; t < FLAGS_steps; ++t) {
-    if (FLAGS_barrier_every > 0 && t % FLAGS_barrier_every == 0) {
+    const uint64_t every = static_cast<uint64_t>(std::max(FLAGS_barrier_every, 1));
+    const bool barrier_now =
+        FLAGS_barrier_every > 0 &&
+        (FLAGS_barrier_by_clock
+             ? c.clock() % every == 0 && c.barrier_generation() < c.clock() / every + 1
+             : t % FLAGS_barrier_every == 0);
+    if (barrier_now) {
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 40));
       auto now_ns = [] {
         return std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -658,6 +670,7 @@ int RunCluster() {
                 st.ToString().c_str());
         return 5;
       }
+      r.barrier_gen += sep + std::to_string(c.barrier_generation());
     }
     if (FLAGS_step_delay_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(FLAGS_step_delay_ms));

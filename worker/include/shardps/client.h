@@ -400,6 +400,10 @@ class SHARDPS_EXPORT Client {
   virtual uint32_t rank() const = 0;
   virtual uint32_t num_workers() const = 0;  // live workers at the latest membership epoch
   virtual uint64_t clock() const = 0;
+  // The newest barrier generation this worker has passed, or the one the cluster had released
+  // when it joined (a late or restarted worker): its next Barrier() is this + 1. A Barrier()
+  // that timed out has not passed.
+  virtual uint64_t barrier_generation() const = 0;
   virtual std::string consistency() const = 0;  // "bsp", "ssp(s=2)", ...
   virtual ClientCounters counters() const = 0;
   virtual std::string transport_name() const = 0;
