@@ -433,6 +433,7 @@ class PyClient {
   uint32_t rank() { return Live().rank(); }
   uint32_t num_workers() { return Live().num_workers(); }
   uint64_t clock() { return Live().clock(); }
+  uint64_t barrier_generation() { return Live().barrier_generation(); }
   std::string consistency() { return Live().consistency(); }
   std::string transport() { return Live().transport_name(); }
   std::string tensor_path(const std::string& name) {
@@ -672,6 +673,9 @@ PYBIND11_MODULE(_shardps, m) {
       .def_property_readonly("rank", &PyClient::rank)
       .def_property_readonly("num_workers", &PyClient::num_workers)
       .def_property_readonly("clock_value", &PyClient::clock)
+      .def_property_readonly("barrier_generation", &PyClient::barrier_generation,
+                             "The newest barrier generation passed (or released by the cluster "
+                             "when this worker joined); the next barrier() is this + 1.")
       .def_property_readonly("consistency", &PyClient::consistency)
       .def_property_readonly("transport", &PyClient::transport)
       .def("tensor_path", &PyClient::tensor_path, py::arg("name"))

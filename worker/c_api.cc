@@ -453,6 +453,16 @@ int shardps_client_clock_value(const shardps_client* c, uint64_t* clock, shardps
   });
 }
 
+int shardps_client_barrier_generation(const shardps_client* c, uint64_t* generation,
+                                      shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (generation == nullptr) return Null("generation");
+    *generation = c->impl->barrier_generation();
+    return Status::OK();
+  });
+}
+
 int shardps_client_consistency(const shardps_client* c, char* buf, size_t capacity,
                                shardps_error* err) {
   return Guard(err, [&]() -> Status {

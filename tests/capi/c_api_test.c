@@ -408,8 +408,13 @@ static void* worker_main(void* p) {
            "a row table's dense state: %s %s", shardps_code_name(rc), err.message);
   }
   /* Client::Barrier: both workers pass it (each waits for the other). */
+  uint64_t generation = 99;
+  EXPECT(shardps_client_barrier_generation(c, &generation, &err) == SHARDPS_OK && generation == 0,
+         "barrier generation before the first %llu", (unsigned long long)generation);
   rc = shardps_client_barrier(c, 20000, &err);
   EXPECT(rc == SHARDPS_OK, "rank %d barrier: %s", a->rank, err.message);
+  EXPECT(shardps_client_barrier_generation(c, &generation, &err) == SHARDPS_OK && generation == 1,
+         "barrier generation after the first %llu", (unsigned long long)generation);
   uint32_t rank = 99;
   uint64_t clock = 0;
   EXPECT(shardps_client_rank(c, &rank, &err) == SHARDPS_OK && rank == (uint32_t)a->rank, "rank %u",

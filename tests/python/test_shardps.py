@@ -434,6 +434,9 @@ class MovedParameterTest(unittest.TestCase):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()  # registered storage: fine
+            # With overlap the step's pulls land in the parameters asynchronously (awaited per
+            # layer at the next forward): wait for them, or `before` races with the last one.
+            opt.synchronize()
             before = [p.detach().clone() for p in model.parameters()]
             model.double()  # new storage for every parameter
             opt.zero_grad()
@@ -995,13 +998,17 @@ class BarrierTest(unittest.TestCase):
 
             t = threading.Thread(target=late)
             t.start()
+            self.assertEqual(cs[0].barrier_generation, 0)
             cs[0].barrier()
             self.assertEqual(arrived, [1], "worker 0 passed the barrier before worker 1 came")
             t.join()
+            self.assertEqual([c.barrier_generation for c in cs], [1, 1])
             with self.assertRaises(shardps.Error) as e:
                 cs[0].barrier(timeout=0.2)
             self.assertEqual(e.exception.code, "DEADLINE_EXCEEDED")
+            self.assertEqual(cs[0].barrier_generation, 1, "a barrier that timed out is not passed")
             cs[1].barrier(timeout=5)  # worker 0 arrived already: open, and now passed
+            self.assertEqual(cs[1].barrier_generation, 2)
             for c in cs:
                 c.close()
 

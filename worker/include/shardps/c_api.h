@@ -246,6 +246,10 @@ SHARDPS_EXPORT int shardps_client_num_workers(const shardps_client* client, uint
                                               shardps_error* err);
 SHARDPS_EXPORT int shardps_client_clock_value(const shardps_client* client, uint64_t* clock,
                                               shardps_error* err);
+/* Client::barrier_generation: the newest barrier generation passed (or released by the cluster
+ * when this worker joined); the next shardps_client_barrier is this + 1. */
+SHARDPS_EXPORT int shardps_client_barrier_generation(const shardps_client* client,
+                                                     uint64_t* generation, shardps_error* err);
 SHARDPS_EXPORT int shardps_client_consistency(const shardps_client* client, char* buf,
                                               size_t capacity, shardps_error* err);
 SHARDPS_EXPORT int shardps_client_transport(const shardps_client* client, char* buf,
