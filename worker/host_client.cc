@@ -200,17 +200,10 @@ Status HostClient::Barrier(std::chrono::milliseconds timeout) {
       barrier_waiting_ = false;
       return Status::OK();
     }
-    const auto state = static_cast<host::GroupState>(h->state.load(std::memory_order_acquire));
-    if (state == host::GroupState::kFailed) {
-      return life_.Break(UnavailableError(std::string("the host aggregator failed: ") +
-                                          std::string(h->error, strnlen(h->error, sizeof(h->error)))));
-    }
-    if (state == host::GroupState::kClosed || (spins % 8 == 7 && host::PeerGone(sock_.get()))) {
-      // A restarted aggregator has a fresh group; Rejoin arrives there at the same generation
-      // (released at once if the cluster released it meanwhile).
-      RETURN_IF_ERROR(Rejoin());
-      continue;
-    }
+    // A restarted aggregator has a fresh group; Rejoin arrives there at the same generation
+    // (released at once if the cluster released it meanwhile).
+    ASSIGN_OR_RETURN(const bool rejoined, RejoinIfGone(spins));
+    if (rejoined) continue;
     const milliseconds left = Left(deadline);
     if (left.count() <= 0) {
       return DeadlineExceededError("barrier " + std::to_string(barrier_) +
@@ -330,6 +323,20 @@ Status HostClient::Start() {
   return life_.FinishStart(std::move(s));
 }
 
+StatusOr<bool> HostClient::RejoinIfGone(uint32_t spins) {
+  host::GroupHeader* h = header();
+  const auto state = static_cast<host::GroupState>(h->state.load(std::memory_order_acquire));
+  if (state == host::GroupState::kFailed) {
+    return life_.Break(UnavailableError(std::string("the host aggregator failed: ") +
+                                        std::string(h->error, strnlen(h->error, sizeof(h->error)))));
+  }
+  if (state == host::GroupState::kClosed || (spins % 8 == 7 && host::PeerGone(sock_.get()))) {
+    RETURN_IF_ERROR(Rejoin());
+    return true;
+  }
+  return false;
+}
+
 Status HostClient::Rejoin() {
   // A clock finished here but not published by the dead aggregator may have reached some
   // servers (never twice: the new aggregator starts at the cluster's clock).
@@ -379,13 +386,8 @@ Status HostClient::WaitForWeights(uint64_t c) {
     host::GroupHeader* h = header();
     const uint32_t bell = h->worker_bell.load(std::memory_order_acquire);
     if (h->weights_clock.load(std::memory_order_acquire) >= c) return Status::OK();
-    const auto state = static_cast<host::GroupState>(h->state.load(std::memory_order_acquire));
-    if (state == host::GroupState::kFailed) {
-      return life_.Break(UnavailableError(std::string("the host aggregator failed: ") +
-                                          std::string(h->error, strnlen(h->error, sizeof(h->error)))));
-    }
-    if (state == host::GroupState::kClosed || (spins % 8 == 7 && host::PeerGone(sock_.get()))) {
-      RETURN_IF_ERROR(Rejoin());
+    ASSIGN_OR_RETURN(const bool rejoined, RejoinIfGone(spins));
+    if (rejoined) {
       c = std::min(c, clock_);
       continue;
     }

@@ -107,6 +107,9 @@ class HostClient final : public Client {
   Status WaitForWeights(uint64_t c);
   // The aggregator is gone: reconnect (within the failover timeout) or break.
   Status Rejoin();
+  // Inside a wait (its `spins`-th look): the group failed (an error), or its aggregator is
+  // gone (then rejoins its restart: true; the socket is checked every 8th look).
+  StatusOr<bool> RejoinIfGone(uint32_t spins);
   // Stores barrier_ in this learner's slot and rings the aggregator.
   void ArriveAtBarrier();
   StatusOr<uint32_t> TensorIndex(const std::string& name) const;

@@ -323,19 +323,25 @@ class AggregatorKillTest
       public ::testing::WithParamInterface<std::tuple<std::string, bool>> {
  protected:
   void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+  const std::string& transport() const { return std::get<0>(GetParam()); }
+  milliseconds Bound() const { return Emulated(transport()) ? 4 * kProcessBound : kProcessBound; }
+  // The kill tests' cluster: 2 servers, one worker per host, sums at lr 1.
+  ClusterSpec KillSpec() const {
+    ClusterSpec spec;
+    spec.transport = transport();
+    spec.servers = 2;
+    spec.workers = kHosts;
+    spec.lr = 1.0;
+    spec.aggregation = "sum";
+    spec.heartbeat_timeout_ms = Emulated(transport()) ? 6000 : 1500;
+    return spec;
+  }
 };
 
 TEST_P(AggregatorKillTest, AKilledAggregatorRestartsWithNothingAppliedTwice) {
-  const std::string transport = std::get<0>(GetParam());
   const bool after_push = std::get<1>(GetParam());
-  const milliseconds bound = Emulated(transport) ? 4 * kProcessBound : kProcessBound;
-  ClusterSpec spec;
-  spec.transport = transport;
-  spec.servers = 2;
-  spec.workers = kHosts;
-  spec.lr = 1.0;
-  spec.aggregation = "sum";
-  spec.heartbeat_timeout_ms = Emulated(transport) ? 6000 : 1500;
+  const milliseconds bound = Bound();
+  const ClusterSpec spec = KillSpec();
   const int kSteps = 16, kCrashClock = 6;
   std::vector<ChildProcess*> aggs;
   std::vector<std::string> crash = {"--crash_at_clock=" + std::to_string(kCrashClock)};
@@ -386,23 +392,11 @@ TEST_P(AggregatorKillTest, AKilledAggregatorRestartsWithNothingAppliedTwice) {
 // again in its new slot, so no learner passes a generation before the last one that passed it
 // arrived, and every worker ends. Numbered per group (the first version), a learner arrived at
 // "its" 3 in a group that had released 0 made the aggregator pass three cluster barriers.
-class AggregatorBarrierKillTest
-    : public HierarchicalTest,
-      public ::testing::WithParamInterface<std::tuple<std::string, bool>> {
- protected:
-  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
-};
+class AggregatorBarrierKillTest : public AggregatorKillTest {};  // param: killed at a barrier
 
 TEST_P(AggregatorBarrierKillTest, BarriersHoldAcrossARestart) {
-  const std::string transport = std::get<0>(GetParam());
-  const milliseconds bound = Emulated(transport) ? 4 * kProcessBound : kProcessBound;
-  ClusterSpec spec;
-  spec.transport = transport;
-  spec.servers = 2;
-  spec.workers = kHosts;
-  spec.lr = 1.0;
-  spec.aggregation = "sum";
-  spec.heartbeat_timeout_ms = Emulated(transport) ? 6000 : 1500;
+  const milliseconds bound = Bound();
+  const ClusterSpec spec = KillSpec();
   const int kSteps = 16;
   const bool at_barrier = std::get<1>(GetParam());
   std::vector<std::string> crash = {"--crash_at_clock=" + std::string(at_barrier ? "8" : "6"),
