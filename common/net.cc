@@ -105,7 +105,18 @@ Status SetNonBlocking(int fd, bool on) {
   return Status::OK();
 }
 
-StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int backlog) {
+namespace {
+StatusOr<std::string> BoundAddress(int fd) {
+  sockaddr_storage actual{};
+  socklen_t alen = sizeof(actual);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&actual), &alen) != 0) {
+    return ErrnoError("getsockname", errno);
+  }
+  return SockaddrToString(actual);
+}
+}  // namespace
+
+StatusOr<UniqueFd> BindTcp(const std::string& address, std::string* bound) {
   ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
   socklen_t len = 0;
   ASSIGN_OR_RETURN(sockaddr_storage ss, Resolve(hp, &len, true));
@@ -116,13 +127,21 @@ StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int
   if (bind(fd.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0) {
     return ErrnoError("bind " + address, errno);
   }
-  if (listen(fd.get(), backlog) != 0) return ErrnoError("listen " + address, errno);
-  sockaddr_storage actual{};
-  socklen_t alen = sizeof(actual);
-  if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&actual), &alen) != 0) {
-    return ErrnoError("getsockname", errno);
+  if (bound != nullptr) {
+    ASSIGN_OR_RETURN(*bound, BoundAddress(fd.get()));
   }
-  if (bound != nullptr) *bound = SockaddrToString(actual);
+  return fd;
+}
+
+StatusOr<std::string> ListenOnBound(int fd, int backlog) {
+  if (listen(fd, backlog) != 0) return ErrnoError("listen", errno);
+  return BoundAddress(fd);
+}
+
+StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int backlog) {
+  ASSIGN_OR_RETURN(UniqueFd fd, BindTcp(address, nullptr));
+  ASSIGN_OR_RETURN(std::string actual, ListenOnBound(fd.get(), backlog));
+  if (bound != nullptr) *bound = actual;
   return fd;
 }
 

@@ -25,6 +25,11 @@ StatusOr<HostPort> ParseHostPort(const std::string& s);
 
 // Listens on host:port (port 0 = pick one); returns the socket and the bound "ip:port".
 StatusOr<UniqueFd> ListenTcp(const std::string& address, std::string* bound, int backlog = 128);
+// Binds host:port without listening: the port is reserved (no other socket, an outgoing
+// connection's ephemeral port included, can take it) and nothing connects to it yet.
+StatusOr<UniqueFd> BindTcp(const std::string& address, std::string* bound);
+// Listens on a socket from BindTcp; returns its "ip:port".
+StatusOr<std::string> ListenOnBound(int fd, int backlog = 128);
 // Connects within timeout, optionally binding the source IP first. TCP_NODELAY is set.
 StatusOr<UniqueFd> ConnectTcp(const std::string& address, const std::string& bind_ip,
                               std::chrono::milliseconds timeout);

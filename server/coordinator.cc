@@ -23,7 +23,8 @@ namespace shardps::control {
 
 Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {}
 
-StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
+StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options,
+                                                          UniqueFd bound) {
   if (options.cluster_token.empty()) {
     return InvalidArgumentError("coordinator: an empty cluster token is not allowed");
   }
@@ -34,7 +35,12 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   }
   ASSIGN_OR_RETURN(c->timeouts_, FaultTimeouts::Derive(&config));
   c->options_.rejoin_grace = c->timeouts_.rejoin_grace;
-  ASSIGN_OR_RETURN(c->listen_fd_, net::ListenTcp(options.listen_address, &c->address_));
+  if (bound.valid()) {
+    ASSIGN_OR_RETURN(c->address_, net::ListenOnBound(bound.get()));
+    c->listen_fd_ = std::move(bound);
+  } else {
+    ASSIGN_OR_RETURN(c->listen_fd_, net::ListenTcp(options.listen_address, &c->address_));
+  }
   RETURN_IF_ERROR(net::SetNonBlocking(c->listen_fd_.get(), true));
   c->wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!c->wake_fd_.valid()) return ErrnoError("eventfd", errno);
@@ -51,7 +57,10 @@ Coordinator::~Coordinator() { Stop(); }
 void Coordinator::Stop() {
   if (stop_.exchange(true)) return;
   uint64_t one = 1;
-  if (write(wake_fd_.get(), &one, sizeof(one)) < 0) PLOG(WARNING) << "coordinator: wake";
+  // (No wake descriptor: Start failed before the loop existed.)
+  if (wake_fd_.valid() && write(wake_fd_.get(), &one, sizeof(one)) < 0) {
+    PLOG(WARNING) << "coordinator: wake";
+  }
   if (thread_.joinable()) thread_.join();
 }
 

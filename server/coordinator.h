@@ -97,7 +97,12 @@ inline constexpr int kMaxStatusMembers = 4096;
 
 class Coordinator {
  public:
-  static StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options);
+  // `bound`: a socket already bound to options.listen_address (net::BindTcp), which the
+  // coordinator takes over and listens on: an HA standby reserves its port while it
+  // campaigns, so that no other socket (an outgoing connection's ephemeral port) takes it. Empty:
+  // binds listen_address itself.
+  static StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options,
+                                                      UniqueFd bound = UniqueFd());
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;

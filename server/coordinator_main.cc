@@ -15,6 +15,7 @@
 #include "proto/etcd_client.h"
 
 #include "common/metrics_flags.h"
+#include "common/net.h"
 #include "common/trace.h"
 #include "common/version.h"
 #include "proto/shard_plan.h"
@@ -204,6 +205,7 @@ int main(int argc, char** argv) {
   }
   shardps::trace::SetIdentity("coordinator", -1);
   std::thread keeper;
+  shardps::UniqueFd reserved;  // HA: the --listen port, bound (not listening) while a standby
   if (!FLAGS_etcd.empty()) {
     auto etcd = shardps::etcd::Client::Create(FLAGS_etcd);
     if (!etcd.ok()) {
@@ -225,8 +227,19 @@ int main(int argc, char** argv) {
       LOG(WARNING) << "--state_file is ignored with --etcd (the state lives in etcd)";
       o.state_file.clear();
     }
+    // The port is reserved before campaigning: a standby waits for seconds or days, and an
+    // unbound port meanwhile goes to any socket that asks for one (an outgoing connection's
+    // ephemeral port), so the elected leader could not listen where its members look for it.
+    // Bound without listening, so members' connections to a standby are refused, not queued.
+    auto bound = shardps::net::BindTcp(FLAGS_listen, nullptr);
+    if (!bound.ok()) {
+      LOG(ERROR) << "--listen " << FLAGS_listen << ": cannot reserve the port to lead on: "
+                 << bound.status();
+      return 2;
+    }
+    reserved = std::move(*bound);
     LOG(INFO) << "coordinator: HA via etcd " << FLAGS_etcd << " (" << FLAGS_etcd_prefix
-              << "); campaigning as " << o.etcd_leader_value;
+              << "); campaigning as " << o.etcd_leader_value << " (port reserved)";
     signal(SIGINT, OnSignal);
     signal(SIGTERM, OnSignal);
     const int64_t lease = BecomeLeader(*etcd, o.etcd_leader_key, o.etcd_leader_value);
@@ -236,7 +249,7 @@ int main(int argc, char** argv) {
     keeper = std::thread(KeepLeadership, FLAGS_etcd, lease);
     keeper.detach();
   }
-  auto c = Coordinator::Start(o);
+  auto c = Coordinator::Start(o, std::move(reserved));
   if (!c.ok()) {
     LOG(ERROR) << "coordinator: " << c.status();
     return 1;

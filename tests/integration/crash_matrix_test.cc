@@ -173,10 +173,15 @@ class CrashMatrixTest : public ProcessTestBase,
     }
     ChildProcess* again = nullptr;
     if (c.role == Role::kWorker) {
-      // (It trains the table but does not load it again: it rejoins a running job.)
+      // (It trains the table but does not load it again: it rejoins a running job. The others
+      // pass a barrier after their loads; it is counted there unless it came back after the
+      // release, so it arrives at an open one.)
       std::vector<std::string> flags = {"--steps=3", "--step_delay_ms=" + delay,
                                         "--out=" + Path("restarted.out")};
-      if (c.loads_table) flags.push_back(rows_flag);
+      if (c.loads_table) {
+        flags.push_back(rows_flag);
+        flags.push_back("--join_open_barrier");
+      }
       again = SpawnWorker(WorkerArgs(spec, kVictimWorker), "worker-restarted.log", flags);
     }
     switch (c.outcome) {

@@ -95,6 +95,11 @@ DEFINE_int32(load_delay_ms, 0,
 DEFINE_bool(barrier_after_load, true,
             "--embedding_load: every worker calls Client::Barrier after its load, before its "
             "first step");
+DEFINE_bool(join_open_barrier, false,
+            "a worker restarted into a job whose workers pass a barrier after their load (and "
+            "that does not load again): after Start it calls Client::Barrier once unless the "
+            "cluster had released one when it joined (it is a live worker: the barrier waits "
+            "for it)");
 DEFINE_bool(dense_load, false,
              "rank 0 sets every dense tensor's master weights to 1000 from float32 values "
              "(Client::SetStateValues) after Start, then every worker passes a barrier, "
@@ -626,6 +631,8 @@ int RunCluster() {
     st = c.SetRows("E", shardps::Client::StatePart::kWeights, all.data(), all.size(),
                    values.data(), 0);
     if (st.ok() && FLAGS_barrier_after_load) st = c.Barrier();
+  } else if (st.ok() && FLAGS_join_open_barrier && c.barrier_generation() == 0) {
+    st = c.Barrier();
   }
   if (st.ok()) st = refresh();
   if (st.ok() && linreg && FLAGS_freeze_b) {

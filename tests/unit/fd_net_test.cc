@@ -189,6 +189,32 @@ TEST(NetTest, WaitFdWaitsForReadinessUntilTheDeadline) {
           .ok());
 }
 
+// An HA standby's reservation (BindTcp): the port is held but refuses connections; no port-0
+// bind is handed it; once listening (ListenOnBound) it accepts on the same address.
+TEST(NetTest, ABoundPortIsReservedAndRefusesUntilItListens) {
+  std::string bound;
+  auto b = net::BindTcp("127.0.0.1:0", &bound);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto refused = net::ConnectTcp(bound, "", milliseconds(2000));
+  EXPECT_FALSE(refused.ok()) << "a bound socket that does not listen must refuse";
+  // 200 port-0 listeners (each kept open, so each gets a distinct port): none is the reserved.
+  std::vector<UniqueFd> others;
+  for (int i = 0; i < 200; ++i) {
+    std::string other;
+    auto l = net::ListenTcp("127.0.0.1:0", &other);
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_NE(other, bound) << "port-0 bind " << i << " was handed the reserved port";
+    others.push_back(std::move(*l));
+  }
+  auto listening = net::ListenOnBound(b->get());
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  EXPECT_EQ(*listening, bound);
+  auto c = net::ConnectTcp(bound, "", milliseconds(5000));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto s = net::AcceptTcp(b->get(), milliseconds(5000));
+  ASSERT_TRUE(s.ok()) << s.status();
+}
+
 TEST(NetTest, ListenConnectAcceptOnLoopback) {
   std::string bound;
   auto l = net::ListenTcp("127.0.0.1:0", &bound);
