@@ -150,7 +150,9 @@ class HierarchicalTest : public ProcessTestBase {
       ASSERT_EQ(release.size(), arrive.size()) << "worker " << r;
       ASSERT_EQ(gen.size(), arrive.size()) << "worker " << r;
       for (size_t i = 0; i < gen.size(); ++i) {
-        ASSERT_TRUE(gen[i] >= 1 && gen[i] <= barriers + 1) << "worker " << r << ": generation " << gen[i];
+        // (Past `barriers`: a restarted host's learners, clocks ahead of their steps, may pass
+        // more after the other host is done; those are released by its departure.)
+        ASSERT_GE(gen[i], 1) << "worker " << r;
         if (i > 0) {
           ASSERT_GT(gen[i], gen[i - 1]) << "worker " << r << " passed a generation twice";
         }
