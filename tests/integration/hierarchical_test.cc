@@ -388,36 +388,84 @@ TEST_P(AggregatorKillTest, AKilledAggregatorRestartsWithNothingAppliedTwice) {
 // 5 was acknowledged (its learners notice in a wait for weights, between barriers 2 and 3) or
 // of clock 7 (they notice inside barrier 3, arrived there). BSP goes on without the departed
 // host, so the restarted one joins a few clocks later; the learners' barriers follow the
-// clock (--barrier_by_clock: before clocks 0, 4, 8, 12, skipping one the cluster already
-// released), as a trainer's must once clocks can be skipped. The restarted aggregator's group
-// starts at the generation the cluster had released, and a learner that was waiting arrives
-// again in its new slot, so no learner passes a generation before the last one that passed it
-// arrived, and every worker ends. Numbered per group (the first version), a learner arrived at
-// "its" 3 in a group that had released 0 made the aggregator pass three cluster barriers.
-class AggregatorBarrierKillTest : public AggregatorKillTest {};  // param: killed at a barrier
+// clock (--barrier_by_clock: before a step, whenever the generation of the latest multiple of
+// 4 at or below the clock is not released yet), as a trainer's must once clocks can be
+// skipped. The restarted aggregator's group starts at the generation the cluster had released
+// when it joined, and a learner that was waiting arrives again in its new slot, so no learner
+// passes a generation before the last one that passed it arrived, and every worker ends.
+//  * between_barriers: restarted at once (host 1 is still waiting at clock 6 or 7 for host 0).
+//  * at_a_barrier: killed once its learners arrived at barrier 3 (clock 8).
+//  * late: restarted only once host 1 has gone on without host 0 through clocks 6 and 7; host
+//    1's learners then hold before barrier 3 until the restarted aggregator has started (at
+//    clock 8, --hold_before_barrier), so that barrier waits for host 0 again. Host 0's
+//    learners, in the wait for weights that ends step 5, jump from clock 6 to 8 (they end at
+//    clock 18 after 16 steps) and must still arrive at barrier 3 in their new group.
+// Numbered per group (the first version), a learner arrived at "its" 3 in a group that had
+// released 0 made the aggregator pass three cluster barriers.
+enum class BarrierKill { kBetweenBarriers, kAtABarrier, kLate };
+
+const char* BarrierKillName(BarrierKill k) {
+  switch (k) {
+    case BarrierKill::kBetweenBarriers:
+      return "_between_barriers";
+    case BarrierKill::kAtABarrier:
+      return "_at_a_barrier";
+    case BarrierKill::kLate:
+      return "_late";
+  }
+  return "_unknown";
+}
+
+class AggregatorBarrierKillTest
+    : public HierarchicalTest,
+      public ::testing::WithParamInterface<std::tuple<std::string, BarrierKill>> {
+ protected:
+  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+  const std::string& transport() const { return std::get<0>(GetParam()); }
+  milliseconds Bound() const { return Emulated(transport()) ? 4 * kProcessBound : kProcessBound; }
+};
 
 TEST_P(AggregatorBarrierKillTest, BarriersHoldAcrossARestart) {
-  // Opt-in until a race is understood: under ctest -j2 load the between-barriers case once
-  // deadlocked BSP (host 1 waiting for host 0's clock 7 while host 0's learners had rejoined a
-  // clock later); it passed every standalone run on tcp, shm and verbs (guest).
-  if (getenv("SHARDPS_TEST_BARRIER_RESTART") == nullptr) {
-    GTEST_SKIP() << "set SHARDPS_TEST_BARRIER_RESTART=1 to run (a BSP clock-skip race under load "
-                    "is not understood yet)";
-  }
   const milliseconds bound = Bound();
-  const ClusterSpec spec = KillSpec();
+  ClusterSpec spec;
+  spec.transport = transport();
+  spec.servers = 2;
+  spec.workers = kHosts;
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  spec.heartbeat_timeout_ms = Emulated(transport()) ? 6000 : 1500;
   const int kSteps = 16;
-  const bool at_barrier = std::get<1>(GetParam());
+  const BarrierKill when = std::get<1>(GetParam());
+  const bool at_barrier = when == BarrierKill::kAtABarrier;
   std::vector<std::string> crash = {"--crash_at_clock=" + std::string(at_barrier ? "8" : "6"),
                                     "--crash_after_push"};
+  const std::string hold = Path("hold-barrier-3");
+  std::vector<std::string> flags = {"--model=counter", "--steps=" + std::to_string(kSteps),
+                                    "--step_delay_ms=5", "--barrier_every=4",
+                                    "--barrier_by_clock"};
+  if (when == BarrierKill::kLate) {
+    flags.push_back("--hold_before_barrier=3");
+    flags.push_back("--hold_file=" + hold);
+  }
   std::vector<ChildProcess*> aggs;
-  std::vector<ChildProcess*> workers =
-      StartHosts(spec, {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=5",
-                        "--barrier_every=4", "--barrier_by_clock"},
-                 &aggs, {crash});
+  std::vector<ChildProcess*> workers = StartHosts(spec, flags, &aggs, {crash});
   ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
   ASSERT_EQ(ExitCode(aggs[0], bound), 9) << Tail(aggs[0]);
+  if (when == BarrierKill::kLate) {
+    // Host 1's learners finished step 7: the cluster applied clocks 6 and 7 without host 0
+    // (its departure was seen at once: the dead aggregator's connections closed).
+    for (int r = kLocal; r < kWorkers; ++r) {
+      const int done = WaitProgress(Path("progress" + std::to_string(r)), 8, bound, workers[r]);
+      ASSERT_GE(done, 8) << Tail(workers[r]);
+    }
+  }
   ChildProcess* again = SpawnAggregator(spec, 0, {}, "-restarted");
+  if (when == BarrierKill::kLate) {
+    ASSERT_TRUE(WaitForLog(again, "host aggregator: started at clock 8", bound)) << Tail(again);
+    // Host 1's learners arrive at barrier 3 now.
+    UniqueFd created(open(hold.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
+    ASSERT_TRUE(created.valid()) << hold << ": " << strerror(errno);
+  }
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
   ASSERT_EQ(ExitCode(again, bound), 0) << Tail(again);
   ASSERT_EQ(ExitCode(aggs[1], bound), 0) << Tail(aggs[1]);
@@ -426,6 +474,11 @@ TEST_P(AggregatorBarrierKillTest, BarriersHoldAcrossARestart) {
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("steps"), kSteps) << "worker " << r;
     EXPECT_EQ(res->Int("reconnects"), r < kLocal ? 1 : 0) << "worker " << r;
+    if (when == BarrierKill::kLate && r < kLocal) {
+      // The restarted host joined at clock 8 (host 1 waits at barrier 3, before its clock 8):
+      // its learners skipped clocks 6 and 7, inside step 6.
+      EXPECT_EQ(res->Int("end_clock"), kSteps + 2) << "worker " << r;
+    }
   }
   // Host 1's learners pass all four; host 0's skip one the cluster released while it was away.
   ExpectEveryBarrierHeld(4, kLocal);
@@ -675,10 +728,11 @@ INSTANTIATE_TEST_SUITE_P(Transports, AggregatorKillTest,
                          });
 INSTANTIATE_TEST_SUITE_P(Transports, AggregatorBarrierKillTest,
                          ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
-                                            ::testing::Bool()),
+                                            ::testing::Values(BarrierKill::kBetweenBarriers,
+                                                              BarrierKill::kAtABarrier,
+                                                              BarrierKill::kLate)),
                          [](const auto& info) {
-                           return std::get<0>(info.param) +
-                                  (std::get<1>(info.param) ? "_at_a_barrier" : "_between_barriers");
+                           return std::get<0>(info.param) + BarrierKillName(std::get<1>(info.param));
                          });
 INSTANTIATE_TEST_SUITE_P(Combinations, HierarchicalModeTest,
                          ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),

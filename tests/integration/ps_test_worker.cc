@@ -110,9 +110,16 @@ DEFINE_int32(barrier_every, 0,
              "(steady clock, ns: barrier_arrive_ns, barrier_release_ns) and the generation each "
              "passed (barrier_gen)");
 DEFINE_bool(barrier_by_clock, false,
-            "--barrier_every: before a step whose clock (Client::clock) is a multiple of it, "
-            "and only if the cluster has not released that clock's generation (clock / every + "
-            "1) yet: a schedule that stays aligned when a restart skips clocks");
+            "--barrier_every: barriers follow the clock (Client::clock), not the step count: "
+            "before a step, whenever the generation of the latest multiple of it at or below "
+            "the clock (clock / every + 1) is not released yet (Client::barrier_generation). "
+            "A schedule that stays aligned when a restart skips clocks, even one that lands on "
+            "a multiple in the middle of a step (a learner whose aggregator restarted inside a "
+            "wait for weights)");
+DEFINE_int32(hold_before_barrier, 0,
+             "--barrier_every: before arriving at this barrier generation, wait (up to 120 s) "
+             "until --hold_file exists (a test orders a restart against a barrier with it)");
+DEFINE_string(hold_file, "", "--hold_before_barrier: the file to wait for");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -268,6 +275,7 @@ struct Result {
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
   int64_t sig_max_staleness = 0;
   uint64_t start_clock = 0;  // the clock after Start() (> 0: joined a running cluster)
+  uint64_t end_clock = 0;    // the clock after the last step (> steps: clocks were skipped)
   float max_abs_grad = 0;    // standalone: largest |gradient element| of any worker's minibatch
   std::vector<std::pair<std::string, const std::vector<float>*>> tensors;
 };
@@ -303,6 +311,7 @@ int WriteResult(const Result& r) {
   kv("reconnects", std::to_string(r.counters.reconnects));
   kv("injected_errors", std::to_string(r.injected_errors));
   kv("start_clock", std::to_string(r.start_clock));
+  kv("end_clock", std::to_string(r.end_clock));
   kv("violations", std::to_string(r.violations));
   kv("max_lead", std::to_string(r.max_lead));
   if (r.row_count >= 0) kv("row_count", std::to_string(r.row_count));
@@ -659,7 +668,7 @@ int RunCluster() {
     const bool barrier_now =
         FLAGS_barrier_every > 0 &&
         (FLAGS_barrier_by_clock
-             ? c.clock() % every == 0 && c.barrier_generation() < c.clock() / every + 1
+             ? c.barrier_generation() < c.clock() / every + 1
              : t % FLAGS_barrier_every == 0);
     if (barrier_now) {
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 40));
@@ -668,6 +677,18 @@ int RunCluster() {
                                   std::chrono::steady_clock::now().time_since_epoch())
                                   .count());
       };
+      if (FLAGS_hold_before_barrier > 0 &&
+          c.barrier_generation() + 1 == static_cast<uint64_t>(FLAGS_hold_before_barrier)) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+        while (access(FLAGS_hold_file.c_str(), F_OK) != 0) {
+          if (std::chrono::steady_clock::now() > until) {
+            fprintf(stderr, "ps_test_worker rank %d: %s never appeared\n", me,
+                    FLAGS_hold_file.c_str());
+            return 5;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      }
       const std::string sep = r.barrier_arrive_ns.empty() ? "" : ",";
       r.barrier_arrive_ns += sep + now_ns();
       st = c.Barrier();
@@ -785,6 +806,7 @@ int RunCluster() {
   const ClientCounters after = c.counters();
   if (FLAGS_weights_view) r.view_buffer_untouched = (wreg == wreg0 && breg == breg0) ? 1 : 0;
   r.steps = FLAGS_steps;
+  r.end_clock = c.clock();
   r.control_steady = after.control_messages_sent - before.control_messages_sent;
   r.counters = after;
   r.counters.pushes = after.pushes - before.pushes;
