@@ -17,6 +17,7 @@
 #ifndef SHARDPS_COMMON_FAILURE_DETECTOR_H_
 #define SHARDPS_COMMON_FAILURE_DETECTOR_H_
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <deque>
@@ -44,7 +45,10 @@ class PhiAccrualDetector {
   // interval is used.
   void Heartbeat(Clock::time_point now, Duration member_interval = Duration(0));
   // The observer was paused (descheduled) for `pause`: the silence so far does not count it.
-  void Shift(Duration pause) { last_ += pause; }
+  // Never past `now` (a heartbeat taken after the pause began keeps its own time).
+  void Shift(Duration pause, Clock::time_point now) {
+    if (started_) last_ = std::min(last_ + pause, std::max(last_, now));
+  }
 
   Clock::time_point last() const { return last_; }
   // phi of the silence since the last heartbeat (0 before the first; capped at 1000).

@@ -16,6 +16,7 @@
 
 #include "common/crypto.h"
 #include "common/net.h"
+#include "common/stall_point.h"
 #include "common/trace.h"
 #include "proto/credentials.h"
 
@@ -98,16 +99,21 @@ void Coordinator::Loop() {
       PLOG(ERROR) << "coordinator: poll";
       continue;
     }
+    // A pass takes at most one tick plus a little work. Longer means this thread was
+    // descheduled (a busy host, a slow disk under SaveState): its members were not silent for
+    // that long, it was not listening. Forgiven before anyone's silence is judged, and judged
+    // against `now`, taken here: a pause later in this pass (reading, handling, saving) is
+    // not in it, and is measured and forgiven by the next pass before it judges anyone. (The
+    // pause check once came before the reads, and CheckTimeouts took a fresh clock: a stop
+    // landing between the two was judged as every member's silence.)
+    StallPoint("coordinator.after_poll");
+    const Clock::time_point now = Clock::now();
     {
-      // A pass takes at most one tick plus a little work. Longer means this thread was
-      // descheduled (a busy host, a slow disk under SaveState): its members were not silent
-      // for that long, it was not listening. Forgiven before anyone's silence is judged.
-      const auto now = Clock::now();
       const auto pass = now - last_pass;
       last_pass = now;
       const auto allowed = tick_ms + std::chrono::milliseconds(100);
       if (pass > allowed) {
-        ForgivePause(std::chrono::duration_cast<std::chrono::microseconds>(pass - tick_ms));
+        ForgivePause(std::chrono::duration_cast<std::chrono::microseconds>(pass - tick_ms), now);
       }
     }
     if (fds[0].revents & POLLIN) AcceptNew();
@@ -117,8 +123,10 @@ void Coordinator::Loop() {
       Conn* c = it->second.get();
       if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) ReadFrom(c);
       if (!c->closing && (fds[i].revents & POLLOUT)) FlushOutput(c);
+      StallPoint("coordinator.mid_pass");
     }
-    CheckTimeouts();
+    StallPoint("coordinator.before_timeouts");
+    CheckTimeouts(now);
     for (auto it = conns_.begin(); it != conns_.end();) {
       it = it->second->closing ? conns_.erase(it) : std::next(it);
     }
@@ -629,8 +637,7 @@ void Coordinator::Publish(const std::string& reason, uint32_t departed) {
   MaybeReleaseBarriers();
 }
 
-void Coordinator::CheckTimeouts() {
-  const auto now = Clock::now();
+void Coordinator::CheckTimeouts(Clock::time_point now) {
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (now < it->second.deadline) {
       ++it;
@@ -765,10 +772,12 @@ void Coordinator::CheckLiveness(Conn* c, Clock::time_point now) {
   }
 }
 
-void Coordinator::ForgivePause(std::chrono::microseconds pause) {
+void Coordinator::ForgivePause(std::chrono::microseconds pause, Clock::time_point now) {
+  // Never past `now`: a member heard after the pause began (read after a stop that landed
+  // mid-pass) is not given credit for silence it has not had yet.
   for (auto& [fd, c] : conns_) {
-    c->last_heard += pause;
-    c->detector.Shift(pause);
+    c->last_heard = std::min(c->last_heard + pause, now);
+    c->detector.Shift(pause, now);
   }
   for (auto& [id, p] : pending_) p.deadline += pause;
   uint64_t n;

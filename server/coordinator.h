@@ -136,12 +136,12 @@ class Coordinator {
   void Queue(Conn* c, const Envelope& e);
   void FlushOutput(Conn* c);
   void Publish(const std::string& reason, uint32_t departed);
-  void CheckTimeouts();
+  void CheckTimeouts(std::chrono::steady_clock::time_point now);
   // Liveness of one joined member: suspicion, probing, death (CheckTimeouts).
   void CheckLiveness(Conn* c, std::chrono::steady_clock::time_point now);
   void HandleHeartbeat(Conn* c, const Heartbeat& hb);
   // The loop found itself descheduled for `pause`: nobody's silence counts it.
-  void ForgivePause(std::chrono::microseconds pause);
+  void ForgivePause(std::chrono::microseconds pause, std::chrono::steady_clock::time_point now);
   // Model / shard-map state machine (docs/control-protocol.md, "Model setup").
   void HandleRegisterModel(Conn* c, const RegisterModel& m);
   void HandleShardsReady(Conn* c, const ShardsReady& r);

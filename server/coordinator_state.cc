@@ -13,6 +13,7 @@
 #include <glog/logging.h>
 
 #include "common/fd.h"
+#include "common/stall_point.h"
 #include "proto/credentials.h"
 #include "proto/etcd_client.h"
 #include "server/coordinator.h"
@@ -21,6 +22,7 @@
 namespace shardps::control {
 
 void Coordinator::SaveState() {
+  StallPoint("coordinator.save_state");  // a disk (or etcd) that stalls the save
   dirty_ = false;
   CoordinatorState st;
   {

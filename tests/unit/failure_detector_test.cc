@@ -88,8 +88,21 @@ TEST(PhiAccrualDetectorTest, AnObserverPauseIsNotTheMembersSilence) {
       Feed(&d, Clock::time_point{}, 30, milliseconds(500), milliseconds(20), 4);
   const double before = d.Phi(t + milliseconds(3000));
   EXPECT_GT(before, 8.0);
-  d.Shift(milliseconds(2800));  // the observer slept 2.8 s of those 3 s
+  d.Shift(milliseconds(2800), t + milliseconds(3000));  // the observer slept 2.8 s of those 3 s
   EXPECT_LT(d.Phi(t + milliseconds(3000)), 1.0);
+}
+
+// A heartbeat taken after the observer's pause began (read once it resumed, before the pause
+// was measured) keeps its own time: the shift stops at the moment the pause is measured, so a
+// member that dies right after is not given the pause as extra credit.
+TEST(PhiAccrualDetectorTest, AShiftNeverMovesTheLastHeartbeatPastNow) {
+  PhiAccrualDetector d(Opts());
+  const Clock::time_point t =
+      Feed(&d, Clock::time_point{}, 30, milliseconds(500), milliseconds(20), 4);
+  d.Shift(milliseconds(5000), t + milliseconds(100));
+  EXPECT_EQ(d.last(), t + milliseconds(100));
+  d.Shift(milliseconds(5000), t);  // `now` before the last heartbeat: it stays
+  EXPECT_EQ(d.last(), t + milliseconds(100));
 }
 
 TEST(PhiAccrualDetectorTest, BeforeAnySampleThePriorApplies) {
