@@ -19,7 +19,8 @@ void ConsistencyGate::Defer(Slot& s, const Contributor& c, bool from_queue) {
 }
 
 ConsistencyGate::Decision ConsistencyGate::OnPush(uint32_t slot, const Contributor& c,
-                                                  bool from_queue, bool initialised) {
+                                                  bool from_queue, bool initialised,
+                                                  const WorkerTable& workers) {
   Slot& s = slots_[slot];
   // ASP/SSP apply pushes in arrival order (FIFO behind deferred ones); BSP only needs clock
   // order (a clock's gradients are summed in worker-rank order whatever their arrival order).
@@ -34,6 +35,10 @@ ConsistencyGate::Decision ConsistencyGate::OnPush(uint32_t slot, const Contribut
     return Decision::kDropStale;
   }
   if (s.pending_clock >= 0 && c.clock > s.pending_clock) {
+    Defer(s, c, from_queue);
+    return Decision::kDefer;
+  }
+  if (s.pending_clock < 0 && c.clock > s.applied_through + 1 && EarlierClockOwed(s, c, workers)) {
     Defer(s, c, from_queue);
     return Decision::kDefer;
   }
@@ -97,6 +102,19 @@ std::optional<DeferredPush> ConsistencyGate::NextDeferred(uint32_t slot) {
   const DeferredPush d = s.deferred[pick];
   s.deferred.erase(s.deferred.begin() + static_cast<std::ptrdiff_t>(pick));
   return d;
+}
+
+bool ConsistencyGate::EarlierClockOwed(const Slot& s, const Contributor& c,
+                                       const WorkerTable& workers) const {
+  for (uint32_t r : workers.Live()) {
+    if (r == c.worker) continue;
+    const WorkerState* w = workers.Find(r);
+    // Unknown, or announced a clock below c's (a worker that just joined has announced none
+    // yet: it will start at a clock this slot may not have reached).
+    if (w == nullptr || w->clock < static_cast<uint64_t>(c.clock)) return true;
+    if (MinDeferredClock(s, r) < c.clock) return true;  // its earlier push waits here
+  }
+  return false;
 }
 
 int64_t ConsistencyGate::MinDeferredClock(const Slot& s, uint32_t worker) const {

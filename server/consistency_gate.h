@@ -79,7 +79,22 @@ class ConsistencyGate {
   // A validated, non-duplicate push of `c` (c.clock from its header). `from_queue`: handed back
   // by NextDeferred (it keeps its place ahead of newer pushes if it must wait again).
   // `initialised`: the chunk has a published version.
-  Decision OnPush(uint32_t slot, const Contributor& c, bool from_queue, bool initialised);
+  //
+  // BSP completes a slot's clocks in order. A push of clock t while no clock is pending and
+  // t > applied_through + 1 (a worker that started at a later clock than this slot reached:
+  // a restarted worker starts where the cluster's furthest chunk is) waits while any other
+  // live worker may still push an earlier clock here (its announced clock is below t, or its
+  // push of an earlier clock is queued): taking t as pending would drop that earlier push as
+  // stale although its clock was never applied, and the cluster would wait for it for ever.
+  Decision OnPush(uint32_t slot, const Contributor& c, bool from_queue, bool initialised,
+                  const WorkerTable& workers);
+
+  // BSP: a deferred push of `slot` may be admissible now that a worker's clock or the
+  // membership changed (no clock pending, nothing in flight, pushes queued): retry the queue.
+  bool ShouldRetryDeferred(uint32_t slot) const {
+    const Slot& s = slots_[slot];
+    return bsp() && !s.inflight && s.pending_clock < 0 && !s.deferred.empty();
+  }
 
   // BSP: the pending clock, when every live worker has contributed to it or moved past it
   // without a push of it still queued here. Removes the aggregation (the clock is applied).
@@ -125,6 +140,8 @@ class ConsistencyGate {
   };
   void Defer(Slot& s, const Contributor& c, bool from_queue);
   int64_t MinDeferredClock(const Slot& s, uint32_t worker) const;
+  // BSP: may a live worker other than c's still push a clock below c.clock to this slot?
+  bool EarlierClockOwed(const Slot& s, const Contributor& c, const WorkerTable& workers) const;
 
   ConsistencyMode mode_;
   std::vector<Slot> slots_;

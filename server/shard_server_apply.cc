@@ -274,7 +274,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   }
   const int64_t clock = static_cast<int64_t>(h.clock);
   const Contributor push{worker, parity, h.seq, w->incarnation, clock};
-  switch (gate_->OnPush(slot, push, from_queue, chunks_->initialised(slot))) {
+  switch (gate_->OnPush(slot, push, from_queue, chunks_->initialised(slot), *workers_)) {
     case ConsistencyGate::Decision::kDefer:
       stats_.Bump(&ShardServerCounters::deferred_pushes);
       return false;
@@ -554,6 +554,9 @@ void ShardServer::Reevaluate() {
     // The gate answers for its mode: a BSP clock may be complete now (never in the other
     // modes), or the published version's min clock may rise (never in BSP).
     MaybeApplyBsp(s);
+    // A BSP push that waited for the other workers' clocks (ConsistencyGate::OnPush) may go
+    // in now: DrainWork retries the slot's queue.
+    if (gate_->ShouldRetryDeferred(s)) work_.push_back(s);
     const std::optional<uint64_t> mc = gate_->RaisedMinClockPlus1(
         s, chunks_->published_min_clock_plus1(s), chunks_->initialised(s), *workers_);
     if (mc) chunks_->RaisePublishedMinClock(s, *mc);

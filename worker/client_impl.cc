@@ -10,6 +10,7 @@
 #include <glog/logging.h>
 
 #include "common/crash_point.h"
+#include "common/stall_point.h"
 #include "common/trace.h"
 #include "proto/shard_plan.h"
 #include <cmath>
@@ -655,6 +656,17 @@ Status ClientImpl::PullInitialWeights() {
     for (uint32_t s = 0; s < sessions_->size(); ++s) {
       RETURN_IF_ERROR(sessions_->SendClock(s, step_.clock));
     }
+    // The cluster's clock is the furthest chunk's: another chunk may not have applied the
+    // clocks before it yet (a live worker's push of them still on its way). Pull again under
+    // the mode's bound at the new clock, so that the weights it starts from hold every push of
+    // the clocks it skipped, on every chunk (BSP: min_clock >= clock - 1 everywhere). Without
+    // it, a restarted worker's first push could reach a lagging chunk before the others' push
+    // of the clock it skipped (the server now holds such a push back: ConsistencyGate::OnPush).
+    for (uint32_t t = 0; t < tensors_.size(); ++t) {
+      if (tensors_[t].embedding) continue;
+      ASSIGN_OR_RETURN(Handle h, Pull(tensors_[t].name));
+      RETURN_IF_ERROR(Wait(h));
+    }
   }
   return Status::OK();
 }
@@ -677,6 +689,9 @@ Status ClientImpl::RecoverOrBreak() { return lifecycle_.Break(recovery_->Recover
 
 StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   RETURN_IF_ERROR(lifecycle_.Require("Push()", {ClientState::kRunning}));
+  // "@N": the Nth tensor push of this process (Step() pushes its tensors in order).
+  CrashPoint("worker.before_push");
+  StallPoint("worker.before_push");
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
   RETURN_IF_ERROR(MaybeRecover());
   return push_->Push(t, [this] { return RecoverOrBreak(); });

@@ -663,6 +663,70 @@ TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
             << res->Int("start_clock") << "; its applied pushes: " << w2 << "\n";
 }
 
+// BSP completes each chunk's clocks in order. A restarted worker starts at the cluster's clock,
+// the furthest chunk's, while another chunk may still lack a live worker's push of the clock
+// before it. Worker 1 stalls (a descheduled process: SHARDPS_STALL_POINT) between its clock-6
+// pushes of W and b; worker 0 dies just before its own clock-6 pushes (SHARDPS_CRASH_POINT) and
+// is restarted at once. W's chunk completes clock 6 without it (it departed), b's cannot, so
+// the new worker 0 starts at clock 7 with b's chunk at clock 5. Its push of b for clock 7 once
+// became that chunk's pending clock: worker 1's push of clock 6 was then dropped as stale (clock
+// 6 never applied there) and the cluster deadlocked on clock 7 until every worker failed at its
+// wait timeout (AggregatorBarrierKillTest hit it under load). Now the new worker's start waits
+// until every chunk has applied the clocks it skipped, and the server holds such a push back
+// while a live worker owes an earlier clock: every push of both workers counts exactly once.
+TEST_P(ProcessClusterTest, ARestartedWorkerAheadOfALaggingChunkDropsNoClock) {
+  ClusterSpec spec = CounterSpec();
+  spec.servers = 2;
+  spec.replicas = 1;
+  spec.workers = 2;
+  const int kSteps = 20;
+  const milliseconds stall(Emulated() ? 40000 : 8000);  // outlasts a restart, loaded
+  ASSERT_TRUE(StartCluster(spec));
+  const std::vector<std::string> flags = {"--model=counter", "--count_in_b",
+                                          "--steps=" + std::to_string(kSteps)};
+  // Step t pushes W, then b: the process's pushes 2t+1 and 2t+2 (clock 6: 13 and 14).
+  setenv("SHARDPS_CRASH_POINT", "worker.before_push@13", 1);
+  ChildProcess* w0 = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
+  unsetenv("SHARDPS_CRASH_POINT");
+  setenv("SHARDPS_STALL_POINT", ("worker.before_push@14:" + std::to_string(stall.count())).c_str(),
+         1);
+  ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
+  unsetenv("SHARDPS_STALL_POINT");
+  ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
+  std::vector<std::string> resume = flags;
+  resume.push_back("--resume");  // clocks start_clock..kSteps-1
+  ChildProcess* again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
+  EXPECT_EQ(ExitCode(w1, ProcessBound() + stall), 0) << Tail(w1);
+  EXPECT_EQ(ExitCode(again, ProcessBound() + stall), 0) << Tail(again);
+  if (HasFailure()) return;
+  auto r0 = ParseResult(Path("worker0.out"));
+  auto r1 = ParseResult(Path("worker1.out"));
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  // It restarted while worker 1 was stalled: W at clock 7, b still at 5.
+  ASSERT_EQ(r0->Int("start_clock"), 7) << "the restart did not land inside worker 1's stall";
+  // Worker 0: clocks 0-5 of the first process, 7-19 of the second; worker 1: all 20.
+  const float want[2] = {6 + (kSteps - 7), kSteps};
+  for (const auto* res : {&*r0, &*r1}) {
+    for (const char* t : {"W", "b"}) {
+      const std::vector<float>& v = res->tensors.at(t);
+      ASSERT_GE(v.size(), 2u);
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_EQ(v[k], want[k]) << "worker " << res->Int("rank") << "'s pull of " << t << "["
+                                 << k << "]: worker " << k << "'s pushes applied";
+      }
+    }
+  }
+  for (int g = 0; g < spec.servers; ++g) {
+    EXPECT_EQ(servers_[g]->LogTail(1 << 22).find("arrived after that clock was applied"),
+              std::string::npos)
+        << "a push was dropped as stale\n" << Tail(servers_[g]);
+  }
+  std::cerr << "[ info ] " << GetParam() << ": worker 0 restarted at clock "
+            << r0->Int("start_clock") << " during worker 1's " << stall.count()
+            << " ms stall; W and b count 19 and 20 pushes on both workers\n";
+}
+
 // Checkpoints: a BSP run writes one every 5 clocks; the newest is then corrupted (a flipped
 // byte) and the whole cluster is restarted from the directory. The corrupt checkpoint is
 // refused with the reason, the previous one restored, the workers resume at its clock, and the

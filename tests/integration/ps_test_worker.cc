@@ -120,6 +120,9 @@ DEFINE_int32(hold_before_barrier, 0,
              "--barrier_every: before arriving at this barrier generation, wait (up to 120 s) "
              "until --hold_file exists (a test orders a restart against a barrier with it)");
 DEFINE_string(hold_file, "", "--hold_before_barrier: the file to wait for");
+DEFINE_bool(count_in_b, false,
+            "counter: b counts worker k's applied pushes in b[k] too (W alone says nothing of "
+            "b's chunk)");
 DEFINE_bool(embedding_hashed, false,
             "--embedding_rows: the table takes hashed 64-bit keys, embedding_rows its capacity");
 DEFINE_double(lr, 0.1, "Learning rate; must equal the servers' --lr (standalone applies it)");
@@ -547,7 +550,8 @@ int RunCluster() {
   const size_t nsig = static_cast<size_t>(FLAGS_workers) * FLAGS_steps;
   const size_t nw =
       linreg ? static_cast<size_t>(FLAGS_dim) * FLAGS_outputs : (signature ? nsig : FLAGS_workers);
-  const size_t nb = linreg ? FLAGS_outputs : (signature ? nsig : 1);
+  const size_t nb =
+      linreg ? FLAGS_outputs : (signature ? nsig : (FLAGS_count_in_b ? FLAGS_workers : 1));
   std::vector<shardps::testing_util::SignatureCheck> sig;
   if (signature) {
     // The cluster's mode, as the client reports it: "bsp", "asp", "ssp(s=2)", "vsgd(s=2)".
@@ -743,6 +747,7 @@ int RunCluster() {
       std::fill(gw.begin(), gw.end(), 0.0f);
       std::fill(gb.begin(), gb.end(), 0.0f);
       if (me < static_cast<int>(nw)) gw[me] = -1.0f;
+      if (FLAGS_count_in_b && me < static_cast<int>(gb.size())) gb[me] = -1.0f;
     }
     if (t == FLAGS_steps - 1) r.workers = c.num_workers();
     st = c.Step();

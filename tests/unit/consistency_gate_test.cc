@@ -26,15 +26,15 @@ class GateTest : public ::testing::TestWithParam<ConsistencyMode> {
 
 TEST_P(GateTest, UninitialisedChunksRejectPushes) {
   ConsistencyGate g(GetParam(), 1);
-  EXPECT_EQ(g.OnPush(0, Push(0, 1, 0), false, false), D::kUninitialised);
+  EXPECT_EQ(g.OnPush(0, Push(0, 1, 0), false, false, workers_), D::kUninitialised);
 }
 
 TEST_P(GateTest, AVersionInFlightDefersEveryPushAndHandsThemBackInOrder) {
   ConsistencyGate g(GetParam(), 1);
   g.BeginVersion(0, {Push(0, 1, 0)});
   EXPECT_TRUE(g.in_flight(0));
-  EXPECT_EQ(g.OnPush(0, Push(1, 1, 1), false, true), D::kDefer);
-  EXPECT_EQ(g.OnPush(0, Push(0, 2, 0), false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Push(1, 1, 1), false, true, workers_), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Push(0, 2, 0), false, true, workers_), D::kDefer);
   EXPECT_FALSE(g.NextDeferred(0).has_value());  // not while in flight
   const std::vector<Contributor> acks = g.EndVersion(0);
   ASSERT_EQ(acks.size(), 1u);
@@ -66,17 +66,17 @@ class AsyncGateTest : public GateTest {};
 
 TEST_P(AsyncGateTest, PushesApplyInArrivalOrderBehindDeferredOnes) {
   ConsistencyGate g(GetParam(), 1);
-  EXPECT_EQ(g.OnPush(0, Push(0, 1, 0), false, true), D::kApply);
+  EXPECT_EQ(g.OnPush(0, Push(0, 1, 0), false, true, workers_), D::kApply);
   g.BeginVersion(0, {Push(0, 1, 0)});
-  EXPECT_EQ(g.OnPush(0, Push(1, 1, 0), false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Push(1, 1, 0), false, true, workers_), D::kDefer);
   g.EndVersion(0);
   // A new arrival may not overtake the deferred push...
-  EXPECT_EQ(g.OnPush(0, Push(0, 2, 1), false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Push(0, 2, 1), false, true, workers_), D::kDefer);
   // ...which, handed back, applies (from_queue).
   std::optional<DeferredPush> d = g.NextDeferred(0);
   ASSERT_TRUE(d.has_value());
   EXPECT_EQ(d->worker, 1u);
-  EXPECT_EQ(g.OnPush(0, Push(1, 1, 0), true, true), D::kApply);
+  EXPECT_EQ(g.OnPush(0, Push(1, 1, 0), true, true, workers_), D::kApply);
 }
 
 TEST_P(AsyncGateTest, MinClockCountsOnlyPushesInPublishedVersions) {
@@ -100,7 +100,7 @@ TEST_P(AsyncGateTest, MinClockCountsOnlyPushesInPublishedVersions) {
   // A deferred push of clock 1 holds worker 1 at clock 0 whatever it announced.
   workers_.AdvanceClock(0, 3);
   g.BeginVersion(0, {});
-  EXPECT_EQ(g.OnPush(0, Push(1, 2, 1), false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Push(1, 2, 1), false, true, workers_), D::kDefer);
   g.EndVersion(0);
   EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 1u);
   EXPECT_EQ(g.RaisedMinClockPlus1(0, 0, true, workers_), std::optional<uint64_t>(1));
@@ -131,11 +131,11 @@ TEST(BspGateTest, AClockCompletesWhenEveryLiveWorkerContributedSummedInRankOrder
   workers.SetMembers({0, 1});
   ConsistencyGate g(ConsistencyMode::kBsp, 1);
   EXPECT_TRUE(g.bsp());
-  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true, workers), D::kAggregate);
   EXPECT_FALSE(g.TakeBspClock(0, workers).has_value());  // worker 0 missing
   // A push of the next clock waits for this one.
-  EXPECT_EQ(g.OnPush(0, Contributor{1, 0, 2, 11, 1}, false, true), D::kDefer);
-  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 0, 2, 11, 1}, false, true, workers), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true, workers), D::kAggregate);
   std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(a->clock, 0);
@@ -147,7 +147,7 @@ TEST(BspGateTest, AClockCompletesWhenEveryLiveWorkerContributedSummedInRankOrder
   EXPECT_EQ(g.PublishMinClockPlus1(0, 1, true, workers), 1u);
   EXPECT_FALSE(g.RaisedMinClockPlus1(0, 0, true, workers).has_value());
   // A late push of clock 0 is dropped.
-  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 10, 0}, false, true), D::kDropStale);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 10, 0}, false, true, workers), D::kDropStale);
 }
 
 TEST(BspGateTest, AWorkerPastTheClockIsNotWaitedForUnlessItsPushIsQueued) {
@@ -157,28 +157,28 @@ TEST(BspGateTest, AWorkerPastTheClockIsNotWaitedForUnlessItsPushIsQueued) {
   workers.Hello(1, 11, 2, &fresh);
   workers.SetMembers({0, 1});
   ConsistencyGate g(ConsistencyMode::kBsp, 1);
-  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true, workers), D::kAggregate);
   // Worker 1's push of clock 0 waits behind a version in flight; it announced clock 1.
   g.BeginVersion(0, {});
-  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true, workers), D::kDefer);
   workers.AdvanceClock(1, 1);
   EXPECT_FALSE(g.TakeBspClock(0, workers).has_value()) << "in flight";
   g.EndVersion(0);
   EXPECT_FALSE(g.TakeBspClock(0, workers).has_value()) << "worker 1's clock 0 is queued";
   std::optional<DeferredPush> d = g.NextDeferred(0);
   ASSERT_TRUE(d.has_value());
-  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, d->clock}, true, true), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, d->clock}, true, true, workers), D::kAggregate);
   std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(a->contributors.size(), 2u);
   // Clock 1: worker 0 pushes; worker 1 announced clock 2 without a push of clock 1 queued.
   workers.AdvanceClock(1, 2);
-  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 10, 1}, false, true), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 10, 1}, false, true, workers), D::kAggregate);
   a = g.TakeBspClock(0, workers);
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(a->contributors.size(), 1u);
   // A departure completes a clock too.
-  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 3, 10, 2}, false, true), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 3, 10, 2}, false, true, workers), D::kAggregate);
   workers.AdvanceClock(1, 2);
   EXPECT_FALSE(g.TakeBspClock(0, workers).has_value());
   workers.SetMembers({0});
@@ -186,6 +186,100 @@ TEST(BspGateTest, AWorkerPastTheClockIsNotWaitedForUnlessItsPushIsQueued) {
   // A backup follows records: applied_through only rises.
   g.NoteAppliedThrough(0, 1);
   EXPECT_EQ(g.applied_through(0), 2);
+}
+
+// A restarted worker starts at the cluster's clock, the furthest chunk's: here 7, while this
+// chunk has applied through 5 and worker 1 has still to push its clock 6. Its push of clock 7
+// must wait: taken as the pending clock, it made worker 1's push of clock 6 "stale" (dropped,
+// although clock 6 was never applied here) and the cluster waited for ever on clock 7 (a
+// deadlock of AggregatorBarrierKillTest under load). Fails on the gate without the check.
+TEST(BspGateTest, APushOfALaterClockWaitsWhileAnotherWorkerOwesAnEarlierOne) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.SetMembers({0, 1});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  uint64_t seq0 = 0, seq1 = 0;
+  for (int64_t c = 0; c <= 5; ++c) {  // clocks 0..5 applied with both workers
+    ++seq0;
+    ++seq1;
+    ASSERT_EQ(g.OnPush(0, Contributor{0, uint32_t(seq0 & 1), seq0, 10, c}, false, true, workers),
+              D::kAggregate);
+    ASSERT_EQ(g.OnPush(0, Contributor{1, uint32_t(seq1 & 1), seq1, 11, c}, false, true, workers),
+              D::kAggregate);
+    ASSERT_TRUE(g.TakeBspClock(0, workers).has_value());
+    workers.AdvanceClock(0, static_cast<uint32_t>(c + 1));
+    workers.AdvanceClock(1, static_cast<uint32_t>(c + 1));
+  }
+  ASSERT_EQ(g.applied_through(0), 5);
+  // Worker 0 is restarted (a new incarnation: fresh state) and announces clock 7.
+  workers.Hello(0, 20, 3, &fresh);
+  ASSERT_TRUE(fresh);
+  workers.AdvanceClock(0, 7);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, 7}, false, true, workers), D::kDefer)
+      << "worker 1 (at clock 6) still owes clock 6 here";
+  // Worker 1's clock 6 completes without worker 0 (past it), and is not dropped.
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 7, 11, 6}, false, true, workers), D::kAggregate);
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->clock, 6);
+  ASSERT_EQ(a->contributors.size(), 1u);
+  EXPECT_EQ(a->contributors[0].worker, 1u);
+  // Then worker 0's clock 7, handed back, is the pending clock; worker 1's joins it.
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->clock, 7);
+  workers.AdvanceClock(1, 7);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, 7}, true, true, workers), D::kAggregate);
+  EXPECT_FALSE(g.TakeBspClock(0, workers).has_value()) << "worker 1's clock 7 is owed";
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 0, 8, 11, 7}, false, true, workers), D::kAggregate);
+  a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->clock, 7);
+  EXPECT_EQ(a->contributors.size(), 2u);
+}
+
+// The wait ends without a push too: the other worker announces a clock past it (it had nothing
+// to push here), or departs. ShouldRetryDeferred tells the server to hand the push back.
+TEST(BspGateTest, AHeldBackPushGoesInOnceNoEarlierClockIsOwed) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.Hello(2, 12, 3, &fresh);
+  workers.SetMembers({0, 1, 2});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  // A restored cluster: every worker starts at clock 4 on a chunk that has applied nothing.
+  workers.AdvanceClock(0, 4);
+  workers.AdvanceClock(1, 4);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 4}, false, true, workers), D::kDefer)
+      << "worker 2 has announced no clock yet";
+  EXPECT_TRUE(g.ShouldRetryDeferred(0));
+  workers.AdvanceClock(2, 4);  // it announces: nobody owes a clock below 4
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 4}, true, true, workers), D::kAggregate);
+  EXPECT_FALSE(g.ShouldRetryDeferred(0)) << "a clock is pending";
+  // Worker 1 jumps further ahead (to 6) while clock 4 is pending: it waits behind it as before.
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 6}, false, true, workers), D::kDefer);
+  EXPECT_EQ(g.OnPush(0, Contributor{2, 1, 1, 12, 4}, false, true, workers), D::kAggregate);
+  workers.AdvanceClock(1, 6);  // past clock 4, its clock-6 push queued: 4 completes without it
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->contributors.size(), 2u);
+  d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  // Clock 6 > applied_through (4) + 1: workers 0 and 2 are at clock 4, so they owe clock 5.
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 6}, true, true, workers), D::kDefer);
+  workers.SetMembers({1});  // both leave: nobody owes clock 5 any more
+  EXPECT_TRUE(g.ShouldRetryDeferred(0));
+  d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 6}, true, true, workers), D::kAggregate);
+  a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->clock, 6);
 }
 
 }  // namespace
