@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <set>
 
 namespace shardps::server {
@@ -107,7 +108,10 @@ std::optional<DeferredPush> ConsistencyGate::NextDeferred(uint32_t slot) {
 bool ConsistencyGate::EarlierClockOwed(const Slot& s, const Contributor& c,
                                        const WorkerTable& workers) const {
   for (uint32_t r : workers.Live()) {
-    if (r == c.worker) continue;
+    if (r == c.worker) {
+      if (MinDeferredClock(s, r) < c.clock) return true;  // its own earlier push waits here
+      continue;
+    }
     const WorkerState* w = workers.Find(r);
     // Unknown, or announced a clock below c's (a worker that just joined has announced none
     // yet: it will start at a clock this slot may not have reached).
@@ -163,9 +167,33 @@ std::optional<uint64_t> ConsistencyGate::RaisedMinClockPlus1(uint32_t slot,
                                                              uint64_t published_plus1,
                                                              bool initialised,
                                                              const WorkerTable& workers) const {
-  if (bsp() || !initialised) return std::nullopt;
+  if (!initialised) return std::nullopt;
+  if (bsp()) return BspVacuousMinClockPlus1(slot, published_plus1, workers);
   const uint64_t mc = SspMinClockPlus1(slot, workers);
   if (mc > published_plus1) return mc;
+  return std::nullopt;
+}
+
+std::optional<uint64_t> ConsistencyGate::BspVacuousMinClockPlus1(
+    uint32_t slot, uint64_t published_plus1, const WorkerTable& workers) const {
+  const Slot& s = slots_[slot];
+  if (s.inflight || s.pending_clock >= 0) return std::nullopt;
+  // The lowest clock a live worker may still push here: its announced clock, or a queued push.
+  uint64_t m = UINT64_MAX;
+  for (uint32_t r : workers.Live()) {
+    const WorkerState* w = workers.Find(r);
+    if (w == nullptr) return std::nullopt;
+    uint64_t c = w->clock;
+    const int64_t d = MinDeferredClock(s, r);
+    if (d != INT64_MAX) c = std::min(c, static_cast<uint64_t>(std::max<int64_t>(0, d)));
+    m = std::min(m, c);
+  }
+  if (m == UINT64_MAX) return std::nullopt;  // nobody live: nothing moves
+  // Every clock below m is complete: no live worker will push it here, and the pushes that
+  // came were applied. Only a restart makes this happen (a dead process's push of a clock
+  // never came, and the live workers are all past it); the version is unchanged, its min
+  // clock rises, and pushes of those clocks are stale from now on (ApplyVacuous).
+  if (m > published_plus1 && static_cast<int64_t>(m) > s.applied_through + 1) return m;
   return std::nullopt;
 }
 

@@ -120,7 +120,10 @@ class ConsistencyGate {
   // workers' applied and announced clocks, less pushes deferred or in flight.
   uint64_t SspMinClockPlus1(uint32_t slot, const WorkerTable& workers) const;
   // After a clock or membership change: the min clock (+1) the published version may now carry,
-  // if higher than `published_plus1` (never for BSP, whose versions complete in TakeBspClock).
+  // if higher than `published_plus1`. BSP's versions complete in TakeBspClock; a BSP min clock
+  // rises here only vacuously: nothing pending, and every live worker is past clocks that no
+  // push of reached this slot (a dead process's push never came while a restarted one jumped
+  // past them). The caller then marks those clocks applied (NoteAppliedThrough(raised - 1)).
   std::optional<uint64_t> RaisedMinClockPlus1(uint32_t slot, uint64_t published_plus1,
                                               bool initialised, const WorkerTable& workers) const;
 
@@ -142,6 +145,8 @@ class ConsistencyGate {
   int64_t MinDeferredClock(const Slot& s, uint32_t worker) const;
   // BSP: may a live worker other than c's still push a clock below c.clock to this slot?
   bool EarlierClockOwed(const Slot& s, const Contributor& c, const WorkerTable& workers) const;
+  std::optional<uint64_t> BspVacuousMinClockPlus1(uint32_t slot, uint64_t published_plus1,
+                                                  const WorkerTable& workers) const;
 
   ConsistencyMode mode_;
   std::vector<Slot> slots_;

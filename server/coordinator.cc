@@ -778,6 +778,11 @@ void Coordinator::ForgivePause(std::chrono::microseconds pause, Clock::time_poin
   for (auto& [fd, c] : conns_) {
     c->last_heard = std::min(c->last_heard + pause, now);
     c->detector.Shift(pause, now);
+    // A handshake in progress and an unacknowledged probe were not waited on either.
+    c->opened = std::min(c->opened + pause, now);
+    if (c->unacked_since != Clock::time_point{}) {
+      c->unacked_since = std::min(c->unacked_since + pause, now);
+    }
   }
   for (auto& [id, p] : pending_) p.deadline += pause;
   uint64_t n;

@@ -276,7 +276,7 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
   const Contributor push{worker, parity, h.seq, w->incarnation, clock};
   switch (gate_->OnPush(slot, push, from_queue, chunks_->initialised(slot), *workers_)) {
     case ConsistencyGate::Decision::kDefer:
-      stats_.Bump(&ShardServerCounters::deferred_pushes);
+      if (!from_queue) stats_.Bump(&ShardServerCounters::deferred_pushes);  // once per push
       return false;
     case ConsistencyGate::Decision::kUninitialised:
       return reject("chunk not initialised yet");
@@ -559,7 +559,10 @@ void ShardServer::Reevaluate() {
     if (gate_->ShouldRetryDeferred(s)) work_.push_back(s);
     const std::optional<uint64_t> mc = gate_->RaisedMinClockPlus1(
         s, chunks_->published_min_clock_plus1(s), chunks_->initialised(s), *workers_);
-    if (mc) chunks_->RaisePublishedMinClock(s, *mc);
+    if (mc) {
+      chunks_->RaisePublishedMinClock(s, *mc);
+      gate_->NoteAppliedThrough(s, static_cast<int64_t>(*mc) - 1);  // BSP: those clocks are done
+    }
   }
 }
 

@@ -632,7 +632,7 @@ TEST(CoordinatorTest, ABadBarrierIsAProtocolError) {
 // "coordinator.after_poll" is the stop the old check already caught (in poll, or just after).
 class CoordinatorStallTest : public ::testing::TestWithParam<const char*> {};
 
-TEST_P(CoordinatorStallTest, AStallPastTheLeaseDeclaresNobodyDead) {
+TEST_P(CoordinatorStallTest, AStallPastTheLeaseDeclaresNoLiveMemberDead) {
   const std::string point = GetParam();
   CoordinatorOptions o = Options(50, 400);  // lease 1200 ms
   const std::string state = ::testing::TempDir() + "coordinator-stall-" +
@@ -658,6 +658,22 @@ TEST_P(CoordinatorStallTest, AStallPastTheLeaseDeclaresNobodyDead) {
     std::this_thread::sleep_for(milliseconds(5));
   }
   ASSERT_TRUE(held());
+  // And one member that really is dead: joined, then silent (its socket open, as a hung
+  // process's is). Forgiving the coordinator's pause must not hide it: it is declared dead at
+  // its lease, counted from when it was last heard plus the pause.
+  auto silent = net::ConnectTcp(c->address(), "", milliseconds(2000));
+  ASSERT_TRUE(silent.ok());
+  ASSERT_TRUE(SendMagic(silent->get(), milliseconds(1000)).ok());
+  {
+    Envelope join;
+    join.mutable_join()->set_cluster_token(kToken);
+    join.mutable_join()->set_role(ROLE_WORKER);
+    ASSERT_TRUE(SendEnvelope(silent->get(), join, milliseconds(1000)).ok());
+    FrameDecoder decoder;
+    auto reply = ReceiveEnvelope(silent->get(), &decoder, milliseconds(2000));
+    ASSERT_TRUE(reply.ok() && reply->has_join_reply() && reply->join_reply().accepted());
+  }
+  const auto silent_since = std::chrono::steady_clock::now();
   const milliseconds stall(2000);  // the lease (1200 ms) and its margin, and more
   const long long served = StallPointsServed();
   ArmStallPointForTest(point, 1, stall);
@@ -675,11 +691,20 @@ TEST_P(CoordinatorStallTest, AStallPastTheLeaseDeclaresNobodyDead) {
   }
   ArmStallPointForTest("", 1, milliseconds(0));
   ASSERT_GT(StallPointsServed(), served) << point << " was never reached";
+  // The silent member is declared dead: not before its lease plus the pause, not much after.
+  until = std::chrono::steady_clock::now() + milliseconds(8000);
+  while (c->counters().departures == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  const auto dead_after = std::chrono::steady_clock::now() - silent_since;
+  EXPECT_EQ(c->counters().departures, 1u) << "the silent member was never declared dead";
+  EXPECT_GE(dead_after, milliseconds(1200)) << "declared dead before its lease";
+  EXPECT_LE(dead_after, stall + milliseconds(1200 + 1500)) << "lease + pause + slack";
   // Several passes after the resume: the old loop closed the members in the pass it resumed in.
   std::this_thread::sleep_for(milliseconds(600));
   const CoordinatorCounters k = c->counters();
-  EXPECT_EQ(k.heartbeat_timeouts, 0u) << "a member was declared dead for the coordinator's pause";
-  EXPECT_EQ(k.departures, 0u);
+  EXPECT_EQ(k.heartbeat_timeouts, 1u) << "a live member was declared dead for the pause";
+  EXPECT_EQ(k.departures, 1u);
   EXPECT_GE(k.coordinator_pauses, 1u) << "the pause was not measured";
   EXPECT_EQ(c->membership().members_size(), static_cast<int>(members.size()));
   // Every member is still one, and its lease (lapsed during the stall) is renewed.

@@ -671,61 +671,94 @@ TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
 // the new worker 0 starts at clock 7 with b's chunk at clock 5. Its push of b for clock 7 once
 // became that chunk's pending clock: worker 1's push of clock 6 was then dropped as stale (clock
 // 6 never applied there) and the cluster deadlocked on clock 7 until every worker failed at its
-// wait timeout (AggregatorBarrierKillTest hit it under load). Now the new worker's start waits
-// until every chunk has applied the clocks it skipped, and the server holds such a push back
-// while a live worker owes an earlier clock: every push of both workers counts exactly once.
-TEST_P(ProcessClusterTest, ARestartedWorkerAheadOfALaggingChunkDropsNoClock) {
-  ClusterSpec spec = CounterSpec();
-  spec.servers = 2;
-  spec.replicas = 1;
-  spec.workers = 2;
-  const int kSteps = 20;
-  const milliseconds stall(Emulated() ? 40000 : 8000);  // outlasts a restart, loaded
-  ASSERT_TRUE(StartCluster(spec));
-  const std::vector<std::string> flags = {"--model=counter", "--count_in_b",
-                                          "--steps=" + std::to_string(kSteps)};
-  // Step t pushes W, then b: the process's pushes 2t+1 and 2t+2 (clock 6: 13 and 14).
-  setenv("SHARDPS_CRASH_POINT", "worker.before_push@13", 1);
-  ChildProcess* w0 = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
-  unsetenv("SHARDPS_CRASH_POINT");
-  setenv("SHARDPS_STALL_POINT", ("worker.before_push@14:" + std::to_string(stall.count())).c_str(),
-         1);
-  ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
-  unsetenv("SHARDPS_STALL_POINT");
-  ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
-  std::vector<std::string> resume = flags;
-  resume.push_back("--resume");  // clocks start_clock..kSteps-1
-  ChildProcess* again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
-  EXPECT_EQ(ExitCode(w1, ProcessBound() + stall), 0) << Tail(w1);
-  EXPECT_EQ(ExitCode(again, ProcessBound() + stall), 0) << Tail(again);
-  if (HasFailure()) return;
-  auto r0 = ParseResult(Path("worker0.out"));
-  auto r1 = ParseResult(Path("worker1.out"));
-  ASSERT_TRUE(r0.ok()) << r0.status();
-  ASSERT_TRUE(r1.ok()) << r1.status();
-  // It restarted while worker 1 was stalled: W at clock 7, b still at 5.
-  ASSERT_EQ(r0->Int("start_clock"), 7) << "the restart did not land inside worker 1's stall";
-  // Worker 0: clocks 0-5 of the first process, 7-19 of the second; worker 1: all 20.
-  const float want[2] = {6 + (kSteps - 7), kSteps};
-  for (const auto* res : {&*r0, &*r1}) {
-    for (const char* t : {"W", "b"}) {
-      const std::vector<float>& v = res->tensors.at(t);
-      ASSERT_GE(v.size(), 2u);
-      for (int k = 0; k < 2; ++k) {
-        EXPECT_EQ(v[k], want[k]) << "worker " << res->Int("rank") << "'s pull of " << t << "["
-                                 << k << "]: worker " << k << "'s pushes applied";
+// wait timeout (AggregatorBarrierKillTest hit it under load). Two mechanisms now prevent it,
+// each tested alone: the new worker's start pulls again until every chunk has applied the
+// clocks it skipped (catch-up), and the server holds such a push back while a live worker owes
+// an earlier clock (SHARDPS_TEST_NO_CATCH_UP_PULL=1 turns the catch-up off). And worker 1 either
+// resumes (every push of both counts exactly once) or dies in its stall (nobody will push clock
+// 6 to b: b's min clock rises past it without a version, and the restarted worker trains on
+// alone; with the catch-up off, its held push is let in when worker 1 departs).
+class RestartAheadTest : public ProcessClusterTest {
+ protected:
+  void Run(bool catch_up, bool owing_dies) {
+    ClusterSpec spec = CounterSpec();
+    spec.servers = 2;
+    spec.replicas = 1;
+    spec.workers = 2;
+    const int kSteps = 20;
+    const milliseconds stall(Emulated() ? 30000 : 8000);  // outlasts a restart, loaded
+    ASSERT_TRUE(StartCluster(spec));
+    const std::vector<std::string> flags = {
+        "--model=counter", "--count_in_b", "--steps=" + std::to_string(kSteps),
+        "--wait_timeout_ms=" + std::to_string((stall + Slack()).count())};
+    // Step t pushes W, then b: the process's pushes 2t+1 and 2t+2 (clock 6: 13 and 14).
+    setenv("SHARDPS_CRASH_POINT", "worker.before_push@13", 1);
+    ChildProcess* w0 = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
+    unsetenv("SHARDPS_CRASH_POINT");
+    setenv("SHARDPS_STALL_POINT",
+           ("worker.before_push@14:" + std::to_string(stall.count())).c_str(), 1);
+    ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
+    unsetenv("SHARDPS_STALL_POINT");
+    ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
+    std::vector<std::string> resume = flags;
+    resume.push_back("--resume");  // clocks start_clock..kSteps-1
+    if (!catch_up) setenv("SHARDPS_TEST_NO_CATCH_UP_PULL", "1", 1);
+    ChildProcess* again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
+    unsetenv("SHARDPS_TEST_NO_CATCH_UP_PULL");
+    // The restart must land inside worker 1's stall, or the case is not the one under test.
+    ASSERT_TRUE(WaitForLog(again, "joined a running cluster at clock", stall)) << Tail(again);
+    ASSERT_EQ(w1->LogTail(1 << 22).find("stall point worker.before_push: resumed"),
+              std::string::npos)
+        << "worker 1's stall ended before the restarted worker started; lengthen the stall";
+    if (owing_dies) {
+      w1->Kill();
+    } else {
+      EXPECT_EQ(ExitCode(w1, ProcessBound() + stall), 0) << Tail(w1);
+    }
+    EXPECT_EQ(ExitCode(again, ProcessBound() + stall), 0) << Tail(again);
+    if (HasFailure()) return;
+    auto r0 = ParseResult(Path("worker0.out"));
+    ASSERT_TRUE(r0.ok()) << r0.status();
+    ASSERT_EQ(r0->Int("start_clock"), 7);
+    std::vector<const WorkerResult*> results = {&*r0};
+    auto r1 = ParseResult(Path("worker1.out"));
+    if (!owing_dies) {
+      ASSERT_TRUE(r1.ok()) << r1.status();
+      results.push_back(&*r1);
+    }
+    // Worker 0: clocks 0-5 of the first process, 7-19 of the second. Worker 1: all 20, or, if it
+    // died in its stall, clocks 0-5 and its W of clock 6.
+    const float w0_count = 6 + (kSteps - 7);
+    for (const WorkerResult* res : results) {
+      for (const char* t : {"W", "b"}) {
+        const std::vector<float>& v = res->tensors.at(t);
+        ASSERT_GE(v.size(), 2u);
+        const float w1_count = owing_dies ? (t[0] == 'W' ? 7 : 6) : kSteps;
+        EXPECT_EQ(v[0], w0_count) << "worker " << res->Int("rank") << "'s pull of " << t
+                                  << "[0]: worker 0's pushes applied";
+        EXPECT_EQ(v[1], w1_count) << "worker " << res->Int("rank") << "'s pull of " << t
+                                  << "[1]: worker 1's pushes applied";
       }
     }
+    for (int g = 0; g < spec.servers; ++g) {
+      EXPECT_EQ(servers_[g]->LogTail(1 << 22).find("arrived after that clock was applied"),
+                std::string::npos)
+          << "a push was dropped as stale\n" << Tail(servers_[g]);
+    }
+    std::cerr << "[ info ] " << GetParam() << ": worker 0 restarted at clock "
+              << r0->Int("start_clock") << " inside worker 1's " << stall.count()
+              << " ms stall (catch-up " << (catch_up ? "on" : "off") << "); worker 1 "
+              << (owing_dies ? "killed in it" : "resumed") << "; the counts are exact\n";
   }
-  for (int g = 0; g < spec.servers; ++g) {
-    EXPECT_EQ(servers_[g]->LogTail(1 << 22).find("arrived after that clock was applied"),
-              std::string::npos)
-        << "a push was dropped as stale\n" << Tail(servers_[g]);
-  }
-  std::cerr << "[ info ] " << GetParam() << ": worker 0 restarted at clock "
-            << r0->Int("start_clock") << " during worker 1's " << stall.count()
-            << " ms stall; W and b count 19 and 20 pushes on both workers\n";
-}
+};
+
+TEST_P(RestartAheadTest, TheOwingWorkerResumesAndNothingIsDropped) { Run(true, false); }
+TEST_P(RestartAheadTest, TheServersHoldTheEarlyPushBackAlone) { Run(false, false); }
+TEST_P(RestartAheadTest, TheOwingWorkerDiesAndTheRestartedOneTrainsOn) { Run(true, true); }
+TEST_P(RestartAheadTest, TheHeldPushGoesInWhenTheOwingWorkerDies) { Run(false, true); }
+
+INSTANTIATE_TEST_SUITE_P(Transports, RestartAheadTest, ::testing::Values("tcp", "shm", "verbs"),
+                         [](const auto& info) { return info.param; });
 
 // Checkpoints: a BSP run writes one every 5 clocks; the newest is then corrupted (a flipped
 // byte) and the whole cluster is restarted from the directory. The corrupt checkpoint is

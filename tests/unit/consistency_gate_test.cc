@@ -282,5 +282,50 @@ TEST(BspGateTest, AHeldBackPushGoesInOnceNoEarlierClockIsOwed) {
   EXPECT_EQ(a->clock, 6);
 }
 
+// Nobody will push clock 6 here any more: the restarted worker 0 is past it (at 7), and worker 1,
+// which owed it, departed. The published min clock rises to 7 without a version (a worker
+// pulling at clock 7 would otherwise wait for ever); never while a live worker may still push
+// a lower clock, or a clock is pending.
+TEST(BspGateTest, AMinClockRisesPastClocksNoLiveWorkerWillPush) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.SetMembers({0, 1});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  for (int64_t c = 0; c <= 5; ++c) {
+    ASSERT_EQ(g.OnPush(0, Contributor{0, uint32_t((c + 1) & 1), uint64_t(c + 1), 10, c}, false,
+                       true, workers),
+              D::kAggregate);
+    ASSERT_EQ(g.OnPush(0, Contributor{1, uint32_t((c + 1) & 1), uint64_t(c + 1), 11, c}, false,
+                       true, workers),
+              D::kAggregate);
+    ASSERT_TRUE(g.TakeBspClock(0, workers).has_value());
+    workers.AdvanceClock(0, static_cast<uint32_t>(c + 1));
+    workers.AdvanceClock(1, static_cast<uint32_t>(c + 1));
+  }
+  // Both at clock 6 with clock 5 published (min clock + 1 = 6): nothing to raise.
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 6, true, workers).has_value());
+  workers.Hello(0, 20, 3, &fresh);  // restarted: announced no clock yet
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 6, true, workers).has_value());
+  workers.AdvanceClock(0, 7);
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 6, true, workers).has_value()) << "worker 1 owes 6";
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, 7}, false, true, workers), D::kDefer);
+  workers.SetMembers({0});  // worker 1 departs without pushing clock 6 here
+  EXPECT_EQ(g.RaisedMinClockPlus1(0, 6, true, workers), std::optional<uint64_t>(7));
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 7, true, workers).has_value()) << "already published";
+  g.NoteAppliedThrough(0, 6);  // what the server does with the raise
+  EXPECT_TRUE(g.ShouldRetryDeferred(0));
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, 7}, true, true, workers), D::kAggregate);
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 7, true, workers).has_value()) << "a clock is pending";
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->clock, 7);
+  // A push of clock 6 now is stale: that clock is done.
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 20, 6}, false, true, workers), D::kDropStale);
+}
+
 }  // namespace
 }  // namespace shardps::server
