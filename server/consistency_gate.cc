@@ -11,7 +11,7 @@ ConsistencyGate::ConsistencyGate(ConsistencyMode mode, uint32_t slots)
     : mode_(mode), slots_(slots) {}
 
 void ConsistencyGate::Defer(Slot& s, const Contributor& c, bool from_queue) {
-  const DeferredPush d{c.worker, c.parity, c.clock};
+  const DeferredPush d{c.worker, c.parity, c.clock, c.incarnation};
   if (from_queue) {
     s.deferred.push_front(d);
   } else {
@@ -58,7 +58,7 @@ std::optional<BspAggregate> ConsistencyGate::TakeBspClock(uint32_t slot,
     // unless its push of that clock is still queued here (deferred behind a replication).
     const WorkerState* w = workers.Find(r);
     if (w != nullptr && w->clock > static_cast<uint64_t>(s.pending_clock) &&
-        MinDeferredClock(s, r) > s.pending_clock) {
+        MinDeferredClock(s, r, workers) > s.pending_clock) {
       continue;
     }
     return std::nullopt;  // still waiting for a live worker
@@ -109,22 +109,32 @@ bool ConsistencyGate::EarlierClockOwed(const Slot& s, const Contributor& c,
                                        const WorkerTable& workers) const {
   for (uint32_t r : workers.Live()) {
     if (r == c.worker) {
-      if (MinDeferredClock(s, r) < c.clock) return true;  // its own earlier push waits here
+      if (MinDeferredClock(s, r, workers) < c.clock) return true;  // its own earlier push waits here
       continue;
     }
     const WorkerState* w = workers.Find(r);
     // Unknown, or announced a clock below c's (a worker that just joined has announced none
     // yet: it will start at a clock this slot may not have reached).
     if (w == nullptr || w->clock < static_cast<uint64_t>(c.clock)) return true;
-    if (MinDeferredClock(s, r) < c.clock) return true;  // its earlier push waits here
+    if (MinDeferredClock(s, r, workers) < c.clock) return true;  // its earlier push waits here
   }
   return false;
 }
 
-int64_t ConsistencyGate::MinDeferredClock(const Slot& s, uint32_t worker) const {
+int64_t ConsistencyGate::MinDeferredClock(const Slot& s, uint32_t worker,
+                                          const WorkerTable& workers) const {
+  // Only the worker's current process: a push queued by a process that has since been replaced
+  // (it died, and the rank came back) is dropped when it is handed back (ShardServer::DrainWork)
+  // and holds nothing meanwhile.
+  const WorkerState* w = workers.Find(worker);
   int64_t m = INT64_MAX;
   for (const DeferredPush& d : s.deferred) {
-    if (d.worker == worker) m = std::min(m, d.clock);
+    if (d.worker != worker) continue;
+    if (w != nullptr && d.incarnation != 0 && w->incarnation != 0 &&
+        d.incarnation != w->incarnation) {
+      continue;
+    }
+    m = std::min(m, d.clock);
   }
   return m;
 }
@@ -138,7 +148,7 @@ uint64_t ConsistencyGate::SspMinClockPlus1(uint32_t slot, const WorkerTable& wor
     if (w != nullptr) {
       applied = std::max(w->applied_clock[slot], static_cast<int64_t>(w->clock) - 1);
       // A push of this worker still queued here is not applied, whatever its clock says.
-      const int64_t d = MinDeferredClock(s, r);
+      const int64_t d = MinDeferredClock(s, r, workers);
       if (d != INT64_MAX) applied = std::min(applied, d - 1);
       // Nor is one folded into a version that waits for its replication record: that version
       // is not published yet, and the published one (whose min clock this is while a version
@@ -184,7 +194,7 @@ std::optional<uint64_t> ConsistencyGate::BspVacuousMinClockPlus1(
     const WorkerState* w = workers.Find(r);
     if (w == nullptr) return std::nullopt;
     uint64_t c = w->clock;
-    const int64_t d = MinDeferredClock(s, r);
+    const int64_t d = MinDeferredClock(s, r, workers);
     if (d != INT64_MAX) c = std::min(c, static_cast<uint64_t>(std::max<int64_t>(0, d)));
     m = std::min(m, c);
   }

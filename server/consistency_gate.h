@@ -50,6 +50,7 @@ struct DeferredPush {
   uint32_t worker;
   uint32_t parity;
   int64_t clock;
+  uint64_t incarnation = 0;  // the process that pushed it (0: unknown)
 };
 
 // A complete BSP clock: its contributors in worker-rank order (the order of the sum, so that the
@@ -142,7 +143,7 @@ class ConsistencyGate {
     int64_t applied_through = -1;
   };
   void Defer(Slot& s, const Contributor& c, bool from_queue);
-  int64_t MinDeferredClock(const Slot& s, uint32_t worker) const;
+  int64_t MinDeferredClock(const Slot& s, uint32_t worker, const WorkerTable& workers) const;
   // BSP: may a live worker other than c's still push a clock below c.clock to this slot?
   bool EarlierClockOwed(const Slot& s, const Contributor& c, const WorkerTable& workers) const;
   std::optional<uint64_t> BspVacuousMinClockPlus1(uint32_t slot, uint64_t published_plus1,

@@ -709,6 +709,20 @@ void ShardServer::DrainWork() {
       HandlePush(d.worker, d.slot, d.parity, true);
     }
     while (std::optional<DeferredPush> d = gate_->NextDeferred(slot)) {
+      // Queued by a process that has since been replaced (it died and its rank came back):
+      // its inbox slot may hold the new process's push now, which would be credited twice,
+      // and the new process's sequence numbers start again. A dead process's push counts at
+      // most once: this one never.
+      const WorkerState* w = workers_->Find(d->worker);
+      if (w != nullptr && d->incarnation != 0 && w->incarnation != 0 &&
+          w->incarnation != d->incarnation) {
+        stats_.Bump(&ShardServerCounters::stale_pushes);
+        LOG(WARNING) << "server rank " << rank_ << ": a queued push of clock " << d->clock
+                     << " from worker " << d->worker << "'s previous process (incarnation "
+                     << d->incarnation << ", now " << w->incarnation << ") for chunk "
+                     << chunks_->chunk_id(slot) << " dropped";
+        continue;
+      }
       if (!HandlePush(d->worker, slot, d->parity, true)) break;  // it waits again, at the front
     }
     MaybeApplyBsp(slot);  // BSP: the slot's next clock may be complete

@@ -327,5 +327,34 @@ TEST(BspGateTest, AMinClockRisesPastClocksNoLiveWorkerWillPush) {
   EXPECT_EQ(g.OnPush(0, Contributor{0, 0, 2, 20, 6}, false, true, workers), D::kDropStale);
 }
 
+// A push queued by a process that has since been replaced holds nothing: the new process of
+// that rank is past the clock, and the old process's push is dropped when it is handed back
+// (ShardServer::DrainWork). Counted as the rank's queued push, it held the clock (and the
+// vacuous raise) until the slot happened to be drained.
+TEST(BspGateTest, APushQueuedByAReplacedProcessHoldsNothing) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.SetMembers({0, 1});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 10, 0}, false, true, workers), D::kAggregate);
+  g.BeginVersion(0, {});  // worker 1's push of clock 0 waits behind a version in flight
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 0}, false, true, workers), D::kDefer);
+  g.EndVersion(0);
+  // Worker 1 dies and its rank comes back as a new process, which starts past clock 0.
+  workers.Hello(1, 21, 3, &fresh);
+  ASSERT_TRUE(fresh);
+  workers.AdvanceClock(1, 1);
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value()) << "clock 0 waited for a dead process's queued push";
+  ASSERT_EQ(a->contributors.size(), 1u);
+  EXPECT_EQ(a->contributors[0].worker, 0u);
+  // The queued push is still there, tagged with its process, for the server to drop.
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->incarnation, 11u);
+}
+
 }  // namespace
 }  // namespace shardps::server
