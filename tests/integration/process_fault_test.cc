@@ -700,6 +700,15 @@ class RestartAheadTest : public ProcessClusterTest {
     ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
     unsetenv("SHARDPS_STALL_POINT");
     ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
+    // The case needs W's chunk past clock 6 before the restart pulls: worker 1 pushed W of
+    // clock 6 (it is in its stall, after that push) and every server has seen worker 0 leave
+    // (else the new process starts at clock 6, and nothing is ahead of anything).
+    ASSERT_TRUE(WaitForLog(w1, "stall point worker.before_push (SHARDPS_STALL_POINT)", stall))
+        << Tail(w1);
+    for (int g = 0; g < spec.servers; ++g) {
+      ASSERT_TRUE(WaitForLog(servers_[g], "worker 0 left", stall)) << Tail(servers_[g]);
+    }
+    std::this_thread::sleep_for(milliseconds(Emulated() ? 2000 : 300));  // W of 6 applied
     std::vector<std::string> resume = flags;
     resume.push_back("--resume");  // clocks start_clock..kSteps-1
     if (!catch_up) setenv("SHARDPS_TEST_NO_CATCH_UP_PULL", "1", 1);
