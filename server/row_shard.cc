@@ -83,9 +83,9 @@ void RowShard::Seal(uint64_t local, uint64_t version) {
                reinterpret_cast<uint16_t*>(vals), g_.dim);
   }
   auto* h = reinterpret_cast<layout::RowHeader*>(rec);
-  layout::RowHeader next = *h;  // a hashed slot keeps the key and flags Place gave it
-  next.version = version;
-  next.reserved = 0;
+  layout::RowHeader next = *h;  // a hashed slot keeps the key and occupancy Place gave it
+  next.stamp = (next.stamp & layout::kRowOccupied) | layout::RowStampOf(version);
+  newest_version_ = std::max(newest_version_, version);
   next.crc = layout::RowRecordCrc(next, vals, g_.row_value_bytes());
   // Values first, then the header: a reader pairing either header with the other values fails
   // the crc and reads the row again.
@@ -99,6 +99,8 @@ void RowShard::SealDense(const uint64_t* locals, size_t n, uint64_t version) {
   const layout::RowHeader* hp[kBatch];
   const char* vp[kBatch];
   uint32_t crc[kBatch];
+  const uint32_t stamp = layout::kRowOccupied | layout::RowStampOf(version);
+  newest_version_ = std::max(newest_version_, version);
   for (size_t done = 0; done < n; done += kBatch) {
     const size_t k = std::min(kBatch, n - done);
     for (size_t i = 0; i < k; ++i) {
@@ -109,11 +111,9 @@ void RowShard::SealDense(const uint64_t* locals, size_t n, uint64_t version) {
         EncodeHalf(static_cast<uint32_t>(dtype_), master_.data() + local * g_.dim,
                    reinterpret_cast<uint16_t*>(vals), g_.dim);
       }
-      next[i] = *reinterpret_cast<const layout::RowHeader*>(rec);
-      next[i].version = version;
       next[i].key = local * g_.shards + g_.shard;
-      next[i].flags = layout::kRowOccupied;
-      next[i].reserved = 0;
+      next[i].stamp = stamp;
+      next[i].crc = 0;
       hp[i] = &next[i];
       vp[i] = vals;
     }
@@ -129,6 +129,7 @@ void RowShard::SealDense(const uint64_t* locals, size_t n, uint64_t version) {
 }
 
 void RowShard::InitRows() {
+  newest_version_ = 0;
   for (uint64_t r = 0; r < g_.rows; ++r) {
     auto* h = reinterpret_cast<layout::RowHeader*>(record(r));
     *h = layout::RowHeader{};
@@ -159,13 +160,13 @@ int64_t RowShard::Place(uint64_t key, uint64_t version, bool force) {
   bool free_found = false;
   for (uint64_t s = first; s < first + layout::kBucketSlots; ++s) {
     const auto* h = reinterpret_cast<const layout::RowHeader*>(record(s));
-    if ((h->flags & layout::kRowOccupied) == 0) {
+    if ((h->stamp & layout::kRowOccupied) == 0) {
       slot = s;
       free_found = true;
       break;
     }
-    if (h->version < oldest) {
-      oldest = h->version;
+    if (version_of(*h) < oldest) {
+      oldest = version_of(*h);
       slot = s;
     }
   }
@@ -180,14 +181,11 @@ int64_t RowShard::Place(uint64_t key, uint64_t version, bool force) {
   // The new key's row: its initial value and state; sealed as occupied when the update is.
   InitRow(init_.kind, init_.scale, init_.seed, key, g_.dim, values(slot));
   ResetState(slot);
-  layout::RowHeader next = *h;
-  next.key = key;
-  next.flags = layout::kRowOccupied;
   std::atomic_thread_fence(std::memory_order_release);
   h->crc = 0;  // invalid until sealed: a reader of this slot now reads it again
   std::atomic_thread_fence(std::memory_order_release);
-  h->key = next.key;
-  h->flags = next.flags;
+  h->key = key;
+  h->stamp |= layout::kRowOccupied;
   slot_of_[key] = slot;
   return static_cast<int64_t>(slot);
 }
@@ -458,7 +456,7 @@ std::pair<bool, bool> RowShard::Read(const uint64_t* ids, uint64_t n, char* out)
       continue;
     }
     const auto* h = reinterpret_cast<const layout::RowHeader*>(record(static_cast<uint64_t>(r)));
-    versions[i] = h->version | layout::kRowVersionOccupied;
+    versions[i] = version_of(*h) | layout::kRowVersionOccupied;
     std::memcpy(w + i * dim, values(static_cast<uint64_t>(r)), dim * sizeof(float));
     if (!s1_.empty()) std::memcpy(s1 + i * dim, s1_.data() + r * dim, dim * sizeof(float));
     if (!s2_.empty()) std::memcpy(s2 + i * dim, s2_.data() + r * dim, dim * sizeof(float));
@@ -473,8 +471,8 @@ void RowShard::List(uint64_t first, uint64_t n, char* out) const {
   for (uint64_t i = 0; i < n; ++i) {
     const auto* h = reinterpret_cast<const layout::RowHeader*>(record(first + i));
     keys[i] = h->key;
-    versions[i] =
-        h->version | ((h->flags & layout::kRowOccupied) != 0 ? layout::kRowVersionOccupied : 0);
+    versions[i] = version_of(*h) |
+                  ((h->stamp & layout::kRowOccupied) != 0 ? layout::kRowVersionOccupied : 0);
   }
 }
 
@@ -493,7 +491,8 @@ ChunkState RowShard::Capture() const {
     for (uint64_t r = 0; r < g_.rows; ++r) {
       const auto* h = reinterpret_cast<const layout::RowHeader*>(record(r));
       cs.row_keys[r] = h->key;
-      cs.row_versions[r] = h->version | ((h->flags & layout::kRowOccupied) ? 1ull << 63 : 0);
+      cs.row_versions[r] =
+          version_of(*h) | ((h->stamp & layout::kRowOccupied) ? layout::kRowVersionOccupied : 0);
     }
   }
   return cs;
@@ -504,7 +503,7 @@ ChunkState RowShard::CaptureSince(uint64_t since_version) const {
   cs.optimizer_steps = steps_;
   for (uint64_t r = 0; r < g_.rows; ++r) {
     const auto* h = reinterpret_cast<const layout::RowHeader*>(record(r));
-    if (h->version <= since_version) continue;
+    if (version_of(*h) <= since_version) continue;
     cs.row_index.push_back(r);
     const float* v = values(r);
     cs.weights.insert(cs.weights.end(), v, v + g_.dim);
@@ -512,7 +511,8 @@ ChunkState RowShard::CaptureSince(uint64_t since_version) const {
     if (!s2_.empty()) cs.state2.insert(cs.state2.end(), &s2_[r * g_.dim], &s2_[r * g_.dim] + g_.dim);
     if (g_.hashed) {
       cs.row_keys.push_back(h->key);
-      cs.row_versions.push_back(h->version | ((h->flags & layout::kRowOccupied) ? 1ull << 63 : 0));
+      cs.row_versions.push_back(
+          version_of(*h) | ((h->stamp & layout::kRowOccupied) ? layout::kRowVersionOccupied : 0));
     }
   }
   return cs;
@@ -529,15 +529,16 @@ Status RowShard::Restore(const ChunkState& cs) {
   }
   slot_of_.clear();
   hashed_ = HashedRowStats{};
+  newest_version_ = 0;
   for (uint64_t r = 0; r < g_.rows; ++r) {
     std::memcpy(values(r), cs.weights.data() + r * g_.dim, g_.dim * sizeof(float));
     if (g_.hashed) {
       // Keys, occupancy and versions as they were: admission and eviction go on alike.
       auto* h = reinterpret_cast<layout::RowHeader*>(record(r));
       h->key = cs.row_keys[r];
-      h->flags = (cs.row_versions[r] >> 63) != 0 ? layout::kRowOccupied : 0;
-      Seal(r, cs.row_versions[r] & ~(1ull << 63));
-      if (h->flags != 0) {
+      h->stamp = (cs.row_versions[r] & layout::kRowVersionOccupied) != 0 ? layout::kRowOccupied : 0;
+      Seal(r, cs.row_versions[r] & ~layout::kRowVersionOccupied);
+      if ((h->stamp & layout::kRowOccupied) != 0) {
         if (!slot_of_.emplace(h->key, r).second || g_.ShardOf(h->key) != g_.shard ||
             r / layout::kBucketSlots != g_.BucketOf(h->key)) {
           return FailedPreconditionError("hashed row shard state: key " + std::to_string(h->key) +

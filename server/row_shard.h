@@ -1,6 +1,6 @@
 // RowShard: one shard of a row table (an embedding) in a server's registered weights region
 // (wire/region_layout.h, RowGeometry): rows updated in place, each with a self-verifying
-// RowHeader (version, crc32c), and the optimizer state of the rows touched.
+// RowHeader (key, stamp, crc32c), and the optimizer state of the rows touched.
 //
 // Sparse gradients travel, inside the server and to the backup, as a "sparse payload" of
 // float32 values: [uint64 n][uint64 row x n][float x n x dim], coalesced (each row once); a row
@@ -15,7 +15,7 @@
 //   eviction:  a full bucket gives the new key the slot of its least recently updated row
 //              (the lowest record version; ties: the lowest slot); the evicted key is forgotten
 //              (a later read sees its initial value again), its optimizer state reset.
-// Everything this needs is in the records (key, flags, version), so a restored or handed-off
+// Everything this needs is in the records (key, occupancy, version stamp), so a restored or handed-off
 // shard decides exactly as the one it came from.
 // A worker's pushed entries (global ids, rows in the table's dtype) are decoded and coalesced
 // into one by Accumulate; BSP accumulates a clock's pushes in worker-rank order, so the sum (and
@@ -182,6 +182,10 @@ class RowShard {
   // `force`: admit whatever the policy's probability (an explicit load).
   int64_t Place(uint64_t key, uint64_t version, bool force = false);
   void ResetState(uint64_t local);  // a slot given to a new key: initial optimizer state
+  // The version that last wrote a record (its stamp made whole against newest_version_).
+  uint64_t version_of(const layout::RowHeader& h) const {
+    return layout::RowVersionOf(h.stamp, newest_version_);
+  }
 
   const layout::RowGeometry g_;
   const layout::DType dtype_;
@@ -190,6 +194,7 @@ class RowShard {
   char* const area_;
   std::vector<float> master_;  // 16-bit tables: rows x dim float32 master values
   uint64_t steps_ = 0;
+  uint64_t newest_version_ = 0;  // the highest version a record was sealed with
   std::vector<float> s1_, s2_;  // Adagrad's sum / Adam's m; Adam's v
   float s1_init_ = 0.0f;        // what a fresh row's state 1 holds (Adagrad's initial sum)
   // Hashed: key -> slot of the keys holding a row (the records are the truth; this indexes them).

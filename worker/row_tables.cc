@@ -512,7 +512,7 @@ Status RowTables::Read(uint32_t tensor, const int64_t* ids, size_t n, void* out,
         for (uint64_t q = 0; q < layout::kBucketSlots && found == nullptr; ++q) {
           layout::RowHeader rh;
           std::memcpy(&rh, u + q * t.stride, sizeof(rh));
-          if ((rh.flags & layout::kRowOccupied) != 0 && rh.key == static_cast<uint64_t>(ids[at])) {
+          if ((rh.stamp & layout::kRowOccupied) != 0 && rh.key == static_cast<uint64_t>(ids[at])) {
             found = u + q * t.stride + sizeof(rh);
           }
         }

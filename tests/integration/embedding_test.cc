@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "common/row_init.h"
+#include "wire/region_layout.h"
 #include "shardps/client.h"
 #include "tests/integration/hashed_table_model.h"
 #include "tests/integration/in_process_cluster.h"
@@ -427,9 +428,9 @@ TEST_P(EmbeddingTest, ATornRowIsReadAgainNeverReturned) {
   char* rec = cluster.Server(0).RowRecordForTesting(0, 6);
   ASSERT_NE(rec, nullptr);
   uint64_t key;
-  std::memcpy(&key, rec + 8, sizeof(key));  // RowHeader: version, key, crc, flags, reserved
+  std::memcpy(&key, rec, sizeof(key));  // RowHeader: key, stamp, crc
   ASSERT_EQ(key, 6u);
-  char* value3 = rec + 32 + 3 * sizeof(float);
+  char* value3 = rec + sizeof(layout::RowHeader) + 3 * sizeof(float);
   float whole;
   std::memcpy(&whole, value3, sizeof(whole));
   ASSERT_EQ(whole, before[1 * kDim + 3]) << "the record is not the row pulled";
