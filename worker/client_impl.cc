@@ -622,13 +622,50 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
   return Status::OK();
 }
 
+// Rank 0 writes its initial weights into its own inbox slot of parity 0 of every dense chunk
+// (ImmKind::kInit); a server takes them for a chunk without weights and ignores them otherwise.
+// A rank 0 that joins a running cluster (it was restarted) must not write where a chunk has
+// weights: its dead predecessor's BSP push of a clock not yet complete may lie in that slot
+// (pushes with an even sequence number do), summed only when every worker's push of that clock
+// is in, and the init bytes would replace the gradient. So it reads every dense chunk's header
+// first and publishes only to chunks whose version is 0. Then no worker has pushed anything
+// yet: every worker's Start pulls every chunk, and waits while one has no weights, before its
+// first push (RestartAheadTest.ARestartedRankZeroLeavesItsPredecessorsPendingPushAlone).
 Status ClientImpl::PublishInitialWeights() {
+  std::vector<char> publish(chunks_.size(), 1);
+  if (control_->reply().cluster_started()) {
+    int reads = 0;
+    for (const ChunkPlacement& c : chunks_) {
+      if (c.rows.rows_kind()) continue;
+      ++reads;
+      ServerSession& s = sessions_->at(c.server);
+      if (!s.ep) return sessions_->ServerError(c.server, "not connected");
+      RETURN_IF_ERROR(sessions_->PostWithCredit([&] {
+        return s.ep->PostRead(
+            {sessions_->staging(), sessions_->ChunkStagingOffset(c.id, 2), layout::kAlign},
+            transport::AtOffset(s.weights, s.layout->header_offset(c.slot)),
+            MakeContext(kOpSetup, c.id, 0));
+      }));
+    }
+    RETURN_IF_ERROR(sessions_->WaitSetupOps(reads));
+    int have = 0, missing = 0;
+    for (const ChunkPlacement& c : chunks_) {
+      if (c.rows.rows_kind()) continue;
+      const auto* h = reinterpret_cast<const layout::ChunkHeader*>(sessions_->ChunkStaging(c.id, 2));
+      publish[c.id] = (h->state.load(std::memory_order_relaxed) >> 1) == 0 ? 1 : 0;
+      ++(publish[c.id] ? missing : have);
+    }
+    LOG(INFO) << "worker rank 0: joined a running cluster: " << have
+              << " dense chunk(s) have weights (left alone), " << missing
+              << " get the initial weights";
+  }
   for (Tensor& t : tensors_) {
     if (t.staging != nullptr) RETURN_IF_ERROR(t.staging->WeightsToHost());
   }
   int posted = 0;
   for (const ChunkPlacement& c : chunks_) {
     if (c.rows.rows_kind()) continue;  // row shards are initialised by their servers
+    if (!publish[c.id]) continue;
     ++posted;
     ServerSession& s = sessions_->at(c.server);
     RETURN_IF_ERROR(sessions_->PostWithCredit([&] {
@@ -1106,6 +1143,9 @@ Status ClientImpl::StepOnce() {
   }
   RETURN_IF_ERROR(first);
   RETURN_IF_ERROR(Clock());
+  // "@N": the Nth step of the process, its pushes sent and its clock announced, its pull not
+  // yet begun (a BSP push of this clock may still wait for another worker's at the server).
+  CrashPoint("worker.after_clock");
   hs.clear();
   for (const Tensor& t : tensors_) {
     if (t.embedding) continue;  // PullRows, for the next batch's rows

@@ -47,6 +47,10 @@ struct CrashCase {
   // Workers also train a row table that each loads first (Client::SetRows of all 600 rows,
   // 16 rows per push: 19 set pushes per shard and worker), so the point falls in a load.
   bool loads_table = false;
+  // The worker armed (Role::kWorker). Rank 0 publishes the initial weights at every start: a
+  // restarted rank 0 must do so where no chunk has weights yet (it died before they were all
+  // written) and must not where they have (a push of its predecessor may wait in its slot).
+  int victim = 1;
 };
 
 const CrashCase kCases[] = {
@@ -64,8 +68,11 @@ const CrashCase kCases[] = {
     {"worker.after_shard_map", Role::kWorker, false, Outcome::kWorkersAgree},
     {"worker.after_connect", Role::kWorker, false, Outcome::kWorkersAgree},
     {"worker.after_first_pull", Role::kWorker, false, Outcome::kWorkersAgree},
+    {"worker.after_connect", Role::kWorker, false, Outcome::kWorkersAgree, false, false, 0},
     // Training and checkpointing.
     {"server.after_publish@10", Role::kPrimary, false, Outcome::kBitIdentical},
+    {"worker.after_clock@5", Role::kWorker, false, Outcome::kWorkersAgree},
+    {"worker.after_clock@5", Role::kWorker, false, Outcome::kWorkersAgree, false, false, 0},
     {"server.after_checkpoint_submit", Role::kPrimary, false, Outcome::kBitIdentical, true},
     // State transfer: a table being loaded (every worker sets every row before its first step).
     {"server.before_state_set_record@20", Role::kPrimary, false, Outcome::kBitIdentical, false,
@@ -99,6 +106,9 @@ std::string CaseName(const CrashCase& c) {
   for (char& ch : s) {
     if (ch == '.' || ch == '@') ch = '_';
   }
+  if (c.role == Role::kWorker && c.victim != 1) {
+    s += "_rank" + std::to_string(c.victim);
+  }
   return s;
 }
 
@@ -126,7 +136,7 @@ class CrashMatrixTest : public ProcessTestBase,
     auto probe = net::ListenTcp("127.0.0.1:0", &spec.listen);
     ASSERT_TRUE(probe.ok()) << probe.status();
     probe->reset();
-    const int kVictimWorker = 1;
+    const int kVictimWorker = c.victim;
     if (c.role == Role::kPrimary || c.role == Role::kBackup) {
       spec.crash_rank = c.role == Role::kPrimary ? 0 : spec.servers;
       spec.crash_point = c.point;
@@ -160,7 +170,7 @@ class CrashMatrixTest : public ProcessTestBase,
                            : c.role == Role::kWorker    ? workers[kVictimWorker]
                                                         : servers_[spec.crash_rank];
     if (c.kill_primary_first) {
-      const int w = c.role == Role::kWorker ? 0 : kVictimWorker;
+      const int w = c.role == Role::kWorker ? (kVictimWorker == 0 ? 2 : 0) : kVictimWorker;
       ASSERT_GE(WaitProgress(Path("progress" + std::to_string(w)), 4, Bound(), workers[w]), 4)
           << Tail(workers[w]);
       servers_[0]->Kill();

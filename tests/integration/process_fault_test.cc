@@ -761,6 +761,70 @@ class RestartAheadTest : public ProcessClusterTest {
   }
 };
 
+// A dead rank 0's push that still waits in a BSP clock is left alone by its successor. Worker 0
+// dies right after its clock-5 pushes (W and b) are sent; worker 1 stalls between its own W and
+// b of clock 5, so b's chunk holds worker 0's push of clock 5 in the inbox, not yet summed,
+// while worker 0 is restarted. That push is the process's 6th to the chunk, so it lies in
+// inbox parity 0 (a push's parity is its sequence number's). Rank 0 publishes the initial weights at every start, into
+// its own parity-0 inbox slot of every dense chunk: it overwrote that push with the initial
+// values, and clock 5 of b then summed those in place of the dead process's gradient (b[0] one
+// short). Now a rank 0 that joins a running cluster reads every chunk's header first and
+// publishes only to chunks that have no weights yet (then no worker has pushed anything).
+TEST_P(RestartAheadTest, ARestartedRankZeroLeavesItsPredecessorsPendingPushAlone) {
+  ClusterSpec spec = CounterSpec();
+  spec.servers = 2;
+  spec.replicas = 1;
+  spec.workers = 2;
+  const int kSteps = 20;
+  const milliseconds stall(Emulated() ? 30000 : 8000);  // outlasts a restart, loaded
+  ASSERT_TRUE(StartCluster(spec));
+  const std::vector<std::string> flags = {
+      "--model=counter", "--count_in_b", "--steps=" + std::to_string(kSteps),
+      "--wait_timeout_ms=" + std::to_string((stall + Slack()).count())};
+  // Step 6 is clock 5: its pushes are the process's 11th (W) and 12th (b).
+  setenv("SHARDPS_CRASH_POINT", "worker.after_clock@6", 1);
+  ChildProcess* w0 = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
+  unsetenv("SHARDPS_CRASH_POINT");
+  setenv("SHARDPS_STALL_POINT",
+         ("worker.before_push@12:" + std::to_string(stall.count())).c_str(), 1);
+  ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
+  unsetenv("SHARDPS_STALL_POINT");
+  ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
+  ASSERT_TRUE(WaitForLog(w1, "stall point worker.before_push (SHARDPS_STALL_POINT)", stall))
+      << Tail(w1);
+  for (int g = 0; g < spec.servers; ++g) {
+    ASSERT_TRUE(WaitForLog(servers_[g], "worker 0 left", stall)) << Tail(servers_[g]);
+  }
+  std::vector<std::string> resume = flags;
+  resume.push_back("--resume");
+  ChildProcess* again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
+  ASSERT_TRUE(WaitForLog(again, "joined a running cluster at clock", stall)) << Tail(again);
+  ASSERT_EQ(w1->LogTail(1 << 22).find("stall point worker.before_push: resumed"),
+            std::string::npos)
+      << "worker 1's stall ended before the restarted worker started; lengthen the stall";
+  EXPECT_EQ(ExitCode(w1, ProcessBound() + stall), 0) << Tail(w1);
+  EXPECT_EQ(ExitCode(again, ProcessBound() + stall), 0) << Tail(again);
+  if (HasFailure()) return;
+  auto r0 = ParseResult(Path("worker0.out"));
+  auto r1 = ParseResult(Path("worker1.out"));
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  ASSERT_EQ(r0->Int("start_clock"), 6);
+  // Worker 0: clocks 0-5 of the first process, 6-19 of the second; worker 1: all 20.
+  for (const WorkerResult* res : {&*r0, &*r1}) {
+    for (const char* t : {"W", "b"}) {
+      const std::vector<float>& v = res->tensors.at(t);
+      ASSERT_GE(v.size(), 2u);
+      EXPECT_EQ(v[0], static_cast<float>(kSteps))
+          << "worker " << res->Int("rank") << "'s pull of " << t << "[0]: worker 0's pushes";
+      EXPECT_EQ(v[1], static_cast<float>(kSteps))
+          << "worker " << res->Int("rank") << "'s pull of " << t << "[1]: worker 1's pushes";
+    }
+  }
+  std::cerr << "[ info ] " << GetParam() << ": rank 0 restarted at clock 6 while its dead "
+            << "predecessor's clock-5 push of b waited for worker 1's: every push counted once\n";
+}
+
 TEST_P(RestartAheadTest, TheOwingWorkerResumesAndNothingIsDropped) { Run(true, false); }
 TEST_P(RestartAheadTest, TheServersHoldTheEarlyPushBackAlone) { Run(false, false); }
 TEST_P(RestartAheadTest, TheOwingWorkerDiesAndTheRestartedOneTrainsOn) { Run(true, true); }
