@@ -68,6 +68,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
         StatusOr<Envelope> got = ReceiveEnvelope(c->LoopFd(), &c->decoder_, rest);
         if (got.ok()) {
           r = std::move(*got);
+          c->address_ = addresses[attempt % addresses.size()];
           break;
         }
         st = got.status();
@@ -170,7 +171,10 @@ void ControlClient::Loop() {
     return;
   }
   auto next_hb = Clock::now();
+  auto next_probe = Clock::now();
+  last_heard_ = Clock::now();
   while (!stop_.load()) {
+    MaybeMoveToNewLeader(Clock::now(), &next_probe);
     if (Clock::now() >= next_hb) {
       Status s;
       SendHeartbeat(&s);
@@ -191,6 +195,7 @@ void ControlClient::Loop() {
       continue;
     }
     if (*k == 0) continue;
+    last_heard_ = Clock::now();
     decoder_.Feed(buf, *k);
     Status st = DrainDecoder();
     if (!st.ok()) {
@@ -268,72 +273,122 @@ bool ControlClient::Rejoin(const Status& why) {
   // HA: the next leader may be any of the coordinators; try each in turn.
   const std::vector<std::string> addresses = Addresses(options_.coordinator_address);
   for (size_t attempt = 0; !stop_.load() && Clock::now() < deadline; ++attempt) {
-    StatusOr<UniqueFd> fd = net::ConnectTcp(addresses[attempt % addresses.size()], "",
-                                            std::chrono::milliseconds(1000));
-    if (!fd.ok()) {
-      last = fd.status();
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      continue;
+    switch (TryRejoin(addresses[attempt % addresses.size()], std::chrono::milliseconds(1000),
+                      std::chrono::milliseconds(5000), &last)) {
+      case RejoinResult::kJoined:
+        return true;
+      case RejoinResult::kRefused:
+      case RejoinResult::kBroken:
+        return false;  // Fail()ed
+      case RejoinResult::kNoAnswer:
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        break;
     }
-    FrameDecoder decoder;
-    Envelope e;
-    *e.mutable_join() = options_.join;
-    e.mutable_join()->set_cluster_token(options_.cluster_token);
-    e.mutable_join()->set_previous_member_id(reply_.member_id());
-    e.mutable_join()->set_previous_credential(reply_.credential());
-    e.mutable_join()->set_requested_rank(static_cast<int32_t>(reply_.rank()));
-    Status s = SendMagic(fd->get(), std::chrono::milliseconds(2000));
-    if (s.ok()) s = SendEnvelope(fd->get(), e, std::chrono::milliseconds(2000));
-    if (!s.ok()) {
-      last = s;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      continue;
-    }
-    auto r = ReceiveEnvelope(fd->get(), &decoder, std::chrono::milliseconds(5000));
-    if (!r.ok() || r->body_case() != Envelope::kJoinReply) {
-      last =
-          r.ok()
-              ? InternalError("coordinator answered the rejoin with " + std::string(BodyName(*r)))
-              : r.status();
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      continue;
-    }
-    if (!r->join_reply().accepted()) {
-      Fail(PermissionDeniedError("coordinator refused to take member " +
-                                 std::to_string(reply_.member_id()) +
-                                 " back: " + r->join_reply().error()));
-      return false;
-    }
-    std::vector<Envelope> repeat;
-    {
-      MutexLock l(&send_mu_);
-      fd_ = std::move(*fd);
-      ++generation_;
-      decoder_ = std::move(decoder);
-      repeat = repeat_;
-    }
-    for (const Envelope& x : repeat) {
-      Status rs = Send(x, std::chrono::milliseconds(0));
-      if (!rs.ok()) LOG(WARNING) << "control: re-sending " << BodyName(x) << " after the rejoin: " << rs;
-    }
-    {
-      MutexLock l(&mu_);
-      ++counters_.rejoins;
-    }
-    connected_ = true;
-    LOG(WARNING) << "control: rejoined the coordinator as member " << reply_.member_id()
-                 << " (epoch " << r->join_reply().epoch() << ")";
-    Status d = DrainDecoder();
-    if (!d.ok()) {
-      Fail(d);
-      return false;
-    }
-    return true;
   }
   Fail(UnavailableError("coordinator unreachable for " +
                         std::to_string(options_.rejoin_window.count()) +
                         " ms: " + last.ToString()));
   return false;
+}
+
+ControlClient::RejoinResult ControlClient::TryRejoin(const std::string& address,
+                                                     std::chrono::milliseconds connect_timeout,
+                                                     std::chrono::milliseconds reply_timeout,
+                                                     Status* last) {
+  StatusOr<UniqueFd> fd = net::ConnectTcp(address, "", connect_timeout);
+  if (!fd.ok()) {
+    *last = fd.status();
+    return RejoinResult::kNoAnswer;
+  }
+  FrameDecoder decoder;
+  Envelope e;
+  *e.mutable_join() = options_.join;
+  e.mutable_join()->set_cluster_token(options_.cluster_token);
+  e.mutable_join()->set_previous_member_id(reply_.member_id());
+  e.mutable_join()->set_previous_credential(reply_.credential());
+  e.mutable_join()->set_requested_rank(static_cast<int32_t>(reply_.rank()));
+  Status s = SendMagic(fd->get(), std::chrono::milliseconds(2000));
+  if (s.ok()) s = SendEnvelope(fd->get(), e, std::chrono::milliseconds(2000));
+  if (!s.ok()) {
+    *last = s;
+    return RejoinResult::kNoAnswer;
+  }
+  auto r = ReceiveEnvelope(fd->get(), &decoder, reply_timeout);
+  if (!r.ok() || r->body_case() != Envelope::kJoinReply) {
+    *last = r.ok() ? InternalError("coordinator answered the rejoin with " +
+                                   std::string(BodyName(*r)))
+                   : r.status();
+    return RejoinResult::kNoAnswer;
+  }
+  if (!r->join_reply().accepted()) {
+    *last = PermissionDeniedError("coordinator refused to take member " +
+                                  std::to_string(reply_.member_id()) +
+                                  " back: " + r->join_reply().error());
+    if (probing_) return RejoinResult::kNoAnswer;  // the connection we have stays the truth
+    Fail(*last);
+    return RejoinResult::kRefused;
+  }
+  std::vector<Envelope> repeat;
+  {
+    MutexLock l(&send_mu_);
+    fd_ = std::move(*fd);  // closes the connection to the coordinator left behind, if any
+    ++generation_;
+    decoder_ = std::move(decoder);
+    repeat = repeat_;
+  }
+  address_ = address;
+  last_heard_ = Clock::now();
+  for (const Envelope& x : repeat) {
+    Status rs = Send(x, std::chrono::milliseconds(0));
+    if (!rs.ok()) LOG(WARNING) << "control: re-sending " << BodyName(x) << " after the rejoin: " << rs;
+  }
+  {
+    MutexLock l(&mu_);
+    ++counters_.rejoins;
+  }
+  connected_ = true;
+  LOG(WARNING) << "control: rejoined the coordinator at " << address << " as member "
+               << reply_.member_id() << " (epoch " << r->join_reply().epoch() << ")";
+  Status d = DrainDecoder();
+  if (!d.ok()) {
+    Fail(d);
+    return RejoinResult::kBroken;
+  }
+  return RejoinResult::kJoined;
+}
+
+void ControlClient::MaybeMoveToNewLeader(Clock::time_point now, Clock::time_point* next_probe) {
+  const std::vector<std::string> addresses = Addresses(options_.coordinator_address);
+  if (addresses.size() < 2 || options_.rejoin_window.count() <= 0 || leaving_.load()) return;
+  const auto interval =
+      std::chrono::milliseconds(std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
+  const auto probe_after = std::max(std::chrono::milliseconds(1000), 10 * interval);
+  if (now - last_heard_ < probe_after || now < *next_probe) return;
+  *next_probe = now + probe_after / 2;
+  // Short: this thread sends the heartbeats, and the coordinator we have may only be slow.
+  const auto reply_timeout = std::clamp(5 * interval, std::chrono::milliseconds(200),
+                                        std::chrono::milliseconds(1000));
+  const std::string old = address_;
+  const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_);
+  probing_ = true;
+  for (const std::string& a : addresses) {
+    if (a == old) continue;
+    Status why;
+    const RejoinResult r = TryRejoin(a, std::chrono::milliseconds(200), reply_timeout, &why);
+    if (r == RejoinResult::kJoined) {
+      {
+        MutexLock l(&mu_);
+        ++counters_.leader_moves;
+      }
+      LOG(WARNING) << "control: moved to the coordinator at " << a << ": the one at " << old
+                   << " was silent for " << silent.count()
+                   << " ms and another took this member back (a new leader)";
+      break;
+    }
+    if (r != RejoinResult::kNoAnswer) break;
+    VLOG(1) << "control: coordinator " << a << " did not take this member: " << why;
+  }
+  probing_ = false;
 }
 
 Status ControlClient::DrainDecoder() {

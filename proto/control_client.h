@@ -47,6 +47,7 @@ struct ControlCounters {
   uint64_t other_messages_sent = 0;  // everything but heartbeats
   uint64_t messages_received = 0;
   uint64_t rejoins = 0;  // reconnections to a (restarted) coordinator as the same member
+  uint64_t leader_moves = 0;  // HA: moves to a new leader while the old one was silent
   uint64_t heartbeat_acks = 0;  // leases granted
 };
 
@@ -105,6 +106,18 @@ class ControlClient {
   void Fail(const Status& s);
   // Loop thread: the connection broke for `why`; rejoin within the window or fail.
   bool Rejoin(const Status& why);
+  enum class RejoinResult { kJoined, kNoAnswer, kRefused, kBroken };
+  // Loop thread: one rejoin at `address`. kJoined: fd_ is that connection now (the old one
+  // closed). kRefused / kBroken: Fail()ed (a refusal while probing_ is kNoAnswer instead).
+  RejoinResult TryRejoin(const std::string& address, std::chrono::milliseconds connect_timeout,
+                         std::chrono::milliseconds reply_timeout, Status* last);
+  // Loop thread, HA (several coordinator addresses): a leader stopped or descheduled past its
+  // etcd lease is replaced while its socket stays open, so nothing breaks for its members;
+  // they would wait on it while the new leader declares them departed at the end of its rejoin
+  // grace. Silent for max(1 s, 10 heartbeats), a member tries the other addresses (a standby
+  // does not listen: refused at once; a deposed leader answers nothing); one that takes it back
+  // is the leader, and it moves there. The connection it has is kept otherwise.
+  void MaybeMoveToNewLeader(Clock::time_point now, Clock::time_point* next_probe);
   // The socket's fd, for the loop thread's receive side (and Create's, before the loop starts).
   int LoopFd() EXCLUDES(send_mu_) {
     MutexLock l(&send_mu_);
@@ -125,6 +138,9 @@ class ControlClient {
   // expected end, not a lost coordinator (logged at INFO, not WARNING).
   std::atomic<bool> leaving_{false};
   std::atomic<bool> connected_{true};
+  std::string address_;         // loop thread (Join's before): the coordinator connected to
+  Clock::time_point last_heard_;  // loop thread: when it last sent this member anything
+  bool probing_ = false;          // loop thread: inside MaybeMoveToNewLeader
   // Heartbeats sent and not yet acknowledged, oldest first (loop thread only): seq, sent at.
   std::deque<std::pair<uint64_t, Clock::time_point>> unacked_;
   uint64_t heartbeat_seq_ = 0;  // loop thread

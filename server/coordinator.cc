@@ -108,6 +108,12 @@ void Coordinator::Loop() {
     // landing between the two was judged as every member's silence.)
     StallPoint("coordinator.after_poll");
     const Clock::time_point now = Clock::now();
+    if (!LeaseConfirmed(now)) {
+      // Not `last_pass`: the wait is forgiven, with the pause before it, once the lease is
+      // confirmed and this loop judges again.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
     {
       const auto pass = now - last_pass;
       last_pass = now;
@@ -770,6 +776,31 @@ void Coordinator::CheckLiveness(Conn* c, Clock::time_point now) {
               "nothing for " + std::to_string(unacked_for.count()) + " ms: unreachable",
           false);
   }
+}
+
+bool Coordinator::LeaseConfirmed(Clock::time_point now) {
+  if (options_.lead_until_ns == nullptr) return true;
+  const int64_t until = options_.lead_until_ns->load(std::memory_order_acquire);
+  const int64_t at =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+  if (at < until) {
+    if (lease_unconfirmed_) {
+      lease_unconfirmed_ = false;
+      LOG(WARNING) << "coordinator: the leader's lease is confirmed again; acting";
+    }
+    return true;
+  }
+  if (!lease_unconfirmed_) {
+    lease_unconfirmed_ = true;
+    {
+      MutexLock l(&mu_);
+      ++counters_.lease_waits;
+    }
+    LOG(WARNING) << "coordinator: the leader's lease is not confirmed for now (this process was "
+                    "stopped or descheduled past it, or etcd is slow): acting on nothing until "
+                    "it is renewed, or ending if it was lost";
+  }
+  return false;
 }
 
 void Coordinator::ForgivePause(std::chrono::microseconds pause, Clock::time_point now) {

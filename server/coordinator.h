@@ -62,6 +62,13 @@ struct CoordinatorOptions {
   // coordinator leads ends this process at once: it must never act beside the leader.
   std::string etcd_endpoints;
   std::string etcd_leader_key, etcd_leader_value, etcd_state_key;
+  // HA: steady_clock nanoseconds (since its epoch) until which this process surely holds the
+  // leader's lease, moved on by the thread that renews it (the renewal's send time + 3/4 of the
+  // TTL). The loop neither reads, nor judges, nor answers, nor decides past it: a process that
+  // was stopped or descheduled for longer may have been replaced, and must not act beside its
+  // successor until a renewal says it was not (else the renewing thread ends the process).
+  // nullptr: no lease (not HA).
+  const std::atomic<int64_t>* lead_until_ns = nullptr;
 };
 
 struct CoordinatorCounters {
@@ -79,6 +86,7 @@ struct CoordinatorCounters {
   uint64_t suspicions_cleared = 0;  // ... that spoke again before their lease ran out
   uint64_t unreachable = 0;         // suspected members whose host stopped acknowledging
   uint64_t coordinator_pauses = 0;  // times this loop was descheduled long enough to matter
+  uint64_t lease_waits = 0;  // HA: passes held back until the leader's lease was confirmed
   // Re-replication (docs/fault-tolerance.md, "Redundancy restored").
   uint64_t backups_assigned = 0;  // spares or replacements made a training group's backup
   uint64_t backups_synced = 0;    // ... that copied the snapshot and follow the stream
@@ -142,6 +150,8 @@ class Coordinator {
   void HandleHeartbeat(Conn* c, const Heartbeat& hb);
   // The loop found itself descheduled for `pause`: nobody's silence counts it.
   void ForgivePause(std::chrono::microseconds pause, std::chrono::steady_clock::time_point now);
+  // HA: whether options_.lead_until_ns is still ahead of `now` (always true without HA).
+  bool LeaseConfirmed(std::chrono::steady_clock::time_point now);
   // Model / shard-map state machine (docs/control-protocol.md, "Model setup").
   void HandleRegisterModel(Conn* c, const RegisterModel& m);
   void HandleShardsReady(Conn* c, const ShardsReady& r);
@@ -247,6 +257,7 @@ class Coordinator {
   };
   std::map<uint32_t, Pending> pending_;
   bool dirty_ = false;
+  bool lease_unconfirmed_ = false;  // loop thread: LeaseConfirmed said no last time
   // Status (loop thread): when this coordinator started, the answers of the last second (rate
   // limit), the newest checkpoint clock a server reported and when, the last requested one.
   std::chrono::steady_clock::time_point started_at_ = std::chrono::steady_clock::now();

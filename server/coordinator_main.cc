@@ -83,6 +83,17 @@ DEFINE_int32(etcd_lease_s, 3,
 
 namespace {
 std::atomic<bool> g_stop{false};
+// HA: steady_clock ns until which the leader's lease surely holds (CoordinatorOptions).
+std::atomic<int64_t> g_lead_until_ns{0};
+int64_t SteadyNs(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+// A lease granted or renewed by a request sent at `sent` runs at least until sent + TTL (etcd
+// counts it from when it got the request); 3/4 of it leaves room for clock rates and latency.
+void ConfirmLease(std::chrono::steady_clock::time_point sent) {
+  const auto ttl = std::chrono::seconds(FLAGS_etcd_lease_s);
+  g_lead_until_ns.store(SteadyNs(sent + ttl * 3 / 4), std::memory_order_release);
+}
 void OnSignal(int) { g_stop = true; }
 
 // HA: campaigns until this coordinator holds the leader key (a standby waits here, not
@@ -91,10 +102,14 @@ int64_t BecomeLeader(shardps::etcd::Client& etcd, const std::string& key,
                      const std::string& value) {
   std::string seen;
   while (!g_stop) {
+    const auto sent = std::chrono::steady_clock::now();
     auto lease = etcd.GrantLease(FLAGS_etcd_lease_s);
     if (lease.ok()) {
       auto won = etcd.CreateIfAbsent(key, value, *lease);
-      if (won.ok() && *won) return *lease;
+      if (won.ok() && *won) {
+        ConfirmLease(sent);
+        return *lease;
+      }
       etcd.Revoke(*lease).IgnoreError();
       auto leader = etcd.Get(key);
       const std::string now = leader.ok() && leader->has_value() ? (*leader)->value : "";
@@ -118,9 +133,11 @@ void KeepLeadership(std::string endpoints, int64_t lease) {
   const auto ttl = std::chrono::seconds(FLAGS_etcd_lease_s);
   while (!g_stop) {
     std::this_thread::sleep_for(ttl / 4);
+    const auto sent = std::chrono::steady_clock::now();
     auto left = etcd->KeepAlive(lease);
     if (left.ok()) {
-      renewed = std::chrono::steady_clock::now();
+      renewed = sent;
+      ConfirmLease(sent);
       continue;
     }
     // Not renewed for most of the TTL (or expired): stop before a successor can be elected.
@@ -248,6 +265,7 @@ int main(int argc, char** argv) {
                  << FLAGS_etcd_lease_s << " s); loading the cluster's state from etcd";
     keeper = std::thread(KeepLeadership, FLAGS_etcd, lease);
     keeper.detach();
+    o.lead_until_ns = &g_lead_until_ns;
   }
   auto c = Coordinator::Start(o, std::move(reserved));
   if (!c.ok()) {

@@ -49,6 +49,9 @@ void CollectCoordinatorMetrics(const Membership& membership, const CoordinatorCo
   counter("shardps_coordinator_pauses_total",
           "Times the coordinator's own loop was descheduled long enough to matter.",
           c.coordinator_pauses);
+  counter("shardps_coordinator_lease_waits_total",
+          "HA: times the leader held its loop back until its etcd lease was confirmed.",
+          c.lease_waits);
   counter("shardps_coordinator_promotions_total",
           "Backups promoted to primary (failovers ordered).", c.promotions);
   counter("shardps_coordinator_groups_lost_total", "Primaries lost with no backup left.",

@@ -5,8 +5,11 @@
 // primary (during a failover): the standby is elected, loads the state, the members rejoin it,
 // and the BSP run ends BIT-IDENTICAL to the one-process reference. Part of process_cluster_test
 // (tcp and shm: the control plane does not depend on the data path).
+#include <signal.h>
+
 #include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -130,6 +133,46 @@ TEST_P(HaCoordinatorTest, TheLeaderDyingAsItPromotesIsTakenOverBitIdentical) {
   ExpectWorkersMatchReference(spec, workers, standalone, kSteps, /*failovers=*/1, ProcessBound());
   std::cerr << "[ info ] " << GetParam() << ": the leader died as it promoted; the new leader "
             << "promoted the backup " << promoted << " ms after the primary's kill\n";
+}
+
+// A leader stopped (SIGSTOP: a descheduled or swapped-out process) past its etcd lease is
+// replaced by the standby, and the members move to it. When the old leader resumes it must not
+// act -- read its members' sockets, judge their silence, decide anything -- before it learns
+// that it lost the lease: its loop acts only while the lease its keeper thread last renewed
+// surely still holds (the renewal's send time + 3/4 of the TTL). Before, the resumed loop ran
+// for up to a quarter of the TTL (the keeper's sleep) and declared the members that had moved
+// to the new leader gone, next to the leader that held them.
+TEST_P(HaCoordinatorTest, ALeaderStoppedPastItsLeaseNeverActsAgain) {
+  ClusterSpec spec = Spec();
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const int kSteps = 150;
+  ASSERT_NO_FATAL_FAILURE(StartHa(spec));
+  if (IsSkipped()) return;
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
+                                                           "--step_delay_ms=30"});
+  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
+  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  ChildProcess* old_leader = coordinators_[0];
+  old_leader->Signal(SIGSTOP);
+  const size_t stopped_at = old_leader->LogTail(1 << 24).size();
+  ASSERT_TRUE(WaitForLog(coordinators_[1], "ELECTED", ProcessBound())) << Tail(coordinators_[1]);
+  ASSERT_TRUE(WaitForLog(coordinators_[1], "rejoined", ProcessBound())) << Tail(coordinators_[1]);
+  std::this_thread::sleep_for(milliseconds(1000));  // the members leave the old leader's sockets
+  old_leader->Signal(SIGCONT);
+  const int rc = ExitCode(old_leader, ProcessBound());
+  EXPECT_EQ(rc, 3) << Tail(old_leader);  // LOST LEADERSHIP
+  const std::string after = old_leader->LogTail(1 << 24).substr(stopped_at);
+  EXPECT_NE(after.find("LOST LEADERSHIP"), std::string::npos) << after;
+  for (const char* act : {"gone without leaving", "departed", "declared", "joined", "PROMOTING",
+                          "epoch", "suspect"}) {
+    EXPECT_EQ(after.find(act), std::string::npos)
+        << "the deposed leader acted after it resumed (\"" << act << "\"):\n" << after;
+  }
+  ExpectWorkersMatchReference(spec, workers, standalone, kSteps, /*failovers=*/0, ProcessBound());
+  std::cerr << "[ info ] " << GetParam() << ": the leader stopped past its lease resumed and "
+            << "exited without acting; weights bit-identical under the new leader\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, HaCoordinatorTest, ::testing::Values("tcp", "shm"),
