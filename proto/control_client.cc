@@ -62,9 +62,13 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
       st = SendMagic(c->LoopFd(), options.connect_timeout);
       if (st.ok()) st = c->Send(join, std::chrono::milliseconds(0));
       if (st.ok()) {
-        const auto rest = std::max(std::chrono::milliseconds(1),
-                                   std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       deadline - Clock::now()));
+        auto rest = std::max(std::chrono::milliseconds(1),
+                             std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 deadline - Clock::now()));
+        // HA: a coordinator that accepts the connection and answers nothing (a leader stopped
+        // past its lease, its socket still open) must not hold the join until the deadline:
+        // the next address is tried after a few seconds.
+        if (addresses.size() > 1) rest = std::min(rest, std::chrono::milliseconds(3000));
         StatusOr<Envelope> got = ReceiveEnvelope(c->LoopFd(), &c->decoder_, rest);
         if (got.ok()) {
           r = std::move(*got);
@@ -72,6 +76,9 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
           break;
         }
         st = got.status();
+        if (addresses.size() > 1 && st.code() == StatusCode::kDeadlineExceeded) {
+          st = UnavailableError(addresses[attempt % addresses.size()] + ": " + st.message());
+        }
       }
       // The coordinator went away during the handshake (it died or is restarting before it
       // answered): nothing was granted, so the join is tried again while time remains.
@@ -100,6 +107,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Join(const ControlClient
   }
   c->reply_ = r.join_reply();
   c->options_ = options;
+  c->addresses_ = addresses;
   {
     MutexLock l(&c->mu_);
     c->counters_.messages_received = 1;
@@ -174,7 +182,7 @@ void ControlClient::Loop() {
   auto next_probe = Clock::now();
   last_heard_ = Clock::now();
   while (!stop_.load()) {
-    MaybeMoveToNewLeader(Clock::now(), &next_probe);
+    if (!MaybeMoveToNewLeader(Clock::now(), &next_probe)) return;
     if (Clock::now() >= next_hb) {
       Status s;
       SendHeartbeat(&s);
@@ -357,24 +365,33 @@ ControlClient::RejoinResult ControlClient::TryRejoin(const std::string& address,
   return RejoinResult::kJoined;
 }
 
-void ControlClient::MaybeMoveToNewLeader(Clock::time_point now, Clock::time_point* next_probe) {
-  const std::vector<std::string> addresses = Addresses(options_.coordinator_address);
-  if (addresses.size() < 2 || options_.rejoin_window.count() <= 0 || leaving_.load()) return;
-  const auto interval =
-      std::chrono::milliseconds(std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
-  const auto probe_after = std::max(std::chrono::milliseconds(1000), 10 * interval);
-  if (now - last_heard_ < probe_after || now < *next_probe) return;
+bool ControlClient::MaybeMoveToNewLeader(Clock::time_point now, Clock::time_point* next_probe) {
+  if (addresses_.size() < 2 || options_.rejoin_window.count() <= 0 || leaving_.load()) {
+    return true;
+  }
+  using std::chrono::milliseconds;
+  const auto interval = milliseconds(std::max<uint32_t>(10, reply_.config().heartbeat_interval_ms()));
+  // The new leader waits its rejoin grace (>= the lease) for this member, from its election,
+  // which comes after the old leader's stop: probing within half of it leaves time to move.
+  const ClusterConfig& cfg = reply_.config();
+  const uint32_t grace_ms = cfg.rejoin_grace_ms() != 0 ? cfg.rejoin_grace_ms() : cfg.lease_ms();
+  auto probe_after = std::max(milliseconds(1000), 10 * interval);
+  if (grace_ms != 0) probe_after = std::min(probe_after, milliseconds(grace_ms / 2));
+  probe_after = std::max(probe_after, 3 * interval);
+  if (now - last_heard_ < probe_after || now < *next_probe) return true;
   *next_probe = now + probe_after / 2;
-  // Short: this thread sends the heartbeats, and the coordinator we have may only be slow.
-  const auto reply_timeout = std::clamp(5 * interval, std::chrono::milliseconds(200),
-                                        std::chrono::milliseconds(1000));
+  // Long enough for a leader that writes its state to etcd before it answers (giving up after
+  // it took us back would read to it as this member's departure); only a process that accepts
+  // the connection and then answers nothing (a stopped one) makes this thread wait it out.
+  const auto reply_timeout = std::clamp(20 * interval, milliseconds(1000), milliseconds(3000));
   const std::string old = address_;
   const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_);
   probing_ = true;
-  for (const std::string& a : addresses) {
+  bool ok = true;
+  for (const std::string& a : addresses_) {
     if (a == old) continue;
     Status why;
-    const RejoinResult r = TryRejoin(a, std::chrono::milliseconds(200), reply_timeout, &why);
+    const RejoinResult r = TryRejoin(a, milliseconds(200), reply_timeout, &why);
     if (r == RejoinResult::kJoined) {
       {
         MutexLock l(&mu_);
@@ -385,10 +402,14 @@ void ControlClient::MaybeMoveToNewLeader(Clock::time_point now, Clock::time_poin
                    << " ms and another took this member back (a new leader)";
       break;
     }
-    if (r != RejoinResult::kNoAnswer) break;
+    if (r != RejoinResult::kNoAnswer) {
+      ok = false;  // kBroken: Fail()ed
+      break;
+    }
     VLOG(1) << "control: coordinator " << a << " did not take this member: " << why;
   }
   probing_ = false;
+  return ok;
 }
 
 Status ControlClient::DrainDecoder() {

@@ -114,10 +114,11 @@ class ControlClient {
   // Loop thread, HA (several coordinator addresses): a leader stopped or descheduled past its
   // etcd lease is replaced while its socket stays open, so nothing breaks for its members;
   // they would wait on it while the new leader declares them departed at the end of its rejoin
-  // grace. Silent for max(1 s, 10 heartbeats), a member tries the other addresses (a standby
-  // does not listen: refused at once; a deposed leader answers nothing); one that takes it back
-  // is the leader, and it moves there. The connection it has is kept otherwise.
-  void MaybeMoveToNewLeader(Clock::time_point now, Clock::time_point* next_probe);
+  // grace. Silent for max(1 s, 10 heartbeats), at most half the rejoin grace, a member tries
+  // the other addresses (a standby does not listen: refused at once; a deposed leader answers
+  // nothing); one that takes it back is the leader, and it moves there. The connection it has
+  // is kept otherwise. False: the move broke the client (Fail()ed); the loop ends.
+  bool MaybeMoveToNewLeader(Clock::time_point now, Clock::time_point* next_probe);
   // The socket's fd, for the loop thread's receive side (and Create's, before the loop starts).
   int LoopFd() EXCLUDES(send_mu_) {
     MutexLock l(&send_mu_);
@@ -138,6 +139,7 @@ class ControlClient {
   // expected end, not a lost coordinator (logged at INFO, not WARNING).
   std::atomic<bool> leaving_{false};
   std::atomic<bool> connected_{true};
+  std::vector<std::string> addresses_;  // every coordinator's (set by Join, then constant)
   std::string address_;         // loop thread (Join's before): the coordinator connected to
   Clock::time_point last_heard_;  // loop thread: when it last sent this member anything
   bool probing_ = false;          // loop thread: inside MaybeMoveToNewLeader

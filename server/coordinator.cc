@@ -123,7 +123,14 @@ void Coordinator::Loop() {
       }
     }
     if (fds[0].revents & POLLIN) AcceptNew();
+    // HA: the lease is checked again before each member is served and before anyone is
+    // judged, so a stop inside this pass holds back the rest of it (the next pass forgives it).
+    bool confirmed = true;
     for (size_t i = 2; i < fds.size(); ++i) {
+      if (options_.lead_until_ns != nullptr && !LeaseConfirmed(Clock::now())) {
+        confirmed = false;
+        break;
+      }
       auto it = conns_.find(fds[i].fd);
       if (it == conns_.end()) continue;
       Conn* c = it->second.get();
@@ -132,6 +139,9 @@ void Coordinator::Loop() {
       StallPoint("coordinator.mid_pass");
     }
     StallPoint("coordinator.before_timeouts");
+    if (!confirmed || (options_.lead_until_ns != nullptr && !LeaseConfirmed(Clock::now()))) {
+      continue;
+    }
     CheckTimeouts(now);
     for (auto it = conns_.begin(); it != conns_.end();) {
       it = it->second->closing ? conns_.erase(it) : std::next(it);

@@ -148,7 +148,7 @@ class RowShard {
   void List(uint64_t first, uint64_t n, char* out) const;
 
   // Checkpoints and re-replication: every row's float32 value and the optimizer state, and
-  // for a hashed shard every slot's key and version (with kRowOccupied in bit 63).
+  // for a hashed shard every slot's key and version (with kRowVersionOccupied, bit 63).
   ChunkState Capture() const;
   // Only the rows written after `since_version` (record version > it), for an incremental
   // checkpoint (ChunkState::row_index; base_clock is the caller's).
