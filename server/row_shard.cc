@@ -165,8 +165,8 @@ int64_t RowShard::Place(uint64_t key, uint64_t version, bool force) {
       free_found = true;
       break;
     }
-    if (version_of(*h) < oldest) {
-      oldest = version_of(*h);
+    if (const uint64_t v = version_of(*h); v < oldest) {
+      oldest = v;
       slot = s;
     }
   }

@@ -55,23 +55,39 @@ class HaCoordinatorTest : public ProcessClusterTest {
     StartServers(spec);
   }
 
+  // The HA tests' cluster: 2 groups x 2 replicas, 3 workers.
+  ClusterSpec HaSpec() const {
+    ClusterSpec spec = Spec();
+    spec.servers = 2;
+    spec.replicas = 2;
+    spec.workers = 3;
+    return spec;
+  }
+  // Starts the workers (kSteps BSP steps, delay_ms each) and the one-process reference, and
+  // waits until worker 0 has done 10 steps.
+  std::vector<ChildProcess*> TrainPastStep10(const ClusterSpec& spec, int steps, int delay_ms,
+                                             ChildProcess** standalone) {
+    std::vector<ChildProcess*> workers =
+        SpawnWorkers(spec, {"--steps=" + std::to_string(steps),
+                            "--step_delay_ms=" + std::to_string(delay_ms)});
+    *standalone = SpawnStandalone(spec, steps);
+    [&] { ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10); }();
+    return workers;  // the caller returns on a fatal failure
+  }
+
   testing_util::EtcdCluster etcd_;
   ChildProcess* coordinators_[2] = {nullptr, nullptr};
 };
 
 TEST_P(HaCoordinatorTest, KillingTheLeaderMidTrainingIsBitIdentical) {
-  ClusterSpec spec = Spec();
-  spec.servers = 2;
-  spec.replicas = 2;
-  spec.workers = 3;
+  const ClusterSpec spec = HaSpec();
   // Long enough (~5 s) that the standby is elected (the leader's 2 s etcd lease) mid-run.
   const int kSteps = 150;
   ASSERT_NO_FATAL_FAILURE(StartHa(spec));
   if (IsSkipped()) return;
-  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
-                                                           "--step_delay_ms=30"});
-  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
-  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  ChildProcess* standalone = nullptr;
+  std::vector<ChildProcess*> workers = TrainPastStep10(spec, kSteps, 30, &standalone);
+  if (HasFatalFailure()) return;
   coordinators_[0]->Kill();
   const auto t0 = Clock::now();
   ASSERT_TRUE(WaitForLog(coordinators_[1], "ELECTED", ProcessBound())) << Tail(coordinators_[1]);
@@ -85,17 +101,13 @@ TEST_P(HaCoordinatorTest, KillingTheLeaderMidTrainingIsBitIdentical) {
 }
 
 TEST_P(HaCoordinatorTest, KillingTheLeaderWithAPrimaryFailsOverUnderTheNewLeader) {
-  ClusterSpec spec = Spec();
-  spec.servers = 2;
-  spec.replicas = 2;
-  spec.workers = 3;
+  const ClusterSpec spec = HaSpec();
   const int kSteps = 60;
   ASSERT_NO_FATAL_FAILURE(StartHa(spec));
   if (IsSkipped()) return;
-  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
-                                                           "--step_delay_ms=15"});
-  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
-  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  ChildProcess* standalone = nullptr;
+  std::vector<ChildProcess*> workers = TrainPastStep10(spec, kSteps, 15, &standalone);
+  if (HasFatalFailure()) return;
   coordinators_[0]->Kill();
   servers_[0]->Kill();
   const auto t0 = Clock::now();
@@ -111,17 +123,13 @@ TEST_P(HaCoordinatorTest, KillingTheLeaderWithAPrimaryFailsOverUnderTheNewLeader
 // nothing left: write-ahead). The new leader knows nothing of it, declares the silent primary
 // dead after the rejoin grace, promotes the backup itself, and the run is bit-identical.
 TEST_P(HaCoordinatorTest, TheLeaderDyingAsItPromotesIsTakenOverBitIdentical) {
-  ClusterSpec spec = Spec();
-  spec.servers = 2;
-  spec.replicas = 2;
-  spec.workers = 3;
+  const ClusterSpec spec = HaSpec();
   const int kSteps = 60;
   ASSERT_NO_FATAL_FAILURE(StartHa(spec, "coordinator.after_promote"));
   if (IsSkipped()) return;
-  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
-                                                           "--step_delay_ms=15"});
-  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
-  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  ChildProcess* standalone = nullptr;
+  std::vector<ChildProcess*> workers = TrainPastStep10(spec, kSteps, 15, &standalone);
+  if (HasFatalFailure()) return;
   servers_[0]->Kill();
   const auto t0 = Clock::now();
   ASSERT_TRUE(WaitForLog(coordinators_[1], "ELECTED", ProcessBound())) << Tail(coordinators_[1]);
@@ -143,17 +151,13 @@ TEST_P(HaCoordinatorTest, TheLeaderDyingAsItPromotesIsTakenOverBitIdentical) {
 // for up to a quarter of the TTL (the keeper's sleep) and declared the members that had moved
 // to the new leader gone, next to the leader that held them.
 TEST_P(HaCoordinatorTest, ALeaderStoppedPastItsLeaseNeverActsAgain) {
-  ClusterSpec spec = Spec();
-  spec.servers = 2;
-  spec.replicas = 2;
-  spec.workers = 3;
+  const ClusterSpec spec = HaSpec();
   const int kSteps = 150;
   ASSERT_NO_FATAL_FAILURE(StartHa(spec));
   if (IsSkipped()) return;
-  std::vector<ChildProcess*> workers = SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
-                                                           "--step_delay_ms=30"});
-  ChildProcess* standalone = SpawnStandalone(spec, kSteps);
-  ASSERT_GE(WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]), 10);
+  ChildProcess* standalone = nullptr;
+  std::vector<ChildProcess*> workers = TrainPastStep10(spec, kSteps, 30, &standalone);
+  if (HasFatalFailure()) return;
   ChildProcess* old_leader = coordinators_[0];
   old_leader->Signal(SIGSTOP);
   const size_t stopped_at = old_leader->LogTail(1 << 24).size();

@@ -680,45 +680,64 @@ TEST_P(ProcessClusterTest, RestartedWorkerRejoinsAtTheClusterClock) {
 // alone; with the catch-up off, its held push is let in when worker 1 departs).
 class RestartAheadTest : public ProcessClusterTest {
  protected:
-  void Run(bool catch_up, bool owing_dies) {
+  static constexpr int kSteps = 20;
+  milliseconds Stall() const { return milliseconds(Emulated() ? 30000 : 8000); }  // outlasts a restart, loaded
+
+  // The scene every case shares: a 2-server counter cluster of 2 workers; worker 0 exits at
+  // `crash` (a crash point), worker 1 stalls at push `stall_push` (a stall point); once worker
+  // 1 is in its stall and every server has seen worker 0 leave, and `settle` later, worker 0 is
+  // restarted with --resume (catch-up pull off unless `catch_up`), and the restart is checked to
+  // land inside the stall. Sets *w1 and *again; the caller returns on a fatal failure.
+  void RestartInsideStall(const std::string& crash, int stall_push, milliseconds settle,
+                          bool catch_up, ChildProcess** w1, ChildProcess** again) {
     ClusterSpec spec = CounterSpec();
     spec.servers = 2;
     spec.replicas = 1;
     spec.workers = 2;
-    const int kSteps = 20;
-    const milliseconds stall(Emulated() ? 30000 : 8000);  // outlasts a restart, loaded
+    const milliseconds stall = Stall();
     ASSERT_TRUE(StartCluster(spec));
     const std::vector<std::string> flags = {
         "--model=counter", "--count_in_b", "--steps=" + std::to_string(kSteps),
         "--wait_timeout_ms=" + std::to_string((stall + Slack()).count())};
-    // Step t pushes W, then b: the process's pushes 2t+1 and 2t+2 (clock 6: 13 and 14).
-    setenv("SHARDPS_CRASH_POINT", "worker.before_push@13", 1);
+    setenv("SHARDPS_CRASH_POINT", crash.c_str(), 1);
     ChildProcess* w0 = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
     unsetenv("SHARDPS_CRASH_POINT");
     setenv("SHARDPS_STALL_POINT",
-           ("worker.before_push@14:" + std::to_string(stall.count())).c_str(), 1);
-    ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
+           ("worker.before_push@" + std::to_string(stall_push) + ":" +
+            std::to_string(stall.count())).c_str(),
+           1);
+    *w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
     unsetenv("SHARDPS_STALL_POINT");
     ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
-    // The case needs W's chunk past clock 6 before the restart pulls: worker 1 pushed W of
-    // clock 6 (it is in its stall, after that push) and every server has seen worker 0 leave
-    // (else the new process starts at clock 6, and nothing is ahead of anything).
-    ASSERT_TRUE(WaitForLog(w1, "stall point worker.before_push (SHARDPS_STALL_POINT)", stall))
-        << Tail(w1);
+    // Worker 1 is in its stall (after its push of W) and every server has seen worker 0 leave
+    // (else the new process starts at the clock worker 0 died in, and nothing is ahead).
+    ASSERT_TRUE(WaitForLog(*w1, "stall point worker.before_push (SHARDPS_STALL_POINT)", stall))
+        << Tail(*w1);
     for (int g = 0; g < spec.servers; ++g) {
       ASSERT_TRUE(WaitForLog(servers_[g], "worker 0 left", stall)) << Tail(servers_[g]);
     }
-    std::this_thread::sleep_for(milliseconds(Emulated() ? 2000 : 300));  // W of 6 applied
+    std::this_thread::sleep_for(settle);
     std::vector<std::string> resume = flags;
     resume.push_back("--resume");  // clocks start_clock..kSteps-1
     if (!catch_up) setenv("SHARDPS_TEST_NO_CATCH_UP_PULL", "1", 1);
-    ChildProcess* again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
+    *again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
     unsetenv("SHARDPS_TEST_NO_CATCH_UP_PULL");
     // The restart must land inside worker 1's stall, or the case is not the one under test.
-    ASSERT_TRUE(WaitForLog(again, "joined a running cluster at clock", stall)) << Tail(again);
-    ASSERT_EQ(w1->LogTail(1 << 22).find("stall point worker.before_push: resumed"),
+    ASSERT_TRUE(WaitForLog(*again, "joined a running cluster at clock", stall)) << Tail(*again);
+    ASSERT_EQ((*w1)->LogTail(1 << 22).find("stall point worker.before_push: resumed"),
               std::string::npos)
         << "worker 1's stall ended before the restarted worker started; lengthen the stall";
+  }
+
+  void Run(bool catch_up, bool owing_dies) {
+    const milliseconds stall = Stall();
+    ChildProcess* w1 = nullptr;
+    ChildProcess* again = nullptr;
+    // Step t pushes W, then b: the process's pushes 2t+1 and 2t+2 (clock 6: 13 and 14). The
+    // settle lets W's chunk apply clock 6 before the restart pulls.
+    RestartInsideStall("worker.before_push@13", 14, milliseconds(Emulated() ? 2000 : 300),
+                       catch_up, &w1, &again);
+    if (HasFatalFailure()) return;
     if (owing_dies) {
       w1->Kill();
     } else {
@@ -749,7 +768,7 @@ class RestartAheadTest : public ProcessClusterTest {
                                   << "[1]: worker 1's pushes applied";
       }
     }
-    for (int g = 0; g < spec.servers; ++g) {
+    for (size_t g = 0; g < servers_.size(); ++g) {
       EXPECT_EQ(servers_[g]->LogTail(1 << 22).find("arrived after that clock was applied"),
                 std::string::npos)
           << "a push was dropped as stale\n" << Tail(servers_[g]);
@@ -771,37 +790,12 @@ class RestartAheadTest : public ProcessClusterTest {
 // short). Now a rank 0 that joins a running cluster reads every chunk's header first and
 // publishes only to chunks that have no weights yet (then no worker has pushed anything).
 TEST_P(RestartAheadTest, ARestartedRankZeroLeavesItsPredecessorsPendingPushAlone) {
-  ClusterSpec spec = CounterSpec();
-  spec.servers = 2;
-  spec.replicas = 1;
-  spec.workers = 2;
-  const int kSteps = 20;
-  const milliseconds stall(Emulated() ? 30000 : 8000);  // outlasts a restart, loaded
-  ASSERT_TRUE(StartCluster(spec));
-  const std::vector<std::string> flags = {
-      "--model=counter", "--count_in_b", "--steps=" + std::to_string(kSteps),
-      "--wait_timeout_ms=" + std::to_string((stall + Slack()).count())};
+  const milliseconds stall = Stall();
+  ChildProcess* w1 = nullptr;
+  ChildProcess* again = nullptr;
   // Step 6 is clock 5: its pushes are the process's 11th (W) and 12th (b).
-  setenv("SHARDPS_CRASH_POINT", "worker.after_clock@6", 1);
-  ChildProcess* w0 = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
-  unsetenv("SHARDPS_CRASH_POINT");
-  setenv("SHARDPS_STALL_POINT",
-         ("worker.before_push@12:" + std::to_string(stall.count())).c_str(), 1);
-  ChildProcess* w1 = SpawnWorker(WorkerArgs(spec, 1), "worker1.log", flags);
-  unsetenv("SHARDPS_STALL_POINT");
-  ASSERT_EQ(ExitCode(w0, ProcessBound()), kCrashPointExitCode) << Tail(w0);
-  ASSERT_TRUE(WaitForLog(w1, "stall point worker.before_push (SHARDPS_STALL_POINT)", stall))
-      << Tail(w1);
-  for (int g = 0; g < spec.servers; ++g) {
-    ASSERT_TRUE(WaitForLog(servers_[g], "worker 0 left", stall)) << Tail(servers_[g]);
-  }
-  std::vector<std::string> resume = flags;
-  resume.push_back("--resume");
-  ChildProcess* again = SpawnWorker(WorkerArgs(spec, 0), "worker0-restarted.log", resume);
-  ASSERT_TRUE(WaitForLog(again, "joined a running cluster at clock", stall)) << Tail(again);
-  ASSERT_EQ(w1->LogTail(1 << 22).find("stall point worker.before_push: resumed"),
-            std::string::npos)
-      << "worker 1's stall ended before the restarted worker started; lengthen the stall";
+  RestartInsideStall("worker.after_clock@6", 12, milliseconds(0), true, &w1, &again);
+  if (HasFatalFailure()) return;
   EXPECT_EQ(ExitCode(w1, ProcessBound() + stall), 0) << Tail(w1);
   EXPECT_EQ(ExitCode(again, ProcessBound() + stall), 0) << Tail(again);
   if (HasFailure()) return;
