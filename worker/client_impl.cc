@@ -634,6 +634,7 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
 Status ClientImpl::PublishInitialWeights() {
   std::vector<char> publish(chunks_.size(), 1);
   if (control_->reply().cluster_started()) {
+    sessions_->BeginSetupOps();
     int reads = 0;
     for (const ChunkPlacement& c : chunks_) {
       if (c.rows.rows_kind()) continue;
@@ -662,6 +663,7 @@ Status ClientImpl::PublishInitialWeights() {
   for (Tensor& t : tensors_) {
     if (t.staging != nullptr) RETURN_IF_ERROR(t.staging->WeightsToHost());
   }
+  sessions_->BeginSetupOps();
   int posted = 0;
   for (const ChunkPlacement& c : chunks_) {
     if (c.rows.rows_kind()) continue;  // row shards are initialised by their servers

@@ -208,22 +208,31 @@ void PullPipeline::ReleaseScout(uint32_t id) {
 void PullPipeline::Tick() {
   if (deferred_.empty()) return;
   const auto now = SteadyClock::now();
+  // StartPull may wait for a send credit, and the completions it reaps meanwhile re-enter
+  // EvaluatePull, which may Defer chunks again: they go into deferred_ while this walks its
+  // own copy (appending to the vector being walked lost them, and they were never re-read).
+  std::vector<uint32_t> due;
+  due.swap(deferred_);
   size_t kept = 0;
-  for (uint32_t id : deferred_) {
+  for (uint32_t id : due) {
     ChunkPull& c = pull_[id];
     if (!c.deferred || c.handle == 0) {  // finished, restarted or failed meanwhile
       c.deferred = false;
       continue;
     }
     if (now < c.retry_at) {
-      deferred_[kept++] = id;
+      due[kept++] = id;
       continue;
     }
     c.deferred = false;
     StartPull(id, c.woken ? Phase::kAll : Phase::kHeaderOnly);
     c.woken = false;
   }
-  deferred_.resize(kept);
+  due.resize(kept);
+  // Those still waiting, then those deferred during this walk (a chunk is in one list only: a
+  // chunk kept above is still deferred, so Defer did not add it again).
+  due.insert(due.end(), deferred_.begin(), deferred_.end());
+  deferred_.swap(due);
 }
 
 std::chrono::microseconds PullPipeline::UntilTick(std::chrono::microseconds cap) const {

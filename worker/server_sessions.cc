@@ -147,6 +147,7 @@ Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::mil
   hello->clock = clock;
   hello->incarnation = control_.member_id();
   hello->magic = layout::kHelloMagic;
+  BeginSetupOps();
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostWriteImm({staging_.get(), hello_off, sizeof(layout::Hello)},
                               transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
@@ -324,9 +325,12 @@ Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
   return setup_error_;
 }
 
-Status ServerSessions::WaitSetupOps(int count, std::chrono::milliseconds timeout) {
+void ServerSessions::BeginSetupOps() {
   setup_done_ = 0;
   setup_error_ = Status::OK();
+}
+
+Status ServerSessions::WaitSetupOps(int count, std::chrono::milliseconds timeout) {
   const auto deadline =
       SteadyClock::now() + (timeout.count() > 0 ? timeout : options_.setup_timeout);
   while (setup_done_ < count) {

@@ -124,7 +124,11 @@ class ServerSessions {
   // `max_sleep` on the completion queue's event, dispatching what wakes it (IdleClock says
   // which).
   Status ProgressOrSleep(std::chrono::microseconds max_sleep);
-  // Polls until `count` setup operations completed (their first error), within `timeout`.
+  // Setup operations (context kOpSetup): BeginSetupOps() before the first of a batch is
+  // posted, then WaitSetupOps(count) polls until `count` of them completed (their first
+  // error), within `timeout`. Completions reaped while posting (PostWithCredit waiting for a
+  // credit) count: a batch larger than the send depth has them.
+  void BeginSetupOps();
   Status WaitSetupOps(int count, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Reads this worker's acks from a server into Acks(server) (context: chunk) and waits for
   // the read until `deadline` (then returns timeout_error()). With stop_if_failed, returns OK early

@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -124,6 +125,62 @@ TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
   }
   for (int r = 0; r < spec.workers; ++r) {
     EXPECT_EQ(control_delta[r], 0u) << "steady-state steps sent control messages";
+  }
+}
+
+// A model of more tensors than an endpoint has send credits (kSendDepth, 512): 700 small
+// tensors on one server, so rank 0's initial weights and every step's pushes and pulls wait
+// for credit in the middle of a burst, reaping completions as they wait. Two bugs hid there:
+// Start counted the completions reaped while posting and then forgot them (it waited for its
+// setup timeout), and a pull's header re-reads deferred while Tick was walking its list were
+// dropped from it (Step hung). Every worker starts from rank 0's weights and takes 3 BSP steps.
+TEST_P(PsClusterTest, AModelOfMoreTensorsThanSendCreditsTrains) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 1;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);
+  constexpr int kTensors = 700, kSteps = 3;
+  std::vector<std::vector<float>> final_w(spec.workers);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < spec.workers; ++r) {
+    workers.emplace_back([&, r] {
+      std::vector<float> w(kTensors * 3), g(kTensors * 3);
+      for (int k = 0; k < kTensors * 3; ++k) w[k] = r == 0 ? static_cast<float>(k) : -99.0f;
+      ClientOptions o = cluster.WorkerOptions(r);
+      o.wait_timeout = std::chrono::milliseconds(5000);  // a lost re-read fails, not hangs
+      auto c = Client::Connect(o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      for (int k = 0; k < kTensors; ++k) {
+        ASSERT_TRUE((*c)->RegisterTensor("t" + std::to_string(k), w.data() + 3 * k,
+                                         g.data() + 3 * k, {3})
+                        .ok());
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      Status st = (*c)->Start();
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5))
+          << "Start waited for its setup timeout";
+      for (int k = 0; k < kTensors * 3; ++k) {
+        ASSERT_EQ(w[k], static_cast<float>(k)) << "worker " << r << " element " << k;
+      }
+      for (int step = 0; step < kSteps; ++step) {
+        std::fill(g.begin(), g.end(), 1.0f);
+        st = (*c)->Step();
+        ASSERT_TRUE(st.ok()) << "step " << step << ": " << st;
+      }
+      final_w[r] = w;
+      EXPECT_TRUE((*c)->Close().ok());
+    });
+  }
+  for (auto& t : workers) t.join();
+  for (int r = 0; r < spec.workers; ++r) {
+    ASSERT_EQ(final_w[r].size(), static_cast<size_t>(kTensors * 3));
+    for (int k = 0; k < kTensors * 3; ++k) {
+      ASSERT_EQ(final_w[r][k], static_cast<float>(k) - 0.5f * kSteps)
+          << "worker " << r << " element " << k;
+    }
   }
 }
 
