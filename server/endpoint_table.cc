@@ -39,6 +39,13 @@ bool EndpointTable::Healthy(uint64_t id) const {
   return it != endpoints_.end() && it->second->status().ok();
 }
 
+bool EndpointTable::AnyFailed() const {
+  for (const auto& [id, ep] : endpoints_) {
+    if (!ep->status().ok()) return true;
+  }
+  return false;
+}
+
 std::vector<std::pair<uint64_t, Status>> EndpointTable::DropFailed() {
   std::vector<std::pair<uint64_t, Status>> dropped;
   for (auto it = endpoints_.begin(); it != endpoints_.end();) {

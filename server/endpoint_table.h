@@ -51,6 +51,8 @@ class EndpointTable {
   }
   // Closes endpoint `id` (the peer sees it fail). Its worker binding stays.
   void Close(uint64_t id) { endpoints_.erase(id); }
+  // Whether any endpoint has failed (DropFailed would close it).
+  bool AnyFailed() const;
   // Closes every failed endpoint; returns their ids and why they failed.
   std::vector<std::pair<uint64_t, Status>> DropFailed();
   // Tears everything down, the listener included (as a process exit would).

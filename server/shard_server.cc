@@ -521,6 +521,9 @@ void ShardServer::RefreshMembership() {
         << "server rank " << rank_ << ": backup member " << stream_->backup_member()
         << " left the membership (epoch " << e << ")";
   }
+  // A departed worker's endpoints are closed below: first handle what it completed (its last
+  // push may be in the CQ, not yet polled).
+  DrainCompletions();
   for (uint32_t r : workers_->SetMembers(now)) {
     // Its endpoints are closed: a worker declared dead that is in fact alive (stopped past its
     // lease) must not go on writing into this server; it learns it is out of the cluster.
@@ -558,21 +561,7 @@ Status ShardServer::Serve() {
       continue;
     }
     const int n = cq_->Wait(wc, 64, std::chrono::microseconds(2000));
-    for (int i = 0; i < n; ++i) {
-      if (ReplicationStream::IsStreamEndpoint(wc[i].endpoint_id)) {
-        const std::optional<uint32_t> slot = stream_->OnCompletion(wc[i]);
-        if (slot && gate_->in_flight(*slot)) FinishCommit(*slot);
-      } else if (wc[i].op == OpType::kRecvImm && wc[i].ok()) {
-        HandleRecvImm(wc[i]);
-      } else if (catch_up_ && wc[i].op == OpType::kRead &&
-                 wc[i].endpoint_id == catch_up_->endpoint_id) {
-        OnCatchUpRead(wc[i]);
-      } else if (!wc[i].ok()) {
-        stats_.Bump(&ShardServerCounters::endpoint_errors);
-        stats_.BumpPeerError(PeerOf(wc[i].endpoint_id));
-      }
-      DrainWork();
-    }
+    for (int i = 0; i < n; ++i) Dispatch(wc[i]);
     if (n == 0 || Clock::now() - last_accept > std::chrono::milliseconds(5)) {
       last_accept = Clock::now();
       if (!Housekeeping(&fenced)) stop_ = true;
@@ -761,11 +750,39 @@ void ShardServer::FillHeartbeatStats(control::MemberStats* s) const {
   s->set_last_checkpoint_clock(c.last_checkpoint_clock);
 }
 
+void ShardServer::Dispatch(const Completion& wc) {
+  if (ReplicationStream::IsStreamEndpoint(wc.endpoint_id)) {
+    const std::optional<uint32_t> slot = stream_->OnCompletion(wc);
+    if (slot && gate_->in_flight(*slot)) FinishCommit(*slot);
+  } else if (wc.op == OpType::kRecvImm && wc.ok()) {
+    HandleRecvImm(wc);
+  } else if (catch_up_ && wc.op == OpType::kRead &&
+             wc.endpoint_id == catch_up_->endpoint_id) {
+    OnCatchUpRead(wc);
+  } else if (!wc.ok()) {
+    stats_.Bump(&ShardServerCounters::endpoint_errors);
+    stats_.BumpPeerError(PeerOf(wc.endpoint_id));
+  }
+  DrainWork();
+}
+
+void ShardServer::DrainCompletions() {
+  if (!cq_ || lease_lapsed_) return;
+  Completion wc[64];
+  for (int round = 0; round < 64; ++round) {
+    const int n = cq_->Poll(wc, 64);
+    for (int i = 0; i < n; ++i) Dispatch(wc[i]);
+    if (n < 64) return;
+  }
+}
+
 void ShardServer::DropFailedEndpoints() {
   // Drop endpoints that failed (a dead worker); membership decides what it means. A worker's
   // endpoint closing is logged at INFO: its departure (left, or declared dead: a WARNING) is
   // what matters, and comes with the next membership. So is the primary's stream ending once
   // the job's workers are done.
+  if (!endpoints_->AnyFailed()) return;
+  DrainCompletions();
   const uint64_t primary = applier_ ? applier_->primary_endpoint() : 0;
   for (const auto& [id, why] : endpoints_->DropFailed()) {
     const bool is_primary = id == primary && primary != 0;

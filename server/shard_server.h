@@ -133,7 +133,16 @@ class ShardServer {
   // A replicated primary without a lease (docs/fault-tolerance.md, "Liveness"): it must not
   // apply or publish anything. Logs and counts the transitions.
   bool LeaseLapsed();
+  // Closes the endpoints that failed, after handling what their peers completed: a push whose
+  // write completed at the worker is in this server's memory and its immediate in the CQ, and
+  // closing an endpoint discards its unpolled completions (every provider), so the CQ is drained
+  // first (DrainCompletions). A worker that completes a push and dies is applied, not lost.
   void DropFailedEndpoints();
+  // Handles one completion of the serving loop (and the work it makes, DrainWork).
+  void Dispatch(const transport::Completion& wc);
+  // Handles every completion already in the CQ, without waiting (a bounded number of batches:
+  // live workers keep it non-empty). Not while fenced (LeaseLapsed): nothing is applied then.
+  void DrainCompletions();
   // Every expected worker has been in the cluster and none is in the current membership: the
   // job's end, when peers closing their endpoints is expected.
   bool WorkersDone() const;
