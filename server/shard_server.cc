@@ -62,8 +62,46 @@ Status ShardServer::Run() {
   return Serve();
 }
 
-int ShardServer::RecvDepth() const {
-  return static_cast<int>(std::min<uint32_t>(1024, 2 * layout_->slots() + 32));
+int ShardServer::AcceptRecvDepth(int recv_depth) const {
+  // A backup's stream from its primary carries up to one record per ring entry (and the
+  // listener cannot tell it from a worker before it is accepted).
+  return backup_ ? std::max<int>(recv_depth, static_cast<int>(repl_layout_->entries()) + 16)
+                 : recv_depth;
+}
+
+Status ShardServer::SizeCompletionQueue(uint32_t max_workers, int* depth) {
+  // What the endpoints on the CQ reserve (send + recv depth each, transport/flow_control.h):
+  // up to max_workers + 3 accepted ones (workers, a backup's stream from its primary, peers
+  // reconnecting while their old endpoint is still being dropped), and this primary's stream
+  // to its backup (ReplicationStream: 2 * entries + 16 sends, 4 receives).
+  const int64_t entries = repl_layout_->entries();
+  auto need = [&](int rd) {
+    return (int64_t{max_workers} + 3) * (AcceptRecvDepth(rd) + 16) + 2 * entries + 20 + 64;
+  };
+  int rd = static_cast<int>(std::min<uint32_t>(1024, 2 * layout_->slots() + 32));
+  const int64_t limit = fabric_->max_cq_depth();
+  if (need(rd) > limit) {
+    // A small device (SoftRoCE: 16,383) with many workers: fewer receives per worker
+    // endpoint. A worker's write-with-immediate beyond them waits at the transport (verbs:
+    // receiver-not-ready retries, without limit; tcp and shm: the reader pauses), never fails.
+    const int64_t fixed = 2 * entries + 84;
+    const int64_t per = (limit - fixed) / (int64_t{max_workers} + 3) - 16;
+    rd = static_cast<int>(std::max<int64_t>(16, std::min<int64_t>(rd, per)));
+    if (need(rd) > limit) {
+      return ResourceExhaustedError(
+          "server rank " + std::to_string(rank_) + ": " + std::to_string(max_workers) +
+          " workers need a completion queue of " + std::to_string(need(rd)) + " entries, more than this " +
+          fabric_->name() + " device allows (" + std::to_string(limit) +
+          "); lower --max_workers or use a device with a larger max_cqe");
+    }
+    LOG(WARNING) << "server rank " << rank_ << ": " << max_workers << " workers on a device whose "
+                 << "completion queues hold " << limit << " entries: " << rd
+                 << " receives per worker endpoint (of " << std::min<uint32_t>(1024, 2 * layout_->slots() + 32)
+                 << "); pushes beyond them wait at the transport";
+  }
+  recv_depth_ = rd;
+  *depth = static_cast<int>(need(rd));
+  return Status::OK();
 }
 
 Status ShardServer::Setup() {
@@ -232,14 +270,19 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   // ring's geometry from the same assignment.
   const uint64_t contrib_bytes = layout::AlignUp(sizeof(layout::ReplContributor) * a.max_workers());
   const uint64_t stride = sizeof(layout::ReplHeader) + contrib_bytes + layout::AlignUp(max_chunk);
-  uint32_t entries = options_.replication_ring_entries != 0 ? options_.replication_ring_entries
-                                                            : 4 * layout_->slots() + 16;
+  // At most kMaxRingEntries by default: the entries are the records in flight to the backup (a
+  // primary waits for ring space beyond them), and every entry costs completion-queue room on
+  // both sides. A function of the assignment only: primary and backup must agree.
+  constexpr uint32_t kMaxRingEntries = 512;
+  uint32_t entries = options_.replication_ring_entries != 0
+                         ? options_.replication_ring_entries
+                         : std::min<uint32_t>(kMaxRingEntries, 4 * layout_->slots() + 16);
   entries = static_cast<uint32_t>(std::max<uint64_t>(
       2, std::min<uint64_t>(entries, std::max<uint64_t>(2, (256ull << 20) / stride))));
   repl_layout_ = std::make_unique<layout::ReplLayout>(max_chunk, a.max_workers(), entries);
-  ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(static_cast<int>(a.max_workers() + 3) *
-                                                           (RecvDepth() + 16) +
-                                                       4 * static_cast<int>(entries) + 64));
+  int cq_depth = 0;
+  RETURN_IF_ERROR(SizeCompletionQueue(a.max_workers(), &cq_depth));
+  ASSIGN_OR_RETURN(cq_, fabric_->CreateCompletionQueue(cq_depth));
   ASSIGN_OR_RETURN(auto staging,
                    fabric_->AllocateMemory(AtLeastAligned(ReplicationStream::StagingBytes(
                                                *repl_layout_, layout_->slots())),
@@ -812,10 +855,8 @@ std::string ShardServer::PeerOf(uint64_t endpoint_id) const {
 void ShardServer::AcceptPending() {
   Status error;
   int refused = 0;
-  // A backup's stream from its primary carries up to one record per ring entry.
-  const int accepted = endpoints_->AcceptPending(
-      cq_.get(), 16, std::max<int>(RecvDepth(), static_cast<int>(repl_layout_->entries()) + 16),
-      &error, &refused);
+  const int accepted =
+      endpoints_->AcceptPending(cq_.get(), 16, AcceptRecvDepth(recv_depth_), &error, &refused);
   if (refused > 0) {
     const uint64_t before = stats_.Snapshot().connections_refused;
     stats_.Update([&](ShardServerCounters& c) { c.connections_refused += refused; });

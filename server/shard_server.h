@@ -168,7 +168,11 @@ class ShardServer {
   Status EnsureCheckpointWriter(const std::string& dir);
   Status Restore(const std::string& dir, const std::string& fingerprint);
   void OnCheckpointRequest(const control::CheckpointRequest& r);
-  int RecvDepth() const;
+  // Receives per accepted endpoint (AcceptRecvDepth(recv_depth_)), and the CQ's depth for them
+  // all: sized once the ring is known, within fabric_->max_cq_depth() (fewer receives per
+  // worker endpoint on a small device, or an error naming the limit).
+  Status SizeCompletionQueue(uint32_t max_workers, int* depth);
+  int AcceptRecvDepth(int recv_depth) const;
 
   // Data path (shard_server_apply.cc). Handlers never re-enter each other: a published version
   // puts its slot on work_, which DrainWork() empties once per completion handled.
@@ -255,6 +259,7 @@ class ShardServer {
   uint32_t group_ = 0;
   uint32_t num_groups_ = 1;
   bool backup_ = false;       // holds the group's backup copy, not serving workers yet
+  int recv_depth_ = 16;       // receives per worker endpoint (SizeCompletionQueue)
   uint64_t fence_epoch_ = 0;  // records and pushes of older epochs are refused
   std::vector<transport::Completion> early_;  // worker completions that reached a backup
   struct DeferredOp {

@@ -404,6 +404,10 @@ class Fabric {
   virtual StatusOr<std::unique_ptr<MemoryRegion>> AllocateMemory(size_t length, Access access) = 0;
 
   virtual StatusOr<std::unique_ptr<CompletionQueue>> CreateCompletionQueue(int depth) = 0;
+  // The largest depth CreateCompletionQueue accepts (verbs: half the device's max_cqe; the
+  // software providers: no practical limit). A caller sizing its queue from its peers' count
+  // fits it here rather than fail to start.
+  virtual int max_cq_depth() const { return 1 << 30; }
 
   // address: "host:port" for verbs and tcp (port 0 = pick one); a name for shm ("" = pick one).
   virtual StatusOr<std::unique_ptr<Listener>> Listen(const std::string& address) = 0;

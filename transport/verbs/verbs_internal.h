@@ -281,6 +281,7 @@ class VerbsFabric final : public Fabric {
   VerbsFabric(std::shared_ptr<VerbsDevice> device, FabricOptions options)
       : device_(std::move(device)), options_(std::move(options)) {}
   std::string name() const override { return "verbs"; }
+  int max_cq_depth() const override { return device_->device_attr().max_cqe / 2; }
   std::string DebugString() const override { return device_->DebugString(); }
   StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length, Access access,
                                                          MemoryKind kind) override;
