@@ -273,10 +273,18 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   // At most kMaxRingEntries by default: the entries are the records in flight to the backup (a
   // primary waits for ring space beyond them), and every entry costs completion-queue room on
   // both sides. A function of the assignment only: primary and backup must agree.
+  // A backup's accepted endpoints each reserve entries + 16 receives (AcceptRecvDepth), so the
+  // entries also shrink with max_workers, until a backup's queue fits a SoftRoCE device
+  // (16,383; the smallest limit supported): (W + 3)(E + 32) + 2E + 84 <= 16,383.
   constexpr uint32_t kMaxRingEntries = 512;
-  uint32_t entries = options_.replication_ring_entries != 0
-                         ? options_.replication_ring_entries
-                         : std::min<uint32_t>(kMaxRingEntries, 4 * layout_->slots() + 16);
+  constexpr int64_t kSmallestCqDepth = 16383;
+  const int64_t fit = (kSmallestCqDepth - 84 - 32 * (int64_t{a.max_workers()} + 3)) /
+                      (int64_t{a.max_workers()} + 5);
+  uint32_t entries =
+      options_.replication_ring_entries != 0
+          ? options_.replication_ring_entries
+          : static_cast<uint32_t>(std::max<int64_t>(
+                16, std::min<int64_t>({kMaxRingEntries, 4 * int64_t{layout_->slots()} + 16, fit})));
   entries = static_cast<uint32_t>(std::max<uint64_t>(
       2, std::min<uint64_t>(entries, std::max<uint64_t>(2, (256ull << 20) / stride))));
   repl_layout_ = std::make_unique<layout::ReplLayout>(max_chunk, a.max_workers(), entries);
@@ -548,6 +556,11 @@ void ShardServer::RefreshMembership() {
   PollControl();
   const uint64_t e = control_->epoch();
   if (e == seen_epoch_) return;
+  // A departed worker's endpoints are closed below: first handle what it completed (its last
+  // push may be in the CQ, not yet polled). Before seen_epoch_ moves: a push that names the
+  // new epoch then waits for the new membership (MaybeApplyBsp) instead of completing a clock
+  // against the old one.
+  DrainCompletions();
   seen_epoch_ = e;
   const control::Membership m = control_->membership();
   std::set<uint32_t> now;
@@ -564,9 +577,6 @@ void ShardServer::RefreshMembership() {
         << "server rank " << rank_ << ": backup member " << stream_->backup_member()
         << " left the membership (epoch " << e << ")";
   }
-  // A departed worker's endpoints are closed below: first handle what it completed (its last
-  // push may be in the CQ, not yet polled).
-  DrainCompletions();
   for (uint32_t r : workers_->SetMembers(now)) {
     // Its endpoints are closed: a worker declared dead that is in fact alive (stopped past its
     // lease) must not go on writing into this server; it learns it is out of the cluster.
@@ -812,7 +822,10 @@ void ShardServer::Dispatch(const Completion& wc) {
 void ShardServer::DrainCompletions() {
   if (!cq_ || lease_lapsed_) return;
   Completion wc[64];
-  for (int round = 0; round < 64; ++round) {
+  // Whatever was in the queue when this began is at most its depth; what live workers add
+  // meanwhile is newer and need not be waited for.
+  const int rounds = cq_->depth() / 64 + 1;
+  for (int round = 0; round < rounds; ++round) {
     const int n = cq_->Poll(wc, 64);
     for (int i = 0; i < n; ++i) Dispatch(wc[i]);
     if (n < 64) return;
