@@ -69,36 +69,40 @@ int ShardServer::AcceptRecvDepth(int recv_depth) const {
                  : recv_depth;
 }
 
+namespace {
+
+// What the endpoints on a server's CQ reserve (send + recv depth each,
+// transport/flow_control.h): up to max_workers + 3 accepted ones (workers, a backup's stream
+// from its primary, peers reconnecting while their old endpoint is still being dropped), 16
+// sends and `accept_recv` receives each, and a primary's stream to its backup
+// (ReplicationStream: 2 * entries + 16 sends, 4 receives), plus 64 spare.
+int64_t ServerCqNeed(uint32_t max_workers, int64_t accept_recv, int64_t entries) {
+  return (int64_t{max_workers} + 3) * (accept_recv + 16) + 2 * entries + 20 + 64;
+}
+
+}  // namespace
+
 Status ShardServer::SizeCompletionQueue(uint32_t max_workers, int* depth) {
-  // What the endpoints on the CQ reserve (send + recv depth each, transport/flow_control.h):
-  // up to max_workers + 3 accepted ones (workers, a backup's stream from its primary, peers
-  // reconnecting while their old endpoint is still being dropped), and this primary's stream
-  // to its backup (ReplicationStream: 2 * entries + 16 sends, 4 receives).
   const int64_t entries = repl_layout_->entries();
-  auto need = [&](int rd) {
-    return (int64_t{max_workers} + 3) * (AcceptRecvDepth(rd) + 16) + 2 * entries + 20 + 64;
-  };
-  int rd = static_cast<int>(std::min<uint32_t>(1024, 2 * layout_->slots() + 32));
+  auto need = [&](int rd) { return ServerCqNeed(max_workers, AcceptRecvDepth(rd), entries); };
+  const int wanted = static_cast<int>(std::min<uint32_t>(1024, 2 * layout_->slots() + 32));
   const int64_t limit = fabric_->max_cq_depth();
+  // A small device (SoftRoCE: 16,383) with many workers: fewer receives per worker endpoint.
+  // A worker's write-with-immediate beyond them waits at the transport (verbs: receiver-not-
+  // ready retries, without limit; tcp and shm: the reader pauses), never fails.
+  int rd = wanted;
+  while (rd > 16 && need(rd) > limit) --rd;
   if (need(rd) > limit) {
-    // A small device (SoftRoCE: 16,383) with many workers: fewer receives per worker
-    // endpoint. A worker's write-with-immediate beyond them waits at the transport (verbs:
-    // receiver-not-ready retries, without limit; tcp and shm: the reader pauses), never fails.
-    const int64_t fixed = 2 * entries + 84;
-    const int64_t per = (limit - fixed) / (int64_t{max_workers} + 3) - 16;
-    rd = static_cast<int>(std::max<int64_t>(16, std::min<int64_t>(rd, per)));
-    if (need(rd) > limit) {
-      return ResourceExhaustedError(
-          "server rank " + std::to_string(rank_) + ": " + std::to_string(max_workers) +
-          " workers need a completion queue of " + std::to_string(need(rd)) + " entries, more than this " +
-          fabric_->name() + " device allows (" + std::to_string(limit) +
-          "); lower --max_workers or use a device with a larger max_cqe");
-    }
-    LOG(WARNING) << "server rank " << rank_ << ": " << max_workers << " workers on a device whose "
-                 << "completion queues hold " << limit << " entries: " << rd
-                 << " receives per worker endpoint (of " << std::min<uint32_t>(1024, 2 * layout_->slots() + 32)
-                 << "); pushes beyond them wait at the transport";
+    return ResourceExhaustedError(
+        "server rank " + std::to_string(rank_) + ": " + std::to_string(max_workers) +
+        " workers need a completion queue of " + std::to_string(need(rd)) +
+        " entries, more than this " + fabric_->name() + " device allows (" +
+        std::to_string(limit) + "); lower --max_workers or use a device with a larger max_cqe");
   }
+  LOG_IF(WARNING, rd < wanted) << "server rank " << rank_ << ": " << max_workers
+                               << " workers on a device whose completion queues hold " << limit
+                               << " entries: " << rd << " receives per worker endpoint (of "
+                               << wanted << "); pushes beyond them wait at the transport";
   recv_depth_ = rd;
   *depth = static_cast<int>(need(rd));
   return Status::OK();
@@ -272,19 +276,19 @@ Status ShardServer::SetupRegions(const control::AssignShards& a) {
   const uint64_t stride = sizeof(layout::ReplHeader) + contrib_bytes + layout::AlignUp(max_chunk);
   // At most kMaxRingEntries by default: the entries are the records in flight to the backup (a
   // primary waits for ring space beyond them), and every entry costs completion-queue room on
-  // both sides. A function of the assignment only: primary and backup must agree.
-  // A backup's accepted endpoints each reserve entries + 16 receives (AcceptRecvDepth), so the
-  // entries also shrink with max_workers, until a backup's queue fits a SoftRoCE device
-  // (16,383; the smallest limit supported): (W + 3)(E + 32) + 2E + 84 <= 16,383.
+  // both sides. A function of the assignment only: primary and backup must agree. A backup's
+  // accepted endpoints each reserve entries + 16 receives (AcceptRecvDepth), so the entries
+  // also shrink with max_workers until a backup's queue fits a SoftRoCE device (16,383, the
+  // smallest limit supported), down to 16.
   constexpr uint32_t kMaxRingEntries = 512;
   constexpr int64_t kSmallestCqDepth = 16383;
-  const int64_t fit = (kSmallestCqDepth - 84 - 32 * (int64_t{a.max_workers()} + 3)) /
-                      (int64_t{a.max_workers()} + 5);
-  uint32_t entries =
-      options_.replication_ring_entries != 0
-          ? options_.replication_ring_entries
-          : static_cast<uint32_t>(std::max<int64_t>(
-                16, std::min<int64_t>({kMaxRingEntries, 4 * int64_t{layout_->slots()} + 16, fit})));
+  uint32_t entries = options_.replication_ring_entries;
+  if (entries == 0) {
+    entries = std::min<uint32_t>(kMaxRingEntries, 4 * layout_->slots() + 16);
+    while (entries > 16 && ServerCqNeed(a.max_workers(), entries + 16, entries) > kSmallestCqDepth) {
+      --entries;
+    }
+  }
   entries = static_cast<uint32_t>(std::max<uint64_t>(
       2, std::min<uint64_t>(entries, std::max<uint64_t>(2, (256ull << 20) / stride))));
   repl_layout_ = std::make_unique<layout::ReplLayout>(max_chunk, a.max_workers(), entries);
