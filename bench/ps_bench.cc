@@ -56,7 +56,8 @@
 DEFINE_string(transports, "tcp,shm", "tcp, shm, verbs (verbs needs --bounds_file)");
 DEFINE_string(layouts, "1x1,2x2", "servers x workers");
 DEFINE_string(latency_layouts, "1x1", "layouts that also run the latency series");
-DEFINE_string(modes, "push,pull,push-pull", "push, pull, push-pull");
+DEFINE_string(modes, "push,pull,push-pull",
+              "push, pull, push-pull, step (Client::Step over all keys; throughput only)");
 DEFINE_string(sizes, "4K,64K,1M,4M,16M", "value sizes (bytes per key)");
 DEFINE_string(series, "throughput,latency", "throughput (K keys per round), latency (1 in flight)");
 DEFINE_bool(many, true,
@@ -96,6 +97,7 @@ StatusOr<Mode> ParseMode(const std::string& s) {
   if (s == "push") return Mode::kPush;
   if (s == "pull") return Mode::kPull;
   if (s == "push-pull" || s == "pushpull") return Mode::kPushPull;
+  if (s == "step") return Mode::kStep;
   return InvalidArgumentError("unknown mode '" + s + "'");
 }
 

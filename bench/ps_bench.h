@@ -37,7 +37,9 @@ DECLARE_bool(bounds);
 
 namespace shardps::bench {
 
-enum class Mode { kPush, kPull, kPushPull };
+// kStep: a round is one Client::Step() over all K keys (push every key, wait, clock, pull every
+// key, wait), the path a trainer's step takes; throughput series only.
+enum class Mode { kPush, kPull, kPushPull, kStep };
 
 struct ClusterSpec {
   std::string transport;

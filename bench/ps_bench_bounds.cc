@@ -72,6 +72,14 @@ StatusOr<BoundResult> Bounds::Measure(const ClusterSpec& spec, Mode mode, bool l
       b.name = mode == Mode::kPush   ? "raw TCP write+ack ping-pong"
                : mode == Mode::kPull ? "raw TCP read round trip"
                                      : "raw TCP write ping-pong + read round trip";
+    } else if (mode == Mode::kStep) {
+      // A step pushes every key and then pulls them: W streams writing the bytes, then W
+      // reading them, one after the other (twice the bytes in the sum of the two times).
+      ASSIGN_OR_RETURN(const double w, TcpStreams(W, 0, p));
+      ASSIGN_OR_RETURN(const double r, TcpStreams(0, W, p));
+      b.gbps = 2 / (1 / w + 1 / r);
+      b.name = "raw TCP, " + std::to_string(W) + " writing then " + std::to_string(W) +
+               " reading stream(s)";
     } else {
       const int wr = mode == Mode::kPull ? 0 : W;
       const int rd = mode == Mode::kPush ? 0 : W;
@@ -101,6 +109,8 @@ StatusOr<BoundResult> Bounds::Measure(const ClusterSpec& spec, Mode mode, bool l
       if (mode != Mode::kPull) us += get("write", "lat").first;
       if (mode != Mode::kPush) us += get("read", "lat").first;
       b.lat_p50 = us;
+    } else if (mode == Mode::kStep) {
+      b.gbps = 2 / (1 / get("write", "bw").first + 1 / get("read", "bw").first);  // one, then the other
     } else {
       double g = 0;
       if (mode != Mode::kPull) g += get("write", "bw").first;

@@ -47,7 +47,17 @@ using testing_util::WaitForFile;
 constexpr char kToken[] = "shardps-bench";
 
 const char* ModeName(Mode m) {
-  return m == Mode::kPush ? "push" : m == Mode::kPull ? "pull" : "push-pull";
+  switch (m) {
+    case Mode::kPush:
+      return "push";
+    case Mode::kPull:
+      return "pull";
+    case Mode::kPushPull:
+      return "push-pull";
+    case Mode::kStep:
+      return "step";
+  }
+  return "?";
 }
 
 double Median(std::vector<double> v) {
@@ -249,6 +259,7 @@ class Worker {
     return first;
   }
   Status Round(Mode m, std::vector<Handle>* hs) {
+    if (m == Mode::kStep) return client_->Step();
     if (!FLAGS_many) {
       for (int k = 0; k < spec_.keys; ++k) RETURN_IF_ERROR(Issue(m, k, hs));
       return WaitAll(hs);
@@ -281,7 +292,7 @@ class Worker {
     out->requests = out->rounds * spec_.keys;
     const double per_key = static_cast<double>(spec_.size);
     out->bytes_pslite = per_key * out->requests;
-    out->bytes = out->bytes_pslite * (t.mode == Mode::kPushPull ? 2 : 1);
+    out->bytes = out->bytes_pslite * (t.mode == Mode::kPushPull || t.mode == Mode::kStep ? 2 : 1);
     return Status::OK();
   }
 
@@ -305,7 +316,7 @@ class Worker {
     out->elapsed = NowSeconds() - t0;
     out->requests = out->lat_us.size();
     out->bytes_pslite = static_cast<double>(spec_.size) * out->requests;
-    out->bytes = out->bytes_pslite * (t.mode == Mode::kPushPull ? 2 : 1);
+    out->bytes = out->bytes_pslite * (t.mode == Mode::kPushPull || t.mode == Mode::kStep ? 2 : 1);
     return Status::OK();
   }
 
@@ -531,7 +542,7 @@ Status RunCluster(const ClusterSpec& spec, const Layout& lay, const std::vector<
   for (Mode mode : modes) {
     for (const std::string& s : series) {
       const bool lat = s == "latency";
-      if (lat && !latency_too) continue;
+      if (lat && (!latency_too || mode == Mode::kStep)) continue;
       Row r;
       r.transport = spec.transport;
       r.layout = lay.name;

@@ -82,6 +82,12 @@ void StallPoint(const char* name) {
   LOG(WARNING) << "stall point " << name << ": resumed";
 }
 
+bool StallPointDue(const char* name) {
+  if (!any_armed.load(std::memory_order_relaxed)) return false;
+  std::lock_guard<std::mutex> l(mu);
+  return !armed.name.empty() && armed.name == name && armed.reached + 1 == armed.nth;
+}
+
 void ArmStallPointForTest(const std::string& name, long long nth,
                           std::chrono::milliseconds stall) {
   LoadEnv();

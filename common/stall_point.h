@@ -20,6 +20,11 @@ namespace shardps {
 // (N = 1 unless "@N" was given). Each arming stalls once.
 void StallPoint(const char* name);
 
+// True if the next StallPoint(name) would stall. A caller that holds work back (a batch of
+// posts not yet sent) sends it first, so that the stall happens where the point says: after the
+// work before it has left. Unarmed, one relaxed load.
+bool StallPointDue(const char* name);
+
 // Arms `name` in this process (in-process tests), replacing SHARDPS_STALL_POINT: the `nth`
 // time it is reached from now, it stalls for `stall`. An empty name disarms.
 void ArmStallPointForTest(const std::string& name, long long nth, std::chrono::milliseconds stall);

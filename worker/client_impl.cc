@@ -774,12 +774,24 @@ StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
     }
     ts.push_back(t);
   }
+  return PostBurst(ts, push, /*step=*/false);
+}
+
+StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>& ts, bool push,
+                                                    bool step) {
   std::vector<Handle> hs;
   hs.reserve(ts.size());
   Status failed;
   if (push) push_->Prestart(ts);
   push ? push_->set_more(true) : pull_->set_more(true);
   for (uint32_t t : ts) {
+    if (push && step) {
+      // "@N": the Nth tensor push of this process, as Push(name) counts them. A stall here
+      // comes after the pushes before it have left (the test's "between two pushes").
+      CrashPoint("worker.before_push");
+      if (StallPointDue("worker.before_push")) (void)sessions_->Progress();
+      StallPoint("worker.before_push");
+    }
     // As Push(name) and Pull(name) do: a server that failed during the tensors before this
     // one is recovered (or the client breaks) before this one is posted.
     if (failed = MaybeRecover(); !failed.ok()) break;
@@ -1121,22 +1133,14 @@ Status ClientImpl::StepOnce() {
   ++step_.step_id;
   trace::Span span("step", "worker");
   span.Arg("step", step_.step_id).Arg("clock", step_.clock);
-  // One Push per tensor, not PushMany: in the SoftRoCE crash matrix
-  // (server.promote_before_drain on the backup) a step through PushMany reported DATA_LOSS only
-  // after the 26 s failover wait instead of at once; until that is understood, Step keeps the
-  // per-tensor path whose failure handling the crash matrix covers.
+  // The pushes, then the pulls, each as one burst (PostBurst): over tcp a round of small
+  // tensors leaves for each server in one sendmsg, over verbs as one chain per QP.
+  // (CUDA-staged tensors: PostBurst starts every device->host copy first, back to back.)
   std::vector<Handle> hs;
   {
-    // CUDA-staged tensors: every device->host copy starts now, back to back.
-    push_->PrestartAll();
-    struct Cancel {
-      PushPipeline* p;
-      ~Cancel() { p->CancelPrestart(); }
-    } cancel{push_.get()};
-    for (const Tensor& t : tensors_) {
-      ASSIGN_OR_RETURN(Handle h, Push(t.name));
-      hs.push_back(h);
-    }
+    std::vector<uint32_t> all(tensors_.size());
+    for (uint32_t t = 0; t < all.size(); ++t) all[t] = t;
+    ASSIGN_OR_RETURN(hs, PostBurst(all, /*push=*/true, /*step=*/true));
   }
   Status first;
   for (Handle h : hs) {
@@ -1148,11 +1152,13 @@ Status ClientImpl::StepOnce() {
   // "@N": the Nth step of the process, its pushes sent and its clock announced, its pull not
   // yet begun (a BSP push of this clock may still wait for another worker's at the server).
   CrashPoint("worker.after_clock");
-  hs.clear();
-  for (const Tensor& t : tensors_) {
-    if (t.embedding) continue;  // PullRows, for the next batch's rows
-    ASSIGN_OR_RETURN(Handle h, Pull(t.name));
-    hs.push_back(h);
+  {
+    std::vector<uint32_t> dense;
+    dense.reserve(tensors_.size());
+    for (uint32_t t = 0; t < tensors_.size(); ++t) {
+      if (!tensors_[t].embedding) dense.push_back(t);  // row tables: PullRows, per batch
+    }
+    ASSIGN_OR_RETURN(hs, PostBurst(dense, /*push=*/false, /*step=*/false));
   }
   for (Handle h : hs) {
     Status s = Wait(h);

@@ -106,6 +106,9 @@ class ClientImpl final : public Client, private CompletionSink {
   // PushMany (push) or PullMany (!push); `what` names the call in a refusal.
   StatusOr<std::vector<Handle>> Many(const char* what, const std::vector<std::string>& names,
                                      bool push);
+  // Posts the pushes (push) or pulls of tensors `ts` as one burst (kMore; sent by one poll at
+  // the end). `step`: Step()'s pushes, which pass the worker.before_push crash and stall points.
+  StatusOr<std::vector<Handle>> PostBurst(const std::vector<uint32_t>& ts, bool push, bool step);
   // CompletionSink: push and pull completions, from ServerSessions::Progress.
   void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
   void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;

@@ -51,10 +51,6 @@ void PushPipeline::Prestart(const std::vector<uint32_t>& tensors) {
   for (uint32_t i : tensors) Prestart(tensors_[i]);
 }
 
-void PushPipeline::PrestartAll() {
-  for (Tensor& t : tensors_) Prestart(t);
-}
-
 void PushPipeline::Prestart(Tensor& t) {
   if (t.staging == nullptr || t.staging_prestarted || handles_.Contains(t.push_handle)) {
     return;  // not staged, already started, or refused by Push (StageGradients)

@@ -47,7 +47,6 @@ class PushPipeline {
   // engine while the first ones are on the wire, instead of one copy per Push call. Tensors
   // whose previous push is not waited for are left to Push (which refuses them).
   void Prestart(const std::vector<uint32_t>& tensors);
-  void PrestartAll();  // every tensor (Step)
   // A state transfer (SetState) of a CUDA-staged tensor pushes its gradient buffer like a
   // gradient: copies it to the pinned mirror first (the chunks' posts wait for the copy), or
   // refuses while a push of the tensor is not waited for (the mirror still holds its bytes).
