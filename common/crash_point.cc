@@ -32,11 +32,23 @@ Armed Parse() {
   return a;
 }
 
+const Armed& ArmedPoint() {
+  static const Armed armed = Parse();
+  return armed;
+}
+
+std::atomic<long long> reached{0};  // times the armed point was reached
+
 }  // namespace
 
+bool CrashPointDue(const char* name) {
+  const Armed& armed = ArmedPoint();
+  if (armed.name.empty() || armed.name != name) return false;
+  return reached.load() + 1 >= armed.nth;
+}
+
 void CrashPoint(const char* name) {
-  static const Armed armed = Parse();
-  static std::atomic<long long> reached{0};
+  const Armed& armed = ArmedPoint();
   if (armed.name.empty() || armed.name != name) return;
   if (reached.fetch_add(1) + 1 < armed.nth) return;
   LOG(ERROR) << "crash point " << name << " (SHARDPS_CRASH_POINT, time " << armed.nth

@@ -14,6 +14,11 @@ namespace shardps {
 // this is the Nth time the point is reached (points inside loops, e.g. the Nth publication).
 void CrashPoint(const char* name);
 
+// True if the next CrashPoint(name) would exit. A caller that holds work back (a batch of posts
+// not yet sent) sends it first, so that the process dies where the point says: after the work
+// before it has left.
+bool CrashPointDue(const char* name);
+
 // The exit status of a crash point.
 inline constexpr int kCrashPointExitCode = 86;
 

@@ -786,11 +786,20 @@ StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>&
   push ? push_->set_more(true) : pull_->set_more(true);
   for (uint32_t t : ts) {
     if (push && step) {
-      // "@N": the Nth tensor push of this process, as Push(name) counts them. A stall here
-      // comes after the pushes before it have left (the test's "between two pushes").
+      // "@N": the Nth tensor push of this process, as Push(name) counts them. A crash or a
+      // stall here comes after the pushes before it have left ("between two pushes").
+      if (CrashPointDue("worker.before_push") || StallPointDue("worker.before_push")) {
+        (void)sessions_->Progress();
+      }
       CrashPoint("worker.before_push");
-      if (StallPointDue("worker.before_push")) (void)sessions_->Progress();
       StallPoint("worker.before_push");
+    }
+    // The client broke during the tensors before this one (a push's recovery found its group
+    // lost): stop here with the cause, as Push(name) refuses once broken. Going on would wait
+    // for a failover again at every later tensor of that group.
+    if (lifecycle_.state() == ClientState::kBroken) {
+      failed = lifecycle_.cause();
+      break;
     }
     // As Push(name) and Pull(name) do: a server that failed during the tensors before this
     // one is recovered (or the client breaks) before this one is posted.
