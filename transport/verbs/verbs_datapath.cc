@@ -17,6 +17,7 @@
 #include <glog/logging.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -104,7 +105,15 @@ VerbsEndpoint::~VerbsEndpoint() {
   if (attached_) {
     cq_->detach(this, cq_slot_, config_.options.send_depth + config_.options.recv_depth);
   }
-  // Members then go in reverse order: socket (the peer sees EOF), QP, CQ, device.
+  // The QP goes first here, so that no async event of it can be read after ForgetQp (its
+  // destroy waits until every event read for it is acknowledged, which Drain does only once
+  // recorded).
+  if (qp_) {
+    const uint32_t qpn = qp_->qp_num;
+    qp_.reset();
+    device_->async_events().ForgetQp(qpn);
+  }
+  // Members then go in reverse order: socket (the peer sees EOF), CQ, device.
 }
 
 void VerbsEndpoint::adoptBootstrap(UniqueFd fd) {
@@ -333,7 +342,11 @@ void VerbsEndpoint::onSendWcOnPollingThread(const ibv_wc& wc) {
   // Earlier posts have no completion of their own: succeeded if the endpoint was healthy.
   int covered = 0;
   for (; tail_seq_ != seq; ++tail_seq_) {
-    if (was_healthy) {
+    if (was_healthy && ring_[tail_seq_ % ring_.size()].user_signaled) {
+      // Its own completion was lost (a CQ overrun drops completions): RC completes in order,
+      // so a later success means it succeeded too, and its caller still gets its completion.
+      emit(tail_seq_, WcStatus::kSuccess, 1);
+    } else if (was_healthy) {
       ++covered;
     } else {
       emit(tail_seq_,
@@ -425,7 +438,15 @@ void VerbsEndpoint::probeLivenessOnPollingThread() {
   }
 }
 
-void VerbsEndpoint::enterError(Status why, WcStatus first_status) {
+void VerbsEndpoint::onAsyncErrorOnPollingThread(Status why, bool completions_lost) {
+  if (error_.ok()) {
+    enterError(std::move(why), WcStatus::kLocalError, /*drain_via_qp=*/!completions_lost);
+  } else if (completions_lost && !drained_) {
+    onDrainWcOnPollingThread();  // the marker posted earlier may never complete
+  }
+}
+
+void VerbsEndpoint::enterError(Status why, WcStatus first_status, bool drain_via_qp) {
   if (!error_.ok()) return;
   error_ = std::move(why);
   // Held (kMore) requests never reach the QP: their slots say posted = false, so they
@@ -443,6 +464,10 @@ void VerbsEndpoint::enterError(Status why, WcStatus first_status) {
   attr.qp_state = IBV_QPS_ERR;
   if (int rc = ibv_modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
     LOG(ERROR) << "verbs: moving QP " << qp_->qp_num << " to ERR failed: " << strerror(rc);
+  }
+  if (!drain_via_qp) {
+    onDrainWcOnPollingThread();
+    return;
   }
   ibv_send_wr wr{};
   wr.wr_id = MakeWrId(WrKind::kDrain, cq_slot_, gen_, 0);
@@ -557,10 +582,51 @@ void CqState::checkLivenessIfDue() {
   epoll_event evs[16];
   const int n = epoll_wait(epoll_.get(), evs, 16, 0);  // level-triggered: the rest come next
   for (int i = 0; i < n; ++i) {
+    if (evs[i].data.u64 == kEpollAsyncTag) {
+      device_->async_events().Drain();
+      continue;
+    }
+    if (evs[i].data.u64 == kEpollWakeTag) {
+      uint64_t count;
+      if (::read(wake_.get(), &count, sizeof(count)) < 0 && errno != EAGAIN) {
+        PLOG(WARNING) << "verbs: reading the async wake-up eventfd";
+      }
+      continue;
+    }
     const uint32_t idx = static_cast<uint32_t>(evs[i].data.u64);
     const uint32_t gen = static_cast<uint32_t>(evs[i].data.u64 >> 32);
     if (idx < slots_.size() && slots_[idx].ep != nullptr && slots_[idx].gen == gen) {
       slots_[idx].ep->probeLivenessOnPollingThread();
+    }
+  }
+  applyAsyncEvents();
+}
+
+void CqState::applyAsyncEvents() {
+  AsyncEvents& events = device_->async_events();
+  const uint64_t generation = events.generation();
+  if (generation == async_generation_seen_) return;
+  async_generation_seen_ = generation;  // before reading: a later event bumps it again
+  const Status fatal = events.fatal();
+  const Status cq_error = events.CqError(cq_.get());
+  if (!fatal.ok() || !cq_error.ok()) {
+    // What the CQ still holds did complete: taken first, so that only the operations whose
+    // completions were lost fail.
+    ibv_wc wcs[kPollBatch];
+    int n;
+    while ((n = ibv_poll_cq(cq_.get(), kPollBatch, wcs)) > 0) {
+      for (int i = 0; i < n; ++i) processWc(wcs[i]);
+    }
+  }
+  for (const EndpointSlot& slot : slots_) {
+    if (slot.ep == nullptr) continue;
+    Status qp_error = events.TakeQpError(slot.ep->qp_num());
+    if (!fatal.ok()) {
+      slot.ep->onAsyncErrorOnPollingThread(fatal, /*completions_lost=*/true);
+    } else if (!cq_error.ok()) {
+      slot.ep->onAsyncErrorOnPollingThread(cq_error, /*completions_lost=*/true);
+    } else if (!qp_error.ok()) {
+      slot.ep->onAsyncErrorOnPollingThread(std::move(qp_error), /*completions_lost=*/false);
     }
   }
 }

@@ -245,6 +245,8 @@ StatusOr<std::shared_ptr<VerbsDevice>> VerbsDevice::open(const FabricOptions& op
 
   dev->name_ = ibv_get_device_name(chosen);
   ASSIGN_OR_RETURN(dev->context_, createContext(*chosen));
+  dev->async_ = std::make_unique<AsyncEvents>(dev->context_.get(), dev->name_);
+  RETURN_IF_ERROR(dev->async_->Init());
   if (ibv_query_device(dev->context_.get(), &dev->device_attr_) != 0) {
     return UnavailableError("verbs: ibv_query_device(" + dev->name_ + "): " + strerror(errno));
   }

@@ -5,7 +5,8 @@
 // and by every region, completion queue and endpoint created from it, so it outlives them all
 // whatever order the caller destroys them in.
 //
-// Thread safety: immutable after open(); all accessors may be called from any thread.
+// Thread safety: immutable after open(); all accessors may be called from any thread (the
+// async events object synchronises itself).
 #ifndef SHARDPS_TRANSPORT_VERBS_VERBS_DEVICE_H_
 #define SHARDPS_TRANSPORT_VERBS_VERBS_DEVICE_H_
 
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "transport/transport.h"
+#include "transport/verbs/verbs_async.h"
 #include "transport/verbs/verbs_ibv.h"
 
 namespace shardps::transport::verbs {
@@ -83,6 +85,8 @@ class VerbsDevice {
   int gid_index() const { return gid_index_; }
   const ibv_gid& gid() const { return gid_; }
   const ibv_device_attr& device_attr() const { return device_attr_; }
+  // The context's asynchronous events (thread-safe; see verbs_async.h).
+  AsyncEvents& async_events() const { return *async_; }
   std::string DebugString() const;
 
  private:
@@ -90,6 +94,7 @@ class VerbsDevice {
 
   // Dependency order: the pd must be released before the context.
   ContextPtr context_;
+  std::unique_ptr<AsyncEvents> async_;  // reads context_'s events: released before it
   PdPtr pd_;
   std::string name_;
   int port_ = 1;

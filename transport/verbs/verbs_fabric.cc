@@ -2,6 +2,7 @@
 // the RC connection handshake (INIT -> RTR -> RTS). The data path is in verbs_datapath.cc.
 #include <glog/logging.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -181,7 +182,14 @@ CqState::CqState(std::shared_ptr<VerbsDevice> device, int depth)
     : device_(std::move(device)), quota_(depth) {}
 
 CqState::~CqState() {
+  if (wake_.get() >= 0) device_->async_events().RemoveWaker(wake_.get());
   if (cq_ && unacked_events_ > 0) ibv_ack_cq_events(cq_.get(), unacked_events_);
+  // As for a QP: destroyed first, then what an async event recorded for it is dropped.
+  if (cq_) {
+    const ibv_cq* cq = cq_.get();
+    cq_.reset();
+    device_->async_events().ForgetCq(cq);
+  }
 }
 
 Status CqState::init() {
@@ -194,6 +202,20 @@ Status CqState::init() {
   ASSIGN_OR_RETURN(cq_, createCq(device_->context(), entries, channel_.get()));
   epoll_ = UniqueFd(epoll_create1(EPOLL_CLOEXEC));
   if (epoll_.get() < 0) return ErrnoError("verbs: epoll_create1", errno);
+  // The device's async events (verbs_async.h): its fd, shared by every CQ of the device, and
+  // our own wake-up for events another CQ's thread read.
+  wake_ = UniqueFd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (wake_.get() < 0) return ErrnoError("verbs: eventfd", errno);
+  for (auto [fd, tag] : {std::pair<int, uint64_t>{device_->async_events().fd(), kEpollAsyncTag},
+                         std::pair<int, uint64_t>{wake_.get(), kEpollWakeTag}}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = tag;
+    if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return ErrnoError("verbs: epoll_ctl(ADD) of an async event fd", errno);
+    }
+  }
+  device_->async_events().AddWaker(wake_.get());
   pending_.resize(static_cast<size_t>(quota_.depth()) + 1);
   return Status::OK();
 }
@@ -449,6 +471,24 @@ Status DropLivenessChannelForTesting(Endpoint* endpoint) {
   if (ep == nullptr) return InvalidArgumentError("not a verbs endpoint");
   ep->adoptBootstrap(UniqueFd());
   return Status::OK();
+}
+
+}  // namespace shardps::transport::verbs
+
+namespace shardps::transport::verbs {
+
+Status ResizeCqForTesting(CompletionQueue* cq, int entries) {
+  auto* vcq = dynamic_cast<VerbsCompletionQueue*>(cq);
+  if (vcq == nullptr) return InvalidArgumentError("not a verbs completion queue");
+  if (int rc = ibv_resize_cq(vcq->state()->cq(), entries); rc != 0) {
+    return ErrnoError("ibv_resize_cq(" + std::to_string(entries) + ")", rc);
+  }
+  return Status::OK();
+}
+
+uint64_t AsyncEventsSeenForTesting(CompletionQueue* cq) {
+  auto* vcq = dynamic_cast<VerbsCompletionQueue*>(cq);
+  return vcq == nullptr ? 0 : vcq->state()->device().async_events().events_seen();
 }
 
 }  // namespace shardps::transport::verbs

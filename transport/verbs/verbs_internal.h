@@ -49,6 +49,11 @@ inline uint32_t WrIdSlot(uint64_t id) { return (id >> 46) & (kMaxEndpointsPerCq 
 inline uint32_t WrIdGen(uint64_t id) { return (id >> 32) & ((1u << kGenBits) - 1); }
 inline uint32_t WrIdSeq(uint64_t id) { return static_cast<uint32_t>(id); }
 
+// epoll data of a CqState's epoll set: a bootstrap socket is (gen << 32 | cq slot), which
+// never reaches these.
+constexpr uint64_t kEpollAsyncTag = ~uint64_t{0};     // the device's async event fd
+constexpr uint64_t kEpollWakeTag = ~uint64_t{0} - 1;  // the CqState's wake_ eventfd
+
 class VerbsMemoryRegion final : public MemoryRegion {
  public:
   struct MmapDeleter {
@@ -115,6 +120,8 @@ class CqState {
  private:
   void processWc(const ibv_wc& wc);
   void checkLivenessIfDue();
+  // The device's async events recorded since the last look: the endpoints they concern fail.
+  void applyAsyncEvents();
   int handOut(Completion* out, int max);
 
   struct EndpointSlot {
@@ -126,7 +133,10 @@ class CqState {
   std::shared_ptr<VerbsDevice> device_;
   CompChannelPtr channel_;
   CqPtr cq_;
-  UniqueFd epoll_;  // bootstrap sockets of the attached endpoints
+  // Bootstrap sockets of the attached endpoints, the device's async event fd and wake_.
+  UniqueFd epoll_;
+  UniqueFd wake_;  // eventfd: AsyncEvents::Drain recorded something (possibly for us)
+  uint64_t async_generation_seen_ = 0;
   CqQuota quota_;
   unsigned unacked_events_ = 0;
   bool armed_ = false;
@@ -200,6 +210,10 @@ class VerbsEndpoint final : public Endpoint {
   void onHandedOutOnPollingThread(int credits, bool repost_recv);
   void completeUnpostedOnPollingThread();
   void probeLivenessOnPollingThread();
+  // The device reported an async error for this endpoint's QP, its CQ or itself (AsyncEvents).
+  // `completions_lost`: the CQ overran or the device failed, so the outstanding operations
+  // complete in software (failed) instead of by the QP's flush.
+  void onAsyncErrorOnPollingThread(Status why, bool completions_lost);
   // Hands the work requests held by kMore to the QP (the CQ's Poll); a failure moves the
   // endpoint into the error state (those posts were accepted: they complete flushed).
   void flushDeferredOnPollingThread();
@@ -226,8 +240,9 @@ class VerbsEndpoint final : public Endpoint {
   Status finishPost(uint32_t flags, size_t own, uint32_t undo_head, int undo_run);
   // Moves the endpoint into the error state (first error wins), flushes the QP and posts the
   // drain marker. `first_status` is reported by the oldest outstanding op if no error
-  // completion carries the cause itself.
-  void enterError(Status why, WcStatus first_status);
+  // completion carries the cause itself. Without `drain_via_qp` (the CQ can no longer be
+  // trusted to deliver the marker) the outstanding ops complete in software at once.
+  void enterError(Status why, WcStatus first_status, bool drain_via_qp = true);
   void emit(uint32_t seq, WcStatus status, int credits);
 
   // Dependency order: the QP uses the CQ, both use the device.

@@ -11,6 +11,13 @@ namespace shardps::transport::verbs {
 // measure the retry-exceeded bound that applies when a peer host vanishes without a TCP FIN.
 Status DropLivenessChannelForTesting(Endpoint* endpoint);
 
+// Resizes the completion queue's ibv_cq to `entries` (rounded up by the provider), below what
+// its endpoints may have outstanding: a test then overruns it, which loses completions.
+Status ResizeCqForTesting(CompletionQueue* cq, int entries);
+
+// Async events read so far on the completion queue's device (all kinds).
+uint64_t AsyncEventsSeenForTesting(CompletionQueue* cq);
+
 }  // namespace shardps::transport::verbs
 
 #endif  // SHARDPS_TRANSPORT_VERBS_VERBS_TESTING_H_
