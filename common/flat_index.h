@@ -8,6 +8,7 @@
 #ifndef SHARDPS_COMMON_FLAT_INDEX_H_
 #define SHARDPS_COMMON_FLAT_INDEX_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -49,6 +50,12 @@ class FlatIndex {
   // The keys, in insertion order (key i has index i).
   const std::vector<uint64_t>& keys() const { return keys_; }
   void Clear() {
+    if (keys_.size() >= slots_.size() / 8) {
+      // Many keys: one sequential pass over the table beats a probe (a likely cache miss) per key.
+      std::fill(slots_.begin(), slots_.end(), Slot{});
+      keys_.clear();
+      return;
+    }
     for (uint64_t k : keys_) {
       size_t i = Hash(k) & mask_;
       while (slots_[i].index != kEmpty) {  // clears k's probe run (every key of it goes)
@@ -57,6 +64,14 @@ class FlatIndex {
       }
     }
     keys_.clear();
+  }
+  // Keeps the first `n` keys (with their indices) and drops the rest: an error path's undo,
+  // O(n).
+  void Truncate(size_t n) {
+    if (n >= keys_.size()) return;
+    std::vector<uint64_t> kept(keys_.begin(), keys_.begin() + static_cast<std::ptrdiff_t>(n));
+    Clear();
+    for (uint64_t k : kept) Insert(k);
   }
 
  private:

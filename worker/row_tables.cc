@@ -66,30 +66,44 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
   Table& t = tables_[table_of_tensor_.at(tensor)];
   const std::string& name = tensors_[tensor].name;
   if (n != 0 && (ids == nullptr || grads == nullptr)) return InvalidArgumentError("null ids or grads");
-  // Checked first: an error adds nothing.
-  std::vector<uint64_t> fresh(t.shards, 0);
-  FlatIndex& seen = seen_;
-  seen.Clear();
+  // One pass over the ids: each is checked and entered into its shard's index, its row's
+  // index kept for the second pass (with kAdded when this call created the row). An error
+  // takes back what the pass entered: an error adds nothing.
+  constexpr uint32_t kAdded = 1u << 31;
+  std::vector<size_t>& before = add_before_;
+  before.resize(t.shards);
+  for (uint32_t k = 0; k < t.shards; ++k) before[k] = t.pending[k].index.size();
+  auto undo = [&] {
+    for (uint32_t k = 0; k < t.shards; ++k) t.pending[k].index.Truncate(before[k]);
+  };
+  std::vector<uint32_t>& at_of = add_at_;
+  at_of.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     if (!t.hashed && (id < 0 || static_cast<uint64_t>(id) >= t.rows)) {
+      undo();
       return InvalidArgumentError("table '" + name + "': row id " + std::to_string(id) +
                                   " is outside [0, " + std::to_string(t.rows) + ")");
     }
-    const uint32_t k = t.geometry.ShardOf(static_cast<uint64_t>(id));
-    if (t.pending[k].index.Find(static_cast<uint64_t>(id)) < 0 &&
-        seen.Insert(static_cast<uint64_t>(id)).second) {
-      ++fresh[k];
-    }
+    const auto [at, added] =
+        t.pending[t.geometry.ShardOf(static_cast<uint64_t>(id))].index.Insert(
+            static_cast<uint64_t>(id));
+    at_of[i] = at | (added ? kAdded : 0);
   }
   for (uint32_t k = 0; k < t.shards; ++k) {
-    if (t.pending[k].index.size() + fresh[k] > t.max_ids) {
+    const size_t touched = t.pending[k].index.size();
+    if (touched > t.max_ids) {
+      undo();
       return ResourceExhaustedError(
-          "table '" + name + "': this step's gradient would touch " +
-          std::to_string(t.pending[k].index.size() + fresh[k]) + " distinct rows of shard " +
-          std::to_string(k) + ", more than its max_ids " + std::to_string(t.max_ids) +
-          " (register the table with a larger max_ids, or push more often)");
+          "table '" + name + "': this step's gradient would touch " + std::to_string(touched) +
+          " distinct rows of shard " + std::to_string(k) + ", more than its max_ids " +
+          std::to_string(t.max_ids) + " (register the table with a larger max_ids, or push more often)");
     }
+  }
+  // Each shard's sums grow once, to its new row count.
+  for (uint32_t k = 0; k < t.shards; ++k) {
+    Table::Pending& p = t.pending[k];
+    if (p.index.size() != before[k]) p.values.resize(p.index.size() * uint64_t{t.dim});
   }
   std::vector<float> tmp(t.dim);
   const auto* src = static_cast<const char*>(grads);
@@ -98,12 +112,11 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
     const int64_t id = ids[i];
     Table::Pending& p = t.pending[t.geometry.ShardOf(static_cast<uint64_t>(id))];
     if (!t.cache.empty()) t.cache.erase(id);  // this worker's own update: read it again
-    const auto [at, added] = p.index.Insert(static_cast<uint64_t>(id));
+    const uint32_t at = at_of[i] & ~kAdded;
     const char* row = src + i * row_bytes;
-    if (added) {
+    float* dst = p.values.data() + uint64_t{at} * t.dim;
+    if (at_of[i] & kAdded) {
       // A new row: its gradient as it is (no zeroing, then adding).
-      p.values.resize(p.values.size() + t.dim);
-      float* dst = p.values.data() + uint64_t{at} * t.dim;
       if (t.elem == 4) {
         std::memcpy(dst, row, row_bytes);
       } else {
@@ -112,7 +125,6 @@ Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, co
       }
       continue;
     }
-    float* dst = p.values.data() + uint64_t{at} * t.dim;
     const float* g;
     if (t.elem == 4 && reinterpret_cast<uintptr_t>(row) % alignof(float) == 0) {
       g = reinterpret_cast<const float*>(row);

@@ -173,7 +173,9 @@ class RowTables {
   bool failed_ = false;
   // Scratch of Read and PostShard, kept to avoid allocating per pull.
   std::vector<Want> want_, want_tmp_;
-  FlatIndex seen_;  // AddGradients: the call's new ids
+  // AddGradients' scratch: each shard's index size before the call, each id's row index.
+  std::vector<size_t> add_before_;
+  std::vector<uint32_t> add_at_;
   std::vector<ShardRead> reads_;
   std::vector<uint32_t> first_;
   std::vector<uint64_t> unit_keys_;

@@ -335,6 +335,10 @@ TEST_P(EmbeddingTest, BadInputIsAClearError) {
   st = cl.AddRowGradients("t", many, 5, ones.data());
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st;
   EXPECT_NE(st.message().find("max_ids"), std::string::npos) << st;
+  const int64_t bad_add[2] = {2, 50};  // 2 is in range, 50 is not: the call adds nothing
+  st = cl.AddRowGradients("t", bad_add, 2, ones.data());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("50"), std::string::npos) << st;
   const int64_t dup[5] = {0, 0, 2, 2, 4};  // 3 distinct: fine
   ASSERT_TRUE(cl.AddRowGradients("t", dup, 5, ones.data()).ok());
   // A dense call on a table and a table call on nothing.
