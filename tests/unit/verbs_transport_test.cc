@@ -317,6 +317,13 @@ TEST_F(VerbsTransportTest, VerbsCqOverrunFailsTheLostOperationsInsteadOfHanging)
       << initiator_ep_->status();
   EXPECT_GT(verbs::AsyncEventsSeenForTesting(initiator_cq_.get()), events_before);
   EXPECT_EQ(initiator_ep_->outstanding(), 0);
+  // The CQ stays unusable: an endpoint on it now would never see its completions, so Connect
+  // refuses at once, naming why (it checks the CQ before any handshake).
+  EndpointOptions again;
+  again.endpoint_id = 12;
+  auto late = initiator_->Connect(listener_->address(), initiator_cq_.get(), again);
+  ASSERT_FALSE(late.ok());
+  EXPECT_NE(late.status().message().find("overrun"), std::string::npos) << late.status();
 }
 
 // One endpoint per error case: the endpoint stays in the error state.

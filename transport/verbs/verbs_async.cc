@@ -21,13 +21,29 @@ Status AsyncEvents::Init() {
   return Status::OK();
 }
 
-void AsyncEvents::Drain() {
+bool AsyncEvents::Drain() {
   bool recorded = false;
+  bool usable = true;
   {
     MutexLock l(&mu_);
     for (;;) {
       ibv_async_event ev{};
-      if (ibv_get_async_event(context_, &ev) != 0) break;  // EAGAIN: none left
+      if (ibv_get_async_event(context_, &ev) != 0) {
+        const int err = errno;
+        if (err == EINTR) continue;
+        if (err != EAGAIN && err != EWOULDBLOCK) {
+          usable = false;
+          if (fatal_.ok()) {
+            LOG(ERROR) << "verbs: " << device_name_ << ": reading its async events failed ("
+                       << strerror(err) << "): the device is gone; every endpoint on it fails";
+            fatal_ = UnavailableError("verbs: device " + device_name_ +
+                                      " stopped delivering async events (" + strerror(err) +
+                                      "): removed or reset");
+            recorded = true;
+          }
+        }
+        break;  // EAGAIN: none left
+      }
       events_seen_.fetch_add(1, std::memory_order_relaxed);
       const size_t before = qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1);
       RecordLocked(ev);
@@ -37,7 +53,7 @@ void AsyncEvents::Drain() {
       // removes it.
       ibv_ack_async_event(&ev);
     }
-    if (!recorded) return;
+    if (!recorded) return usable;
     generation_.fetch_add(1, std::memory_order_acq_rel);
     const uint64_t one = 1;
     for (int fd : wakers_) {
@@ -46,6 +62,7 @@ void AsyncEvents::Drain() {
       }
     }
   }
+  return usable;
 }
 
 void AsyncEvents::RecordLocked(const ibv_async_event& ev) {
@@ -62,7 +79,9 @@ void AsyncEvents::RecordLocked(const ibv_async_event& ev) {
                                    : "the peer's request violated this QP's access rights";
       LOG(WARNING) << "verbs: " << device_name_ << ": async event " << name << " on QP " << qpn
                    << " (" << what << "); its endpoint fails";
-      qp_errors_.emplace(qpn, InternalError("verbs: the device reported " + std::string(name) +
+      // Replaces an older record of the number (a QP destroyed on a setup path that never
+      // reached ForgetQp): the newest event is this QP's.
+      qp_errors_.insert_or_assign(qpn, InternalError("verbs: the device reported " + std::string(name) +
                                             " on QP " + std::to_string(qpn) + " (" + what + ")"));
       return;
     }

@@ -35,12 +35,14 @@ class AsyncEvents {
   AsyncEvents(const AsyncEvents&) = delete;
   AsyncEvents& operator=(const AsyncEvents&) = delete;
 
-  // Makes the async fd non-blocking; an error leaves async events unwatched (logged).
+  // Makes the async fd non-blocking (the device is not opened without it).
   Status Init();
   int fd() const { return context_->async_fd; }
 
-  // Reads, records, logs and acknowledges every event pending now.
-  void Drain();
+  // Reads, records, logs and acknowledges every event pending now. False when the fd itself
+  // failed (a device removed or reset: read returns EIO for ever), recorded as fatal: callers
+  // then take it out of their epoll sets.
+  bool Drain();
   // Changes whenever Drain recorded an error: a CqState compares it with the value it saw last.
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 

@@ -339,13 +339,16 @@ void VerbsEndpoint::onSendWcOnPollingThread(const ibv_wc& wc) {
   }
   const bool was_healthy = error_.ok();
   const WcStatus st = MapWcStatus(wc.status);
+  // RC completes in order: a later success, or the error of the op that failed first, means
+  // every earlier op succeeded. A flush says nothing of them (the cause may have been lost).
+  const bool earlier_succeeded = st != WcStatus::kFlushed;
   // Earlier posts have no completion of their own: succeeded if the endpoint was healthy.
   int covered = 0;
   for (; tail_seq_ != seq; ++tail_seq_) {
     if (was_healthy && ring_[tail_seq_ % ring_.size()].user_signaled) {
-      // Its own completion was lost (a CQ overrun drops completions): RC completes in order,
-      // so a later success means it succeeded too, and its caller still gets its completion.
-      emit(tail_seq_, WcStatus::kSuccess, 1);
+      // Its own completion was lost (a CQ overrun drops completions); its caller still gets
+      // one, a success only where the order proves it.
+      emit(tail_seq_, earlier_succeeded ? WcStatus::kSuccess : WcStatus::kFlushed, 1);
     } else if (was_healthy) {
       ++covered;
     } else {
@@ -442,8 +445,20 @@ void VerbsEndpoint::onAsyncErrorOnPollingThread(Status why, bool completions_los
   if (error_.ok()) {
     enterError(std::move(why), WcStatus::kLocalError, /*drain_via_qp=*/!completions_lost);
   } else if (completions_lost && !drained_) {
-    onDrainWcOnPollingThread();  // the marker posted earlier may never complete
+    completeInSoftware();  // the marker posted earlier may never complete
   }
+}
+
+void VerbsEndpoint::completeInSoftware() {
+  // ERR -> RESET is synchronous: once it returns the device processes none of the QP's work
+  // requests, so the buffers of the operations completed here are their caller's again (ERR
+  // alone stops the QP asynchronously; that is why the drain marker exists).
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_RESET;
+  if (int rc = ibv_modify_qp(qp_.get(), &attr, IBV_QP_STATE); rc != 0) {
+    LOG(ERROR) << "verbs: moving QP " << qp_->qp_num << " to RESET failed: " << strerror(rc);
+  }
+  onDrainWcOnPollingThread();
 }
 
 void VerbsEndpoint::enterError(Status why, WcStatus first_status, bool drain_via_qp) {
@@ -466,7 +481,7 @@ void VerbsEndpoint::enterError(Status why, WcStatus first_status, bool drain_via
     LOG(ERROR) << "verbs: moving QP " << qp_->qp_num << " to ERR failed: " << strerror(rc);
   }
   if (!drain_via_qp) {
-    onDrainWcOnPollingThread();
+    completeInSoftware();
     return;
   }
   ibv_send_wr wr{};
@@ -480,14 +495,23 @@ void VerbsEndpoint::enterError(Status why, WcStatus first_status, bool drain_via
   } else {
     LOG(WARNING) << "verbs: posting the drain marker failed (" << strerror(rc)
                  << "); flushing outstanding ops in software";
-    onDrainWcOnPollingThread();
+    completeInSoftware();
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // CqState
 
+Status CqState::usable() const {
+  const AsyncEvents& events = device_->async_events();
+  RETURN_IF_ERROR(events.fatal());
+  return events.CqError(cq_.get());
+}
+
 Status CqState::attach(VerbsEndpoint* ep, int slots, uint32_t* cq_slot, uint32_t* gen) {
+  // A CQ that overran (or a failed device) stays unusable: an endpoint attached now would
+  // never see its completions.
+  RETURN_IF_ERROR(usable());
   RETURN_IF_ERROR(quota_.Reserve(slots));
   uint32_t idx;
   if (!free_slots_.empty()) {
@@ -511,10 +535,15 @@ void CqState::detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots) {
   slots_[cq_slot].ep = nullptr;
   free_slots_.push_back(cq_slot);
   quota_.Release(slots);
+  // Its completions not yet handed out go now (the rest keep their order): the quota just
+  // released may be reserved again at once, and the ring holds only depth + 1 entries.
+  size_t kept = 0;
   for (size_t i = 0; i < pending_count_; ++i) {
-    Pending& p = pending_[(pending_head_ + i) % pending_.size()];
-    if (p.endpoint == ep) p.endpoint = nullptr;
+    const Pending& p = pending_[(pending_head_ + i) % pending_.size()];
+    if (p.endpoint == ep || p.endpoint == nullptr) continue;
+    pending_[(pending_head_ + kept++) % pending_.size()] = p;
   }
+  pending_count_ = kept;
   software_progress_.erase(std::remove(software_progress_.begin(), software_progress_.end(), ep),
                            software_progress_.end());
   deferred_.erase(std::remove(deferred_.begin(), deferred_.end(), ep), deferred_.end());
@@ -583,7 +612,11 @@ void CqState::checkLivenessIfDue() {
   const int n = epoll_wait(epoll_.get(), evs, 16, 0);  // level-triggered: the rest come next
   for (int i = 0; i < n; ++i) {
     if (evs[i].data.u64 == kEpollAsyncTag) {
-      device_->async_events().Drain();
+      // A device that went away (removed, reset) leaves its async fd failing for ever: out of
+      // this epoll set then, or every Wait would return at once (Drain records it as fatal).
+      if (!device_->async_events().Drain() || (evs[i].events & (EPOLLERR | EPOLLHUP)) != 0) {
+        epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, device_->async_events().fd(), nullptr);
+      }
       continue;
     }
     if (evs[i].data.u64 == kEpollWakeTag) {

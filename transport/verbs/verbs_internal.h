@@ -111,6 +111,7 @@ class CqState {
   // OK when an endpoint of `slots` would fit now (RESOURCE_EXHAUSTED otherwise): Connect fails
   // fast, before it waits on the listener's challenge. Polling thread, like attach.
   Status checkRoom(int slots) {
+    RETURN_IF_ERROR(usable());
     RETURN_IF_ERROR(quota_.Reserve(slots));
     quota_.Release(slots);
     return Status::OK();
@@ -118,6 +119,8 @@ class CqState {
   const VerbsDevice& device() const { return *device_; }
 
  private:
+  // OK unless the device's async events made this CQ unusable (an overrun, a fatal device).
+  Status usable() const;
   void processWc(const ibv_wc& wc);
   void checkLivenessIfDue();
   // The device's async events recorded since the last look: the endpoints they concern fail.
@@ -243,6 +246,9 @@ class VerbsEndpoint final : public Endpoint {
   // completion carries the cause itself. Without `drain_via_qp` (the CQ can no longer be
   // trusted to deliver the marker) the outstanding ops complete in software at once.
   void enterError(Status why, WcStatus first_status, bool drain_via_qp = true);
+  // Moves the QP to RESET (synchronous: the device stops using the buffers) and completes every
+  // outstanding op as flushed, for when no drain marker can be relied on.
+  void completeInSoftware();
   void emit(uint32_t seq, WcStatus status, int credits);
 
   // Dependency order: the QP uses the CQ, both use the device.
