@@ -22,44 +22,52 @@ Status AsyncEvents::Init() {
 }
 
 bool AsyncEvents::Drain() {
+  // Another thread draining now wakes everyone when it is done, and an event that arrives
+  // after its last read keeps the fd readable for the next look (every CQ's, within 2 ms): no
+  // need to queue up behind it. rxe raises one CQ_ERR per completion it drops, so a drain is
+  // also capped; the rest stays readable.
+  if (!mu_.TryLock()) return true;
+  const bool usable = DrainLocked();
+  mu_.Unlock();
+  return usable;
+}
+
+bool AsyncEvents::DrainLocked() {
   bool recorded = false;
   bool usable = true;
-  {
-    MutexLock l(&mu_);
-    for (;;) {
-      ibv_async_event ev{};
-      if (ibv_get_async_event(context_, &ev) != 0) {
-        const int err = errno;
-        if (err == EINTR) continue;
-        if (err != EAGAIN && err != EWOULDBLOCK) {
-          usable = false;
-          if (fatal_.ok()) {
-            LOG(ERROR) << "verbs: " << device_name_ << ": reading its async events failed ("
-                       << strerror(err) << "): the device is gone; every endpoint on it fails";
-            fatal_ = UnavailableError("verbs: device " + device_name_ +
-                                      " stopped delivering async events (" + strerror(err) +
-                                      "): removed or reset");
-            recorded = true;
-          }
+  for (int read = 0; read < kMaxEventsPerDrain; ++read) {
+    ibv_async_event ev{};
+    if (ibv_get_async_event(context_, &ev) != 0) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err != EAGAIN && err != EWOULDBLOCK) {
+        usable = false;
+        if (fatal_.ok()) {
+          LOG(ERROR) << "verbs: " << device_name_ << ": reading its async events failed ("
+                     << strerror(err) << "): the device is gone; every endpoint on it fails";
+          fatal_ = UnavailableError("verbs: device " + device_name_ +
+                                    " stopped delivering async events (" + strerror(err) +
+                                    "): removed or reset");
+          recorded = true;
         }
-        break;  // EAGAIN: none left
       }
-      events_seen_.fetch_add(1, std::memory_order_relaxed);
-      const size_t before = qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1);
-      RecordLocked(ev);
-      recorded |= qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1) != before;
-      // Acknowledged only once recorded: a thread destroying this QP or CQ waits for the
-      // acknowledgement, so once its destroy returns the record exists and ForgetQp/ForgetCq
-      // removes it.
-      ibv_ack_async_event(&ev);
+      break;  // EAGAIN: none left
     }
-    if (!recorded) return usable;
-    generation_.fetch_add(1, std::memory_order_acq_rel);
-    const uint64_t one = 1;
-    for (int fd : wakers_) {
-      if (::write(fd, &one, sizeof(one)) < 0 && errno != EAGAIN) {
-        PLOG(WARNING) << "verbs: waking a completion queue for an async event";
-      }
+    events_seen_.fetch_add(1, std::memory_order_relaxed);
+    const size_t before = qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1);
+    RecordLocked(ev);
+    recorded |= qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1) != before;
+    // Acknowledged only once recorded: a thread destroying this QP or CQ waits for the
+    // acknowledgement, so once its destroy returns the record exists and ForgetQp/ForgetCq
+    // removes it.
+    ibv_ack_async_event(&ev);
+  }
+  if (!recorded) return usable;
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  const uint64_t one = 1;
+  for (int fd : wakers_) {
+    if (::write(fd, &one, sizeof(one)) < 0 && errno != EAGAIN) {
+      PLOG(WARNING) << "verbs: waking a completion queue for an async event";
     }
   }
   return usable;

@@ -39,7 +39,8 @@ class AsyncEvents {
   Status Init();
   int fd() const { return context_->async_fd; }
 
-  // Reads, records, logs and acknowledges every event pending now. False when the fd itself
+  // Reads, records, logs and acknowledges the events pending now (at most kMaxEventsPerDrain;
+  // none when another thread is draining: it wakes everyone). False when the fd itself
   // failed (a device removed or reset: read returns EIO for ever), recorded as fatal: callers
   // then take it out of their epoll sets.
   bool Drain();
@@ -66,6 +67,8 @@ class AsyncEvents {
   uint64_t events_seen() const { return events_seen_.load(std::memory_order_relaxed); }
 
  private:
+  static constexpr int kMaxEventsPerDrain = 256;
+  bool DrainLocked() REQUIRES(mu_);
   void RecordLocked(const ibv_async_event& ev) REQUIRES(mu_);
 
   ibv_context* const context_;
