@@ -54,9 +54,7 @@ bool AsyncEvents::DrainLocked() {
       break;  // EAGAIN: none left
     }
     events_seen_.fetch_add(1, std::memory_order_relaxed);
-    const size_t before = qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1);
-    RecordLocked(ev);
-    recorded |= qp_errors_.size() + cq_errors_.size() + (fatal_.ok() ? 0 : 1) != before;
+    recorded |= RecordLocked(ev);
     // Acknowledged only once recorded: a thread destroying this QP or CQ waits for the
     // acknowledgement, so once its destroy returns the record exists and ForgetQp/ForgetCq
     // removes it.
@@ -73,7 +71,7 @@ bool AsyncEvents::DrainLocked() {
   return usable;
 }
 
-void AsyncEvents::RecordLocked(const ibv_async_event& ev) {
+bool AsyncEvents::RecordLocked(const ibv_async_event& ev) {
   const char* name = ibv_event_type_str(ev.event_type);
   switch (ev.event_type) {
     case IBV_EVENT_QP_FATAL:
@@ -91,46 +89,44 @@ void AsyncEvents::RecordLocked(const ibv_async_event& ev) {
       // reached ForgetQp): the newest event is this QP's.
       qp_errors_.insert_or_assign(qpn, InternalError("verbs: the device reported " + std::string(name) +
                                             " on QP " + std::to_string(qpn) + " (" + what + ")"));
-      return;
+      return true;
     }
     case IBV_EVENT_CQ_ERR: {
-      if (cq_errors_.count(ev.element.cq) == 0) {
-        LOG(WARNING) << "verbs: " << device_name_ << ": async event " << name
-                     << ": a completion queue overran and lost completions; every endpoint on "
-                        "it fails";
-        cq_errors_.emplace(ev.element.cq,
-                           InternalError("verbs: completion queue overrun (" + std::string(name) +
-                                         "): completions were lost, so every operation still "
-                                         "outstanding on it is failed"));
-      }
-      return;
+      if (cq_errors_.count(ev.element.cq) != 0) return false;  // one per dropped completion
+      LOG(WARNING) << "verbs: " << device_name_ << ": async event " << name
+                   << ": a completion queue overran and lost completions; every endpoint on "
+                      "it fails";
+      cq_errors_.emplace(ev.element.cq,
+                         InternalError("verbs: completion queue overrun (" + std::string(name) +
+                                       "): completions were lost, so every operation still "
+                                       "outstanding on it is failed"));
+      return true;
     }
     case IBV_EVENT_DEVICE_FATAL:
       LOG(ERROR) << "verbs: " << device_name_ << ": async event " << name
                  << ": the device failed; every endpoint on it fails";
-      if (fatal_.ok()) {
-        fatal_ = UnavailableError("verbs: device " + device_name_ + " reported " + name +
-                                  " (it must be reset or the host rebooted)");
-      }
-      return;
+      if (!fatal_.ok()) return false;
+      fatal_ = UnavailableError("verbs: device " + device_name_ + " reported " + name +
+                                " (it must be reset or the host rebooted)");
+      return true;
     case IBV_EVENT_PORT_ERR:
       LOG(WARNING) << "verbs: " << device_name_ << ": port " << ev.element.port_num
                    << " went down (" << name << "); operations on it fail once a QP's retry "
                    << "budget or its bootstrap socket's keepalive runs out";
-      return;
+      return false;
     case IBV_EVENT_PORT_ACTIVE:
       LOG(INFO) << "verbs: " << device_name_ << ": port " << ev.element.port_num
                 << " is active again (" << name << ")";
-      return;
+      return false;
     case IBV_EVENT_COMM_EST:
     case IBV_EVENT_SQ_DRAINED:
     case IBV_EVENT_QP_LAST_WQE_REACHED:
     case IBV_EVENT_PATH_MIG:
       VLOG(1) << "verbs: " << device_name_ << ": async event " << name;
-      return;
+      return false;
     default:
       LOG(INFO) << "verbs: " << device_name_ << ": async event " << name;
-      return;
+      return false;
   }
 }
 

@@ -69,7 +69,8 @@ class AsyncEvents {
  private:
   static constexpr int kMaxEventsPerDrain = 256;
   bool DrainLocked() REQUIRES(mu_);
-  void RecordLocked(const ibv_async_event& ev) REQUIRES(mu_);
+  // Logs an event and records what it means; true when it recorded a new error.
+  bool RecordLocked(const ibv_async_event& ev) REQUIRES(mu_);
 
   ibv_context* const context_;
   const std::string device_name_;

@@ -540,7 +540,7 @@ void CqState::detach(VerbsEndpoint* ep, uint32_t cq_slot, int slots) {
   size_t kept = 0;
   for (size_t i = 0; i < pending_count_; ++i) {
     const Pending& p = pending_[(pending_head_ + i) % pending_.size()];
-    if (p.endpoint == ep || p.endpoint == nullptr) continue;
+    if (p.endpoint == ep) continue;
     pending_[(pending_head_ + kept++) % pending_.size()] = p;
   }
   pending_count_ = kept;
@@ -670,7 +670,6 @@ int CqState::handOut(Completion* out, int max) {
     Pending p = pending_[pending_head_];
     pending_head_ = (pending_head_ + 1) % pending_.size();
     --pending_count_;
-    if (p.endpoint == nullptr) continue;
     out[n++] = p.completion;
     p.endpoint->onHandedOutOnPollingThread(p.credits, p.repost_recv);
   }

@@ -86,7 +86,7 @@ class CqState {
   // endpoint only when the caller actually polls the completion ("polling returns credits").
   struct Pending {
     Completion completion;
-    VerbsEndpoint* endpoint = nullptr;  // nullptr: its endpoint was destroyed; drop it
+    VerbsEndpoint* endpoint = nullptr;  // detach removes an endpoint's entries
     int credits = 0;                    // send credits this completion returns
     bool repost_recv = false;           // a kRecvImm: give one receive back to the QP
   };
