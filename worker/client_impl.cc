@@ -479,6 +479,8 @@ Status ClientImpl::StartCluster() {
   // as during training.
   if (sessions_->AnyFailed()) RETURN_IF_ERROR(recovery_->Recover());
   CrashPoint("worker.after_connect");
+  // (tests: a restarted rank 0 stopped here while a server it connected to dies)
+  StallPoint("worker.after_connect");
   if (rank_ == 0) RETURN_IF_ERROR(PublishInitialWeights());
   RETURN_IF_ERROR(PullInitialWeights());
   CrashPoint("worker.after_first_pull");
@@ -633,51 +635,75 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
 // first push (RestartAheadTest.ARestartedRankZeroLeavesItsPredecessorsPendingPushAlone).
 Status ClientImpl::PublishInitialWeights() {
   std::vector<char> publish(chunks_.size(), 1);
+  // A server may die between the connect and these operations (a restarted rank 0 that
+  // arrives during a failover): its group is failed over, as during training, and the
+  // operations are made again on whoever serves it then. Reads and the init write are
+  // idempotent (a server ignores an init for a chunk that has weights).
+  auto with_recovery = [&](const char* what, const std::function<Status()>& ops) -> Status {
+    for (int attempt = 1;; ++attempt) {
+      Status st = ops();
+      if (st.ok() || !sessions_->MarkFailed() || attempt > kStartRecoveries) return st;
+      LOG(WARNING) << "worker rank 0: " << what << " failed (" << st.ToString()
+                   << "); recovering the failed server group(s), attempt " << attempt;
+      RETURN_IF_ERROR(recovery_->Recover());
+    }
+  };
   if (control_->reply().cluster_started()) {
-    sessions_->BeginSetupOps();
-    int reads = 0;
-    for (const ChunkPlacement& c : chunks_) {
-      if (c.rows.rows_kind()) continue;
-      ++reads;
-      ServerSession& s = sessions_->at(c.server);
-      if (!s.ep) return sessions_->ServerError(c.server, "not connected");
-      RETURN_IF_ERROR(sessions_->PostWithCredit([&] {
-        return s.ep->PostRead(
-            {sessions_->staging(), sessions_->ChunkStagingOffset(c.id, 2), layout::kAlign},
-            transport::AtOffset(s.weights, s.layout->header_offset(c.slot)),
-            MakeContext(kOpSetup, c.id, 0));
-      }));
-    }
-    RETURN_IF_ERROR(sessions_->WaitSetupOps(reads));
-    int have = 0, missing = 0;
-    for (const ChunkPlacement& c : chunks_) {
-      if (c.rows.rows_kind()) continue;
-      const auto* h = reinterpret_cast<const layout::ChunkHeader*>(sessions_->ChunkStaging(c.id, 2));
-      publish[c.id] = (h->state.load(std::memory_order_relaxed) >> 1) == 0 ? 1 : 0;
-      ++(publish[c.id] ? missing : have);
-    }
-    LOG(INFO) << "worker rank 0: joined a running cluster: " << have
-              << " dense chunk(s) have weights (left alone), " << missing
-              << " get the initial weights";
+    RETURN_IF_ERROR(with_recovery("reading the chunk headers", [&] {
+      return ReadChunkVersions(&publish);
+    }));
   }
   for (Tensor& t : tensors_) {
     if (t.staging != nullptr) RETURN_IF_ERROR(t.staging->WeightsToHost());
   }
+  return with_recovery("publishing the initial weights", [&]() -> Status {
+    sessions_->BeginSetupOps();
+    int posted = 0;
+    for (const ChunkPlacement& c : chunks_) {
+      if (c.rows.rows_kind()) continue;  // row shards are initialised by their servers
+      if (!publish[c.id]) continue;
+      ++posted;
+      ServerSession& s = sessions_->at(c.server);
+      if (!s.ep) return sessions_->ServerError(c.server, "not connected");
+      RETURN_IF_ERROR(sessions_->PostWithCredit([&] {
+        return s.ep->PostWriteImm(
+            {tensors_[c.tensor].wmr.get(), c.offset, c.bytes},
+            transport::AtOffset(s.inbox, s.layout->push_data_offset(0, c.slot, 0)),
+            layout::MakeImm(layout::ImmKind::kInit, c.slot), sessions_->setup_context(c.id));
+      }));
+    }
+    return sessions_->WaitSetupOps(posted);
+  });
+}
+
+// A rank 0 joining a running cluster: which dense chunks have no weights yet (publish[id] = 1).
+Status ClientImpl::ReadChunkVersions(std::vector<char>* publish) {
   sessions_->BeginSetupOps();
-  int posted = 0;
+  int reads = 0;
   for (const ChunkPlacement& c : chunks_) {
-    if (c.rows.rows_kind()) continue;  // row shards are initialised by their servers
-    if (!publish[c.id]) continue;
-    ++posted;
+    if (c.rows.rows_kind()) continue;
+    ++reads;
     ServerSession& s = sessions_->at(c.server);
+    if (!s.ep) return sessions_->ServerError(c.server, "not connected");
     RETURN_IF_ERROR(sessions_->PostWithCredit([&] {
-      return s.ep->PostWriteImm(
-          {tensors_[c.tensor].wmr.get(), c.offset, c.bytes},
-          transport::AtOffset(s.inbox, s.layout->push_data_offset(0, c.slot, 0)),
-          layout::MakeImm(layout::ImmKind::kInit, c.slot), MakeContext(kOpSetup, c.id, 0));
+      return s.ep->PostRead(
+          {sessions_->staging(), sessions_->ChunkStagingOffset(c.id, 2), layout::kAlign},
+          transport::AtOffset(s.weights, s.layout->header_offset(c.slot)),
+          sessions_->setup_context(c.id));
     }));
   }
-  return sessions_->WaitSetupOps(posted);
+  RETURN_IF_ERROR(sessions_->WaitSetupOps(reads));
+  int have = 0, missing = 0;
+  for (const ChunkPlacement& c : chunks_) {
+    if (c.rows.rows_kind()) continue;
+    const auto* h = reinterpret_cast<const layout::ChunkHeader*>(sessions_->ChunkStaging(c.id, 2));
+    (*publish)[c.id] = (h->state.load(std::memory_order_relaxed) >> 1) == 0 ? 1 : 0;
+    ++((*publish)[c.id] ? missing : have);
+  }
+  LOG(INFO) << "worker rank 0: joined a running cluster: " << have
+            << " dense chunk(s) have weights (left alone), " << missing
+            << " get the initial weights";
+  return Status::OK();
 }
 
 Status ClientImpl::PullInitialWeights() {

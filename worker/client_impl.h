@@ -123,6 +123,9 @@ class ClientImpl final : public Client, private CompletionSink {
   Status ApplyShardMap(const control::ShardMap& map);
   // Rank 0: its weights become the initial weights of every server.
   Status PublishInitialWeights();
+  Status ReadChunkVersions(std::vector<char>* publish);
+  // Failovers PublishInitialWeights rides out before it gives up (each waits for its own).
+  static constexpr int kStartRecoveries = 3;
   // Every worker pulls them; one joining a running cluster starts at the cluster's clock.
   Status PullInitialWeights();
   // A failed session is repaired (Recovery); what cannot be moves the client to kBroken.

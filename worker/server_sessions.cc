@@ -152,7 +152,7 @@ Status ServerSessions::Connect(uint32_t server, uint64_t clock, std::chrono::mil
     return s.ep->PostWriteImm({staging_.get(), hello_off, sizeof(layout::Hello)},
                               transport::AtOffset(s.clocks, s.layout->clock_offset(rank_)),
                               layout::MakeImm(layout::ImmKind::kHello, rank_),
-                              MakeContext(kOpSetup, 0, 0));
+                              setup_context(0));
   }));
   return WaitSetupOps(1, timeout);
 }
@@ -326,6 +326,7 @@ Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
 }
 
 void ServerSessions::BeginSetupOps() {
+  ++setup_gen_;
   setup_done_ = 0;
   setup_error_ = Status::OK();
 }
@@ -373,6 +374,7 @@ void ServerSessions::OnCompletion(const Completion& wc) {
   if (!wc.ok()) servers_[server].failed = true;
   switch (kind) {
     case kOpSetup:
+      if (ContextHandle(wc.context) != setup_gen_) return;  // an earlier batch's
       if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
       ++setup_done_;
       return;

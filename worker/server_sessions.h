@@ -127,8 +127,11 @@ class ServerSessions {
   // Setup operations (context kOpSetup): BeginSetupOps() before the first of a batch is
   // posted, then WaitSetupOps(count) polls until `count` of them completed (their first
   // error), within `timeout`. Completions reaped while posting (PostWithCredit waiting for a
-  // credit) count: a batch larger than the send depth has them.
+  // credit) count: a batch larger than the send depth has them. Post them with
+  // setup_context(): a completion of an earlier batch (one that WaitSetupOps left on its first
+  // error, still in flight on a healthy server) is then not counted in this one.
   void BeginSetupOps();
+  uint64_t setup_context(uint32_t chunk) const { return MakeContext(kOpSetup, chunk, setup_gen_); }
   Status WaitSetupOps(int count, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Reads this worker's acks from a server into Acks(server) (context: chunk) and waits for
   // the read until `deadline` (then returns timeout_error()). With stop_if_failed, returns OK early
@@ -178,6 +181,7 @@ class ServerSessions {
   uint64_t acks_area_bytes_ = 0;  // every server's acks buffer; the acks-ahead copies follow
   uint64_t clock_staging_offset_ = 0;  // one u64 per server: the clock value written
   int setup_done_ = 0;
+  uint32_t setup_gen_ = 0;  // the batch BeginSetupOps began (context handle of its posts)
   Status setup_error_;
   int acks_pending_ = 0;
 };
