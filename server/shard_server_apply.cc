@@ -165,7 +165,11 @@ void ShardServer::HandleInit(uint32_t worker, uint32_t slot) {
   r.kind = layout::ReplKind::kInit;
   r.bytes = chunks_->bytes(slot);
   r.payload = {weights_.get(), layout_->buffer_offset(slot, 0), r.bytes};
-  Commit(chunks_->Init(slot, src), std::move(r));
+  const uint32_t buffer = chunks_->Init(slot, src);
+  // "@N": the Nth initial weights taken (copied in, the worker's write long complete), its
+  // record not posted: the backup never sees them, so rank 0 must write them again there.
+  CrashPoint("server.before_init_record");
+  Commit(buffer, std::move(r));
 }
 
 bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bool from_queue) {

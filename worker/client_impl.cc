@@ -633,12 +633,20 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
 // first and publishes only to chunks whose version is 0. Then no worker has pushed anything
 // yet: every worker's Start pulls every chunk, and waits while one has no weights, before its
 // first push (RestartAheadTest.ARestartedRankZeroLeavesItsPredecessorsPendingPushAlone).
+//
+// The writes are confirmed: a write completes once its bytes are in the server's memory, and a
+// server that dies before it applies them (and replicates the version) leaves its backup
+// without weights, which nobody would write again: every worker's first pull would wait for
+// them until its timeout. So rank 0 reads the headers back until every chunk it wrote shows a
+// version (published only once the backup has the record); a server that fails meanwhile is
+// failed over and the chunks still without weights are written again there.
 Status ClientImpl::PublishInitialWeights() {
   std::vector<char> publish(chunks_.size(), 1);
   // A server may die between the connect and these operations (a restarted rank 0 that
-  // arrives during a failover): its group is failed over, as during training, and the
-  // operations are made again on whoever serves it then. Reads and the init write are
-  // idempotent (a server ignores an init for a chunk that has weights).
+  // arrives during a failover, or a primary that dies as it takes the initial weights): its
+  // group is failed over, as during training, and the operations are made again on whoever
+  // serves it then. Reads are idempotent, and so is the init write (a server ignores an init
+  // for a chunk that has weights).
   auto with_recovery = [&](const char* what, const std::function<Status()>& ops) -> Status {
     for (int attempt = 1;; ++attempt) {
       Status st = ops();
@@ -649,8 +657,14 @@ Status ClientImpl::PublishInitialWeights() {
     }
   };
   if (control_->reply().cluster_started()) {
-    RETURN_IF_ERROR(with_recovery("reading the chunk headers", [&] {
-      return ReadChunkVersions(&publish);
+    RETURN_IF_ERROR(with_recovery("reading the chunk headers", [&]() -> Status {
+      ASSIGN_OR_RETURN(const int missing, ChunksWithoutWeights(nullptr, &publish));
+      const int dense = static_cast<int>(std::count_if(
+          chunks_.begin(), chunks_.end(), [](const ChunkPlacement& c) { return !c.rows.rows_kind(); }));
+      LOG(INFO) << "worker rank 0: joined a running cluster: " << dense - missing
+                << " dense chunk(s) have weights (left alone), " << missing
+                << " get the initial weights";
+      return Status::OK();
     }));
   }
   for (Tensor& t : tensors_) {
@@ -672,16 +686,36 @@ Status ClientImpl::PublishInitialWeights() {
             layout::MakeImm(layout::ImmKind::kInit, c.slot), sessions_->setup_context(c.id));
       }));
     }
-    return sessions_->WaitSetupOps(posted);
+    RETURN_IF_ERROR(sessions_->WaitSetupOps(posted));
+    // Confirmed chunk by chunk: a retry after a failover writes only those still without.
+    const auto deadline = SteadyClock::now() + options_.wait_timeout;
+    for (int missing = posted; missing > 0;) {
+      std::vector<char> still(chunks_.size(), 0);
+      ASSIGN_OR_RETURN(missing, ChunksWithoutWeights(&publish, &still));
+      publish.swap(still);
+      if (missing == 0) break;
+      if (SteadyClock::now() > deadline) {
+        return DeadlineExceededError(std::to_string(missing) +
+                                     " chunk(s) did not publish the initial weights within " +
+                                     std::to_string(options_.wait_timeout.count()) + " ms");
+      }
+      RETURN_IF_ERROR(sessions_->ProgressOrSleep(std::chrono::microseconds(200)));
+    }
+    return Status::OK();
   });
 }
 
-// A rank 0 joining a running cluster: which dense chunks have no weights yet (publish[id] = 1).
-Status ClientImpl::ReadChunkVersions(std::vector<char>* publish) {
+// Reads the headers of the dense chunks `which` selects (all of them when null), posted
+// together; (*missing)[id] = 1 for those that have no weights yet (version 0). Returns how many.
+StatusOr<int> ClientImpl::ChunksWithoutWeights(const std::vector<char>* which,
+                                               std::vector<char>* missing) {
+  auto wanted = [&](const ChunkPlacement& c) {
+    return !c.rows.rows_kind() && (which == nullptr || (*which)[c.id]);
+  };
   sessions_->BeginSetupOps();
   int reads = 0;
   for (const ChunkPlacement& c : chunks_) {
-    if (c.rows.rows_kind()) continue;
+    if (!wanted(c)) continue;
     ++reads;
     ServerSession& s = sessions_->at(c.server);
     if (!s.ep) return sessions_->ServerError(c.server, "not connected");
@@ -693,17 +727,15 @@ Status ClientImpl::ReadChunkVersions(std::vector<char>* publish) {
     }));
   }
   RETURN_IF_ERROR(sessions_->WaitSetupOps(reads));
-  int have = 0, missing = 0;
+  int n = 0;
   for (const ChunkPlacement& c : chunks_) {
-    if (c.rows.rows_kind()) continue;
-    const auto* h = reinterpret_cast<const layout::ChunkHeader*>(sessions_->ChunkStaging(c.id, 2));
-    (*publish)[c.id] = (h->state.load(std::memory_order_relaxed) >> 1) == 0 ? 1 : 0;
-    ++((*publish)[c.id] ? missing : have);
+    const bool none =
+        wanted(c) && (reinterpret_cast<const layout::ChunkHeader*>(sessions_->ChunkStaging(c.id, 2))
+                          ->state.load(std::memory_order_relaxed) >> 1) == 0;
+    (*missing)[c.id] = none ? 1 : 0;
+    n += none ? 1 : 0;
   }
-  LOG(INFO) << "worker rank 0: joined a running cluster: " << have
-            << " dense chunk(s) have weights (left alone), " << missing
-            << " get the initial weights";
-  return Status::OK();
+  return n;
 }
 
 Status ClientImpl::PullInitialWeights() {

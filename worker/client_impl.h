@@ -123,7 +123,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status ApplyShardMap(const control::ShardMap& map);
   // Rank 0: its weights become the initial weights of every server.
   Status PublishInitialWeights();
-  Status ReadChunkVersions(std::vector<char>* publish);
+  StatusOr<int> ChunksWithoutWeights(const std::vector<char>* which, std::vector<char>* missing);
   // Failovers PublishInitialWeights rides out before it gives up (each waits for its own).
   static constexpr int kStartRecoveries = 3;
   // Every worker pulls them; one joining a running cluster starts at the cluster's clock.

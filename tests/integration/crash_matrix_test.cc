@@ -64,6 +64,8 @@ const CrashCase kCases[] = {
     {"server.after_replica_connect", Role::kPrimary, false, Outcome::kBitIdentical},
     {"coordinator.after_assign_shards", Role::kCoordinator, false, Outcome::kBitIdentical},
     {"coordinator.after_shard_map", Role::kCoordinator, false, Outcome::kBitIdentical},
+    // A primary that takes rank 0's initial weights and dies before it replicates them.
+    {"server.before_init_record", Role::kPrimary, false, Outcome::kBitIdentical},
     {"worker.after_join", Role::kWorker, false, Outcome::kWorkersAgree},
     {"worker.after_shard_map", Role::kWorker, false, Outcome::kWorkersAgree},
     {"worker.after_connect", Role::kWorker, false, Outcome::kWorkersAgree},
