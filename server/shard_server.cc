@@ -560,6 +560,11 @@ void ShardServer::RefreshMembership() {
   PollControl();
   const uint64_t e = control_->epoch();
   if (e == seen_epoch_) return;
+  // Fenced (lease lapsed; possibly renewed by the poll above, which this loop pass has not
+  // seen yet): a departed worker's completions cannot be handled now (nothing is applied
+  // while fenced), and closing its endpoints below would discard them, a push its worker
+  // completed among them. The new membership waits until the lease is renewed.
+  if (lease_lapsed_) return;
   // A departed worker's endpoints are closed below: first handle what it completed (its last
   // push may be in the CQ, not yet polled). Before seen_epoch_ moves: a push that names the
   // new epoch then waits for the new membership (MaybeApplyBsp) instead of completing a clock

@@ -511,6 +511,56 @@ TEST_P(ProcessClusterTest, PrimariesFenceThemselvesWhileTheCoordinatorIsAwayAndR
             << " in the second past it; nobody declared dead\n";
 }
 
+// A worker dies while the primaries are fenced (the coordinator is stopped past the lease):
+// its push of the clock they are blocked in is in their memory, its immediate in their
+// completion queues, not yet polled (nothing is handled while fenced). When the coordinator
+// resumes it renews the leases and reports the worker's departure, in the same poll. A fenced
+// server used to close the departed worker's endpoints at once, discarding that push: its
+// clock was then summed without it. Now the membership waits for the renewed lease, the
+// completions are handled first, and the push counts (counter model, W and b on the two
+// groups: each counts the worker's pushes).
+TEST_P(ProcessClusterTest, AWorkerThatDiesWhileThePrimariesAreFencedHasItsLastPushCounted) {
+  ClusterSpec spec = CounterSpec();
+  spec.consistency = "bsp";
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const milliseconds lease(3 * spec.heartbeat_timeout_ms);
+  const int kStepDelayMs = 30;
+  const int kSteps = static_cast<int>((lease.count() + 4000) / kStepDelayMs);
+  ASSERT_TRUE(StartCluster(spec));
+  const milliseconds wait_timeout = 4 * lease + Slack();
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--model=counter", "--count_in_b", "--steps=" + std::to_string(kSteps),
+             "--step_delay_ms=" + std::to_string(kStepDelayMs),
+             "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
+  ASSERT_GE(WaitProgress(Path("progress2"), 5, ProcessBound(), workers[2]), 5) << Tail(workers[2]);
+  coordinator_->Signal(SIGSTOP);
+  std::this_thread::sleep_for(lease + milliseconds(Emulated() ? 3000 : 1000));
+  for (int g = 0; g < spec.servers; ++g) {
+    ASSERT_NE(servers_[g]->LogTail(1 << 22).find("LEASE LAPSED"), std::string::npos)
+        << "primary " << g << " is not fenced yet\n" << Tail(servers_[g]);
+  }
+  // Steps done; the next one's push is out (BSP: its pull waits for the fenced primaries).
+  const int done = WaitProgress(Path("progress2"), 0, milliseconds(1), nullptr);
+  workers[2]->Kill();
+  std::this_thread::sleep_for(milliseconds(300));
+  coordinator_->Signal(SIGCONT);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(ExitCode(workers[r], ProcessBound()), 0) << Tail(workers[r]);
+  for (int r = 0; r < 2; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    for (const char* t : {"W", "b"}) {
+      EXPECT_EQ(res->tensors.at(t)[2], static_cast<float>(done + 1))
+          << "worker " << r << "'s " << t << "[2]: the dead worker's " << done
+          << " steps and its push of the clock it died in";
+      EXPECT_EQ(res->tensors.at(t)[r], static_cast<float>(kSteps)) << "worker " << r;
+    }
+  }
+  std::cerr << "[ info ] " << GetParam() << ": worker 2 killed after " << done
+            << " steps with both primaries fenced; its " << done + 1 << " pushes counted\n";
+}
+
 // A server that joins after the shards were assigned (a replacement started for a dead one)
 // is told at once that it is not used, instead of waiting for an assignment until its setup
 // timeout (120 s); training is undisturbed.
