@@ -58,7 +58,7 @@ if [[ ${SHARDPS_SKIP_VERBS:-0} == 1 ]]; then
 elif [[ -x "$SOFTROCE/run-in-guest.sh" ]]; then
   echo "=== verbs tier: SoftRoCE guest ($SOFTROCE) ==="
   if "$SOFTROCE/build-guest.sh"; then
-    "$SOFTROCE/run-in-guest.sh" --timeout 1500 --rw "$RESULTS/verbs" \
+    "$SOFTROCE/run-in-guest.sh" --timeout 2100 --rw "$RESULTS/verbs" \
       --env SHARDPS_REQUIRE_VERBS=1 --env "GLOG_logtostderr=1" -- sh -c "
         set -e
         '$SOFTROCE/softroce-up.sh' 2

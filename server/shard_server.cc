@@ -560,10 +560,18 @@ void ShardServer::RefreshMembership() {
   PollControl();
   const uint64_t e = control_->epoch();
   if (e == seen_epoch_) return;
+  // A departed member's key is spent at once, fenced or not (no completion depends on it).
+  if (e != keys_epoch_) {
+    keys_epoch_ = e;
+    std::set<uint32_t> ids;
+    const control::Membership m = control_->membership();
+    for (const auto& mem : m.members()) ids.insert(mem.member_id());
+    authenticator_->SetMembership(std::move(ids));
+  }
   // Fenced (lease lapsed; possibly renewed by the poll above, which this loop pass has not
   // seen yet): a departed worker's completions cannot be handled now (nothing is applied
   // while fenced), and closing its endpoints below would discard them, a push its worker
-  // completed among them. The new membership waits until the lease is renewed.
+  // completed among them. The rest of the new membership waits until the lease is renewed.
   if (lease_lapsed_) return;
   // A departed worker's endpoints are closed below: first handle what it completed (its last
   // push may be in the CQ, not yet polled). Before seen_epoch_ moves: a push that names the
@@ -573,14 +581,11 @@ void ShardServer::RefreshMembership() {
   seen_epoch_ = e;
   const control::Membership m = control_->membership();
   std::set<uint32_t> now;
-  std::set<uint32_t> member_ids;
   bool backup_present = false;
   for (const auto& mem : m.members()) {
-    member_ids.insert(mem.member_id());
     if (mem.role() == control::ROLE_WORKER) now.insert(mem.rank());
     if (mem.member_id() == stream_->backup_member()) backup_present = true;
   }
-  authenticator_->SetMembership(std::move(member_ids));  // a departed member's key is spent
   if (stream_->failed() && !backup_present) {
     LOG_IF(WARNING, !WorkersDone())
         << "server rank " << rank_ << ": backup member " << stream_->backup_member()
@@ -646,6 +651,14 @@ bool ShardServer::LeaseLapsed() {
   // coordinator is away (restarting) would only stall training.
   if (backup_ || config_.replicas() < 2 || !stream_ ||
       !(stream_->connected() || stream_->failed())) {
+    // Not subject to a lease (any more: e.g. its backup was dropped while it was fenced):
+    // whatever was cached while it was must not fence it, or defer its memberships, for ever.
+    if (lease_lapsed_ || lease_awaited_) {
+      LOG(WARNING) << "server rank " << rank_ << ": group " << group_
+                   << " has no backup to hand over to: it serves unfenced";
+      lease_lapsed_ = false;
+      lease_awaited_ = false;
+    }
     return false;
   }
   const bool lapsed = !control_->LeaseHeld();
@@ -682,7 +695,7 @@ bool ShardServer::Housekeeping(Status* fenced) {
   // BSP waits for the membership of the newest epoch a push came from (MaybeApplyBsp). A
   // membership takes well under a heartbeat to arrive; an epoch that never comes (a peer's
   // header naming a future epoch) must not stall training: after the lease, go on.
-  if (newest_push_epoch_ > seen_epoch_) {
+  if (newest_push_epoch_ > seen_epoch_ && !lease_lapsed_) {  // (fenced: nothing is applied)
     if (epoch_wait_since_ == Clock::time_point{}) epoch_wait_since_ = Clock::now();
     if (Clock::now() - epoch_wait_since_ > timeouts_.lease) {
       LOG(WARNING) << "server rank " << rank_ << ": a push named membership epoch "

@@ -232,6 +232,7 @@ class ShardServer {
   uint64_t seen_epoch_ = 0;
   uint64_t newest_push_epoch_ = 0;  // the newest membership epoch a BSP push was sent in
   Clock::time_point epoch_wait_since_{};  // since when BSP waits for that epoch
+  uint64_t keys_epoch_ = 0;  // the membership epoch whose member keys the authenticator holds
   Clock::time_point min_clock_at_{};      // last min_applied_clock update (Housekeeping)
 
   // Registered regions (wire/region_layout.h).

@@ -561,6 +561,69 @@ TEST_P(ProcessClusterTest, AWorkerThatDiesWhileThePrimariesAreFencedHasItsLastPu
             << " steps with both primaries fenced; its " << done + 1 << " pushes counted\n";
 }
 
+// A primary's backup dies while the primary is fenced (the coordinator stopped past the lease).
+// When the coordinator resumes it tells the primary to go on alone (no backup to hand over to)
+// and renews its lease. The fence must end then: a primary that cached "lapsed" past the
+// point where it had no lease to lose deferred every later membership for ever, so a worker
+// that died afterwards was never let go (BSP waited for its pushes until every survivor's
+// wait timeout). Now the survivors finish, every one of their pushes counted.
+TEST_P(ProcessClusterTest, APrimaryWhoseBackupDiesWhileFencedFollowsTheMembershipAfterwards) {
+  ClusterSpec spec = CounterSpec();
+  spec.consistency = "bsp";
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  const milliseconds lease(3 * spec.heartbeat_timeout_ms);
+  const int kStepDelayMs = 30;
+  const int kSteps = static_cast<int>((lease.count() + 6000) / kStepDelayMs);
+  ASSERT_TRUE(StartCluster(spec));
+  const milliseconds wait_timeout = 2 * lease + Slack();
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--model=counter", "--count_in_b", "--steps=" + std::to_string(kSteps),
+             "--step_delay_ms=" + std::to_string(kStepDelayMs),
+             "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
+  ASSERT_GE(WaitProgress(Path("progress2"), 5, ProcessBound(), workers[2]), 5) << Tail(workers[2]);
+  coordinator_->Signal(SIGSTOP);
+  std::this_thread::sleep_for(lease + milliseconds(Emulated() ? 3000 : 1000));
+  ASSERT_NE(servers_[0]->LogTail(1 << 22).find("LEASE LAPSED"), std::string::npos)
+      << "primary 0 is not fenced yet\n" << Tail(servers_[0]);
+  // The primary is stopped too while the coordinator resumes, so that the coordinator's word
+  // that the backup is gone and its renewal of the lease wait in the primary's socket and are
+  // read in one poll while the primary is still fenced (shorter than a heartbeat timeout).
+  servers_[0]->Signal(SIGSTOP);
+  servers_[spec.servers]->Kill();  // group 0's backup
+  std::this_thread::sleep_for(milliseconds(300));
+  coordinator_->Signal(SIGCONT);
+  std::this_thread::sleep_for(milliseconds(Emulated() ? 1500 : 500));
+  servers_[0]->Signal(SIGCONT);
+  // Training resumes; then a worker dies, and the survivors must go on without it.
+  const int at = WaitProgress(Path("progress2"), 0, milliseconds(1), nullptr);
+  ASSERT_GE(WaitProgress(Path("progress2"), at + 5, ProcessBound(), workers[2]), at + 5)
+      << Tail(workers[2]) << Tail(servers_[0]);
+  workers[2]->Kill();
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(ExitCode(workers[r], ProcessBound()), 0) << Tail(workers[r]);
+  for (int r = 0; r < 2; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    for (const char* t : {"W", "b"}) {
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_EQ(res->tensors.at(t)[k], static_cast<float>(kSteps)) << "worker " << r << "'s "
+                                                                     << t << "[" << k << "]";
+      }
+    }
+  }
+  const std::string plog = servers_[0]->LogTail(1 << 22);
+  // Which came first at the primary, the renewal or the word that its backup is gone, is a
+  // race (its control thread may renew the lease before its loop reads the rest): the case
+  // under test is the second order, reported here.
+  const bool unfenced = plog.find("it serves unfenced") != std::string::npos;
+  std::cerr << "[ info ] " << GetParam() << ": group 0's backup killed while its primary was "
+            << "fenced; " << (unfenced ? "the primary learnt it first, while fenced, and went on "
+                                         "unfenced"
+                                       : "the lease was renewed first")
+            << "; a worker killed afterwards was let go; survivors exact\n";
+}
+
 // A server that joins after the shards were assigned (a replacement started for a dead one)
 // is told at once that it is not used, instead of waiting for an assignment until its setup
 // timeout (120 s); training is undisturbed.
