@@ -245,12 +245,12 @@ Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::ti
   // A group whose failover target failed too has no endpoint until the next shard map.
   if (!s.ep) return ServerError(server, "not connected");
   const uint64_t off = AcksOffset(server);
-  NewReadBatch();
   acks_pending_ = 1;
+  setup_error_ = Status::OK();
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
                           transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
-                          MakeContext(kOpAcks, chunk, setup_gen_));
+                          MakeContext(kOpAcks, chunk, 0));
   }));
   return AwaitRead(deadline, timeout_error, stop_if_failed ? &s.failed : nullptr);
 }
@@ -258,7 +258,8 @@ Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::ti
 Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
                                 SteadyClock::time_point deadline,
                                 const std::function<Status()>& timeout_error) {
-  NewReadBatch();
+  acks_pending_ = 0;
+  setup_error_ = Status::OK();
   for (uint32_t server : servers) {
     ServerSession& s = servers_[server];
     if (!s.ep || s.failed) continue;
@@ -266,7 +267,7 @@ Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
     Status st = PostWithCredit([&] {
       return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
                             transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
-                            MakeContext(kOpAcks, 0, setup_gen_));
+                            MakeContext(kOpAcks, 0, 0));
     });
     if (!st.ok()) {
       s.failed = true;  // recovered by the caller, like a failed completion
@@ -282,12 +283,12 @@ Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk
                                   const std::function<Status()>& timeout_error) {
   ServerSession& s = servers_[server];
   if (!s.ep) return ServerError(server, "not connected");
-  NewReadBatch();
   acks_pending_ = 1;
+  setup_error_ = Status::OK();
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostRead({staging_.get(), ChunkStagingOffset(chunk, 2), layout::kAlign},
                           transport::AtOffset(s.weights, s.layout->header_offset(slot)),
-                          MakeContext(kOpAcks, chunk, setup_gen_));
+                          MakeContext(kOpAcks, chunk, 0));
   }));
   return AwaitRead(deadline, timeout_error, nullptr);
 }
@@ -302,11 +303,11 @@ Status ServerSessions::ReadOutbox(uint32_t server, uint64_t offset, uint64_t byt
     return FailedPreconditionError("server " + std::to_string(server) +
                                    "'s outbox is smaller than its chunks' state");
   }
-  NewReadBatch();
   acks_pending_ = 1;
+  setup_error_ = Status::OK();
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostRead({local.region, local.offset, bytes}, transport::AtOffset(s.outbox, offset),
-                          MakeContext(kOpAcks, 0, setup_gen_));
+                          MakeContext(kOpAcks, 0, 0));
   }));
   return AwaitRead(deadline, timeout_error, nullptr);
 }
@@ -322,12 +323,6 @@ Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
     }
   }
   return setup_error_;
-}
-
-void ServerSessions::NewReadBatch() {
-  ++setup_gen_;
-  acks_pending_ = 0;
-  setup_error_ = Status::OK();
 }
 
 void ServerSessions::BeginSetupOps() {
@@ -384,7 +379,6 @@ void ServerSessions::OnCompletion(const Completion& wc) {
       ++setup_done_;
       return;
     case kOpAcks:
-      if (ContextHandle(wc.context) != setup_gen_) return;  // a read AwaitRead gave up on
       --acks_pending_;
       if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
       return;

@@ -184,9 +184,6 @@ class ServerSessions {
   uint32_t setup_gen_ = 0;  // the batch BeginSetupOps began (context handle of its posts)
   Status setup_error_;
   int acks_pending_ = 0;
-  // A new batch of acks/header/outbox reads (context kOpAcks, handle setup_gen_): a completion
-  // of a read an earlier AwaitRead gave up on (deadline, or its session failed) is not counted.
-  void NewReadBatch();
 };
 
 // The busy-poll budget of one waiting loop (ClientOptions::busy_poll): the loop polls until it
