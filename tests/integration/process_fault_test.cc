@@ -542,7 +542,9 @@ TEST_P(ProcessClusterTest, AWorkerThatDiesWhileThePrimariesAreFencedHasItsLastPu
         << "primary " << g << " is not fenced yet\n" << Tail(servers_[g]);
   }
   // Steps done; the next one's push is out (BSP: its pull waits for the fenced primaries).
-  const int done = WaitProgress(Path("progress2"), 0, milliseconds(1), nullptr);
+  // (At least the 5 seen above: a read that lands while the worker rewrites the file is empty.)
+  const int done = WaitProgress(Path("progress2"), 5, milliseconds(2000), nullptr);
+  ASSERT_GE(done, 5);
   workers[2]->Kill();
   std::this_thread::sleep_for(milliseconds(300));
   coordinator_->Signal(SIGCONT);
@@ -597,7 +599,7 @@ TEST_P(ProcessClusterTest, APrimaryWhoseBackupDiesWhileFencedFollowsTheMembershi
   std::this_thread::sleep_for(milliseconds(Emulated() ? 1500 : 500));
   servers_[0]->Signal(SIGCONT);
   // Training resumes; then a worker dies, and the survivors must go on without it.
-  const int at = WaitProgress(Path("progress2"), 0, milliseconds(1), nullptr);
+  const int at = WaitProgress(Path("progress2"), 5, milliseconds(2000), nullptr);
   ASSERT_GE(WaitProgress(Path("progress2"), at + 5, ProcessBound(), workers[2]), at + 5)
       << Tail(workers[2]) << Tail(servers_[0]);
   workers[2]->Kill();
