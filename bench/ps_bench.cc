@@ -74,6 +74,8 @@ DEFINE_int32(reps, 3, "repetitions of every (bound, ours) pair; medians are repo
 DEFINE_string(server_bind_ip, "127.0.0.1", "servers' data-path address (verbs: 192.168.77.2)");
 DEFINE_string(worker_bind_ip, "127.0.0.1", "workers' data-path address (verbs: 192.168.77.1)");
 DEFINE_string(optimizer, "store", "servers' --optimizer (store keeps the pushed value)");
+DEFINE_int64(server_busy_poll_us, 300,
+             "servers' --busy_poll_us (how long the serving loop polls before it sleeps)");
 DEFINE_string(consistency, "asp", "coordinator --consistency");
 DEFINE_string(bounds_file, "",
               "bounds from outside (perftest for verbs): 'verbs write|read bw SIZE GBITS' and "
@@ -240,9 +242,10 @@ int Main() {
   printf(
       "# shardps_bench: goodput = 8 * bytes moved / elapsed (push-pull moves 2 * len per key; "
       "ps-lite's convention counts len once), summed over workers; server optimizer '%s', "
-      "consistency '%s'; workers' tensors in %s memory; medians of %d reps, bound measured "
-      "before each rep\n",
-      FLAGS_optimizer.c_str(), FLAGS_consistency.c_str(), FLAGS_memory.c_str(), FLAGS_reps);
+      "servers' busy poll %lld us, consistency '%s'; workers' tensors in %s memory; medians "
+      "of %d reps, bound measured before each rep\n",
+      FLAGS_optimizer.c_str(), static_cast<long long>(FLAGS_server_busy_poll_us),
+      FLAGS_consistency.c_str(), FLAGS_memory.c_str(), FLAGS_reps);
   std::vector<Row> rows;
   std::vector<std::string> failures;
   const double t_start = NowSeconds();

@@ -29,6 +29,7 @@ DECLARE_int32(reps);
 DECLARE_string(server_bind_ip);
 DECLARE_string(worker_bind_ip);
 DECLARE_string(optimizer);
+DECLARE_int64(server_busy_poll_us);
 DECLARE_string(consistency);
 DECLARE_string(bounds_file);
 DECLARE_string(coordinator_bin);

@@ -496,7 +496,8 @@ class Cluster {
           ChildProcess::Spawn(
               {FLAGS_server_bin, "--coordinator=" + addr, std::string("--cluster_token=") + kToken,
                "--transport=" + spec.transport, "--bind_ip=" + FLAGS_server_bind_ip,
-               "--rank=" + std::to_string(s), "--optimizer=" + FLAGS_optimizer},
+               "--rank=" + std::to_string(s), "--optimizer=" + FLAGS_optimizer,
+               "--busy_poll_us=" + std::to_string(FLAGS_server_busy_poll_us)},
               dir + "/server" + std::to_string(s) + ".log", std::chrono::seconds(3600)));
       c->server_pids_.push_back(ProgramPid(srv->pid()));
       c->children_.push_back(std::move(srv));

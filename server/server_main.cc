@@ -42,6 +42,9 @@ DEFINE_string(trace_file, "",
               "Write a timeline trace (Chrome-trace JSON, docs/tracing.md) here; empty = off. "
               "{rank} or %r become <rank>-<pid>");
 DEFINE_uint64(trace_max_events, 1000000, "Trace events kept; later ones are dropped (counted)");
+DEFINE_int64(busy_poll_us, 300,
+             "How long the serving loop polls after its last completion before it sleeps "
+             "(0: sleep at once; negative: never sleep, a core per server)");
 DEFINE_bool(spare, false,
             "Join as a spare: no shards at start; become the new backup of a group that lost one "
             "(re-replication while training goes on; docs/fault-tolerance.md)");
@@ -108,6 +111,7 @@ int main(int argc, char** argv) {
   o.vsgd_history = FLAGS_vsgd_history;
   o.exit_when_workers_done = FLAGS_exit_when_done;
   o.spare = FLAGS_spare;
+  o.busy_poll = std::chrono::microseconds(FLAGS_busy_poll_us);
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.restore_dir = FLAGS_restore_from;
   shardps::trace::ScopedTrace tracing;  // flushed and closed when main returns

@@ -7,6 +7,7 @@
 
 #include "proto/credentials.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -618,6 +619,7 @@ Status ShardServer::Serve() {
   Status fenced;
   Completion wc[64];
   auto last_accept = Clock::now() - std::chrono::seconds(1);
+  auto last_completion = Clock::now();
   while (!stop_.load()) {
     if (LeaseLapsed()) {
       // Fenced: nothing is applied or published until the lease is renewed (pushes wait in
@@ -627,10 +629,21 @@ Status ShardServer::Serve() {
       if (!Housekeeping(&fenced)) stop_ = true;
       continue;
     }
-    const int n = cq_->Wait(wc, 64, std::chrono::microseconds(2000));
+    // Busy-poll for options_.busy_poll after the last completion, then sleep (2 ms at most:
+    // housekeeping runs at least that often while idle).
+    auto now = Clock::now();
+    const bool spinning = options_.busy_poll.count() < 0 ||
+                          now - last_completion < options_.busy_poll;
+    const int n = spinning ? cq_->Poll(wc, 64)
+                           : cq_->Wait(wc, 64, std::chrono::microseconds(2000));
+    // A spinning server must not starve the threads it waits for where cores are fewer than
+    // busy threads (2x2 over shm on 2 cores: 4 KiB pushes fell to 0.4x without the yield).
+    if (spinning && n == 0) sched_yield();
+    if (n > 0 || !spinning) now = Clock::now();
+    if (n > 0) last_completion = now;
     for (int i = 0; i < n; ++i) Dispatch(wc[i]);
-    if (n == 0 || Clock::now() - last_accept > std::chrono::milliseconds(5)) {
-      last_accept = Clock::now();
+    if ((n == 0 && !spinning) || now - last_accept > std::chrono::milliseconds(5)) {
+      last_accept = now;
       if (!Housekeeping(&fenced)) stop_ = true;
     }
     stream_->CheckEndpoint([this] { return WorkersDone(); });

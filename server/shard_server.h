@@ -88,6 +88,12 @@ struct ShardServerOptions {
   // and waits (without a setup timeout) until the coordinator makes it the new backup of a
   // group that lost one; it then copies the primary's snapshot and follows its stream.
   bool spare = false;
+  // The serving loop polls its completion queue for this long after its last completion
+  // before it sleeps in CompletionQueue::Wait (as the worker's ClientOptions::busy_poll): a
+  // round's pushes arrive microseconds apart, and a server that sleeps between them pays a
+  // wake-up per push (docs/operations.md, "Tuning"). 0: sleep at once, after the transport's
+  // own brief spin; negative: never sleep (a core per server).
+  std::chrono::microseconds busy_poll{300};
 };
 
 class ShardServer {

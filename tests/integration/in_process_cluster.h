@@ -37,6 +37,8 @@ struct ClusterSpec {
   server::OptimizerConfig optimizer;
   bool average = true;
   int heartbeat_timeout_ms = 1500;
+  // ShardServerOptions::busy_poll of every server (its default unless a test sets it).
+  std::chrono::microseconds server_busy_poll = server::ShardServerOptions().busy_poll;
 };
 
 // Where each role binds: loopback for tcp/shm; for verbs two rxe devices (the SoftRoCE
@@ -95,6 +97,7 @@ class Cluster {
       so.requested_rank = i;
       so.optimizer = spec.optimizer;
       so.average = spec.average;
+      so.busy_poll = spec.server_busy_poll;
       servers_.push_back(std::make_unique<server::ShardServer>(so));
     }
     for (auto& s : servers_) {

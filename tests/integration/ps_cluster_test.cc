@@ -69,9 +69,14 @@ class PsClusterTest : public ::testing::TestWithParam<std::string> {
   }
 };
 
-TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
+// 4 workers, 2 servers, 12 BSP steps of exactly representable gradients: every worker ends at
+// the weights computed here in the same order of exact operations, and no steady-state step
+// sends a control message.
+void TrainBspAndCheckExactWeights(const std::string& transport,
+                                  std::chrono::microseconds server_busy_poll) {
   ClusterSpec spec;
-  spec.transport = GetParam();
+  spec.transport = transport;
+  spec.server_busy_poll = server_busy_poll;
   spec.workers = 4;
   spec.servers = 2;
   spec.optimizer.lr = 0.5f;
@@ -125,6 +130,21 @@ TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
   }
   for (int r = 0; r < spec.workers; ++r) {
     EXPECT_EQ(control_delta[r], 0u) << "steady-state steps sent control messages";
+  }
+}
+
+TEST_P(PsClusterTest, BspWeightsAfterNStepsAreExact) {
+  TrainBspAndCheckExactWeights(GetParam(), server::ShardServerOptions().busy_poll);
+}
+
+// The servers' serving loop polls for busy_poll after each completion before it sleeps; the
+// result must not depend on it, and a server that never sleeps (-1) must still do its
+// housekeeping (accepting the workers' endpoints, membership) or no worker would start.
+TEST_P(PsClusterTest, BspWeightsAreExactWhateverTheServersBusyPoll) {
+  for (const int64_t us : {-1, 0}) {
+    SCOPED_TRACE("server busy_poll " + std::to_string(us) + " us");
+    TrainBspAndCheckExactWeights(GetParam(), std::chrono::microseconds(us));
+    if (HasFatalFailure()) return;
   }
 }
 
