@@ -111,6 +111,11 @@ int main(int argc, char** argv) {
   o.vsgd_history = FLAGS_vsgd_history;
   o.exit_when_workers_done = FLAGS_exit_when_done;
   o.spare = FLAGS_spare;
+  if (FLAGS_busy_poll_us > 1000000) {  // beyond a second it is a mistake (and overflows in ns)
+    LOG(ERROR) << "--busy_poll_us=" << FLAGS_busy_poll_us
+               << " is over 1 s: pass at most 1000000, or a negative value never to sleep";
+    return 2;
+  }
   o.busy_poll = std::chrono::microseconds(FLAGS_busy_poll_us);
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.restore_dir = FLAGS_restore_from;
