@@ -101,6 +101,13 @@ fi
 import glob, sys, xml.etree.ElementTree as ET
 root, verbs_ran = sys.argv[1], sys.argv[2] == "1"
 tot = {"host": [0, 0, 0], "verbs": [0, 0, 0]}
+failed = []  # (tier, name, output tail): printed last, where a CI log's tail shows them
+def tail(tc, n=60):
+    text = ""
+    for tag in ("failure", "error", "system-out", "system-err"):
+        for e in tc.iter(tag):
+            text += (e.get("message") or "") + "\n" + (e.text or "")
+    return "\n".join(text.strip().splitlines()[-n:])
 for tier in tot:
     for f in glob.glob(f"{root}/{tier}/*.xml"):
         try:
@@ -112,6 +119,7 @@ for tier in tot:
             if tier == "host":  # ctest JUnit: status run | fail | notrun | disabled
                 if st == "fail" or tc.find("failure") is not None:
                     tot[tier][1] += 1
+                    failed.append((tier, tc.get("name"), tail(tc)))
                 elif st in ("notrun", "disabled"):
                     tot[tier][2] += 1
                 else:
@@ -121,10 +129,16 @@ for tier in tot:
                 continue
             if tc.find("failure") is not None or tc.find("error") is not None:
                 tot[tier][1] += 1
+                failed.append((tier, f'{tc.get("classname")}.{tc.get("name")}', tail(tc, 20)))
             elif tc.find("skipped") is not None or tc.get("result") == "skipped":
                 tot[tier][2] += 1
             else:
                 tot[tier][0] += 1
+for i, (tier, name, out) in enumerate(failed):
+    if i < 4:
+        print(f"=== FAILED ({tier} tier): {name} — the end of its output ===")
+        print(out)
+    print(f"FAILED ({tier} tier): {name}")
 for tier, (p, f, s) in tot.items():
     print(f"{tier} tier: {p} passed, {f} failed, {s} skipped")
 bad = False
