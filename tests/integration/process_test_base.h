@@ -417,15 +417,16 @@ class ProcessClusterTest : public ProcessTestBase,
 
 // Waits (bounded) until worker `rank`'s progress file reaches `steps`; the steps it reports.
 inline int WaitProgress(const std::string& path, int steps, milliseconds bound, ChildProcess* w) {
+  // The file is read at least once, whatever the bound: with a 1 ms bound (a snapshot of the
+  // progress) a test descheduled between taking `until` and the first check used to get 0
+  // without any read ("killed after 0 steps" on a loaded host).
   const auto until = Clock::now() + bound;
-  int done = 0;
-  while (Clock::now() < until) {
+  for (;;) {
     auto p = ReadFile(path);
-    done = p.ok() ? std::atoi(p->c_str()) : 0;
-    if (done >= steps || (w != nullptr && !w->Running())) break;
+    const int done = p.ok() ? std::atoi(p->c_str()) : 0;
+    if (done >= steps || (w != nullptr && !w->Running()) || Clock::now() >= until) return done;
     std::this_thread::sleep_for(milliseconds(2));
   }
-  return done;
 }
 
 }  // namespace shardps::proc_test
