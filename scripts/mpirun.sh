@@ -10,8 +10,8 @@
 #     -np 4 build/examples/digits_trainer --coordinator=127.0.0.1:PORT --transport=auto \
 #           --bind_ip=127.0.0.1 --data=build/data/digits_train.bin --epochs=15
 #
-# MPI only launches the processes: ranks come from the coordinator, and the data path is
-# ShardPS's own (MPI's rank variables are only logged). Members retry the coordinator while it
+# MPI only launches the processes: ranks come from the coordinator (a worker asks for MPI's
+# rank, granted when free), and the data path is ShardPS's own. Members retry the coordinator while it
 # starts; --exit_when_done makes servers and coordinator leave once the workers are done, so
 # mpirun returns.
 #

@@ -1,4 +1,4 @@
-// ShardServerCounters and ServerStats, the one lock of the server: the apply thread and its
+// ShardServerCounters and ServerStats, whose lock guards only the counters: the apply thread and its
 // components bump counters; any thread may take a snapshot. ServerStats also holds the
 // server's histograms (lock-free, common/metrics.h), read by the /metrics endpoint.
 //

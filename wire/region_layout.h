@@ -2,17 +2,19 @@
 // contract between server/ and worker/ (and tools/, which size regions from it), so it lives
 // in wire/, included by both sides; docs/region-layout.md draws it.
 //
-// A server owning chunks c_0..c_{k-1} (its "slots") registers four regions:
+// A server owning chunks c_0..c_{k-1} (its "slots") registers five regions (a backup two more,
+// its replication ring and consumed counter, ReplLayout):
 //
 //  weights (remote-read only)   per slot: ChunkHeader, then two buffers of the chunk's bytes
 //  inbox   (remote-write only)  per worker w, per slot, per parity p in {0,1}:
 //                               PushHeader, then the gradient bytes
 //  acks    (remote-read only)   per worker w, per slot: the highest push seq consumed
 //  clocks  (remote-write only)  per worker w: one 64-byte slot, its clock (u64) first
+//  outbox  (remote-read only)   answers to state and row requests (OutboxHeader, below)
 //
 // Everything is 64-byte aligned. Offsets are pure functions of (chunk sizes, max_workers), so
-// both sides compute them from the shard plan; the control plane ships only the three region
-// descriptors per server.
+// both sides compute them from the shard plan; the control plane ships only the region
+// descriptors, one per region.
 #ifndef SHARDPS_WIRE_REGION_LAYOUT_H_
 #define SHARDPS_WIRE_REGION_LAYOUT_H_
 
