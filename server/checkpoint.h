@@ -126,7 +126,8 @@ StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string& dir,
 // The newest clock K whose num_groups group files all verify with plan_fingerprint. Refused
 // newer ones are explained in *report (if non-null), e.g.
 //   "ckpt-000000000040: group 1: checksum mismatch; using ckpt-000000000030".
-// NotFound when there is none. Reads (and checksums) files newest first until one is complete.
+// NotFound when there is none. Reads (and checksums) every retained file: a checkpoint is
+// complete only if the bases of its incremental chunks are too.
 StatusOr<uint64_t> LatestCompleteCheckpoint(const std::string& dir, uint32_t num_groups,
                                             const std::string& plan_fingerprint,
                                             std::string* report = nullptr);

@@ -78,7 +78,8 @@ struct ShardServerOptions {
   // Batch jobs (mpirun, scripts): stop once every expected worker has joined and all of them
   // have left again. Off by default: an elastic cluster may be empty of workers for a while.
   bool exit_when_workers_done = false;
-  // Replication ring entries cap (0: slots + 4, limited to ~256 MiB of ring).
+  // Replication ring entries (0: min(512, 4 x slots + 16), shrunk to fit a SoftRoCE CQ,
+  // limited to ~256 MiB of ring). Tests set it; there is no flag.
   uint32_t replication_ring_entries = 0;
   // Checkpoints: where to write them ("" = the cluster's checkpoint_dir), and a directory to
   // restore the newest complete, valid checkpoint from at start ("" = start fresh).
