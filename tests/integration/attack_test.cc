@@ -106,16 +106,20 @@ class AttackTest : public ProcessTestBase {
 
   // Workers 0..W-1 of a linreg BSP run, each writing <prefix>worker<r>.out and
   // <prefix>progress<r>.
+  // hold_at: if > 0, the workers hold before that step until ReleaseHold().
   std::vector<ChildProcess*> StartWorkers(const ClusterSpec& spec, const std::string& prefix,
-                                          int steps, int step_delay_ms) {
+                                          int steps, int step_delay_ms, int hold_at = 0) {
     std::vector<ChildProcess*> workers;
     for (int r = 0; r < spec.workers; ++r) {
       const std::string tag = prefix + "worker" + std::to_string(r);
-      workers.push_back(SpawnWorker(
-          WorkerArgs(spec, r), tag + ".log",
-          {"--steps=" + std::to_string(steps), "--step_delay_ms=" + std::to_string(step_delay_ms),
-           "--out=" + Path(tag + ".out"),
-           "--progress_file=" + Path(prefix + "progress" + std::to_string(r))}));
+      std::vector<std::string> flags = {
+          "--steps=" + std::to_string(steps), "--step_delay_ms=" + std::to_string(step_delay_ms),
+          "--out=" + Path(tag + ".out"),
+          "--progress_file=" + Path(prefix + "progress" + std::to_string(r))};
+      if (hold_at > 0) {
+        for (const std::string& f : HoldFlags(hold_at)) flags.push_back(f);
+      }
+      workers.push_back(SpawnWorker(WorkerArgs(spec, r), tag + ".log", flags));
     }
     return workers;
   }
@@ -649,7 +653,9 @@ TEST_F(AttackTest, AFloodDuringAFailoverLosesNothing) {
   StartAttackServers(spec, "");
   const std::vector<std::string> addrs = WaitDataAddresses(spec.servers * spec.replicas);
   ASSERT_EQ(addrs.size(), static_cast<size_t>(spec.servers * spec.replicas)) << Tail(servers_[0]);
-  std::vector<ChildProcess*> workers = StartWorkers(spec, "", kSteps, 15);
+  // Held two thirds in until the kill: the flood's build-up may take the test thread long
+  // on a loaded host, and training must not be over by then.
+  std::vector<ChildProcess*> workers = StartWorkers(spec, "", kSteps, 15, 2 * kSteps / 3);
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   ASSERT_GE(WaitProgress(Path("progress0"), 3, kProcessBound, workers[0]), 3) << Tail(workers[0]);
 
@@ -675,6 +681,7 @@ TEST_F(AttackTest, AFloodDuringAFailoverLosesNothing) {
   const int at_kill = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
   ASSERT_LT(at_kill, kSteps) << "training ended before the kill";
   servers_[0]->Kill();
+  ReleaseHold();
   for (ChildProcess* w : workers) EXPECT_EQ(ExitCode(w), 0) << Tail(w);
   stop.store(true);
   flooder.join();

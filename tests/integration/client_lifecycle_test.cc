@@ -188,7 +188,8 @@ TEST_P(ClientLifecycleTest, AfterFailedStart) {
   spec.workers = 2;  // the second worker never comes: Start fails waiting for it
   Cluster cluster(spec);
   ClientOptions o = cluster.WorkerOptions(0);
-  o.setup_timeout = milliseconds(500);
+  // It also bounds the join (Connect): 3 s, so that a loaded host does not fail the join.
+  o.setup_timeout = milliseconds(3000);
   auto c = Client::Connect(o);
   ASSERT_TRUE(c.ok()) << c.status();
   Model m;

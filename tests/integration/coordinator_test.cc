@@ -103,18 +103,20 @@ TEST(CoordinatorTest, AHungMemberIsSuspectedThenDeclaredDeadAtItsLease) {
   Envelope e;
   e.mutable_join()->set_cluster_token(kToken);
   e.mutable_join()->set_role(ROLE_WORKER);
+  // Before the join is sent: the coordinator hears the member last when it reads the join, so
+  // the lease cannot run out before t0 + lease whatever thread is descheduled.
+  const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(SendEnvelope(fd->get(), e, milliseconds(1000)).ok());
   ASSERT_TRUE(
       (*s0)
           ->WaitFor([](const Membership& m) { return m.members_size() == 2; }, milliseconds(3000))
           .ok());
-  const auto t0 = std::chrono::steady_clock::now();
   auto after =
-      (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; }, milliseconds(5000));
+      (*s0)->WaitFor([](const Membership& m) { return m.members_size() == 1; }, milliseconds(8000));
   ASSERT_TRUE(after.ok()) << after.status();
   const auto took = std::chrono::steady_clock::now() - t0;
-  EXPECT_GE(took, milliseconds(1200 - 50)) << "not before its lease";
-  EXPECT_LE(took, milliseconds(1200 + 500)) << "bound: lease + one poll tick + slack";
+  EXPECT_GE(took, milliseconds(1200)) << "not before its lease";
+  EXPECT_LE(took, milliseconds(1200 + 5000)) << "bound: lease + slack for a loaded host";
   EXPECT_EQ(after->departed_size(), 1);
   const CoordinatorCounters k = c->counters();
   EXPECT_EQ(k.heartbeat_timeouts, 1u);
@@ -128,7 +130,10 @@ TEST(CoordinatorTest, AHungMemberIsSuspectedThenDeclaredDeadAtItsLease) {
 // A member silent for twice the heartbeat timeout but less than its lease (a process
 // descheduled on a busy host) is suspected, speaks again, and stays a member: slow, not dead.
 TEST(CoordinatorTest, ASlowMemberIsSuspectedButNotDeclaredDead) {
-  auto c = StartCoordinator(50, 400);
+  // Heartbeats every 100 ms, suspected after 1 s of silence, lease 3 s; the test thread is the
+  // member, so a second of descheduling on a loaded host is still neither a second suspicion
+  // nor a departure.
+  auto c = StartCoordinator(100, 1000);
   ASSERT_TRUE(c);
   auto fd = net::ConnectTcp(c->address(), "", milliseconds(2000));
   ASSERT_TRUE(fd.ok());
@@ -148,11 +153,11 @@ TEST(CoordinatorTest, ASlowMemberIsSuspectedButNotDeclaredDead) {
       hb.mutable_heartbeat()->set_member_id(id);
       hb.mutable_heartbeat()->set_seq(++seq);
       ASSERT_TRUE(SendEnvelope(fd->get(), hb, milliseconds(1000)).ok());
-      std::this_thread::sleep_for(milliseconds(50));
+      std::this_thread::sleep_for(milliseconds(100));
     }
   };
   beat(10);
-  std::this_thread::sleep_for(milliseconds(800));  // 2 x the timeout, 2/3 of the lease
+  std::this_thread::sleep_for(milliseconds(2000));  // 2 x the timeout, 2/3 of the lease
   beat(10);
   const CoordinatorCounters k = c->counters();
   EXPECT_EQ(k.suspicions, 1u);
@@ -162,15 +167,16 @@ TEST(CoordinatorTest, ASlowMemberIsSuspectedButNotDeclaredDead) {
   EXPECT_EQ(c->membership().members_size(), 1);
   // Every heartbeat was acknowledged with the lease (and the suspicion sent probes, seq 0).
   int acks = 0, probes = 0;
-  while (true) {
+  const auto drain_until = std::chrono::steady_clock::now() + milliseconds(5000);
+  while (acks < 20 && std::chrono::steady_clock::now() < drain_until) {
     auto e = ReceiveEnvelope(fd->get(), &decoder, milliseconds(200));
-    if (!e.ok()) break;
+    if (!e.ok()) continue;
     if (!e->has_heartbeat_ack()) continue;
     if (e->heartbeat_ack().seq() == 0) {
       ++probes;
     } else {
       ++acks;
-      EXPECT_EQ(e->heartbeat_ack().lease_ms(), 1200u);
+      EXPECT_EQ(e->heartbeat_ack().lease_ms(), 3000u);
     }
   }
   EXPECT_EQ(acks, 20);
@@ -191,17 +197,30 @@ TEST(CoordinatorTest, TheLeaseIsRenewedByHeartbeatsAndLapsesWithoutTheCoordinato
     std::this_thread::sleep_for(milliseconds(5));
   }
   ASSERT_TRUE((*s0)->LeaseHeld());
-  std::this_thread::sleep_for(milliseconds(600));  // renewed meanwhile
+  // Renewed meanwhile: 600 ms in, at least 10 acknowledgements, and the lease again almost
+  // whole (polled: a descheduled heartbeat thread renews late, not never).
+  std::this_thread::sleep_for(milliseconds(600));
+  const auto renew_by = std::chrono::steady_clock::now() + milliseconds(5000);
+  while (((*s0)->counters().heartbeat_acks < 10 || (*s0)->LeaseLeft() <= milliseconds(1000)) &&
+         std::chrono::steady_clock::now() < renew_by) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
   EXPECT_TRUE((*s0)->LeaseHeld());
   EXPECT_GT((*s0)->LeaseLeft(), milliseconds(1000));
   EXPECT_LE((*s0)->LeaseLeft(), milliseconds(1200));
   EXPECT_GE((*s0)->counters().heartbeat_acks, 10u);
+  const milliseconds left =
+      std::chrono::duration_cast<milliseconds>((*s0)->LeaseLeft());
   const auto stopped = std::chrono::steady_clock::now();
   c.reset();  // the coordinator is gone: no more renewals
+  const auto gone = std::chrono::steady_clock::now();
   while ((*s0)->LeaseHeld()) std::this_thread::sleep_for(milliseconds(5));
-  const auto held = std::chrono::steady_clock::now() - stopped;
-  EXPECT_GE(held, milliseconds(1200 - 100)) << "the last renewal was < 1 heartbeat ago";
-  EXPECT_LE(held, milliseconds(1200 + 200));
+  const auto now = std::chrono::steady_clock::now();
+  // Not before what was left when the coordinator went (a renewal in flight may add to it)...
+  EXPECT_GE(now - stopped, left - milliseconds(5)) << "the lease lapsed early";
+  // ...and not held past a whole lease after the last possible renewal (plus room for a
+  // descheduled poll).
+  EXPECT_LE(now - gone, milliseconds(1200 + 1000)) << "the lease outlived the coordinator";
 }
 
 TEST(CoordinatorTest, ClosedConnectionLeavesImmediately) {
@@ -294,8 +313,8 @@ TEST(CoordinatorTest, ClientSeesCoordinatorLoss) {
   o.rejoin_window = milliseconds(500);
   auto w = ControlClient::Join(o);
   ASSERT_TRUE(w.ok());
+  const auto t0 = std::chrono::steady_clock::now();  // the loss cannot be seen before this
   c.reset();
-  const auto t0 = std::chrono::steady_clock::now();
   auto r = (*w)->WaitFor([](const Membership&) { return false; }, milliseconds(3000));
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status();
   EXPECT_NE(r.status().message().find("unreachable for 500 ms"), std::string::npos) << r.status();
@@ -445,6 +464,7 @@ TEST(CoordinatorTest, JoinRetriesUntilTheCoordinatorListens) {
   ASSERT_TRUE(probe.ok()) << probe.status();
   probe->reset();
   std::unique_ptr<Coordinator> c;
+  const auto t0 = std::chrono::steady_clock::now();  // before the coordinator's thread exists
   std::thread late([&] {
     std::this_thread::sleep_for(milliseconds(600));
     CoordinatorOptions o;
@@ -459,7 +479,6 @@ TEST(CoordinatorTest, JoinRetriesUntilTheCoordinatorListens) {
   o.cluster_token = kToken;
   o.join.set_role(ROLE_WORKER);
   o.connect_timeout = milliseconds(5000);
-  const auto t0 = std::chrono::steady_clock::now();
   auto w = ControlClient::Join(o);
   const auto waited = std::chrono::steady_clock::now() - t0;
   late.join();

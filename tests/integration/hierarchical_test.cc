@@ -285,15 +285,17 @@ TEST_P(HierarchicalTransportTest, AKilledLocalWorkerCountsAtMostOnce) {
   spec.aggregation = "sum";
   const int kSteps = 30;
   std::vector<ChildProcess*> aggs;
-  std::vector<ChildProcess*> workers =
-      StartHosts(spec, {"--model=counter", "--steps=" + std::to_string(kSteps),
-                        "--step_delay_ms=15"},
-                 &aggs);
+  // Held two thirds in until the kill: the victim dies mid-run however late this thread is.
+  std::vector<std::string> flags = {"--model=counter", "--steps=" + std::to_string(kSteps),
+                                    "--step_delay_ms=15"};
+  for (const std::string& f : HoldFlags(2 * kSteps / 3)) flags.push_back(f);
+  std::vector<ChildProcess*> workers = StartHosts(spec, flags, &aggs);
   ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
   const int victim = 1;  // host 0, local rank 1
   const int before = WaitProgress(Path("progress1"), kSteps / 3, Bound(), workers[victim]);
   ASSERT_GE(before, kSteps / 3) << Tail(workers[victim]);
   workers[victim]->Kill();
+  ReleaseHold();
   const int after = WaitProgress(Path("progress1"), 0, milliseconds(100), nullptr);
   for (int r = 0; r < kWorkers; ++r) {
     if (r != victim) {

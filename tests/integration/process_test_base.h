@@ -324,6 +324,17 @@ class ProcessTestBase : public ::testing::Test {
     return workers;
   }
 
+  // Flags that hold a worker before step `step` until ReleaseHold(): a test that kills a process
+  // mid-run gives them to every worker with a step past its kill point, so that a test thread
+  // descheduled on a loaded host cannot find training over when it gets to the kill.
+  std::vector<std::string> HoldFlags(int step) const {
+    return {"--hold_at_step=" + std::to_string(step), "--hold_file=" + Path("hold")};
+  }
+  void ReleaseHold() {
+    std::ofstream f(Path("hold"));
+    ASSERT_TRUE(f.good()) << "cannot create " << Path("hold");
+  }
+
   // Waits (bounded) for a child to exit; its exit code, or -1 after a timeout (and a failure).
   int ExitCode(ChildProcess* c, milliseconds bound = kProcessBound) {
     if (c == nullptr) return -1;

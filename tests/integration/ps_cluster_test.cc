@@ -645,6 +645,9 @@ TEST_P(PsClusterTest, AWaitingWorkerSleepsInsteadOfSpinning) {
     std::fill(m[1].gw.begin(), m[1].gw.end(), -3.0f);
     std::fill(m[0].gb.begin(), m[0].gb.end(), 0.0f);
     std::fill(m[1].gb.begin(), m[1].gb.end(), 0.0f);
+    // t0 before the late worker's thread exists: its step cannot come before t0 + 600 ms, however
+    // this thread is scheduled.
+    const auto t0 = std::chrono::steady_clock::now();
     std::thread late([&] {  // the other worker steps only after 600 ms
       std::this_thread::sleep_for(milliseconds(600));
       EXPECT_TRUE(c[1]->Step().ok());
@@ -655,7 +658,6 @@ TEST_P(PsClusterTest, AWaitingWorkerSleepsInsteadOfSpinning) {
       return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
     };
     const double cpu0 = thread_cpu();
-    const auto t0 = std::chrono::steady_clock::now();
     Status st = c[0]->Step();
     res.wall_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -709,12 +711,12 @@ TEST_P(PsClusterTest, AWaitingWorkerRereadsOneHeaderPerServer) {
     for (size_t i = 0; i < kN; ++i) m[r].gw[i] = -static_cast<float>((r + 1) * (i % 7 + 1));
     std::fill(m[r].gb.begin(), m[r].gb.end(), 0.0f);
   }
+  const uint64_t retries0 = c[0]->counters().pull_retries;
+  const auto t0 = std::chrono::steady_clock::now();  // before the late thread exists (as above)
   std::thread late([&] {
     std::this_thread::sleep_for(milliseconds(500));
     EXPECT_TRUE(c[1]->Step().ok());
   });
-  const uint64_t retries0 = c[0]->counters().pull_retries;
-  const auto t0 = std::chrono::steady_clock::now();
   Status st = c[0]->Step();
   const double wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

@@ -119,7 +119,11 @@ DEFINE_bool(barrier_by_clock, false,
 DEFINE_int32(hold_before_barrier, 0,
              "--barrier_every: before arriving at this barrier generation, wait (up to 120 s) "
              "until --hold_file exists (a test orders a restart against a barrier with it)");
-DEFINE_string(hold_file, "", "--hold_before_barrier: the file to wait for");
+DEFINE_int32(hold_at_step, 0,
+             "before step N (0: never), wait (up to 120 s) until --hold_file exists: a test that "
+             "kills a process mid-run holds every worker short of the end until it has, so that "
+             "a test thread descheduled past the kill point cannot find training over");
+DEFINE_string(hold_file, "", "--hold_before_barrier, --hold_at_step: the file to wait for");
 DEFINE_bool(count_in_b, false,
             "counter: b counts worker k's applied pushes in b[k] too (W alone says nothing of "
             "b's chunk)");
@@ -347,6 +351,19 @@ int WriteResult(const Result& r) {
     return 6;
   }
   return 0;
+}
+
+// Waits (up to 120 s) until --hold_file exists; false when it never appeared.
+bool AwaitHoldFile(int me) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (access(FLAGS_hold_file.c_str(), F_OK) != 0) {
+    if (std::chrono::steady_clock::now() > until) {
+      fprintf(stderr, "ps_test_worker rank %d: %s never appeared\n", me, FLAGS_hold_file.c_str());
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
 }
 
 void Progress(int steps) {
@@ -668,6 +685,7 @@ int RunCluster() {
   Progress(0);
   const int first_step = FLAGS_resume ? static_cast<int>(r.start_clock) : 0;
   for (int t = first_step; t < FLAGS_steps; ++t) {
+    if (FLAGS_hold_at_step > 0 && t == FLAGS_hold_at_step && !AwaitHoldFile(me)) return 5;
     const uint64_t every = static_cast<uint64_t>(std::max(FLAGS_barrier_every, 1));
     const bool barrier_now =
         FLAGS_barrier_every > 0 &&
@@ -682,16 +700,9 @@ int RunCluster() {
                                   .count());
       };
       if (FLAGS_hold_before_barrier > 0 &&
-          c.barrier_generation() + 1 == static_cast<uint64_t>(FLAGS_hold_before_barrier)) {
-        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-        while (access(FLAGS_hold_file.c_str(), F_OK) != 0) {
-          if (std::chrono::steady_clock::now() > until) {
-            fprintf(stderr, "ps_test_worker rank %d: %s never appeared\n", me,
-                    FLAGS_hold_file.c_str());
-            return 5;
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
+          c.barrier_generation() + 1 == static_cast<uint64_t>(FLAGS_hold_before_barrier) &&
+          !AwaitHoldFile(me)) {
+        return 5;
       }
       const std::string sep = r.barrier_arrive_ns.empty() ? "" : ",";
       r.barrier_arrive_ns += sep + now_ns();

@@ -1118,7 +1118,7 @@ class LifecycleTest(unittest.TestCase):
     def test_after_failed_start(self):
         with cluster(workers=2) as cl:  # the second worker never comes
             c = shardps.Client(cl.address, cluster_token=cl.token, transport="tcp",
-                               bind_ip="127.0.0.1", setup_timeout_ms=500)
+                               bind_ip="127.0.0.1", setup_timeout_ms=3000)
             w = np.arange(40, dtype=np.float32)
             c.register("w", w, np.zeros_like(w))
             with self.assertRaises(shardps.Error) as e:

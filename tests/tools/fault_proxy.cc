@@ -31,7 +31,7 @@ const char* const kBodies[] = {"join",          "join_reply",     "heartbeat",  
                                "membership",    "error",          "register_model", "assign_shards",
                                "shards_ready",  "shard_map",      "replica_target", "promote",
                                "checkpoint",    "heartbeat_ack",  "replica_synced", "status_request",
-                               "status_reply"};
+                               "status_reply",  "barrier",        "barrier_release"};
 
 }  // namespace
 
@@ -103,9 +103,10 @@ StatusOr<std::unique_ptr<FaultProxy>> FaultProxy::Start(const FaultProxyOptions&
   }
   if (!options.only.empty() &&
       std::find(std::begin(kBodies), std::end(kBodies), options.only) == std::end(kBodies)) {
-    return InvalidArgumentError("fault proxy: unknown body '" + options.only +
-                                "' (join, join_reply, heartbeat, leave, membership, error, "
-                                "register_model, assign_shards, shards_ready, shard_map)");
+    std::string known;
+    for (const char* b : kBodies) known += std::string(known.empty() ? "" : ", ") + b;
+    return InvalidArgumentError("fault proxy: unknown body '" + options.only + "' (" + known +
+                                ")");
   }
   std::unique_ptr<FaultProxy> p(new FaultProxy(options));
   ASSIGN_OR_RETURN(p->listen_fd_, net::ListenTcp(options.listen_address, &p->address_));

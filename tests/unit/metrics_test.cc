@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -301,23 +302,36 @@ TEST(MetricsHttp, ServesMetricsAndRefusesTheRest) {
 // slow client (a scrape under load failed that way: "Remote end closed connection").
 TEST(MetricsHttp, ARequestWaitingWhileTheServerWasDelayedIsAnswered) {
   HttpServerOptions o;
-  o.request_timeout = std::chrono::milliseconds(200);
+  o.request_timeout = std::chrono::milliseconds(1000);
   o.min_render_interval = std::chrono::milliseconds(0);
   std::atomic<int> renders{0};
-  auto made = MetricsHttpServer::Start(o, [&renders] {
-    if (++renders == 1) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  std::atomic<bool> rendering{false};
+  auto made = MetricsHttpServer::Start(o, [&renders, &rendering] {
+    if (++renders == 1) {
+      rendering = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+    }
     return std::string("shardps_test_up 1\n");
   });
   ASSERT_TRUE(made.ok()) << made.status();
   auto& s = *made;
-  // B connects first and waits; A's request makes the server render for 600 ms; B's request
-  // arrives during that render, long before its own deadline would pass on an idle server.
+  // B connects first and waits; A's request (sent from this thread at once: no thread start
+  // inside B's 1 s deadline) makes the server render for 3 s; B's request is sent once that
+  // render has begun (observed, not assumed after a sleep), so it arrives during the render,
+  // long before its own deadline would pass on an idle server, and the render outlasts that
+  // deadline.
+  const std::string req = "GET /metrics HTTP/1.1\r\n\r\n";
   auto b = net::ConnectTcp(s->address(), "", 5000ms);
   ASSERT_TRUE(b.ok()) << b.status();
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // B accepted
-  std::thread a([&] { Fetch(s->address(), "GET /metrics HTTP/1.1\r\n\r\n"); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // A's render has begun
-  const std::string req = "GET /metrics HTTP/1.1\r\n\r\n";
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // B accepted (else: no test, no failure)
+  auto a = net::ConnectTcp(s->address(), "", 5000ms);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(net::SendAll(a->get(), req.data(), req.size(), 1000ms).ok());
+  const auto render_by = std::chrono::steady_clock::now() + 10000ms;
+  while (!rendering.load() && std::chrono::steady_clock::now() < render_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(rendering.load()) << "A's request was never rendered";
   ASSERT_TRUE(net::SendAll(b->get(), req.data(), req.size(), 1000ms).ok());
   std::string out;
   const auto deadline = std::chrono::steady_clock::now() + 5000ms;
@@ -328,7 +342,6 @@ TEST(MetricsHttp, ARequestWaitingWhileTheServerWasDelayedIsAnswered) {
     if (!n.ok()) break;
     out.append(buf, *n);
   }
-  a.join();
   EXPECT_EQ(out.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << "B got: '" << out << "'";
   EXPECT_NE(out.find("shardps_test_up 1"), std::string::npos);
   EXPECT_EQ(s->stats().timed_out, 0u);
@@ -377,19 +390,24 @@ TEST(MetricsHttp, StrangersCannotBlockAScrape) {
       if (!net::SendAll(fd->get(), junk.data(), junk.size(), 200ms).ok()) return;
     }
   });
-  // A concurrent scrape answers well before any stranger's request timeout.
+  // A concurrent scrape answers before any stranger's request timeout (3 s) could free a slot.
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string r = Fetch(s->address(), "GET /metrics HTTP/1.1\r\n\r\n", 2000ms);
+  const std::string r = Fetch(s->address(), "GET /metrics HTTP/1.1\r\n\r\n", 2500ms);
   const auto took = std::chrono::steady_clock::now() - t0;
   garbage.join();
   EXPECT_EQ(r.rfind("HTTP/1.1 200 OK", 0), 0u) << r;
   EXPECT_NE(r.find("shardps_test_scrapes_total 1\n"), std::string::npos) << r;
-  EXPECT_LT(took, 1500ms);
+  EXPECT_LT(took, 2500ms);
   EXPECT_GT(s->stats().evicted, 0u);
-  // The held connections are closed at their deadline (the server's side: EOF here).
-  std::this_thread::sleep_for(3500ms);
+  // The held connections are closed at their deadline (the server's side: EOF here), each
+  // awaited (bounded) rather than assumed closed after a fixed sleep.
+  const auto closed_by = std::chrono::steady_clock::now() + 15000ms;
   int closed = 0;
   for (const UniqueFd& fd : held) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        closed_by - std::chrono::steady_clock::now());
+    pollfd p{fd.get(), POLLIN | POLLRDHUP, 0};
+    (void)poll(&p, 1, static_cast<int>(std::max<int64_t>(0, left.count())));
     char c;
     const ssize_t n = recv(fd.get(), &c, 1, MSG_DONTWAIT);
     closed += n == 0 || (n < 0 && errno == ECONNRESET);
@@ -401,7 +419,7 @@ TEST(MetricsHttp, StrangersCannotBlockAScrape) {
   ASSERT_TRUE(fd.ok());
   const auto t1 = std::chrono::steady_clock::now();
   s.reset();
-  EXPECT_LT(std::chrono::steady_clock::now() - t1, 1000ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 2000ms);  // not the connections' 3 s deadline
 }
 
 TEST(MetricsHttp, APortThatCannotBeBoundIsAnError) {
