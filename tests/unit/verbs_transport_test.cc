@@ -290,7 +290,15 @@ TEST_F(VerbsTransportTest, VerbsCqOverrunFailsTheLostOperationsInsteadOfHanging)
                                          kSignaled)
                     .ok());
   }
-  // Nobody polls while the device executes them all: the CQ fills and the rest are lost.
+  // Nobody polls while the device executes them all: the CQ fills and the rest are lost. The
+  // writes execute in order, so all have once the last one's bytes are there (awaited: an
+  // emulated device on a loaded guest may take seconds); then time for their acknowledgements.
+  const auto landed_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::memcmp(static_cast<uint8_t*>(remote->data()) + (kOps - 1) * kLen,
+                     static_cast<uint8_t*>(src->data()) + (kOps - 1) * kLen, kLen) != 0 &&
+         std::chrono::steady_clock::now() < landed_by) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
   std::this_thread::sleep_for(milliseconds(1500));
   const auto got = Collect(initiator_cq_.get(), kOps);
   ASSERT_EQ(got.size(), static_cast<size_t>(kOps))
