@@ -546,15 +546,29 @@ TEST_P(ProcessClusterTest, AWorkerThatDiesWhileThePrimariesAreFencedHasItsLastPu
              "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
   ASSERT_GE(WaitProgress(Path("progress2"), 5, ProcessBound(), workers[2]), 5) << Tail(workers[2]);
   coordinator_->Signal(SIGSTOP);
-  // Past the lease every primary fences itself (awaited, bounded: a loaded host may log it late).
-  std::this_thread::sleep_for(lease);
+  // Past the lease every primary fences itself (awaited, bounded: a loaded host may log it
+  // late). The second after the lease also lets worker 2 finish the step it was in: its next
+  // push is out and its pull waits for the fenced primaries, so done + 1 pushes are counted.
+  std::this_thread::sleep_for(lease + milliseconds(Emulated() ? 3000 : 1000));
   for (int g = 0; g < spec.servers; ++g) {
     ASSERT_TRUE(WaitForLog(servers_[g], "LEASE LAPSED", Slack()))
         << "primary " << g << " is not fenced yet\n" << Tail(servers_[g]);
   }
   // Steps done; the next one's push is out (BSP: its pull waits for the fenced primaries).
+  // Awaited, not assumed: the count must hold still for 1 s (the step's own sleep is 30 ms), so
+  // that worker 2 is blocked in that pull, not between its progress and its push, when killed.
   // (At least the 5 seen above: a read that lands while the worker rewrites the file is empty.)
-  const int done = WaitProgress(Path("progress2"), 5, milliseconds(2000), nullptr);
+  int done = WaitProgress(Path("progress2"), 5, milliseconds(2000), nullptr);
+  auto still_since = Clock::now();
+  const auto settle_by = still_since + Slack();
+  while (Clock::now() - still_since < milliseconds(1000) && Clock::now() < settle_by) {
+    std::this_thread::sleep_for(milliseconds(10));
+    const int now_done = WaitProgress(Path("progress2"), 0, milliseconds(1), nullptr);
+    if (now_done >= 5 && now_done != done) {
+      done = now_done;
+      still_since = Clock::now();
+    }
+  }
   ASSERT_GE(done, 5);
   workers[2]->Kill();
   std::this_thread::sleep_for(milliseconds(300));
@@ -597,7 +611,7 @@ TEST_P(ProcessClusterTest, APrimaryWhoseBackupDiesWhileFencedFollowsTheMembershi
              "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
   ASSERT_GE(WaitProgress(Path("progress2"), 5, ProcessBound(), workers[2]), 5) << Tail(workers[2]);
   coordinator_->Signal(SIGSTOP);
-  std::this_thread::sleep_for(lease);
+  std::this_thread::sleep_for(lease + milliseconds(Emulated() ? 3000 : 1000));
   ASSERT_TRUE(WaitForLog(servers_[0], "LEASE LAPSED", Slack()))
       << "primary 0 is not fenced yet\n" << Tail(servers_[0]);
   // The primary is stopped too while the coordinator resumes, so that the coordinator's word
