@@ -168,9 +168,13 @@ TEST(CoordinatorTest, ASlowMemberIsSuspectedButNotDeclaredDead) {
   // Every heartbeat was acknowledged with the lease (and the suspicion sent probes, seq 0).
   int acks = 0, probes = 0;
   const auto drain_until = std::chrono::steady_clock::now() + milliseconds(5000);
-  while (acks < 20 && std::chrono::steady_clock::now() < drain_until) {
+  // Until all 20 came (bounded), then 200 ms more: no acknowledgement beyond the 20.
+  while (std::chrono::steady_clock::now() < drain_until) {
     auto e = ReceiveEnvelope(fd->get(), &decoder, milliseconds(200));
-    if (!e.ok()) continue;
+    if (!e.ok()) {
+      if (acks >= 20 || e.status().code() != StatusCode::kDeadlineExceeded) break;
+      continue;
+    }
     if (!e->has_heartbeat_ack()) continue;
     if (e->heartbeat_ack().seq() == 0) {
       ++probes;
@@ -209,15 +213,17 @@ TEST(CoordinatorTest, TheLeaseIsRenewedByHeartbeatsAndLapsesWithoutTheCoordinato
   EXPECT_GT((*s0)->LeaseLeft(), milliseconds(1000));
   EXPECT_LE((*s0)->LeaseLeft(), milliseconds(1200));
   EXPECT_GE((*s0)->counters().heartbeat_acks, 10u);
+  // stopped before left: the lease cannot lapse before stopped + left, however this thread is
+  // scheduled between the two reads.
+  const auto stopped = std::chrono::steady_clock::now();
   const milliseconds left =
       std::chrono::duration_cast<milliseconds>((*s0)->LeaseLeft());
-  const auto stopped = std::chrono::steady_clock::now();
   c.reset();  // the coordinator is gone: no more renewals
   const auto gone = std::chrono::steady_clock::now();
   while ((*s0)->LeaseHeld()) std::this_thread::sleep_for(milliseconds(5));
   const auto now = std::chrono::steady_clock::now();
   // Not before what was left when the coordinator went (a renewal in flight may add to it)...
-  EXPECT_GE(now - stopped, left - milliseconds(5)) << "the lease lapsed early";
+  EXPECT_GE(now - stopped, left) << "the lease lapsed early";
   // ...and not held past a whole lease after the last possible renewal (plus room for a
   // descheduled poll).
   EXPECT_LE(now - gone, milliseconds(1200 + 1000)) << "the lease outlived the coordinator";

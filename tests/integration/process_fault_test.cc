@@ -569,6 +569,7 @@ TEST_P(ProcessClusterTest, AWorkerThatDiesWhileThePrimariesAreFencedHasItsLastPu
       still_since = Clock::now();
     }
   }
+  ASSERT_GE(Clock::now() - still_since, milliseconds(1000)) << "worker 2 never blocked in its pull";
   ASSERT_GE(done, 5);
   workers[2]->Kill();
   std::this_thread::sleep_for(milliseconds(300));
