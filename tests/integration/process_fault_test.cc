@@ -81,8 +81,9 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
   std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps),
                                     "--step_delay_ms=" + std::to_string(step_delay_ms)};
   flags.insert(flags.end(), model.begin(), model.end());
-  // Held 5 steps past the kill point until the kill: never over before it.
-  for (const std::string& f : HoldFlags(kill_after + 5)) flags.push_back(f);
+  // Held 10 steps past the kill point (at most step 29 of 30) until the kill: never over
+  // before it, and with 150 ms in which the kill lands mid-step as before.
+  for (const std::string& f : HoldFlags(kill_after + 10)) flags.push_back(f);
   std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
   ChildProcess* standalone = SpawnStandalone(spec, kSteps, model);
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
@@ -155,7 +156,7 @@ TEST_P(ServerKillTest, BspRowTableIsBitIdenticalAfterAServerKill) {
   std::vector<ChildProcess*> workers =
       SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
                           "--step_delay_ms=" + std::to_string(Emulated() ? 40 : 15), rows_flag,
-                          load_flag, "--hold_at_step=" + std::to_string(kill_after + 5),
+                          load_flag, "--hold_at_step=" + std::to_string(kill_after + 10),
                           "--hold_file=" + Path("hold")});
   ChildProcess* standalone = SpawnStandalone(spec, kSteps, {rows_flag, load_flag});
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
@@ -204,7 +205,7 @@ TEST_P(ServerKillTest, BspHashedRowTableIsBitIdenticalAfterAServerKill) {
   std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps),
                                     "--step_delay_ms=" + std::to_string(Emulated() ? 40 : 15)};
   flags.insert(flags.end(), table.begin(), table.end());
-  for (const std::string& f : HoldFlags(kill_after + 5)) flags.push_back(f);
+  for (const std::string& f : HoldFlags(kill_after + 10)) flags.push_back(f);
   std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
   ChildProcess* standalone = SpawnStandalone(spec, kSteps, table);
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
