@@ -402,12 +402,15 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
   spec.workers = 3;
   const int kSteps = 40;
   ASSERT_TRUE(StartCluster(spec));
+  // Held at step 30 until the kill: never over before it (ServerKillTest).
   std::vector<ChildProcess*> workers =
       SpawnWorkers(spec, {"--model=counter", "--steps=" + std::to_string(kSteps),
-                          "--step_delay_ms=" + std::string(Emulated() ? "40" : "10")});
+                          "--step_delay_ms=" + std::string(Emulated() ? "40" : "10"),
+                          "--hold_at_step=30", "--hold_file=" + Path("hold")});
   const int done = WaitProgress(Path("progress1"), 12, ProcessBound(), workers[1]);
   ASSERT_GE(done, 12);
   servers_[0]->Kill();  // the only group's primary
+  ReleaseHold();
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   for (int r = 0; r < spec.workers; ++r) {
     auto res = Result(r);
@@ -1285,9 +1288,11 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   ASSERT_NE(StartCoordinator(spec), "");
   ChildProcess* first = coordinator_;
   StartServers(spec);
+  // Held at step 50 until the second fault: never over before it, however long the rejoins take.
   std::vector<ChildProcess*> workers = SpawnWorkers(
-      spec,
-      {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + std::to_string(step_delay_ms)});
+      spec, {"--steps=" + std::to_string(kSteps),
+             "--step_delay_ms=" + std::to_string(step_delay_ms), "--hold_at_step=50",
+             "--hold_file=" + Path("hold")});
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   const int before = WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]);
   ASSERT_GE(before, 10);
@@ -1316,6 +1321,7 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   const int now = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
   ASSERT_LT(now + 3, kSteps) << "training ended before the second fault";
   servers_[1]->Kill();
+  ReleaseHold();
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   auto ref = StandaloneResult(standalone, ProcessBound());
   ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
@@ -1369,11 +1375,14 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
   ASSERT_NE(dropper, "");
   coordinator_address_ = dropper;  // every member dials the proxies
   StartServers(spec);
+  // Held at step 30 until the kill: never over before it (ServerKillTest).
   std::vector<ChildProcess*> workers =
-      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay});
+      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
+                          "--hold_at_step=30", "--hold_file=" + Path("hold")});
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
   servers_[0]->Kill();
+  ReleaseHold();
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   auto ref = StandaloneResult(standalone, ProcessBound());
   ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
