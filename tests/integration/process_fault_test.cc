@@ -153,11 +153,11 @@ TEST_P(ServerKillTest, BspRowTableIsBitIdenticalAfterAServerKill) {
   // (replicated row sets) for the run after the kill to stay bit-identical.
   const std::string load_flag = "--embedding_load";
   ASSERT_TRUE(StartCluster(spec));
-  std::vector<ChildProcess*> workers =
-      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps),
-                          "--step_delay_ms=" + std::to_string(Emulated() ? 40 : 15), rows_flag,
-                          load_flag, "--hold_at_step=" + std::to_string(kill_after + 10),
-                          "--hold_file=" + Path("hold")});
+  std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps),
+                                    "--step_delay_ms=" + std::to_string(Emulated() ? 40 : 15),
+                                    rows_flag, load_flag};
+  for (const std::string& f : HoldFlags(kill_after + 10)) flags.push_back(f);
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
   ChildProcess* standalone = SpawnStandalone(spec, kSteps, {rows_flag, load_flag});
   for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
   const int done = WaitProgress(Path("progress0"), kill_after, ProcessBound(), workers[0]);
@@ -403,10 +403,10 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
   const int kSteps = 40;
   ASSERT_TRUE(StartCluster(spec));
   // Held at step 30 until the kill: never over before it (ServerKillTest).
-  std::vector<ChildProcess*> workers =
-      SpawnWorkers(spec, {"--model=counter", "--steps=" + std::to_string(kSteps),
-                          "--step_delay_ms=" + std::string(Emulated() ? "40" : "10"),
-                          "--hold_at_step=30", "--hold_file=" + Path("hold")});
+  std::vector<std::string> flags = {"--model=counter", "--steps=" + std::to_string(kSteps),
+                                    "--step_delay_ms=" + std::string(Emulated() ? "40" : "10")};
+  for (const std::string& f : HoldFlags(30)) flags.push_back(f);
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
   const int done = WaitProgress(Path("progress1"), 12, ProcessBound(), workers[1]);
   ASSERT_GE(done, 12);
   servers_[0]->Kill();  // the only group's primary
@@ -1289,10 +1289,10 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   ChildProcess* first = coordinator_;
   StartServers(spec);
   // Held at step 50 until the second fault: never over before it, however long the rejoins take.
-  std::vector<ChildProcess*> workers = SpawnWorkers(
-      spec, {"--steps=" + std::to_string(kSteps),
-             "--step_delay_ms=" + std::to_string(step_delay_ms), "--hold_at_step=50",
-             "--hold_file=" + Path("hold")});
+  std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps),
+                                    "--step_delay_ms=" + std::to_string(step_delay_ms)};
+  for (const std::string& f : HoldFlags(50)) flags.push_back(f);
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   const int before = WaitProgress(Path("progress0"), 10, ProcessBound(), workers[0]);
   ASSERT_GE(before, 10);
@@ -1376,9 +1376,9 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
   coordinator_address_ = dropper;  // every member dials the proxies
   StartServers(spec);
   // Held at step 30 until the kill: never over before it (ServerKillTest).
-  std::vector<ChildProcess*> workers =
-      SpawnWorkers(spec, {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay,
-                          "--hold_at_step=30", "--hold_file=" + Path("hold")});
+  std::vector<std::string> flags = {"--steps=" + std::to_string(kSteps), "--step_delay_ms=" + delay};
+  for (const std::string& f : HoldFlags(30)) flags.push_back(f);
+  std::vector<ChildProcess*> workers = SpawnWorkers(spec, flags);
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
   servers_[0]->Kill();
