@@ -1,5 +1,7 @@
 #include "transport/flags.h"
 
+#include <algorithm>
+
 #include <gflags/gflags.h>
 
 DEFINE_string(transport, "auto",
@@ -19,6 +21,10 @@ DEFINE_int32(rdma_retry_count, 7, "verbs: QP transport retry count (0..7)");
 DEFINE_bool(tcp_tls, false,
             "tcp: TLS 1.3 on every data-path connection (PSK from the data-path authentication; "
             "set it on the servers: workers follow, see docs/security.md)");
+DEFINE_int32(tcp_read_wait_us, 1000,
+             "tcp: the longest a read request waits for this process to be done with the "
+             "immediates (pushes) that arrived before it on its connection, so that a pull "
+             "right behind a push reads the applied value (0: never waits; docs/transport.md)");
 
 namespace shardps::transport {
 
@@ -34,6 +40,7 @@ FabricOptions FabricOptionsFromFlags() {
   o.rdma_timeout = FLAGS_rdma_timeout;
   o.rdma_retry_count = FLAGS_rdma_retry_count;
   o.tcp_tls = FLAGS_tcp_tls;
+  o.tcp_read_wait_us = std::max(0, FLAGS_tcp_read_wait_us);
   return o;
 }
 

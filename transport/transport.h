@@ -379,6 +379,12 @@ struct FabricOptions {
   // every peer (and needs an Authenticator); a connector follows what the listener requires
   // (the requirement is authenticated), and with it on also refuses a listener without it.
   bool tcp_tls = false;
+  // tcp: the longest a read request arriving behind immediates waits for the application to be
+  // done with them (its next CompletionQueue::Poll after the one that returned them), so that
+  // the read sees what the application made of the writes before it (a server's pull right
+  // behind the same worker's push reads the applied push). Bounded so that reads stay
+  // one-sided; 0: reads never wait (docs/transport.md).
+  int tcp_read_wait_us = 1000;
 };
 
 class Fabric {

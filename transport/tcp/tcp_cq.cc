@@ -66,6 +66,13 @@ void TcpCompletionQueue::Push(const Completion& c, TcpEndpoint* ep, uint32_t cre
 
 int TcpCompletionQueue::Poll(Completion* out, int max) {
   FlushDeferred();
+  if (any_reaped_.load(std::memory_order_relaxed)) {
+    // The application is back: it has done what it does with the immediates it took last.
+    MutexLock l(&mu_);
+    for (const auto& [ep, n] : reaped_) ep->OnImmsDone(n);
+    reaped_.clear();
+    any_reaped_.store(false, std::memory_order_relaxed);
+  }
   if (max <= 0) return 0;
   if (count_.load(std::memory_order_acquire) == 0) {
     engine_->TryProgress();
@@ -92,6 +99,12 @@ int TcpCompletionQueue::Poll(Completion* out, int max) {
     out[n++] = e.c;
     if (e.c.op == OpType::kRecvImm) {
       e.ep->OnRecvImmReaped();
+      if (!reaped_.empty() && reaped_.back().first == e.ep) {
+        ++reaped_.back().second;
+      } else {
+        reaped_.emplace_back(e.ep, 1);
+      }
+      any_reaped_.store(true, std::memory_order_relaxed);
     } else {
       e.ep->ReturnCredits(e.credits);
     }
@@ -186,6 +199,9 @@ void TcpCompletionQueue::Purge(TcpEndpoint* ep) {
     has_deferred_.store(!deferred_.empty(), std::memory_order_release);
   }
   MutexLock l(&mu_);
+  reaped_.erase(std::remove_if(reaped_.begin(), reaped_.end(),
+                               [ep](const auto& r) { return r.first == ep; }),
+                reaped_.end());
   size_t kept = 0;
   for (size_t i = 0; i < size_; ++i) {
     const Entry e = ring_[(head_ + i) % ring_.size()];

@@ -434,7 +434,18 @@ void TcpEndpoint::OnReadable() {
       engine_->AddAgain(this);  // edge-triggered: nobody would come back otherwise
       break;
     }
-    if (rx_state_ == RxState::kHeader && hdr_got_ == kHeaderSize) {  // read with a payload
+    if (rx_state_ == RxState::kHeader && hdr_got_ == kHeaderSize) {  // a whole header
+      const uint8_t op = static_cast<uint8_t>(hdr_buf_[offsetof(FrameHeader, opcode)]);
+      if ((op == kOpReadReq || op == kOpReadListReq) && ReadWaits()) {
+        if (!read_wait_listed_) {
+          read_wait_listed_ = true;
+          engine_->AddReadWait(this);
+        }
+        // An edge that comes while the read waits is taken by a pass that reads nothing, so
+        // a short last recv() says nothing once it has run: read the socket again then.
+        rx_sock_drained_ = false;
+        break;
+      }
       hdr_got_ = 0;
       std::memcpy(&rx_hdr_, hdr_buf_, kHeaderSize);
       HandleHeader();
@@ -451,12 +462,7 @@ void TcpEndpoint::OnReadable() {
         rxb_pos_ += take;
         hdr_got_ += take;
         budget -= std::min<uint64_t>(budget, take + 256);  // a frame costs more than its bytes
-        if (hdr_got_ == kHeaderSize) {
-          hdr_got_ = 0;
-          std::memcpy(&rx_hdr_, hdr_buf_, kHeaderSize);
-          HandleHeader();
-        }
-        continue;
+        continue;  // a whole header is handled above
       }
       const uint64_t take = std::min<uint64_t>(avail, rx_left_);
       if (rx_state_ == RxState::kPayload) {
@@ -521,6 +527,42 @@ void TcpEndpoint::OnReadable() {
     }
   }
   if (!rx_dead_) MaybeAck();
+}
+
+// A read request that arrives while the application is not yet done with the immediates
+// delivered before it waits, at most FabricOptions::tcp_read_wait_us, until it is. "Done" is the next Poll
+// after the one that returned them (TcpCompletionQueue::Poll): an application takes its
+// completions and acts on them (a server applies a worker's push) before it polls again, so
+// the read then sees what the application made of the writes before it. Without the wait,
+// the pull a worker sends right behind its push of the same chunk was served the version
+// before the push about one time in five, and read again once the worker found it stale
+// (docs/transport.md). An RC responder may execute a READ at any time after the writes before
+// it; the wait picks a later time, bounded, so reads stay one-sided: an application that does
+// not come back for that long delays reads by that much once, and not again until it is done
+// with every immediate.
+bool TcpEndpoint::ReadWaits() {
+  const int64_t max_ns = int64_t{engine_->options().tcp_read_wait_us} * 1000;
+  if (rx_discard_ || max_ns <= 0) return false;  // refused anyway / never waits
+  if (imm_done_.load(std::memory_order_acquire) >= imm_delivered_) {
+    read_wait_since_ns_ = 0;
+    read_wait_expired_ = false;
+    return false;
+  }
+  if (read_wait_expired_) return false;
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  if (read_wait_since_ns_ == 0) read_wait_since_ns_ = now;
+  if (now - read_wait_since_ns_ < max_ns) return true;
+  read_wait_since_ns_ = 0;
+  read_wait_expired_ = true;
+  return false;
+}
+
+void TcpEndpoint::RetryReadWait() {
+  engine_->progress_mu().AssertHeld();  // the engine calls with it held
+  read_wait_listed_ = false;
+  if (!rx_dead_ && !rx_paused_.load(std::memory_order_relaxed)) OnReadable();
 }
 
 void TcpEndpoint::HandleHeader() {
@@ -699,6 +741,7 @@ bool TcpEndpoint::TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len) {
   {
     MutexLock l(&op_mu_);
     if (cq_ != nullptr) {
+      ++imm_delivered_;
       Completion c;
       c.endpoint_id = endpoint_id();
       c.op = OpType::kRecvImm;

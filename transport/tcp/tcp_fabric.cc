@@ -278,6 +278,11 @@ void TcpEngine::RunClosures() {
 }
 
 void TcpEngine::HandleEvents(const epoll_event* evs, int n) {
+  if (!read_wait_.empty()) {
+    std::vector<TcpEndpoint*> list;
+    list.swap(read_wait_);
+    for (TcpEndpoint* ep : list) ep->RetryReadWait();  // each lists itself again if it waits
+  }
   for (int i = 0; i < n; ++i) {
     if (evs[i].data.ptr == nullptr) continue;  // the eventfd: handled by the progress thread
     static_cast<TcpEndpoint*>(evs[i].data.ptr)->OnEvents(evs[i].events);
@@ -314,14 +319,20 @@ void TcpEngine::Loop() {
     }
     {
       MutexLock l(&progress_mu_);
-      if (!again_.empty()) timeout = 0;
+      if (!again_.empty()) {
+        timeout = 0;
+      } else if (!read_wait_.empty() && timeout != 0) {
+        timeout = 1;  // ms: a read waiting for the application waits a bounded time
+      }
+      blocking_ = timeout < 0;  // a read wait listed meanwhile must wake us (NudgeReadWaits)
     }
     const int n = epoll_wait(epoll_fd_.get(), evs, 64, timeout);
+    MutexLock l(&progress_mu_);
+    blocking_ = false;
     if (n < 0) {
       if (errno != EINTR) PLOG(ERROR) << "tcp: epoll_wait";
       continue;
     }
-    MutexLock l(&progress_mu_);
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.ptr == nullptr) {
         uint64_t v;
@@ -352,7 +363,10 @@ void TcpEngine::TryProgress() {
   const int n = epoll_wait(epoll_fd_.get(), evs, 16, 0);
   // Events a concurrent epoll_wait of the progress thread took are handled there; endpoints
   // removed by closures cannot appear here because closures run under progress_mu_.
-  if (n > 0 || !again_.empty() || !paused_.empty()) HandleEvents(evs, std::max(n, 0));
+  if (n > 0 || !again_.empty() || !paused_.empty() || !read_wait_.empty()) {
+    HandleEvents(evs, std::max(n, 0));
+  }
+  NudgeReadWaits();
   progress_mu_.Unlock();
 }
 
@@ -361,7 +375,23 @@ void TcpEngine::Rescan(const std::unordered_set<TcpEndpoint*>& eps) {
   for (TcpEndpoint* ep : eps) {
     if (ep->outstanding() > 0) ep->OnReadable();
   }
+  NudgeReadWaits();
   progress_mu_.Unlock();
+}
+
+void TcpEngine::NudgeReadWaits() {
+  // A read wait listed by an application thread while the progress thread sleeps in
+  // epoll_wait with no timeout: nobody would retry it if the application stopped polling now.
+  // Wake the thread through the eventfd (it drains it at once: it is not parked), so that it
+  // sleeps again with the 1 ms timeout. Not while it is parked: it looks at read_wait_ before
+  // it sleeps, and waking a parked thread would have it compete with the poller.
+  if (!blocking_ || read_wait_.empty()) return;
+  blocking_ = false;
+  const uint64_t one = 1;
+  ssize_t n;
+  do {
+    n = ::write(event_fd_.get(), &one, sizeof(one));
+  } while (n < 0 && errno == EINTR);
 }
 
 void TcpEngine::ResumePaused() {
@@ -388,6 +418,7 @@ void TcpEngine::RemoveEndpoint(TcpEndpoint* ep) {
   endpoints_.erase(std::remove(endpoints_.begin(), endpoints_.end(), ep), endpoints_.end());
   paused_.erase(std::remove(paused_.begin(), paused_.end(), ep), paused_.end());
   again_.erase(std::remove(again_.begin(), again_.end(), ep), again_.end());
+  read_wait_.erase(std::remove(read_wait_.begin(), read_wait_.end(), ep), read_wait_.end());
 }
 
 void TcpEngine::Unwatch(int fd) { epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr); }

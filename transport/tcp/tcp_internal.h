@@ -107,6 +107,9 @@ class TcpEngine {
   // An endpoint that used up its read budget with data still pending: read it again on the
   // next round, after the others had their turn.
   void AddAgain(TcpEndpoint* ep) REQUIRES(progress_mu_) { again_.push_back(ep); }
+  // An endpoint whose next request is a read that waits for the application to be done with
+  // the immediates before it (TcpEndpoint::ReadWaits): looked at again on every pass.
+  void AddReadWait(TcpEndpoint* ep) REQUIRES(progress_mu_) { read_wait_.push_back(ep); }
   // Progress thread: stop watching a failed endpoint's socket.
   void Unwatch(int fd);
   char* scratch() REQUIRES(progress_mu_) { return scratch_.data(); }
@@ -123,6 +126,7 @@ class TcpEngine {
   void HandleEvents(const struct epoll_event* evs, int n) REQUIRES(progress_mu_);
   void RunClosures() REQUIRES(progress_mu_);
   void ResumePaused() REQUIRES(progress_mu_);
+  void NudgeReadWaits() REQUIRES(progress_mu_);
 
   const FabricOptions options_;
   // Serialises setup; guards each CQ's quota() and attached() (TcpCompletionQueue).
@@ -167,6 +171,9 @@ class TcpEngine {
   std::vector<TcpEndpoint*> endpoints_ GUARDED_BY(progress_mu_);
   std::vector<TcpEndpoint*> paused_ GUARDED_BY(progress_mu_);
   std::vector<TcpEndpoint*> again_ GUARDED_BY(progress_mu_);
+  std::vector<TcpEndpoint*> read_wait_ GUARDED_BY(progress_mu_);
+  // The progress thread is in (or about to enter) epoll_wait with no timeout.
+  bool blocking_ GUARDED_BY(progress_mu_) = false;
   std::vector<char> scratch_ GUARDED_BY(progress_mu_);
   std::vector<std::pair<void*, size_t>> zero_maps_ GUARDED_BY(progress_mu_);
 };
@@ -234,6 +241,11 @@ class TcpCompletionQueue final : public CompletionQueue {
   std::atomic<bool> has_deferred_{false};
   // Polling thread: last time Poll re-scanned the attached endpoints (see TcpEngine::Rescan).
   std::chrono::steady_clock::time_point last_rescan_{};
+  // Immediates the last Poll returned, per endpoint: the next Poll begins by telling each
+  // endpoint that the application is done with them (TcpEndpoint::OnImmsDone), which lets a
+  // read request waiting behind them go (TcpEndpoint::ReadWaits).
+  std::vector<std::pair<TcpEndpoint*, uint32_t>> reaped_ GUARDED_BY(mu_);
+  std::atomic<bool> any_reaped_{false};
 };
 
 // One connection. Posts, status(), outstanding() and destruction: the polling thread of its
@@ -256,6 +268,8 @@ class TcpEndpoint final : public Endpoint {
   // Polling thread (from TcpCompletionQueue::Poll / destructor).
   void ReturnCredits(uint32_t n) { credits_.Return(static_cast<int>(n)); }
   void OnRecvImmReaped();
+  // The application came back for more after taking n immediates of this endpoint.
+  void OnImmsDone(uint32_t n) { imm_done_.fetch_add(n, std::memory_order_release); }
   void DetachCq();
   // Sends what deferred unsignaled posts left in the send queue (from the CQ's Poll).
   void FlushDeferred();
@@ -267,6 +281,8 @@ class TcpEndpoint final : public Endpoint {
   void OnEvents(uint32_t events);
   void OnReadable();
   bool TryResume();  // true when no longer waiting for the app to reap immediates
+  // A pass over the engine's read waits (AddReadWait): reads on, or waits again.
+  void RetryReadWait();
   void OnRegionGone(const char* base, uint64_t length);
 
  private:
@@ -336,6 +352,8 @@ class TcpEndpoint final : public Endpoint {
   void StartDrain(uint64_t len, RxAction action) REQUIRES(engine_->progress_mu());
   void FinishPayload() REQUIRES(engine_->progress_mu());
   bool TryDeliverImm(uint64_t seq, uint32_t imm, uint64_t len) REQUIRES(engine_->progress_mu());
+  // Whether the read request whose header is in hdr_buf_ waits (see tcp_datapath.cc).
+  bool ReadWaits() REQUIRES(engine_->progress_mu());
   void MaybeAck() REQUIRES(engine_->progress_mu());
   void SendResponse(const Segment& s) REQUIRES(engine_->progress_mu());
   // Refuses request `req`; `why` goes to this side's log only, never on the wire.
@@ -402,6 +420,15 @@ class TcpEndpoint final : public Endpoint {
   uint64_t pend_seq_ = 0;  // a kRecvImm waiting for the app to reap (paused)
   uint32_t pend_imm_ = 0;
   uint64_t pend_len_ = 0;
+  // A read request that arrived behind immediates the application is not done with waits for
+  // them (ReadWaits), at most FabricOptions::tcp_read_wait_us: since when (0: not waiting), whether it is on the
+  // engine's read_wait_ list, and whether the wait ran out (no read waits again until the
+  // application is done with every immediate).
+  int64_t read_wait_since_ns_ = 0;
+  bool read_wait_listed_ = false;
+  bool read_wait_expired_ = false;
+  uint64_t imm_delivered_ = 0;          // immediates pushed to the CQ (progress thread)
+  std::atomic<uint64_t> imm_done_{0};  // of them, those the application is done with
   std::atomic<bool> rx_paused_{false};
   std::atomic<int> recv_unreaped_{0};
 };
