@@ -106,7 +106,7 @@ class AttackTest : public ProcessTestBase {
 
   // Workers 0..W-1 of a linreg BSP run, each writing <prefix>worker<r>.out and
   // <prefix>progress<r>.
-  // hold_at: if > 0, the workers hold before that step until ReleaseHold().
+  // hold_at: if > 0, the workers hold before that step until ReleaseHold(prefix + "hold").
   std::vector<ChildProcess*> StartWorkers(const ClusterSpec& spec, const std::string& prefix,
                                           int steps, int step_delay_ms, int hold_at = 0) {
     std::vector<ChildProcess*> workers;
@@ -117,7 +117,7 @@ class AttackTest : public ProcessTestBase {
           "--out=" + Path(tag + ".out"),
           "--progress_file=" + Path(prefix + "progress" + std::to_string(r))};
       if (hold_at > 0) {
-        for (const std::string& f : HoldFlags(hold_at)) flags.push_back(f);
+        for (const std::string& f : HoldFlags(hold_at, prefix + "hold")) flags.push_back(f);
       }
       workers.push_back(SpawnWorker(WorkerArgs(spec, r), tag + ".log", flags));
     }
@@ -681,7 +681,7 @@ TEST_F(AttackTest, AFloodDuringAFailoverLosesNothing) {
   const int at_kill = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
   ASSERT_LT(at_kill, kSteps) << "training ended before the kill";
   servers_[0]->Kill();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) EXPECT_EQ(ExitCode(w), 0) << Tail(w);
   stop.store(true);
   flooder.join();

@@ -80,7 +80,7 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
     const int done = WaitProgress(Path("progress1"), kSteps / 3, bound, workers[1]);
     ASSERT_GE(done, kSteps / 3) << Tail(workers[1]);
     servers_[0]->Kill();
-    ReleaseHold();
+    ASSERT_TRUE(ReleaseHold());
   }
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
   int64_t pulls = 0, at_bound = 0, max_staleness = 0;

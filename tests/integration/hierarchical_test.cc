@@ -295,7 +295,7 @@ TEST_P(HierarchicalTransportTest, AKilledLocalWorkerCountsAtMostOnce) {
   const int before = WaitProgress(Path("progress1"), kSteps / 3, Bound(), workers[victim]);
   ASSERT_GE(before, kSteps / 3) << Tail(workers[victim]);
   workers[victim]->Kill();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   const int after = WaitProgress(Path("progress1"), 0, milliseconds(100), nullptr);
   for (int r = 0; r < kWorkers; ++r) {
     if (r != victim) {

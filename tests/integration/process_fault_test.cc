@@ -95,7 +95,7 @@ TEST_P(ServerKillTest, BspWeightsAreBitIdenticalAfterAServerKill) {
   const int at_kill = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
   servers_[victim_rank]->Kill();
   const auto t0 = Clock::now();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   const int after = WaitProgress(Path("progress0"), at_kill + 1, ProcessBound(), workers[0]);
   const auto recovery = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
   ASSERT_GE(after, at_kill + 1) << "no progress after the kill:\n" << Tail(workers[0]);
@@ -164,7 +164,7 @@ TEST_P(ServerKillTest, BspRowTableIsBitIdenticalAfterAServerKill) {
   ASSERT_GE(done, kill_after) << Tail(workers[0]);
   ASSERT_LT(done, kSteps) << "training ended before the kill";
   servers_[victim_rank]->Kill();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   auto ref = StandaloneResult(standalone, ProcessBound());
   ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
@@ -213,7 +213,7 @@ TEST_P(ServerKillTest, BspHashedRowTableIsBitIdenticalAfterAServerKill) {
   ASSERT_GE(done, kill_after) << Tail(workers[0]);
   ASSERT_LT(done, kSteps) << "training ended before the kill";
   servers_[victim_rank]->Kill();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   auto ref = StandaloneResult(standalone, ProcessBound());
   ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
@@ -290,7 +290,7 @@ void RowFailoverModeTest::RunAcrossAFailover(const std::vector<std::string>& ext
   ASSERT_GE(done, kSteps / 3) << Tail(workers[1]);
   ASSERT_LT(done, kSteps) << "training ended before the kill";
   servers_[0]->Kill();  // the primary of group 0
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
   for (int r = 0; r < spec.workers; ++r) {
     auto res = Result(r);
@@ -410,7 +410,7 @@ TEST_P(ProcessClusterTest, EveryPushIsAppliedExactlyOnceAcrossAFailover) {
   const int done = WaitProgress(Path("progress1"), 12, ProcessBound(), workers[1]);
   ASSERT_GE(done, 12);
   servers_[0]->Kill();  // the only group's primary
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   for (int r = 0; r < spec.workers; ++r) {
     auto res = Result(r);
@@ -1321,7 +1321,7 @@ TEST_P(ProcessClusterTest, CoordinatorRestartDoesNotStopTraining) {
   const int now = WaitProgress(Path("progress0"), 0, milliseconds(1), nullptr);
   ASSERT_LT(now + 3, kSteps) << "training ended before the second fault";
   servers_[1]->Kill();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   auto ref = StandaloneResult(standalone, ProcessBound());
   ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);
@@ -1382,7 +1382,7 @@ TEST_P(ProcessClusterTest, ControlMessagesDroppedAndDelayedDuringAFailover) {
   ChildProcess* standalone = SpawnStandalone(spec, kSteps);
   ASSERT_GE(WaitProgress(Path("progress0"), 12, ProcessBound(), workers[0]), 12);
   servers_[0]->Kill();
-  ReleaseHold();
+  ASSERT_TRUE(ReleaseHold());
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
   auto ref = StandaloneResult(standalone, ProcessBound());
   ASSERT_TRUE(ref.ok()) << ref.status() << Tail(standalone);

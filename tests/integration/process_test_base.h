@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <random>
@@ -324,15 +325,29 @@ class ProcessTestBase : public ::testing::Test {
     return workers;
   }
 
-  // Flags that hold a worker before step `step` until ReleaseHold(): a test that kills a process
-  // mid-run gives them to every worker with a step past its kill point, so that a test thread
-  // descheduled on a loaded host cannot find training over when it gets to the kill.
-  std::vector<std::string> HoldFlags(int step) const {
-    return {"--hold_at_step=" + std::to_string(step), "--hold_file=" + Path("hold")};
+  // Flags that hold a worker before step `step` until ReleaseHold(name): a test that kills a
+  // process mid-run gives them to every worker with a step past its kill point, so that a test
+  // thread descheduled on a loaded host cannot find training over when it gets to the kill.
+  // Workers of different clusters in one test take different names. A held worker marks it in
+  // <name>.held.<rank> (ps_test_worker), so that ReleaseHold can say where the kill landed.
+  std::vector<std::string> HoldFlags(int step, const std::string& name = "hold") const {
+    return {"--hold_at_step=" + std::to_string(step), "--hold_file=" + Path(name)};
   }
-  void ReleaseHold() {
-    std::ofstream f(Path("hold"));
-    ASSERT_TRUE(f.good()) << "cannot create " << Path("hold");
+  // Releases the workers of HoldFlags(.., name); false (with a failure) if it cannot. A kill test
+  // calls it right after its kill: it records how many workers were already held by then
+  // (workers_at_hold), 0 when the kill landed mid-run as the test means, and logs it.
+  [[nodiscard]] bool ReleaseHold(const std::string& name = "hold") {
+    int held = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+      held += e.path().filename().string().rfind(name + ".held.", 0) == 0;
+    }
+    RecordProperty("workers_at_hold", held);
+    std::cerr << "[ hold     ] " << held << " worker(s) had reached the hold ('" << name
+              << "') when it was released" << (held == 0 ? ": the kill landed mid-run" : "")
+              << "\n";
+    std::ofstream f(Path(name));
+    if (!f.good()) ADD_FAILURE() << "cannot create " << Path(name);
+    return f.good();
   }
 
   // Waits (bounded) for a child to exit; its exit code, or -1 after a timeout (and a failure).

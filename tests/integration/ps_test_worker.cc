@@ -353,8 +353,10 @@ int WriteResult(const Result& r) {
   return 0;
 }
 
-// Waits (up to 120 s) until --hold_file exists; false when it never appeared.
+// Marks that this worker reached the hold (<hold_file>.held.<rank>, for the test's report),
+// then waits (up to 120 s) until --hold_file exists; false when it never appeared.
 bool AwaitHoldFile(int me) {
+  WriteAtomically(FLAGS_hold_file + ".held." + std::to_string(me), "held\n");
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (access(FLAGS_hold_file.c_str(), F_OK) != 0) {
     if (std::chrono::steady_clock::now() > until) {
