@@ -59,12 +59,28 @@ shift
 exec bash -c "$1"
 S
 chmod +x "$T/fake-ssh"
-port=$((20000 + RANDOM % 40000))
 printf 'localhost coordinator server worker:2 ip=127.0.0.1\n' >"$T/local"
-out=$(SHARDPS_BUILD_DIR="$BUILD" SHARDPS_DATA_DIR="$BUILD/data" timeout 80 \
-        "$ROOT/scripts/launch-hostfile.sh" --hostfile "$T/local" --transport tcp --port "$port" \
-        --ssh "$T/fake-ssh" --timeout 60 --run-dir "$T/run" -- --epochs 1 --log_every 0) || {
-  echo "$out"; tail -n 20 "$T"/run/*.log; fail "the fake-ssh run failed"; }
+# The port is fixed before the run starts (as on real hosts), so another process may hold it:
+# a listener, or the local end of a connection. It is drawn below Linux's ephemeral range
+# (32768-60999, where every other test's connections get their ports), and a run whose
+# coordinator could not bind it (exit 3, "Address already in use") is retried on another port.
+for attempt in 1 2 3; do
+  port=$((20000 + RANDOM % 12000))
+  rc=0
+  out=$(SHARDPS_BUILD_DIR="$BUILD" SHARDPS_DATA_DIR="$BUILD/data" timeout 80 \
+          "$ROOT/scripts/launch-hostfile.sh" --hostfile "$T/local" --transport tcp --port "$port" \
+          --ssh "$T/fake-ssh" --timeout 60 --run-dir "$T/run" -- --epochs 1 --log_every 0 2>&1) ||
+    rc=$?
+  if ((rc == 3)) && grep -q 'Address already in use' <<<"$out"; then
+    echo "port $port is taken (attempt $attempt); another port"
+    rm -rf "$T/run"
+    continue
+  fi
+  break
+done
+if ((rc)); then
+  echo "$out"; tail -n 20 "$T"/run/*.log; fail "the fake-ssh run failed (exit $rc)"
+fi
 echo "$out"
 grep -q '^launch-hostfile: final: test accuracy 0\.[0-9]* after 22 steps' <<<"$out" ||
   fail "no final line from the fake-ssh run"

@@ -22,6 +22,8 @@
 #   --dry-run            print the commands, run nothing
 # Env: SHARDPS_BUILD_DIR (relative to --remote-root, default build), SHARDPS_DATA_DIR (default
 #      BUILD/data, same path on every host), SHARDPS_CLUSTER_TOKEN (default: random).
+# Exit status: 0 trained; 1 a worker failed or the job timed out; 2 bad usage or hostfile;
+# 3 the coordinator exited at start (its log's tail is printed: e.g. --port is taken).
 # Defaults: python/shardps/launch_defaults.env, shared by every launcher (an environment variable
 # of the same name, e.g. SHARDPS_WORKERS=4, overrides it; a flag overrides both).
 set -euo pipefail
@@ -164,7 +166,16 @@ for i in "${!cmds[@]}"; do
   $ssh_cmd "${hosts[i]}" "${cmds[i]}" <<<"$SHARDPS_CLUSTER_TOKEN" >"$run_dir/${names[i]}.log" 2>&1 &
   pids+=($!)
   if [[ ${names[i]} == worker-* ]]; then worker_pids+=($!); worker_logs+=("$run_dir/${names[i]}.log"); fi
-  [[ ${names[i]} == coordinator ]] && sleep 1  # members retry it anyway
+  if [[ ${names[i]} == coordinator ]]; then
+    sleep 1  # members retry it anyway
+    # A coordinator that cannot listen (the port is taken, a wrong ip) ends at once; say so
+    # now instead of letting every member retry it for 10-30 s.
+    if ! kill -0 "${pids[0]}" 2>/dev/null; then
+      echo "launch-hostfile: the coordinator on ${hosts[i]} exited at start:" >&2
+      tail -n 5 "$run_dir/coordinator.log" >&2
+      exit 3
+    fi
+  fi
 done
 echo "launch-hostfile: logs in $run_dir"
 deadline=$((SECONDS + timeout_s))

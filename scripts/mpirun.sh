@@ -83,7 +83,7 @@ else
   coord_host=127.0.0.1
   if [[ -z $port ]]; then  # a port nobody listens on here (other jobs share this machine)
     for _ in $(seq 50); do
-      p=$((20000 + RANDOM % 40000))
+      p=$((20000 + RANDOM % 12000))  # below the ephemeral range (32768-60999)
       if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then port=$p; break; fi
     done
     [[ -n $port ]] || die "found no free port"

@@ -6,6 +6,7 @@ Run by ctest with the other tests/python files (PYTHONPATH at BUILD/python)."""
 import json
 import os
 import re
+import random
 import shlex
 import signal
 import socket
@@ -73,9 +74,21 @@ TOKEN = "f00dfeedc0ffee%018d" % int.from_bytes(os.urandom(7), "big")
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port below Linux's ephemeral range (32768-60999) that binds now.
+
+    The launcher is given the port before anything listens on it, so a port from bind(0) (an
+    ephemeral one) could meanwhile become the local end of another test's connection; below
+    that range only an explicit listener can take it."""
+    rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "big"))
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def cmdlines():

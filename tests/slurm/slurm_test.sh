@@ -93,7 +93,7 @@ used_ports=" "
 free_port() {  # a loopback port nobody listens on, not handed out before
   local p
   for _ in $(seq 100); do
-    p=$((20000 + RANDOM % 40000))
+    p=$((20000 + RANDOM % 12000))  # below the ephemeral range (32768-60999)
     [[ $used_ports == *" $p "* ]] && continue
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then used_ports+="$p "; echo "$p"; return; fi
   done
