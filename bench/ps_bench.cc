@@ -133,7 +133,8 @@ std::string RowJson(const Row& r) {
     << ",\"worker_switches_per_gb\":" << Num(r.worker_switches_per_gb) << ",\"bound\":\"" << r.bound_name
     << "\",\"bound_gbps\":" << Num(r.bound_gbps) << ",\"bound_lat_p50_us\":" << Num(r.bound_p50)
     << ",\"ratio\":" << Num(r.ratio) << ",\"rounds\":" << r.rounds << ",\"requests\":" << r.requests
-    << ",\"pull_retries\":" << r.pull_retries << ",\"verified_bytes\":" << r.verified_bytes
+    << ",\"pull_retries\":" << r.pull_retries << ",\"pull_other_buffer\":" << r.pull_other_buffer
+    << ",\"verified_bytes\":" << r.verified_bytes
     << ",\"rep_gbps\":" << list(r.rep_gbps) << ",\"rep_bound_gbps\":" << list(r.rep_bound) << "}";
   return o.str();
 }
@@ -144,13 +145,14 @@ void PrintRow(const Row& r) {
   if (r.series == "throughput") {
     printf(
         "%-5s %s %-10s %-9s %7s  %8.3f Gbit/s (ps-lite conv. %8.3f)  %9.1f us/key  "
-        "srv %.3f cpu-s/GB flt/GB %.0f+%.0f csw/GB %.0f+%.0f retries %llu | bound %8.3f  "
+        "srv %.3f cpu-s/GB flt/GB %.0f+%.0f csw/GB %.0f+%.0f retries %llu other %llu | bound %8.3f  "
         "ratio %.2f  [%s]\n",
         r.transport.c_str(), r.layout.c_str(), r.series.c_str(), r.mode.c_str(),
         SizeName(r.size).c_str(), r.gbps, r.gbps_pslite, r.us_per_key, r.server_cpu_s_per_gb,
         r.server_faults_per_gb, r.worker_faults_per_gb, r.server_switches_per_gb,
         r.worker_switches_per_gb,
-        static_cast<unsigned long long>(r.pull_retries), r.bound_gbps, r.ratio,
+        static_cast<unsigned long long>(r.pull_retries),
+        static_cast<unsigned long long>(r.pull_other_buffer), r.bound_gbps, r.ratio,
         r.bound_name.c_str());
   } else {
     printf(

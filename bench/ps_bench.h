@@ -92,6 +92,7 @@ struct Row {
   std::string bound_name;
   double ratio = NAN;  // throughput: gbps / bound; latency: p50 / bound p50
   uint64_t rounds = 0, requests = 0, pull_retries = 0;
+  uint64_t pull_other_buffer = 0;  // pulls served from the other buffer read alongside
   uint64_t verified_bytes = 0;
   std::vector<double> rep_gbps, rep_bound;
 };

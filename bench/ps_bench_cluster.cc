@@ -110,6 +110,7 @@ struct WorkerOut {
   std::vector<double> lat_us;
   uint64_t verified_bytes = 0;
   uint64_t pull_retries = 0;
+  uint64_t pull_other_buffer = 0;
 };
 
 class Worker {
@@ -183,7 +184,7 @@ class Worker {
 
   WorkerOut Run(const Task& t, Barrier* start, const std::function<void()>& on_start) {
     WorkerOut out;
-    const uint64_t retries0 = client_->counters().pull_retries;
+    const ClientCounters c0 = client_->counters();
     switch (t.kind) {
       case TaskKind::kThroughput:
         out.status = Throughput(t, start, on_start, &out);
@@ -198,7 +199,9 @@ class Worker {
       case TaskKind::kQuit:
         break;
     }
-    out.pull_retries = client_->counters().pull_retries - retries0;
+    const ClientCounters c1 = client_->counters();
+    out.pull_retries = c1.pull_retries - c0.pull_retries;
+    out.pull_other_buffer = c1.pull_other_buffer - c0.pull_other_buffer;
     return out;
   }
 
@@ -589,6 +592,7 @@ Status RunCluster(const ClusterSpec& spec, const Layout& lay, const std::vector<
           r.rounds += o.rounds;
           r.requests += o.requests;
           r.pull_retries += o.pull_retries;
+          r.pull_other_buffer += o.pull_other_buffer;
         }
         gbps.push_back(g);
         gbps_ps.push_back(gp);

@@ -455,6 +455,7 @@ class PyClient {
     d["pushes"] = k.pushes;
     d["pulls"] = k.pulls;
     d["pull_retries"] = k.pull_retries;
+    d["pull_other_buffer"] = k.pull_other_buffer;
     d["failovers"] = k.failovers;
     d["pushes_resent"] = k.pushes_resent;
     d["pushes_lost"] = k.pushes_lost;

@@ -271,6 +271,9 @@ class Endpoint {
   // True when PostReadList is one operation (one credit, one request) whatever its number of
   // pieces (tcp, pieces under 4 GiB each); false when it posts a read per piece (n credits).
   virtual bool gathers_read_lists() const { return false; }
+  // True when a read is the initiator's own copy out of the target's mapped memory (shm): it
+  // costs no round trip, so reading again is as cheap as reading more in the first place.
+  virtual bool reads_are_local_copies() const { return false; }
 
   // OK while healthy; the first error that moved the endpoint into the error state otherwise.
   virtual Status status() const = 0;

@@ -438,6 +438,7 @@ ClientCounters ClientImpl::counters() const {
   if (pull_ != nullptr) {
     c.pulls = pull_->pulls();
     c.pull_retries = pull_->pull_retries();
+    c.pull_other_buffer = pull_->pull_other_buffer();
     c.bytes_pulled = pull_->bytes_pulled();
   }
   if (recovery_ != nullptr) {
@@ -619,8 +620,11 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
   rows_ = std::make_unique<RowTables>(options_, *fabric_, *sessions_, tensors_, chunks_, step_);
   RETURN_IF_ERROR(rows_->Setup());
   push_->set_row_tables(rows_.get());
-  ASSIGN_OR_RETURN(const uint64_t small, sessions_->AllocateStaging(push_->SmallStagingBytes()));
+  const uint64_t small_push = push_->SmallStagingBytes();
+  ASSIGN_OR_RETURN(const uint64_t small,
+                   sessions_->AllocateStaging(small_push + pull_->SpareStagingBytes()));
   push_->PlaceSmallStaging(small);
+  pull_->PlaceSpareStaging(small + small_push);
   return Status::OK();
 }
 

@@ -53,6 +53,9 @@ void ClientMetrics::Collect(metrics::Exposition* x) const {
   counter("shardps_client_pulled_bytes_total", "Bytes pulled.", c.bytes_pulled);
   counter("shardps_client_pull_retries_total",
           "Torn or not-yet-ready reads that were repeated.", c.pull_retries);
+  counter("shardps_client_pull_other_buffer_total",
+          "Pulls of small chunks served from the other buffer read alongside the guessed one.",
+          c.pull_other_buffer);
   counter("shardps_client_failovers_total",
           "Server groups this worker moved to a promoted backup.", c.failovers);
   counter("shardps_client_pushes_resent_total", "Pushes sent again after a failover.",

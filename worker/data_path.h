@@ -31,6 +31,10 @@ constexpr uint32_t kStagingPerChunk = 4 * kStagingSlot;
 // wire instead of two, which on tcp saves a sendmsg and a receive round per push (a 16 KiB
 // copy costs well under a microsecond).
 constexpr uint64_t kSmallPushBytes = 16 * 1024;
+// A pull of a chunk up to this size whose buffer guess missed recently reads both buffers: the
+// guessed one into the trainer's buffer, the other into staging (worker/pull_pipeline.h). A
+// miss then costs a copy of the chunk, not a second round trip.
+constexpr uint64_t kBothBuffersBytes = 16 * 1024;
 
 // The context of every post: what it was (OpKind), for which chunk and which handle.
 enum OpKind : uint32_t {

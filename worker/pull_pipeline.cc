@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 
 #include "common/trace.h"
 
@@ -30,6 +31,31 @@ PullPipeline::PullPipeline(const ClientOptions& options, const control::ClusterC
       handles_(handles),
       step_(step),
       pull_(chunks.size()) {}
+
+namespace {
+
+bool HasSpare(const ChunkPlacement& c, const Tensor& t) {
+  return c.bytes <= kBothBuffersBytes && !c.rows.rows_kind() && !t.embedding &&
+         t.path != TensorPath::kCudaDirect;  // a copy into device memory is not a memcpy
+}
+
+}  // namespace
+
+uint64_t PullPipeline::SpareStagingBytes() const {
+  uint64_t bytes = 0;
+  for (const ChunkPlacement& c : chunks_) {
+    if (HasSpare(c, tensors_[c.tensor])) bytes += layout::AlignUp(c.bytes);
+  }
+  return bytes;
+}
+
+void PullPipeline::PlaceSpareStaging(uint64_t base) {
+  for (const ChunkPlacement& c : chunks_) {
+    if (!HasSpare(c, tensors_[c.tensor])) continue;
+    pull_[c.id].spare = base;
+    base += layout::AlignUp(c.bytes);
+  }
+}
 
 StatusOr<Handle> PullPipeline::Pull(uint32_t tensor) {
   const uint64_t h = handles_.Create();
@@ -78,6 +104,8 @@ void PullPipeline::StartPull(uint32_t id, Phase phase) {
     });
   };
   const uint32_t last = more_ ? transport::kMore : transport::kSignaled;
+  c.both = phase == Phase::kAll && c.spare != 0 && c.misses != 0 &&
+           !s.ep->reads_are_local_copies();
   Status st;
   if (phase == Phase::kHeaderOnly) {
     st = read_header(2, last);
@@ -89,6 +117,14 @@ void PullPipeline::StartPull(uint32_t id, Phase phase) {
         return s.ep->PostRead(
             {t.wmr.get(), p.offset, p.bytes},
             transport::AtOffset(s.weights, s.layout->buffer_offset(p.slot, c.guess)), ctx,
+            transport::kUnsignaled);
+      });
+    }
+    if (st.ok() && c.both) {  // the other buffer, into this chunk's staging
+      st = sessions_.PostWithCredit([&] {
+        return s.ep->PostRead(
+            {sessions_.staging(), c.spare, p.bytes},
+            transport::AtOffset(s.weights, s.layout->buffer_offset(p.slot, c.guess ^ 1)), ctx,
             transport::kUnsignaled);
       });
     }
@@ -109,7 +145,8 @@ void PullPipeline::EvaluatePull(uint32_t id) {
       v >= 1 && h1->min_clock_plus1[b].load(std::memory_order_relaxed) >= c.required_plus1;
   if (c.first_read) {
     // A data read alongside this header would have been used: speculate next time.
-    c.speculate = ready && b == c.guess;
+    c.speculate = ready && (b == c.guess || c.both);
+    if (ready) c.misses = static_cast<uint8_t>(c.misses << 1 | (b != c.guess ? 1 : 0));
     c.first_read = false;
   }
   if (!ready) {
@@ -130,7 +167,9 @@ void PullPipeline::EvaluatePull(uint32_t id) {
     return;
   }
   c.not_ready = 0;
-  if (c.phase == Phase::kHeaderOnly || b != c.guess) {
+  // The other buffer was read into staging alongside the guessed one (both buffers, above).
+  const bool from_spare = c.phase == Phase::kAll && c.both && b != c.guess;
+  if (!from_spare && (c.phase == Phase::kHeaderOnly || b != c.guess)) {
     // Now we know the buffer: read it, then the header again.
     if (c.phase != Phase::kHeaderOnly) ++pull_retries_;
     c.guess = b;
@@ -141,6 +180,11 @@ void PullPipeline::EvaluatePull(uint32_t id) {
     ++pull_retries_;  // torn: the server began rewriting buffer b during our read
     StartPull(id, Phase::kHeaderOnly);
     return;
+  }
+  if (from_spare) {
+    std::memcpy(static_cast<char*>(tensors_[p.tensor].wmr->data()) + p.offset,
+                sessions_.StagingAt(c.spare), p.bytes);
+    ++pull_other_buffer_;
   }
   if (c.pulled_version != 0) c.flip = static_cast<uint32_t>((v - c.pulled_version) & 1);
   c.pulled_version = v;

@@ -20,6 +20,19 @@
 // kWaitedFraction) and tensor, not one per chunk: on emulated hosts (16 workers, 8 chunks on 2 servers, all on 2 cores) the per-chunk
 // re-reads were 2,000-4,500 per step (docs/benchmarks.md, "Hierarchical aggregation").
 //
+// Both buffers, for small chunks. The guess fails when the number of versions published
+// between two pulls is not steady: with several workers pushing under ASP or SSP, each pull of
+// a 4 KiB chunk missed its guess ~1 time in 4 (tcp 2x2; shm 1x1 too, where no server-side
+// ordering helps). A chunk of at most kBothBuffersBytes whose guess missed in any of its last 8
+// pulls (`misses`) reads both buffers in its first round trip: header, the guessed buffer into
+// the trainer's buffer, the other buffer into this chunk's own staging, header. If the header
+// names the other buffer, the snapshot is taken from staging (one copy of the chunk) under the
+// same check as always, gen[b] the same in both header reads. The version returned is the one
+// the header names, as before; only the round trip is saved. After 8 right guesses the chunk
+// reads one buffer again. (`pull_other_buffer` counts the pulls served from the copy.) Not on
+// endpoints whose reads are local copies (shm): there a second read costs no round trip, and
+// reading both buffers every time made shm push-pull at 4-16 KiB slower, not faster.
+//
 // Thread safety: none. Owned by the client; called from the client's (trainer's) thread only.
 #ifndef SHARDPS_WORKER_PULL_PIPELINE_H_
 #define SHARDPS_WORKER_PULL_PIPELINE_H_
@@ -43,6 +56,12 @@ class PullPipeline {
                ServerSessions& sessions, std::vector<Tensor>& tensors,
                const std::vector<ChunkPlacement>& chunks, HandleTable& handles,
                const StepClock& step);
+
+  // Staging for the other buffer of each small dense chunk (kBothBuffersBytes) of a tensor in
+  // host memory or staged through it: how many bytes, then where they start in the sessions'
+  // staging region (after ServerSessions::AllocateStaging).
+  uint64_t SpareStagingBytes() const;
+  void PlaceSpareStaging(uint64_t base);
 
   // Pulls every chunk of a tensor, satisfying the consistency mode at the current clock.
   StatusOr<Handle> Pull(uint32_t tensor);
@@ -86,6 +105,7 @@ class PullPipeline {
 
   uint64_t pulls() const { return pulls_; }
   uint64_t pull_retries() const { return pull_retries_; }
+  uint64_t pull_other_buffer() const { return pull_other_buffer_; }
   uint64_t bytes_pulled() const { return bytes_pulled_; }
 
  private:
@@ -105,6 +125,12 @@ class PullPipeline {
     // pull's first header read: would the data read alongside it have been the right one?
     bool speculate = true;
     bool first_read = false;  // the pull in flight has not evaluated a header yet
+    // Both buffers (above): this chunk's staging offset for the other buffer (0: none, the
+    // chunk is too large or not in host memory), the last 8 guesses (bit set: missed, newest
+    // lowest), and whether the pull in flight read both.
+    uint64_t spare = 0;
+    uint8_t misses = 0;
+    bool both = false;
     // The pull in flight.
     uint64_t handle = 0;
     Phase phase = Phase::kAll;
@@ -144,6 +170,7 @@ class PullPipeline {
   std::vector<uint32_t> deferred_;  // chunks whose re-read waits (ChunkPull::deferred)
   uint64_t pulls_ = 0;
   uint64_t pull_retries_ = 0;
+  uint64_t pull_other_buffer_ = 0;  // pulls served from the other buffer's copy in staging
   uint64_t bytes_pulled_ = 0;
   bool hold_deadlines_ = false;  // a recovery is under way
   bool more_ = false;

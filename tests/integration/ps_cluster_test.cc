@@ -387,6 +387,16 @@ TEST_P(PsClusterTest, SspBoundHoldsUnderRandomDelays) {
   EXPECT_GE(max_lead_seen.load(), 1);
 }
 
+// A worker of the race tests below: tensor "w" (m.w, the chunk raced on) and "b", started.
+StatusOr<std::unique_ptr<Client>> StartRacer(Cluster& cluster, int rank, Model& m) {
+  ASSIGN_OR_RETURN(auto c, Client::Connect(cluster.WorkerOptions(rank)));
+  RETURN_IF_ERROR(
+      c->RegisterTensor("w", m.w.data(), m.gw.data(), {static_cast<int64_t>(m.w.size())}));
+  RETURN_IF_ERROR(c->RegisterTensor("b", m.b.data(), m.gb.data(), {37}));
+  RETURN_IF_ERROR(c->Start());
+  return c;
+}
+
 // A pull never returns a torn mix of two versions: every version of the chunk is uniform (all
 // elements equal), so a torn snapshot shows two values. ASP lets pushes and pulls race.
 TEST_P(PsClusterTest, PullNeverReturnsATornChunk) {
@@ -405,11 +415,8 @@ TEST_P(PsClusterTest, PullNeverReturnsATornChunk) {
   uint64_t retries = 0;
   std::thread pusher([&] {
     Model m(n);
-    auto c = Client::Connect(cluster.WorkerOptions(0));
-    ASSERT_TRUE(c.ok());
-    ASSERT_TRUE((*c)->RegisterTensor("w", m.w.data(), m.gw.data(), {static_cast<int64_t>(n)}).ok());
-    ASSERT_TRUE((*c)->RegisterTensor("b", m.b.data(), m.gb.data(), {37}).ok());
-    ASSERT_TRUE((*c)->Start().ok());
+    auto c = StartRacer(cluster, 0, m);
+    ASSERT_TRUE(c.ok()) << c.status();
     std::fill(m.gw.begin(), m.gw.end(), -1.0f);
     while (!done) {
       auto h = (*c)->Push("w");
@@ -421,11 +428,8 @@ TEST_P(PsClusterTest, PullNeverReturnsATornChunk) {
   });
   std::thread puller([&] {
     Model m(n);
-    auto c = Client::Connect(cluster.WorkerOptions(1));
-    ASSERT_TRUE(c.ok());
-    ASSERT_TRUE((*c)->RegisterTensor("w", m.w.data(), m.gw.data(), {static_cast<int64_t>(n)}).ok());
-    ASSERT_TRUE((*c)->RegisterTensor("b", m.b.data(), m.gb.data(), {37}).ok());
-    ASSERT_TRUE((*c)->Start().ok());
+    auto c = StartRacer(cluster, 1, m);
+    ASSERT_TRUE(c.ok()) << c.status();
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(4);
     float last = -1;
     while (std::chrono::steady_clock::now() < end) {
@@ -453,6 +457,82 @@ TEST_P(PsClusterTest, PullNeverReturnsATornChunk) {
   EXPECT_GT(pulls.load(), 10);
   std::cerr << "[ info ] " << pulls.load() << " pulls, " << retries
             << " retried (torn or stale reads caught and repeated)\n";
+}
+
+// A small chunk whose buffer guess keeps missing reads both buffers (worker/pull_pipeline.h):
+// a pull whose header names the other buffer is served from the copy of it read alongside.
+// Such a pull must return exactly the version the header named: never torn, and never older
+// than a version another pull had already returned before it began (the copy left out, a pull
+// would return the guessed buffer's older version). The pusher pulls after each push and
+// publishes what it read as that floor. Its pushes come faster than the puller's pulls and at
+// an uneven rate, so the number of versions between two pulls, and with it the guess, keeps
+// changing.
+TEST_P(PsClusterTest, ASmallChunkPullReturnsTheVersionItsHeaderNamed) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.mode = control::ASP;
+  spec.workers = 2;
+  spec.servers = 1;
+  spec.optimizer.lr = 1.0f;
+  spec.average = false;
+  Cluster cluster(spec);
+  const size_t n = 1024;  // one 4 KiB chunk
+  std::atomic<bool> done{false};
+  std::atomic<int> floor_value{0};  // the newest value the pusher's own pulls returned
+  std::atomic<int> torn{0}, stale{0}, pulls{0};
+  ClientCounters counters;
+  std::thread pusher([&] {
+    Model m(n);
+    auto c = StartRacer(cluster, 0, m);
+    ASSERT_TRUE(c.ok()) << c.status();
+    std::fill(m.gw.begin(), m.gw.end(), -1.0f);  // each push adds 1 to every element
+    std::mt19937 rng(7);
+    while (!done) {
+      auto h = (*c)->Push("w");
+      ASSERT_TRUE(h.ok());
+      ASSERT_TRUE((*c)->Wait(*h).ok());
+      ASSERT_TRUE((*c)->Clock().ok());
+      auto p = (*c)->Pull("w");
+      ASSERT_TRUE(p.ok());
+      ASSERT_TRUE((*c)->Wait(*p).ok());
+      floor_value = std::max(floor_value.load(), static_cast<int>(m.w[0]));
+      if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
+    }
+    (*c)->Close().IgnoreError();
+  });
+  std::thread puller([&] {
+    Model m(n);
+    auto c = StartRacer(cluster, 1, m);
+    ASSERT_TRUE(c.ok()) << c.status();
+    std::mt19937 rng(11);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (std::chrono::steady_clock::now() < end) {
+      const int floor = floor_value.load();
+      auto h = (*c)->Pull("w");
+      ASSERT_TRUE(h.ok());
+      ASSERT_TRUE((*c)->Wait(*h).ok());
+      ++pulls;
+      const float v = m.w[0];
+      if (std::any_of(m.w.begin(), m.w.end(), [v](float x) { return x != v; })) ++torn;
+      if (v < static_cast<float>(floor)) ++stale;
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 500));
+    }
+    counters = (*c)->counters();
+    done = true;
+    (*c)->Close().IgnoreError();
+  });
+  puller.join();
+  pusher.join();
+  EXPECT_GT(pulls.load(), 100);
+  EXPECT_EQ(torn.load(), 0) << "of " << pulls.load() << " pulls";
+  EXPECT_EQ(stale.load(), 0) << "of " << pulls.load() << " pulls";
+  std::cerr << "[ info ] " << pulls.load() << " pulls, " << counters.pull_other_buffer
+            << " from the other buffer, " << counters.pull_retries << " read again\n";
+  if (GetParam() == std::string("shm")) {
+    EXPECT_EQ(counters.pull_other_buffer, 0u) << "shm reads are local copies: one buffer";
+  } else {
+    EXPECT_GT(counters.pull_other_buffer, 0u) << "no pull took the other buffer's copy";
+  }
 }
 
 // A worker that dies leaves the membership; BSP steps of the others go on without it and

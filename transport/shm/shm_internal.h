@@ -194,6 +194,7 @@ class ShmEndpoint final : public Endpoint {
   Status status() const override { return status_; }
   int outstanding() const override { return credits_.outstanding(); }
   std::string DebugString() const override { return description_; }
+  bool reads_are_local_copies() const override { return true; }
 
   // Called by the CQ's Poll.
   void Progress(int64_t now_ns);              // liveness check + backlog drain

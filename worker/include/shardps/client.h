@@ -149,6 +149,9 @@ struct ClientCounters {
   uint64_t pushes = 0;        // chunk pushes of gradients (state transfers not counted)
   uint64_t pulls = 0;         // chunk pulls (consistent snapshots)
   uint64_t pull_retries = 0;  // torn or not-yet-ready reads that were repeated
+  // Pulls of small chunks whose buffer guess missed, served from the other buffer read
+  // alongside (a copy instead of a second round trip; docs/region-layout.md).
+  uint64_t pull_other_buffer = 0;
   uint64_t bytes_pushed = 0;
   uint64_t bytes_pulled = 0;
   // Fault tolerance (docs/fault-tolerance.md).
