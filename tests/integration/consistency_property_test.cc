@@ -83,7 +83,7 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
     ASSERT_TRUE(ReleaseHold());
   }
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
-  int64_t pulls = 0, at_bound = 0, max_staleness = 0;
+  int64_t pulls = 0, at_bound = 0, max_staleness = 0, other_buffer = 0;
   for (int r = 0; r < spec.workers; ++r) {
     auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
@@ -100,10 +100,12 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
     pulls += res->Int("sig_pulls");
     at_bound += res->Int("sig_at_bound");
     max_staleness = std::max(max_staleness, res->Int("sig_max_staleness"));
+    other_buffer += res->Int("pull_other_buffer");
   }
   std::cerr << "[ info ] " << transport() << " " << mode().name << " replicas " << replicas()
             << ": " << pulls << " pulls checked, " << at_bound << " at the bound, max staleness "
-            << max_staleness << (replicas() == 2 ? ", primary of group 0 killed mid-run" : "")
+            << max_staleness << ", " << other_buffer << " chunk pulls from the other buffer"
+            << (replicas() == 2 ? ", primary of group 0 killed mid-run" : "")
             << "\n";
 }
 

@@ -27,7 +27,8 @@
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
 //   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
-//   transport, control_messages_steady, heartbeats, pushes, pulls, pull_retries (the last four
+//   transport, control_messages_steady, heartbeats, pushes, pulls, pull_retries,
+//   pull_other_buffer (the last five
 //   counted from Start() to the end of training), violations, max_lead, max_abs_grad
 //   (standalone), lr, and "tensor NAME N v0 v1 ..." with floats printed with 9 significant
 //   digits (an exact round trip of a float).
@@ -312,6 +313,7 @@ int WriteResult(const Result& r) {
   kv("pushes", std::to_string(r.counters.pushes));
   kv("pulls", std::to_string(r.counters.pulls));
   kv("pull_retries", std::to_string(r.counters.pull_retries));
+  kv("pull_other_buffer", std::to_string(r.counters.pull_other_buffer));
   kv("failovers", std::to_string(r.counters.failovers));
   kv("pushes_resent", std::to_string(r.counters.pushes_resent));
   kv("pushes_lost", std::to_string(r.counters.pushes_lost));
@@ -830,6 +832,7 @@ int RunCluster() {
   r.counters.pushes = after.pushes - before.pushes;
   r.counters.pulls = after.pulls - before.pulls;
   r.counters.pull_retries = after.pull_retries - before.pull_retries;
+  r.counters.pull_other_buffer = after.pull_other_buffer - before.pull_other_buffer;
   r.counters.heartbeats_sent = after.heartbeats_sent - before.heartbeats_sent;
   for (const auto& k : sig) {
     r.violations += k.violations();
