@@ -348,12 +348,11 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     grad = stream_->sum(slot);
   }
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
-  const uint32_t buffer = chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule, r.skip);
   workers_->Consume(worker, slot, h.seq, clock);
   ObservePushApplied(slot, h);
   r.min_clock_plus1 = gate_->SspMinClockPlus1(slot, *workers_);
   r.contributors = {push};
-  Commit(buffer, std::move(r));
+  ComputeAndCommit(grad, std::move(r));
   stats_.histograms().apply_seconds.Observe(
       std::chrono::duration<double>(Clock::now() - t0).count());
   return true;
@@ -650,9 +649,27 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   r.skip = (non_finite || no_gradient) && r.rule.kind() != layout::RuleKind::kStore;
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);
   r.contributors = std::move(a->contributors);
-  Commit(chunks_->Compute(slot, sum, r.scale, 1.0f, r.rule, r.skip), std::move(r));
+  r.lr_scale = 1.0f;
+  ComputeAndCommit(sum, std::move(r));
   stats_.histograms().apply_seconds.Observe(
       std::chrono::duration<double>(Clock::now() - t0).count());
+}
+
+void ShardServer::ComputeAndCommit(const float* grad, ReplRecord r) {
+  const uint32_t slot = r.slot;
+  if (!chunks_->is_rows(slot)) {
+    Commit(chunks_->Compute(slot, grad, r.scale, r.lr_scale, r.rule, r.skip), std::move(r));
+    return;
+  }
+  PendingVersion v;
+  v.rows_deferred = true;
+  v.grad = grad;
+  v.scale = r.scale;
+  v.lr_scale = r.lr_scale;
+  v.rule = r.rule;
+  v.skip = r.skip;
+  deferred_rows_ = v;
+  Commit(0, std::move(r));
 }
 
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
@@ -662,7 +679,11 @@ void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
   // sees it, so the worker must send it again to the promoted backup.
   if (set) CrashPoint("server.before_state_set_record");
   r.version = chunks_->version(slot) + 1;
-  pending_[slot] = PendingVersion{buffer, r.min_clock_plus1};
+  PendingVersion p;
+  if (deferred_rows_.rows_deferred) std::swap(p, deferred_rows_);
+  p.buffer = buffer;
+  p.min_clock_plus1 = r.min_clock_plus1;
+  pending_[slot] = p;
   gate_->BeginVersion(slot, r.contributors);
   const ReplicationStream::Disposition d = stream_->Submit(std::move(r));
   // "@N": the Nth state set (a loaded table or tensor), applied and its record posted, neither
@@ -675,7 +696,12 @@ void ShardServer::FinishCommit(uint32_t slot) {
   if (!gate_->in_flight(slot)) return;
   const bool initialised = chunks_->initialised(slot);
   const std::vector<Contributor> contributors = gate_->EndVersion(slot);
-  const PendingVersion& v = pending_[slot];
+  PendingVersion& v = pending_[slot];
+  if (v.rows_deferred) {
+    // The record is replicated (or there is no backup): the rows may be written now.
+    v.buffer = chunks_->Compute(slot, v.grad, v.scale, v.lr_scale, v.rule, v.skip);
+    v.rows_deferred = false;
+  }
   // Stamped before the version becomes visible: a worker's read may see it (and its pull end)
   // before this thread, descheduled on a busy host, records the event (trace.cluster caught a
   // pull ending 135 us before a publish stamped after it).

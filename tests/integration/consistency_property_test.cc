@@ -7,9 +7,16 @@
 // (tests/integration/signature_check.h: one exactly representable signature per (worker,
 // clock) update), random per-step delays and a straggler (rank 0 sleeps up to 30 ms a step,
 // the others up to 8 ms). After every step each worker decodes from the weights it pulled
-// exactly which updates they hold and checks the mode's guarantee on that pull. With replicas 2
-// the primary of group 0 is SIGKILLed mid-run: the guarantee must hold across the failover.
-// Printed per case: pulls checked, pulls at the bound, the largest staleness seen.
+// exactly which updates they hold and checks the mode's guarantee on that pull. The same
+// signatures go to three row tables (embeddings) of one row per update: dense ids, hashed ids,
+// and dense ids behind a worker cache; each is read whole with PullRows after every step and
+// checked the same way. The `_rows` cases register the row tables only: there Step() has no
+// dense pull, whose wait for the clock would otherwise let the servers finish the rows' clock
+// before PullRows reads them, so each row pull's own check of the bound is what is tested.
+// With replicas 2 the primary of group 0 is SIGKILLed mid-run: the guarantee must hold across
+// the failover, for the dense tensors and the row tables alike.
+// Printed per case: pulls checked, pulls at the bound, the largest staleness seen, chunk pulls
+// served from the other buffer, and rows the worker cache served.
 #include <algorithm>
 #include <string>
 #include <tuple>
@@ -32,7 +39,8 @@ struct ModeCase {
 constexpr ModeCase kModes[] = {{"bsp", "bsp", 0},  {"ssp0", "ssp", 0}, {"ssp1", "ssp", 1},
                                {"ssp2", "ssp", 2}, {"asp", "asp", 0},  {"vsgd2", "vsgd", 2}};
 
-using Param = std::tuple<std::string, int, int>;  // transport, index into kModes, replicas
+// transport, index into kModes, replicas, row tables only
+using Param = std::tuple<std::string, int, int, bool>;
 
 class ConsistencyPropertyTest : public ProcessTestBase,
                                 public ::testing::WithParamInterface<Param> {
@@ -41,6 +49,7 @@ class ConsistencyPropertyTest : public ProcessTestBase,
   std::string transport() const { return std::get<0>(GetParam()); }
   const ModeCase& mode() const { return kModes[std::get<1>(GetParam())]; }
   int replicas() const { return std::get<2>(GetParam()); }
+  bool rows_only() const { return std::get<3>(GetParam()); }
   bool Emulated() const { return transport() == "verbs"; }
 };
 
@@ -64,7 +73,9 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
   ASSERT_TRUE(StartCluster(spec));
   std::vector<ChildProcess*> workers;
   for (int r = 0; r < spec.workers; ++r) {
-    std::vector<std::string> flags = {"--model=signature", "--steps=" + std::to_string(kSteps),
+    std::vector<std::string> flags = {"--model=signature", "--signature_rows",
+                                      rows_only() ? "--nosignature_dense" : "--signature_dense",
+                                      "--steps=" + std::to_string(kSteps),
                                       std::string("--max_delay_ms=") + (r == 0 ? "30" : "8"),
                                       "--progress_file=" + Path("progress" + std::to_string(r))};
     if (replicas() == 2) {
@@ -83,13 +94,15 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
     ASSERT_TRUE(ReleaseHold());
   }
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
-  int64_t pulls = 0, at_bound = 0, max_staleness = 0, other_buffer = 0;
+  int64_t pulls = 0, row_pulls = 0, at_bound = 0, max_staleness = 0, other_buffer = 0;
+  int64_t cache_hits = 0;
   for (int r = 0; r < spec.workers; ++r) {
     auto res = Result(r);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_EQ(res->Int("steps"), kSteps);
     EXPECT_EQ(res->Int("violations"), 0) << "worker " << r << " (log: " << Tail(workers[r]) << ")";
-    EXPECT_EQ(res->Int("sig_pulls"), 2 * kSteps) << "worker " << r;
+    EXPECT_EQ(res->Int("sig_pulls"), rows_only() ? 0 : 2 * kSteps) << "worker " << r;
+    EXPECT_EQ(res->Int("row_sig_pulls"), 3 * kSteps) << "worker " << r;
     EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
     if (replicas() == 2) {
       EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
@@ -98,24 +111,30 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
       EXPECT_LE(res->Int("sig_max_staleness"), mode().staleness) << "worker " << r;
     }
     pulls += res->Int("sig_pulls");
+    row_pulls += res->Int("row_sig_pulls");
+    cache_hits += res->Int("row_cache_hits");
     at_bound += res->Int("sig_at_bound");
     max_staleness = std::max(max_staleness, res->Int("sig_max_staleness"));
     other_buffer += res->Int("pull_other_buffer");
   }
   std::cerr << "[ info ] " << transport() << " " << mode().name << " replicas " << replicas()
-            << ": " << pulls << " pulls checked, " << at_bound << " at the bound, max staleness "
-            << max_staleness << ", " << other_buffer << " chunk pulls from the other buffer"
+            << ": " << pulls << " tensor and " << row_pulls << " row-table pulls checked, "
+            << at_bound << " at the bound, max staleness " << max_staleness << ", "
+            << other_buffer << " chunk pulls from the other buffer, " << cache_hits
+            << " rows from the worker cache"
             << (replicas() == 2 ? ", primary of group 0 killed mid-run" : "")
             << "\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Combinations, ConsistencyPropertyTest,
                          ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
-                                            ::testing::Range(0, 6), ::testing::Values(1, 2)),
+                                            ::testing::Range(0, 6), ::testing::Values(1, 2),
+                                            ::testing::Bool()),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" +
                                   kModes[std::get<1>(info.param)].name + "_r" +
-                                  std::to_string(std::get<2>(info.param));
+                                  std::to_string(std::get<2>(info.param)) +
+                                  (std::get<3>(info.param) ? "_rows" : "");
                          });
 
 }  // namespace

@@ -28,6 +28,9 @@ class FaultInjectingEndpoint final : public Endpoint {
   Status status() const override { return inner_->status(); }
   int outstanding() const override { return inner_->outstanding(); }
   std::string DebugString() const override { return "fault(" + inner_->DebugString() + ")"; }
+  // What the provider underneath does, so that the client takes the paths it takes there.
+  bool gathers_read_lists() const override { return inner_->gathers_read_lists(); }
+  bool reads_are_local_copies() const override { return inner_->reads_are_local_copies(); }
 
  private:
   bool Choose(uint32_t flags) {

@@ -501,6 +501,10 @@ TEST_P(PsClusterTest, ASmallChunkPullReturnsTheVersionItsHeaderNamed) {
     (*c)->Close().IgnoreError();
   });
   std::thread puller([&] {
+    struct Done {  // also when an assertion returns early: the pusher must stop
+      std::atomic<bool>& done;
+      ~Done() { done = true; }
+    } mark{done};
     Model m(n);
     auto c = StartRacer(cluster, 1, m);
     ASSERT_TRUE(c.ok()) << c.status();

@@ -24,6 +24,11 @@
 //            --lr=1); after each step the worker decodes which updates its pull holds and
 //            checks the cluster's consistency mode on it (tests/integration/signature_check.h).
 //            Written: sig_pulls, sig_at_bound, sig_max_staleness; violations counts both tensors'.
+//            --signature_rows: the same signatures in three row tables of one row per update
+//            (dense S, hashed H, dense with a worker cache C), each read whole with PullRows
+//            after every step and checked the same way (a row whose values differ is a
+//            violation too). Written: row_sig_pulls, row_cache_hits; violations, sig_at_bound
+//            and sig_max_staleness include them. --nosignature_dense leaves W and b out.
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
 //   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
@@ -147,6 +152,13 @@ DEFINE_int32(wait_timeout_ms, 15000, "Client wait timeout (a stuck pull fails af
 DEFINE_uint64(inject_data_error_every, 0,
               "Testing: every Nth message-carrying data-path post (write with immediate) names a "
               "wrong rkey, an error completion (tests/integration/fault_injecting_fabric.h)");
+DEFINE_bool(signature_rows, false,
+            "--model=signature: also three row tables of workers x steps rows of 4 floats (dense, "
+            "hashed, dense with a worker cache), one row per (worker, clock) update, read whole "
+            "after every step and checked like W and b");
+DEFINE_bool(signature_dense, true,
+            "--model=signature: register W and b (false, with --signature_rows: the row tables "
+            "only, so that no dense pull in Step() waits for the clock before a row pull does)");
 DEFINE_string(reference, "", "compare: the standalone run's result file");
 DEFINE_string(results, "", "compare: comma-separated result files of the cluster's workers");
 
@@ -281,6 +293,7 @@ struct Result {
   std::string barrier_arrive_ns, barrier_release_ns, barrier_gen;  // --barrier_every: lists
   int view_buffer_untouched = -1;  // --weights_view: 1 if the registered buffers kept their values
   uint64_t sig_pulls = 0, sig_at_bound = 0;  // signature model
+  uint64_t row_sig_pulls = 0;                 // --signature_rows: row-table pulls checked
   int64_t sig_max_staleness = 0;
   uint64_t start_clock = 0;  // the clock after Start() (> 0: joined a running cluster)
   uint64_t end_clock = 0;    // the clock after the last step (> steps: clocks were skipped)
@@ -336,6 +349,10 @@ int WriteResult(const Result& r) {
   kv("sig_pulls", std::to_string(r.sig_pulls));
   kv("sig_at_bound", std::to_string(r.sig_at_bound));
   kv("sig_max_staleness", std::to_string(r.sig_max_staleness));
+  if (FLAGS_signature_rows) {
+    kv("row_sig_pulls", std::to_string(r.row_sig_pulls));
+    kv("row_cache_hits", std::to_string(r.counters.row_cache_hits));
+  }
   snprintf(buf, sizeof(buf), "%.17g", FLAGS_lr);
   kv("lr", buf);
   snprintf(buf, sizeof(buf), "%.9g", r.max_abs_grad);
@@ -573,7 +590,25 @@ int RunCluster() {
       linreg ? static_cast<size_t>(FLAGS_dim) * FLAGS_outputs : (signature ? nsig : FLAGS_workers);
   const size_t nb =
       linreg ? FLAGS_outputs : (signature ? nsig : (FLAGS_count_in_b ? FLAGS_workers : 1));
-  std::vector<shardps::testing_util::SignatureCheck> sig;
+  std::vector<shardps::testing_util::SignatureCheck> sig, row_sig;
+  // --signature_rows: update u = w * steps + t is row ids[u] of each table (hashed: a scattered
+  // 64-bit key, negative ones included).
+  struct SigTable {
+    const char* name;
+    bool hashed;
+    uint32_t cache_rows;
+    std::vector<int64_t> ids;
+  };
+  constexpr int kSigDim = 4;
+  std::vector<SigTable> sig_tables;
+  if (signature && FLAGS_signature_rows) {
+    sig_tables = {{"S", false, 0, {}}, {"H", true, 0, {}}, {"C", false, 48, {}}};
+    for (SigTable& tb : sig_tables) {
+      for (size_t u = 0; u < nsig; ++u) {
+        tb.ids.push_back(static_cast<int64_t>(tb.hashed ? SplitMix(u + 1) : u));
+      }
+    }
+  }
   if (signature) {
     // The cluster's mode, as the client reports it: "bsp", "asp", "ssp(s=2)", "vsgd(s=2)".
     const std::string cm = c.consistency();
@@ -584,7 +619,12 @@ int RunCluster() {
       fprintf(stderr, "ps_test_worker: unknown consistency %s\n", cm.c_str());
       return 2;
     }
-    for (int i = 0; i < 2; ++i) sig.emplace_back(mode, s, FLAGS_workers, FLAGS_steps);
+    if (FLAGS_signature_dense) {
+      for (int i = 0; i < 2; ++i) sig.emplace_back(mode, s, FLAGS_workers, FLAGS_steps);
+    }
+    for (size_t i = 0; i < sig_tables.size(); ++i) {
+      row_sig.emplace_back(mode, s, FLAGS_workers, FLAGS_steps);
+    }
   }
   std::vector<float> w(nw), b(nb), gw(nw), gb(nb);
   // Only rank 0's initial weights count; the others start from garbage so that a worker that
@@ -610,12 +650,25 @@ int RunCluster() {
     std::memcpy(b.data(), *vb, b.size() * sizeof(float));
     return Status::OK();
   };
-  Status st = c.RegisterTensor("W", wbuf, gw.data(), shape_w);
-  if (st.ok()) st = c.RegisterTensor("b", bbuf, gb.data(), {static_cast<int64_t>(nb)});
+  const bool dense = !signature || FLAGS_signature_dense;
+  Status st;
+  if (dense) st = c.RegisterTensor("W", wbuf, gw.data(), shape_w);
+  if (st.ok() && dense) st = c.RegisterTensor("b", bbuf, gb.data(), {static_cast<int64_t>(nb)});
   // The counter model's row table: each step pushes -1 into row 100 + rank and the shared
   // row 7 (servers sum, lr 1), so a row counts the pushes applied to it.
   const bool counter_rows = FLAGS_model == "counter" && FLAGS_embedding_rows > 0;
   const int erows = linreg || counter_rows ? FLAGS_embedding_rows : 0;
+  for (const SigTable& tb : sig_tables) {
+    if (!st.ok()) break;
+    shardps::EmbeddingOptions eo;
+    eo.max_ids = 4;
+    eo.init = shardps::EmbeddingOptions::Init::kZeros;
+    eo.hashed = tb.hashed;
+    eo.cache_rows = tb.cache_rows;
+    // Hashed: a capacity far above the updates, so that no bucket fills (nothing is evicted).
+    st = c.RegisterEmbedding(tb.name, tb.hashed ? 4096 : static_cast<int64_t>(nsig), kSigDim,
+                             shardps::TensorDType::kFloat32, eo);
+  }
   if (st.ok() && erows > 0) {
     shardps::EmbeddingOptions eo;
     eo.max_ids = 16;
@@ -758,6 +811,16 @@ int RunCluster() {
     } else if (signature) {
       shardps::testing_util::SignatureCheck::Gradient(me, t, FLAGS_steps, &gw);
       shardps::testing_util::SignatureCheck::Gradient(me, t, FLAGS_steps, &gb);
+      const float minus[kSigDim] = {-1.0f, -1.0f, -1.0f, -1.0f};
+      for (const SigTable& tb : sig_tables) {
+        const int64_t id = tb.ids[static_cast<size_t>(me) * FLAGS_steps + t];
+        st = c.AddRowGradients(tb.name, &id, 1, minus);
+        if (!st.ok()) {
+          fprintf(stderr, "ps_test_worker rank %d: table %s, step %d: %s\n", me, tb.name, t,
+                  st.ToString().c_str());
+          return 5;
+        }
+      }
     } else {
       std::fill(gw.begin(), gw.end(), 0.0f);
       std::fill(gb.begin(), gb.end(), 0.0f);
@@ -774,10 +837,33 @@ int RunCluster() {
     if (signature) {
       const int64_t clock = static_cast<int64_t>(c.clock());
       const std::vector<float>* pulled[2] = {&w, &b};
-      for (int i = 0; i < 2; ++i) {
+      for (size_t i = 0; i < sig.size(); ++i) {
         if (sig[i].Check(clock, *pulled[i]) > 0 && sig[i].violations() <= 3) {
           fprintf(stderr, "ps_test_worker rank %d: tensor %s: %s\n", me, i == 0 ? "W" : "b",
                   sig[i].last_error().c_str());
+        }
+      }
+      std::vector<float> rows(nsig * kSigDim), vals(nsig);
+      for (size_t i = 0; i < sig_tables.size(); ++i) {
+        const SigTable& tb = sig_tables[i];
+        st = c.PullRows(tb.name, tb.ids.data(), nsig, rows.data());
+        if (!st.ok()) {
+          fprintf(stderr, "ps_test_worker rank %d: table %s, pull after step %d: %s\n", me,
+                  tb.name, t, st.ToString().c_str());
+          return 5;
+        }
+        for (size_t u = 0; u < nsig; ++u) {
+          vals[u] = rows[u * kSigDim];
+          for (int j = 1; j < kSigDim; ++j) {
+            if (rows[u * kSigDim + j] != vals[u] && r.violations++ < 3) {  // one version a row
+              fprintf(stderr, "ps_test_worker rank %d: table %s row of update %zu: %g and %g\n",
+                      me, tb.name, u, vals[u], rows[u * kSigDim + j]);
+            }
+          }
+        }
+        if (row_sig[i].Check(clock, vals) > 0 && row_sig[i].violations() <= 3) {
+          fprintf(stderr, "ps_test_worker rank %d: table %s: %s\n", me, tb.name,
+                  row_sig[i].last_error().c_str());
         }
       }
     } else if (!linreg) {
@@ -840,8 +926,14 @@ int RunCluster() {
     r.sig_at_bound += k.at_bound();
     r.sig_max_staleness = std::max(r.sig_max_staleness, k.max_staleness());
   }
+  for (const auto& k : row_sig) {
+    r.violations += k.violations();
+    r.row_sig_pulls += k.pulls();
+    r.sig_at_bound += k.at_bound();
+    r.sig_max_staleness = std::max(r.sig_max_staleness, k.max_staleness());
+  }
   r.injected_errors = faults ? faults->injected.load() : 0;
-  r.tensors = {{"W", &w}, {"b", &b}};
+  if (dense) r.tensors = {{"W", &w}, {"b", &b}};
   std::vector<float> e;
   if (erows > 0) {
     std::vector<int64_t> all(static_cast<size_t>(erows));
@@ -970,7 +1062,9 @@ int main(int argc, char** argv) {
   FLAGS_logtostderr = true;
   if (FLAGS_steps < 0 || FLAGS_workers < 1 || FLAGS_batch < 1 || FLAGS_dim < 1 ||
       FLAGS_outputs < 1 ||
-      (FLAGS_model != "linreg" && FLAGS_model != "counter" && FLAGS_model != "signature")) {
+      (FLAGS_model != "linreg" && FLAGS_model != "counter" && FLAGS_model != "signature") ||
+      (FLAGS_signature_rows && FLAGS_model != "signature") ||
+      (!FLAGS_signature_dense && !(FLAGS_model == "signature" && FLAGS_signature_rows))) {
     fprintf(stderr, "ps_test_worker: bad flags (see --help)\n");
     return 2;
   }

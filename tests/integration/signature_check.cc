@@ -67,6 +67,9 @@ int SignatureCheck::Check(int64_t clock, const std::vector<float>& weights) {
         case Mode::kSsp:
         case Mode::kVsgd:
           if (!in && t <= clock - staleness_ - 1) report("beyond the staleness bound");
+          // A worker pushes clock t only after a pull at clock t that needed this worker's
+          // updates of clocks <= t - s - 1; this worker has pushed clocks < `clock` only.
+          if (in && t > clock + staleness_) report("an update of a clock no worker can reach yet");
           break;
         case Mode::kAsp:
           break;

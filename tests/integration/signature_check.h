@@ -14,7 +14,8 @@
 //                mixed into another's element, shows; an update once seen never disappears
 //                (published versions are ordered, failovers included);
 //   BSP          the pull holds exactly the updates of clocks < c, every worker's;
-//   SSP(s), VSGD(s)  it holds every update of clocks <= c - s - 1 (the bound);
+//   SSP(s), VSGD(s)  it holds every update of clocks <= c - s - 1 (the bound), and none of a
+//                clock above c + s (no worker can push one before this worker's clock c);
 //   ASP          nothing more (staleness is reported, not bounded).
 // Reported per worker: pulls, violations, pulls at the bound (the oldest missing update was of
 // clock c - s exactly: the worker read as stale as the bound allows, s >= 1), and the largest

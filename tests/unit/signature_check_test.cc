@@ -46,6 +46,19 @@ TEST(SignatureCheckTest, SspBoundAndAtBoundCount) {
   EXPECT_NE(bad.last_error().find("worker 1, clock 2"), std::string::npos) << bad.last_error();
 }
 
+TEST(SignatureCheckTest, SspRejectsAnUpdateNoWorkerCanHaveReached) {
+  for (Mode m : {Mode::kSsp, Mode::kVsgd}) {
+    // Clock 2, s = 2: another worker may be at clock 4 (its pull at 4 needed this worker's
+    // updates of clocks <= 1), so updates up to clock 4 may be in, and none of clock 5.
+    SignatureCheck k(m, 2, kWorkers, kSteps);
+    EXPECT_EQ(k.Check(2, Holding([](int w, int t) { return t < 2 || (w == 1 && t <= 4); })), 0);
+    EXPECT_EQ(k.Check(2, Holding([](int w, int t) { return t < 2 || (w == 1 && t <= 5); })), 1);
+    EXPECT_NE(k.last_error().find("worker 1, clock 5"), std::string::npos) << k.last_error();
+  }
+  SignatureCheck a(Mode::kAsp, 0, kWorkers, kSteps);  // ASP: no such limit
+  EXPECT_EQ(a.Check(1, Holding([](int w, int t) { return w == 1 && t <= 5; })), 0);
+}
+
 TEST(SignatureCheckTest, DoubleAppliedAndVanishedUpdatesAreCaughtInEveryMode) {
   for (Mode m : {Mode::kBsp, Mode::kSsp, Mode::kAsp, Mode::kVsgd}) {
     SignatureCheck k(m, 1, kWorkers, kSteps);

@@ -539,7 +539,7 @@ void TcpEndpoint::OnReadable() {
 // (docs/transport.md). An RC responder may execute a READ at any time after the writes before
 // it; the wait picks a later time, bounded, so reads stay one-sided: an application that does
 // not come back for that long delays reads by that much once, and not again until it is done
-// with every immediate.
+// with the immediates it had then.
 bool TcpEndpoint::ReadWaits() {
   const int64_t max_ns = int64_t{engine_->options().tcp_read_wait_us} * 1000;
   if (rx_discard_ || max_ns <= 0) return false;  // refused anyway / never waits
@@ -548,7 +548,13 @@ bool TcpEndpoint::ReadWaits() {
     read_wait_expired_ = false;
     return false;
   }
-  if (read_wait_expired_) return false;
+  if (read_wait_expired_) {
+    // Reads go at once until the application is done with the immediates it had been given
+    // when the wait ran out; later ones are waited for again (an expiry once, on a busy host,
+    // must not switch the wait off for good while pushes keep the application behind).
+    if (imm_done_.load(std::memory_order_acquire) < read_wait_expired_at_) return false;
+    read_wait_expired_ = false;
+  }
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now().time_since_epoch())
                           .count();
@@ -556,6 +562,7 @@ bool TcpEndpoint::ReadWaits() {
   if (now - read_wait_since_ns_ < max_ns) return true;
   read_wait_since_ns_ = 0;
   read_wait_expired_ = true;
+  read_wait_expired_at_ = imm_delivered_;
   return false;
 }
 

@@ -423,10 +423,11 @@ class TcpEndpoint final : public Endpoint {
   // A read request that arrived behind immediates the application is not done with waits for
   // them (ReadWaits), at most FabricOptions::tcp_read_wait_us: since when (0: not waiting), whether it is on the
   // engine's read_wait_ list, and whether the wait ran out (no read waits again until the
-  // application is done with every immediate).
+  // application is done with the immediates delivered by then: read_wait_expired_at_).
   int64_t read_wait_since_ns_ = 0;
   bool read_wait_listed_ = false;
   bool read_wait_expired_ = false;
+  uint64_t read_wait_expired_at_ = 0;
   uint64_t imm_delivered_ = 0;          // immediates pushed to the CQ (progress thread)
   std::atomic<uint64_t> imm_done_{0};  // of them, those the application is done with
   std::atomic<bool> rx_paused_{false};

@@ -149,9 +149,6 @@ struct ClientCounters {
   uint64_t pushes = 0;        // chunk pushes of gradients (state transfers not counted)
   uint64_t pulls = 0;         // chunk pulls (consistent snapshots)
   uint64_t pull_retries = 0;  // torn or not-yet-ready reads that were repeated
-  // Pulls of small chunks whose buffer guess missed, served from the other buffer read
-  // alongside (a copy instead of a second round trip; docs/region-layout.md).
-  uint64_t pull_other_buffer = 0;
   uint64_t bytes_pushed = 0;
   uint64_t bytes_pulled = 0;
   // Fault tolerance (docs/fault-tolerance.md).
@@ -169,6 +166,10 @@ struct ClientCounters {
   // Sum over hits of (the clock now - the clock the row's read included): staleness = this /
   // hits, in clocks.
   uint64_t row_cache_staleness = 0;
+  // Pulls of small chunks whose buffer guess missed, served from the other buffer read
+  // alongside (a copy instead of a second round trip; docs/region-layout.md). Fields are
+  // appended here, never inserted: the struct is returned by value across the ABI.
+  uint64_t pull_other_buffer = 0;
 };
 
 // Handle of an asynchronous Push or Pull.
