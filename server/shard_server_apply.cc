@@ -12,6 +12,7 @@
 #include "server/shard_server.h"
 
 #include "common/crash_point.h"
+#include "common/stall_point.h"
 #include "common/trace.h"
 #include "proto/credentials.h"
 
@@ -678,6 +679,10 @@ void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
   // "@N": the Nth state set, applied here and consumed, its record not posted: the backup never
   // sees it, so the worker must send it again to the promoted backup.
   if (set) CrashPoint("server.before_state_set_record");
+  // "@N": the Nth version, computed (a row shard's: not yet) and its record not yet posted. A
+  // primary stopped here and then killed never replicates it: what a reader may have seen of
+  // it is what a failover takes back (RowVisibilityTest).
+  StallPoint("server.before_record");
   r.version = chunks_->version(slot) + 1;
   PendingVersion p;
   if (deferred_rows_.rows_deferred) std::swap(p, deferred_rows_);

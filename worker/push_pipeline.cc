@@ -6,6 +6,7 @@
 
 #include <glog/logging.h>
 
+#include "common/stall_point.h"
 #include "common/trace.h"
 #include "worker/row_tables.h"
 
@@ -432,6 +433,7 @@ Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
                     "gradient buffer may have been reused)";
   }
   if (resendable) {
+    StallPoint("worker.before_resend");  // the first resend after a failover, held back
     RETURN_IF_ERROR(PostPush(id, c.seq, c.handle[p]));
     ++pushes_resent_;
   }

@@ -140,6 +140,9 @@ struct ClusterSpec {
   // Server rank crash_rank (>= 0) runs with SHARDPS_CRASH_POINT=crash_point (common/crash_point.h).
   int crash_rank = -1;
   std::string crash_point;
+  // Server rank stall_rank (>= 0) runs with SHARDPS_STALL_POINT=stall_point (common/stall_point.h).
+  int stall_rank = -1;
+  std::string stall_point;
   std::vector<std::string> coordinator_extra;  // more coordinator flags (e.g. --shard_layout)
 };
 
@@ -257,9 +260,15 @@ class ProcessTestBase : public ::testing::Test {
       } else {
         unsetenv("SHARDPS_CRASH_POINT");
       }
+      if (i == spec.stall_rank) {
+        setenv("SHARDPS_STALL_POINT", spec.stall_point.c_str(), 1);
+      } else {
+        unsetenv("SHARDPS_STALL_POINT");
+      }
       servers_.push_back(SpawnServer(spec, i, {}, "server" + std::to_string(i) + ".log"));
     }
     unsetenv("SHARDPS_CRASH_POINT");
+    unsetenv("SHARDPS_STALL_POINT");
   }
   // One shardps_server of this test's cluster, requesting `rank`, with `extra` flags (--spare).
   ChildProcess* SpawnServer(const ClusterSpec& spec, int rank,

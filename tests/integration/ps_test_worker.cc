@@ -28,7 +28,8 @@
 //            (dense S, hashed H, dense with a worker cache C), each read whole with PullRows
 //            after every step and checked the same way (a row whose values differ is a
 //            violation too). Written: row_sig_pulls, row_cache_hits; violations, sig_at_bound
-//            and sig_max_staleness include them. --nosignature_dense leaves W and b out.
+//            and sig_max_staleness include them. --nosignature_dense leaves W and b out;
+//            --signature_reader_ms=D makes a worker that only reads the tables, for D ms.
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
 //   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
@@ -156,6 +157,10 @@ DEFINE_bool(signature_rows, false,
             "--model=signature: also three row tables of workers x steps rows of 4 floats (dense, "
             "hashed, dense with a worker cache), one row per (worker, clock) update, read whole "
             "after every step and checked like W and b");
+DEFINE_int32(signature_reader_ms, 0,
+             "--model=signature --signature_rows: push nothing; read every row table whole, over "
+             "and over, for this long, checking each read against the earlier ones (ASP: an "
+             "update once seen never disappears), then write the result and leave");
 DEFINE_bool(signature_dense, true,
             "--model=signature: register W and b (false, with --signature_rows: the row tables "
             "only, so that no dense pull in Step() waits for the clock before a row pull does)");
@@ -740,6 +745,53 @@ int RunCluster() {
   r.start_clock = c.clock();
   std::mt19937 rng(1000 + me);
   Progress(0);
+  if (FLAGS_signature_reader_ms > 0) {
+    // A worker that never pushes (its clock stays where it is): every read of every table is
+    // checked against the ones before it, and the reads go on across a failover.
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(FLAGS_signature_reader_ms);
+    std::vector<float> rows(nsig * kSigDim), vals(nsig);
+    bool all_in = false;  // every other worker's every update, in every table
+    while (!all_in && std::chrono::steady_clock::now() < until) {
+      all_in = true;
+      for (size_t i = 0; i < sig_tables.size(); ++i) {
+        const SigTable& tb = sig_tables[i];
+        st = c.PullRows(tb.name, tb.ids.data(), nsig, rows.data());
+        if (!st.ok()) {
+          fprintf(stderr, "ps_test_worker rank %d: reader, table %s: %s\n", me, tb.name,
+                  st.ToString().c_str());
+          return 5;
+        }
+        for (size_t u = 0; u < nsig; ++u) {
+          vals[u] = rows[u * kSigDim];
+          for (int j = 1; j < kSigDim; ++j) {
+            if (rows[u * kSigDim + j] != vals[u] && r.violations++ < 3) {
+              fprintf(stderr, "ps_test_worker rank %d: table %s row of update %zu: %g and %g\n",
+                      me, tb.name, u, vals[u], rows[u * kSigDim + j]);
+            }
+          }
+        }
+        if (row_sig[i].Check(static_cast<int64_t>(c.clock()), vals) > 0 &&
+            row_sig[i].violations() <= 3) {
+          fprintf(stderr, "ps_test_worker rank %d: reader, table %s: %s\n", me, tb.name,
+                  row_sig[i].last_error().c_str());
+        }
+        for (size_t u = 0; u < nsig; ++u) {
+          all_in = all_in && (u / FLAGS_steps == static_cast<size_t>(me) || vals[u] != 0.0f);
+        }
+      }
+    }
+    r.steps = all_in ? 1 : 0;  // 1: it saw the others finish
+    r.counters = c.counters();
+    for (const auto& k : row_sig) {
+      r.violations += k.violations();
+      r.row_sig_pulls += k.pulls();
+    }
+    const int rc = WriteResult(r);
+    st = c.Close();
+    if (!st.ok()) LOG(WARNING) << "rank " << me << ": leave: " << st;
+    return rc;
+  }
   const int first_step = FLAGS_resume ? static_cast<int>(r.start_clock) : 0;
   for (int t = first_step; t < FLAGS_steps; ++t) {
     if (FLAGS_hold_at_step > 0 && t == FLAGS_hold_at_step && !AwaitHoldFile(me)) return 5;
@@ -1064,7 +1116,8 @@ int main(int argc, char** argv) {
       FLAGS_outputs < 1 ||
       (FLAGS_model != "linreg" && FLAGS_model != "counter" && FLAGS_model != "signature") ||
       (FLAGS_signature_rows && FLAGS_model != "signature") ||
-      (!FLAGS_signature_dense && !(FLAGS_model == "signature" && FLAGS_signature_rows))) {
+      (!FLAGS_signature_dense && !(FLAGS_model == "signature" && FLAGS_signature_rows)) ||
+      (FLAGS_signature_reader_ms > 0 && !(FLAGS_model == "signature" && FLAGS_signature_rows))) {
     fprintf(stderr, "ps_test_worker: bad flags (see --help)\n");
     return 2;
   }
