@@ -124,18 +124,21 @@ class ShardServer {
 
  private:
   // A version computed into a chunk's unpublished buffer, waiting for its replication record.
-  // A row shard's version is not computed yet (its rows are written in place): its inputs wait
-  // here, and FinishCommit computes it once the record is replicated, so that no reader sees a
+  // A row shard's version is not written yet (its rows are written in place): its inputs wait
+  // here, and FinishCommit writes it once the record is replicated, so that no reader sees a
   // row the backup may not have (a failover would take it back: docs/embeddings.md).
   struct PendingVersion {
+    enum class Rows { kNone, kCompute, kSet };  // kNone: a dense chunk's, already computed
     uint32_t buffer = 0;
     uint64_t min_clock_plus1 = 0;
-    bool rows_deferred = false;
-    const float* grad = nullptr;  // stream_->sum(slot): the slot's own, kept while in flight
-    float scale = 1.0f;
+    Rows rows = Rows::kNone;
+    const float* payload = nullptr;  // stream_->sum(slot): the slot's own, kept while in flight
+    float scale = 1.0f;              // kCompute
     float lr_scale = 1.0f;
-    layout::UpdateRule rule;
     bool skip = false;
+    layout::UpdateRule rule{};       // kCompute and kSet
+    layout::PushOp op{};             // kSet
+    uint64_t steps = 0;
   };
 
   // Setup and control plane (shard_server.cc).
@@ -217,7 +220,9 @@ class ShardServer {
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
   void MaybeApplyBsp(uint32_t slot);
   // A new version of `slot` sits in `r`'s buffer: replicate it, then publish it.
-  void Commit(uint32_t buffer, ReplRecord r);
+  // `rows`: a row shard's version to write at FinishCommit (its buffer and min clock are set here).
+  void Commit(uint32_t buffer, ReplRecord r, PendingVersion rows);
+  void Commit(uint32_t buffer, ReplRecord r);  // a dense chunk's
   // Commit of an update: a dense chunk's version is computed now, a row shard's at FinishCommit.
   void ComputeAndCommit(const float* grad, ReplRecord r);
   void FinishCommit(uint32_t slot);  // publish, acknowledge, capture; queue the slot's work
@@ -272,7 +277,6 @@ class ShardServer {
   uint64_t ckpt_failures_seen_ = 0;                // writer failures already answered
   Clock::time_point gauges_published_{};           // Housekeeping's last gauge update
   std::vector<PendingVersion> pending_;            // by slot: the version in flight
-  PendingVersion deferred_rows_;  // ComputeAndCommit's row inputs, handed to Commit
   std::deque<uint32_t> work_;                      // slots with a newly published version
 
   // Role.

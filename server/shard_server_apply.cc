@@ -534,7 +534,14 @@ bool ShardServer::HandleRowStateOp(uint32_t worker, uint32_t slot, uint32_t pari
   VLOG(1) << "server rank " << rank_ << ": worker " << worker << " set " << acc.size()
           << (op == layout::PushOp::kSetWeights ? " rows" : " rows' optimizer state")
           << " of chunk " << chunks_->chunk_id(slot);
-  Commit(chunks_->Set(slot, op, stream_->sum(slot), r.steps, h.rule), std::move(r));
+  // Written in place at FinishCommit, once its record is replicated (as a row update is).
+  PendingVersion set;
+  set.rows = PendingVersion::Rows::kSet;
+  set.payload = stream_->sum(slot);
+  set.op = op;
+  set.steps = r.steps;
+  set.rule = h.rule;
+  Commit(0, std::move(r), set);
   return true;
 }
 
@@ -663,32 +670,34 @@ void ShardServer::ComputeAndCommit(const float* grad, ReplRecord r) {
     return;
   }
   PendingVersion v;
-  v.rows_deferred = true;
-  v.grad = grad;
+  v.rows = PendingVersion::Rows::kCompute;
+  v.payload = grad;
   v.scale = r.scale;
   v.lr_scale = r.lr_scale;
   v.rule = r.rule;
   v.skip = r.skip;
-  deferred_rows_ = v;
-  Commit(0, std::move(r));
+  Commit(0, std::move(r), v);
 }
 
 void ShardServer::Commit(uint32_t buffer, ReplRecord r) {
+  Commit(buffer, std::move(r), PendingVersion());
+}
+
+void ShardServer::Commit(uint32_t buffer, ReplRecord r, PendingVersion rows) {
   const uint32_t slot = r.slot;
   const bool set = r.kind == layout::ReplKind::kSet;
   // "@N": the Nth state set, applied here and consumed, its record not posted: the backup never
   // sees it, so the worker must send it again to the promoted backup.
   if (set) CrashPoint("server.before_state_set_record");
-  // "@N": the Nth version, computed (a row shard's: not yet) and its record not yet posted. A
-  // primary stopped here and then killed never replicates it: what a reader may have seen of
-  // it is what a failover takes back (RowVisibilityTest).
+  // "@N": the Nth Commit of this process (any slot: an update, a set or an init), its record
+  // not posted yet (a dense chunk's version computed into its unpublished buffer; a row shard's
+  // not written). A primary stopped here and killed never replicates it: what a reader could
+  // see of it then is what a failover takes back (RowVisibilityTest).
   StallPoint("server.before_record");
   r.version = chunks_->version(slot) + 1;
-  PendingVersion p;
-  if (deferred_rows_.rows_deferred) std::swap(p, deferred_rows_);
-  p.buffer = buffer;
-  p.min_clock_plus1 = r.min_clock_plus1;
-  pending_[slot] = p;
+  rows.buffer = buffer;
+  rows.min_clock_plus1 = r.min_clock_plus1;
+  pending_[slot] = rows;
   gate_->BeginVersion(slot, r.contributors);
   const ReplicationStream::Disposition d = stream_->Submit(std::move(r));
   // "@N": the Nth state set (a loaded table or tensor), applied and its record posted, neither
@@ -702,15 +711,18 @@ void ShardServer::FinishCommit(uint32_t slot) {
   const bool initialised = chunks_->initialised(slot);
   const std::vector<Contributor> contributors = gate_->EndVersion(slot);
   PendingVersion& v = pending_[slot];
-  if (v.rows_deferred) {
-    // The record is replicated (or there is no backup): the rows may be written now.
-    v.buffer = chunks_->Compute(slot, v.grad, v.scale, v.lr_scale, v.rule, v.skip);
-    v.rows_deferred = false;
-  }
   // Stamped before the version becomes visible: a worker's read may see it (and its pull end)
   // before this thread, descheduled on a busy host, records the event (trace.cluster caught a
-  // pull ending 135 us before a publish stamped after it).
+  // pull ending 135 us before a publish stamped after it). A row shard's rows are visible from
+  // the moment they are written, just below.
   const int64_t publish_ns = trace::NowNs();
+  // The record is replicated (or there is no backup): a row shard's version may be written now.
+  if (v.rows == PendingVersion::Rows::kCompute) {
+    v.buffer = chunks_->Compute(slot, v.payload, v.scale, v.lr_scale, v.rule, v.skip);
+  } else if (v.rows == PendingVersion::Rows::kSet) {
+    v.buffer = chunks_->Set(slot, v.op, v.payload, v.steps, v.rule);
+  }
+  v.rows = PendingVersion::Rows::kNone;
   chunks_->Publish(slot, v.buffer,
                    gate_->PublishMinClockPlus1(slot, v.min_clock_plus1, initialised, *workers_));
   stats_.Bump(&ShardServerCounters::versions_published);

@@ -433,7 +433,7 @@ Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
                     "gradient buffer may have been reused)";
   }
   if (resendable) {
-    StallPoint("worker.before_resend");  // the first resend after a failover, held back
+    StallPoint("worker.before_resent_push");  // a push sent again after a failover or reconnect
     RETURN_IF_ERROR(PostPush(id, c.seq, c.handle[p]));
     ++pushes_resent_;
   }

@@ -132,13 +132,16 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
 // A row is never read before its backup has it (docs/embeddings.md, "Nothing visible before it
 // is replicated"). ASP, one group of a primary and a backup, two workers pushing the row
 // signatures (rows only) and a third that only reads every table, over and over, checking each
-// read against the ones before. The primary stops for 4 s at its 30th version (stall point
-// server.before_record: computed, its record not posted) and is killed in the stop, so that
-// version never reaches the backup and its worker sends it again to the promoted backup. Had
-// the primary written the version's rows before posting its record, the reader would have seen
-// them during the stop and found them gone after the failover: the pushers hold their resend
-// back for 1.5 s (stall point worker.before_resend), so that the reader reads the promoted
-// backup before the resent version is there.
+// read against the ones before. The primary stops at its 30th Commit (stall point
+// server.before_record: the version's record not posted yet), the reader reads it at least 5
+// more times, and the primary is killed in the stop, so that version never reaches the backup
+// and its worker sends it again to the promoted backup. Had the primary written the version's
+// rows before posting its record, the reader would have seen them during the stop and found
+// them gone after the failover: the pushers hold their resend back for 1.5 s (stall point
+// worker.before_resent_push), so that the reader reads the promoted backup before the resent
+// version is there. What it does not cover: rows written after the record is posted and before
+// it completes (a kill cannot be placed there from outside), BSP (whose reads wait for the
+// header, published after the record), and row sets.
 class RowVisibilityTest : public ProcessTestBase,
                           public ::testing::WithParamInterface<std::string> {
  protected:
@@ -157,7 +160,7 @@ TEST_P(RowVisibilityTest, ARowIsNeverReadBeforeItsBackupHasIt) {
   spec.aggregation = "sum";
   spec.heartbeat_timeout_ms = emulated ? 6000 : 1500;
   spec.stall_rank = 0;
-  spec.stall_point = "server.before_record@30:4000";
+  spec.stall_point = "server.before_record@30:600000";  // killed in it
   const int kSteps = 24;
   const milliseconds bound = emulated ? 4 * kProcessBound : kProcessBound;
   ASSERT_TRUE(StartCluster(spec));
@@ -168,9 +171,10 @@ TEST_P(RowVisibilityTest, ARowIsNeverReadBeforeItsBackupHasIt) {
                                       "--max_delay_ms=4"};
     if (r == 2) {
       flags.push_back(std::string("--signature_reader_ms=") + (emulated ? "90000" : "30000"));
+      flags.push_back("--progress_file=" + Path("reader"));
       unsetenv("SHARDPS_STALL_POINT");
     } else {
-      setenv("SHARDPS_STALL_POINT", "worker.before_resend:1500", 1);  // inherited at spawn
+      setenv("SHARDPS_STALL_POINT", "worker.before_resent_push:1500", 1);  // inherited at spawn
     }
     workers.push_back(
         SpawnWorker(WorkerArgs(spec, r), "worker" + std::to_string(r) + ".log", flags));
@@ -178,9 +182,11 @@ TEST_P(RowVisibilityTest, ARowIsNeverReadBeforeItsBackupHasIt) {
   unsetenv("SHARDPS_STALL_POINT");
   ASSERT_TRUE(WaitForLog(servers_[0], "stall point server.before_record", bound))
       << Tail(servers_[0]);
-  // The reader reads the stopped primary for a while (what it could see of the version in
-  // flight, it sees now), then the primary dies in its stop.
-  std::this_thread::sleep_for(milliseconds(emulated ? 1000 : 300));
+  // The reader reads the stopped primary (what it could see of the version in flight, it sees
+  // now) 5 more times, then the primary dies in its stop.
+  const int read_before = WaitProgress(Path("reader"), 0, milliseconds(0), workers[2]);
+  ASSERT_GE(WaitProgress(Path("reader"), read_before + 5, bound, workers[2]), read_before + 5)
+      << Tail(workers[2]);
   servers_[0]->Kill();
   for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, bound), 0) << Tail(w);
   for (int r = 0; r < spec.workers; ++r) {

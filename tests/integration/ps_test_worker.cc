@@ -748,8 +748,15 @@ int RunCluster() {
   if (FLAGS_signature_reader_ms > 0) {
     // A worker that never pushes (its clock stays where it is): every read of every table is
     // checked against the ones before it, and the reads go on across a failover.
+    // Under BSP or SSP a worker whose clock never moves would hold the others back.
+    if (c.consistency() != "asp") {
+      fprintf(stderr, "ps_test_worker: --signature_reader_ms needs an ASP cluster, not %s\n",
+              c.consistency().c_str());
+      return 2;
+    }
     const auto until =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(FLAGS_signature_reader_ms);
+    int reads = 0;  // rounds of reads of every table, written to --progress_file
     std::vector<float> rows(nsig * kSigDim), vals(nsig);
     bool all_in = false;  // every other worker's every update, in every table
     while (!all_in && std::chrono::steady_clock::now() < until) {
@@ -780,6 +787,7 @@ int RunCluster() {
           all_in = all_in && (u / FLAGS_steps == static_cast<size_t>(me) || vals[u] != 0.0f);
         }
       }
+      Progress(++reads);
     }
     r.steps = all_in ? 1 : 0;  // 1: it saw the others finish
     r.counters = c.counters();
