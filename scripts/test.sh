@@ -74,7 +74,7 @@ elif [[ -x "$SOFTROCE/run-in-guest.sh" ]]; then
         run '$BUILD/tests/transport_conformance_test' '*/verbs' conformance_verbs
         run '$BUILD/tests/integration_tests' '*/verbs:*/verbs_*' integration_verbs
         run '$BUILD/tests/process_cluster_test' '*/verbs:*/verbs_*' process_verbs
-        run '$BUILD/tests/consistency_property_test' '*/verbs_*' consistency_verbs
+        run '$BUILD/tests/consistency_property_test' '*/verbs:*/verbs_*' consistency_verbs
         run '$BUILD/tests/hierarchical_test' '*/verbs:*/verbs_*' hierarchical_verbs
         run '$BUILD/tests/doctor_test' 'DoctorVerbs*' doctor_verbs
         after=\$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts)
