@@ -616,6 +616,7 @@ Status ClientImpl::ApplyShardMap(const control::ShardMap& map) {
                                          chunks_, handles_, step_, *pull_);
   recovery_ = std::make_unique<Recovery>(options_, config_, *control_, rank_, *sessions_, *push_,
                                          *pull_, step_);
+  sessions_->set_departure_check([this] { recovery_->NoteDepartures(); });
   RETURN_IF_ERROR(sessions_->Configure(map, chunks_));
   rows_ = std::make_unique<RowTables>(options_, *fabric_, *sessions_, tensors_, chunks_, step_);
   RETURN_IF_ERROR(rows_->Setup());

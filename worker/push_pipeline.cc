@@ -223,6 +223,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
     while (sessions_.acks_ahead_in_flight(server) && !sessions_.at(server).failed &&
            SteadyClock::now() < deadline) {
       RETURN_IF_ERROR(sessions_.Progress());
+      sessions_.CheckDepartures();  // a stopped server answers it never
     }
     if (const uint64_t* acks = sessions_.TakeAcksAhead(server)) ApplyAcks(server, acks);
   }

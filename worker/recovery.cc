@@ -26,6 +26,14 @@ Status Recovery::MaybeRecover() {
   return Recover();
 }
 
+void Recovery::NoteDepartures() {
+  if (recovering_) return;
+  const uint64_t epoch = control_.epoch();
+  if (epoch == checked_epoch_) return;
+  checked_epoch_ = epoch;
+  sessions_.MarkDeparted(control_.membership());
+}
+
 milliseconds Recovery::FailoverTimeout() const {
   if (options_.failover_timeout.count() > 0) return options_.failover_timeout;
   return milliseconds(config_.failover_timeout_ms() > 0 ? config_.failover_timeout_ms() : 20000);

@@ -38,6 +38,9 @@ class Recovery {
   // Recover() if a session has failed, or its server was declared departed (a new membership
   // epoch: cheap otherwise), and no recovery is under way.
   Status MaybeRecover();
+  // Marks failed the sessions of servers a new membership epoch says departed, without
+  // recovering (the wait that calls it returns, and its caller recovers). Not during a recovery.
+  void NoteDepartures();
   // Repairs every failed session, or returns why it cannot.
   Status Recover();
   bool recovering() const { return recovering_; }

@@ -312,11 +312,22 @@ Status ServerSessions::ReadOutbox(uint32_t server, uint64_t offset, uint64_t byt
   return AwaitRead(deadline, timeout_error, nullptr);
 }
 
+void ServerSessions::CheckDepartures() {
+  if (!departure_check_) return;
+  const auto now = SteadyClock::now();
+  if (now < next_departure_check_) return;
+  next_departure_check_ = now + std::chrono::milliseconds(50);
+  departure_check_();
+}
+
 Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
                                  const std::function<Status()>& timeout_error, const bool* stop) {
   while (acks_pending_ > 0) {
     RETURN_IF_ERROR(Progress());
     if (SteadyClock::now() > deadline) return timeout_error();
+    // A server declared departed while stopped never answers: its session fails here, and a
+    // wait that stops on it (`stop`) returns for the caller to fail over.
+    if (stop != nullptr) CheckDepartures();
     if (stop != nullptr && *stop) {
       acks_pending_ = 0;
       return Status::OK();

@@ -158,6 +158,14 @@ class ServerSessions {
   // Close: drops every endpoint.
   void Disconnect();
 
+  // What the waits on one-sided reads (acks, headers) run at most every 50 ms: it marks failed
+  // the servers the membership says departed while their endpoints still look healthy (a
+  // stopped or cut-off server answers nothing and closes nothing). Set by the client
+  // (Recovery::NoteDepartures); a wait whose server it fails returns for the caller to recover.
+  void set_departure_check(std::function<void()> check) { departure_check_ = std::move(check); }
+  // Runs the check if 50 ms have passed since it last ran.
+  void CheckDepartures();
+
  private:
   uint64_t AcksOffset(uint32_t server) const;
   void OnCompletion(const transport::Completion& wc);
@@ -184,6 +192,8 @@ class ServerSessions {
   uint32_t setup_gen_ = 0;  // the batch BeginSetupOps began (context handle of its posts)
   Status setup_error_;
   int acks_pending_ = 0;
+  std::function<void()> departure_check_;
+  std::chrono::steady_clock::time_point next_departure_check_{};
 };
 
 // The busy-poll budget of one waiting loop (ClientOptions::busy_poll): the loop polls until it
