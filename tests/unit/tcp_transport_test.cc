@@ -90,6 +90,25 @@ class TcpTransportTest : public ::testing::Test {
     listener_ = std::move(*l);
   }
 
+  // The target fabric opened again with FabricOptions::tcp_read_wait_us = `us`, and connected.
+  void ReopenTargetWithReadWait(int us) {
+    FabricOptions o;
+    o.provider = "tcp";
+    o.bind_ip = "127.0.0.1";
+    o.tcp_read_wait_us = us;
+    listener_.reset();
+    tcq_.reset();
+    auto t = Fabric::Open(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    target_ = std::move(*t);
+    auto tcq = target_->CreateCompletionQueue(4096);
+    ASSERT_TRUE(tcq.ok()) << tcq.status();
+    tcq_ = std::move(*tcq);
+    auto l = target_->Listen("127.0.0.1:0");
+    ASSERT_TRUE(l.ok()) << l.status();
+    listener_ = std::move(*l);
+    ASSERT_NO_FATAL_FAILURE(Connect());
+  }
   // Connects a pair; returns {initiator endpoint, target endpoint}.
   void Connect(int send_depth = 256, int recv_depth = 256, uint64_t id = 2) {
     EndpointOptions io;
@@ -822,22 +841,7 @@ TEST_F(TcpTransportTest, TargetServesManyEndpointsWithoutPolling) {
 // applied. The broken behaviour (the read served in the same pass as the immediate) returned
 // the old value in 199 of 200 steps.
 TEST_F(TcpTransportTest, AReadBehindAnImmediateSeesWhatTheTargetMadeOfIt) {
-  FabricOptions o;
-  o.provider = "tcp";
-  o.bind_ip = "127.0.0.1";
-  o.tcp_read_wait_us = 10 * 1000 * 1000;
-  listener_.reset();
-  tcq_.reset();
-  auto t = Fabric::Open(o);
-  ASSERT_TRUE(t.ok()) << t.status();
-  target_ = std::move(*t);
-  auto tcq = target_->CreateCompletionQueue(4096);
-  ASSERT_TRUE(tcq.ok()) << tcq.status();
-  tcq_ = std::move(*tcq);
-  auto l = target_->Listen("127.0.0.1:0");
-  ASSERT_TRUE(l.ok()) << l.status();
-  listener_ = std::move(*l);
-  ASSERT_NO_FATAL_FAILURE(Connect());
+  ASSERT_NO_FATAL_FAILURE(ReopenTargetWithReadWait(10 * 1000 * 1000));
   auto inbox = Alloc(target_.get(), 4096, Access::kRemoteWrite);
   auto weights = Alloc(target_.get(), 4096, Access::kRemoteRead);
   auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
@@ -895,22 +899,7 @@ TEST_F(TcpTransportTest, AReadBehindAnImmediateSeesWhatTheTargetMadeOfIt) {
 // which never happens when every read follows a push: 0-4 of the 150 reads after the stall
 // saw their push applied.
 TEST_F(TcpTransportTest, AReadWaitThatRanOutOnceWaitsAgainOnceTheApplicationCaughtUp) {
-  FabricOptions o;
-  o.provider = "tcp";
-  o.bind_ip = "127.0.0.1";
-  o.tcp_read_wait_us = 50 * 1000;
-  listener_.reset();
-  tcq_.reset();
-  auto t = Fabric::Open(o);
-  ASSERT_TRUE(t.ok()) << t.status();
-  target_ = std::move(*t);
-  auto tcq = target_->CreateCompletionQueue(4096);
-  ASSERT_TRUE(tcq.ok()) << tcq.status();
-  tcq_ = std::move(*tcq);
-  auto l = target_->Listen("127.0.0.1:0");
-  ASSERT_TRUE(l.ok()) << l.status();
-  listener_ = std::move(*l);
-  ASSERT_NO_FATAL_FAILURE(Connect());
+  ASSERT_NO_FATAL_FAILURE(ReopenTargetWithReadWait(50 * 1000));
   auto inbox = Alloc(target_.get(), 4096, Access::kRemoteWrite);
   auto weights = Alloc(target_.get(), 4096, Access::kRemoteRead);
   auto src = Alloc(initiator_.get(), 4096, Access::kLocalOnly);
