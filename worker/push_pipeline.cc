@@ -200,6 +200,10 @@ Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
     Status st = sessions_.ReadAcks(servers, deadline, [] {
       return DeadlineExceededError("waiting for the servers to acknowledge this step's pushes");
     });
+    // A stopped server's acks never move (and over shm or verbs its reads still complete):
+    // the membership says when it is gone, checked here too since reads that completed at
+    // once never waited.
+    sessions_.CheckDepartures();
     bool failed = false;
     for (uint32_t server : servers) failed = failed || sessions_.at(server).failed;
     if (failed) {

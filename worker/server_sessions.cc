@@ -245,21 +245,20 @@ Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::ti
   // A group whose failover target failed too has no endpoint until the next shard map.
   if (!s.ep) return ServerError(server, "not connected");
   const uint64_t off = AcksOffset(server);
-  acks_pending_ = 1;
-  setup_error_ = Status::OK();
+  BeginReads(1);
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
                           transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
-                          MakeContext(kOpAcks, chunk, 0));
+                          AcksContext(chunk));
   }));
-  return AwaitRead(deadline, timeout_error, stop_if_failed ? &s.failed : nullptr);
+  if (!stop_if_failed) return AwaitRead(deadline, timeout_error, nullptr);
+  return AwaitRead(deadline, timeout_error, [&s] { return s.failed; });
 }
 
 Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
                                 SteadyClock::time_point deadline,
                                 const std::function<Status()>& timeout_error) {
-  acks_pending_ = 0;
-  setup_error_ = Status::OK();
+  BeginReads(0);
   for (uint32_t server : servers) {
     ServerSession& s = servers_[server];
     if (!s.ep || s.failed) continue;
@@ -267,7 +266,7 @@ Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
     Status st = PostWithCredit([&] {
       return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
                             transport::AtOffset(s.acks, s.layout->acks_of_worker_offset(rank_)),
-                            MakeContext(kOpAcks, 0, 0));
+                            AcksContext(0));
     });
     if (!st.ok()) {
       s.failed = true;  // recovered by the caller, like a failed completion
@@ -275,7 +274,18 @@ Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
     }
     ++acks_pending_;
   }
-  return AwaitRead(deadline, timeout_error, nullptr);
+  // A failed server (above, or declared departed while the reads wait) ends the wait: its
+  // caller recovers it. The healthy servers' reads are left in flight: BeginReads keeps their
+  // completions out of every later wait, and each lands in its server's own acks staging, in
+  // order on its endpoint ahead of any later read of the same server.
+  auto any_failed = [&] {
+    for (uint32_t server : servers) {
+      if (servers_[server].failed) return true;
+    }
+    return false;
+  };
+  if (any_failed()) return Status::OK();
+  return AwaitRead(deadline, timeout_error, any_failed);
 }
 
 Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk,
@@ -283,12 +293,11 @@ Status ServerSessions::ReadHeader(uint32_t server, uint32_t slot, uint32_t chunk
                                   const std::function<Status()>& timeout_error) {
   ServerSession& s = servers_[server];
   if (!s.ep) return ServerError(server, "not connected");
-  acks_pending_ = 1;
-  setup_error_ = Status::OK();
+  BeginReads(1);
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostRead({staging_.get(), ChunkStagingOffset(chunk, 2), layout::kAlign},
                           transport::AtOffset(s.weights, s.layout->header_offset(slot)),
-                          MakeContext(kOpAcks, chunk, 0));
+                          AcksContext(chunk));
   }));
   return AwaitRead(deadline, timeout_error, nullptr);
 }
@@ -303,11 +312,10 @@ Status ServerSessions::ReadOutbox(uint32_t server, uint64_t offset, uint64_t byt
     return FailedPreconditionError("server " + std::to_string(server) +
                                    "'s outbox is smaller than its chunks' state");
   }
-  acks_pending_ = 1;
-  setup_error_ = Status::OK();
+  BeginReads(1);
   RETURN_IF_ERROR(PostWithCredit([&] {
     return s.ep->PostRead({local.region, local.offset, bytes}, transport::AtOffset(s.outbox, offset),
-                          MakeContext(kOpAcks, 0, 0));
+                          AcksContext(0));
   }));
   return AwaitRead(deadline, timeout_error, nullptr);
 }
@@ -320,17 +328,26 @@ void ServerSessions::CheckDepartures() {
   departure_check_();
 }
 
+void ServerSessions::BeginReads(int reads) {
+  ++acks_gen_;
+  acks_pending_ = reads;
+  setup_error_ = Status::OK();
+}
+
 Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
-                                 const std::function<Status()>& timeout_error, const bool* stop) {
+                                 const std::function<Status()>& timeout_error,
+                                 const std::function<bool()>& stop) {
   while (acks_pending_ > 0) {
     RETURN_IF_ERROR(Progress());
     if (SteadyClock::now() > deadline) return timeout_error();
     // A server declared departed while stopped never answers: its session fails here, and a
     // wait that stops on it (`stop`) returns for the caller to fail over.
-    if (stop != nullptr) CheckDepartures();
-    if (stop != nullptr && *stop) {
-      acks_pending_ = 0;
-      return Status::OK();
+    if (stop) {
+      CheckDepartures();
+      if (stop()) {
+        acks_pending_ = 0;
+        return Status::OK();
+      }
     }
   }
   return setup_error_;
@@ -390,6 +407,7 @@ void ServerSessions::OnCompletion(const Completion& wc) {
       ++setup_done_;
       return;
     case kOpAcks:
+      if (ContextHandle(wc.context) != acks_gen_) return;  // an abandoned wait's read
       --acks_pending_;
       if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
       return;

@@ -139,8 +139,10 @@ class ServerSessions {
   Status ReadAcks(uint32_t server, uint32_t chunk, std::chrono::steady_clock::time_point deadline,
                   const std::function<Status()>& timeout_error, bool stop_if_failed);
   // Reads this worker's acks from several servers at once (one read each, all in flight
-  // together) and waits for all of them until `deadline`. A server whose session fails
-  // meanwhile completes its read with an error: the caller checks at(server).failed first.
+  // together) and waits for all of them until `deadline`. Returns OK early once any of them
+  // fails meanwhile (an error completion, or the membership declaring it departed: a stopped
+  // server answers never); the caller checks at(server).failed first and recovers. The reads
+  // still in flight then are abandoned: their completions are not counted in a later wait.
   Status ReadAcks(const std::vector<uint32_t>& servers,
                   std::chrono::steady_clock::time_point deadline,
                   const std::function<Status()>& timeout_error);
@@ -169,9 +171,16 @@ class ServerSessions {
  private:
   uint64_t AcksOffset(uint32_t server) const;
   void OnCompletion(const transport::Completion& wc);
-  // Waits for the one outstanding setup read (acks_pending_).
+  // Starts a wait on one-sided reads (ReadAcks, ReadHeader, ReadOutbox): `reads` of them,
+  // posted with AcksContext(). A completion of an earlier wait (one that returned early on a
+  // failed server, its other reads still in flight) is then not counted in this one.
+  void BeginReads(int reads);
+  uint64_t AcksContext(uint32_t chunk) const { return MakeContext(kOpAcks, chunk, acks_gen_); }
+  // Waits for the reads of the current wait (acks_pending_). With `stop` set, the membership is
+  // checked every 50 ms (CheckDepartures) and the wait returns OK once stop() is true.
   Status AwaitRead(std::chrono::steady_clock::time_point deadline,
-                   const std::function<Status()>& timeout_error, const bool* stop);
+                   const std::function<Status()>& timeout_error,
+                   const std::function<bool()>& stop);
 
   const ClientOptions& options_;
   transport::Fabric& fabric_;
@@ -192,6 +201,7 @@ class ServerSessions {
   uint32_t setup_gen_ = 0;  // the batch BeginSetupOps began (context handle of its posts)
   Status setup_error_;
   int acks_pending_ = 0;
+  uint32_t acks_gen_ = 0;  // the wait BeginReads began (context handle of its reads)
   std::function<void()> departure_check_;
   std::chrono::steady_clock::time_point next_departure_check_{};
 };

@@ -476,6 +476,68 @@ TEST_P(ProcessClusterTest, AStoppedPrimaryIsFailedOverWithinItsLeaseAndNeverServ
             << lease.count() << " ms, wait timeout " << wait_timeout.count() << " ms)\n";
 }
 
+// The same stop, landing where an ASP worker ends each step with a replicated cluster: the
+// wait for every server's acknowledgement of the step's pushes (PushPipeline::AwaitAllAcked,
+// "Step() never loses a push"). The primary of group 0 first stalls in its 30th commit, before
+// that version's record (stall point server.before_record), so no worker's push of it is
+// acknowledged: every worker sits in that wait, re-reading its acks (over tcp its read of the
+// stopped primary is never answered; over shm and verbs the reads complete, with the acks
+// unchanged). Then it is SIGSTOPped. The workers must learn of its departure from the
+// membership at the lease and fail over, not wait out their wait timeout; each of their row
+// pushes counts exactly once (counter model). Before the fix the multi-server wait never
+// checked the membership: every worker stalled for its whole wait timeout and failed.
+TEST_P(ProcessClusterTest, AStoppedPrimaryIsFailedOverWhileWorkersWaitForTheirStepsAcks) {
+  ClusterSpec spec = CounterSpec();
+  spec.consistency = "asp";
+  spec.servers = 2;
+  spec.replicas = 2;
+  spec.workers = 3;
+  spec.stall_rank = 0;
+  spec.stall_point = "server.before_record@30:600000";  // stopped, then killed in it
+  const milliseconds lease(3 * spec.heartbeat_timeout_ms);
+  const int kSteps = 30;
+  ASSERT_TRUE(StartCluster(spec));
+  // The wait timeout far beyond the lease: a stall until it shows as a failed step.
+  const milliseconds wait_timeout = 4 * lease + Slack();
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--model=counter", "--embedding_rows=200", "--steps=" + std::to_string(kSteps),
+             "--max_delay_ms=4", "--wait_timeout_ms=" + std::to_string(wait_timeout.count())});
+  ASSERT_TRUE(WaitForLog(servers_[0], "stall point server.before_record", ProcessBound()))
+      << Tail(servers_[0]);
+  // Every worker's step is held by the stalled primary from now on (a push of the stalled
+  // version awaits its acknowledgement); the stop lands on a server that answers nothing.
+  std::this_thread::sleep_for(milliseconds(300));
+  std::vector<int> at_stop;
+  for (int r = 0; r < spec.workers; ++r) {
+    at_stop.push_back(WaitProgress(Path("progress" + std::to_string(r)), 0, milliseconds(1), nullptr));
+  }
+  servers_[0]->Signal(SIGSTOP);
+  const auto t0 = Clock::now();
+  milliseconds slowest(0);
+  for (int r = 0; r < spec.workers; ++r) {
+    if (at_stop[r] >= kSteps) continue;
+    const std::string progress = Path("progress" + std::to_string(r));
+    const int after = WaitProgress(progress, at_stop[r] + 1, ProcessBound(), workers[r]);
+    ASSERT_GE(after, at_stop[r] + 1) << "worker " << r << ": no progress after the stop\n"
+                                     << Tail(workers[r]);
+    slowest = std::max(slowest, std::chrono::duration_cast<milliseconds>(Clock::now() - t0));
+  }
+  EXPECT_LT(slowest, lease + milliseconds(2000) + Slack() / 2)
+      << "a worker stalled in its step's acknowledgement wait instead of failing over";
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->Int("row_count"), kSteps) << "worker " << r << "'s row: " << Tail(workers[r]);
+    EXPECT_EQ(res->Int("failovers"), 1) << "worker " << r;
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << "worker " << r;
+  }
+  std::cerr << "[ info ] " << GetParam() << ": primary stalled, then SIGSTOPped at steps "
+            << at_stop[0] << "/" << at_stop[1] << "/" << at_stop[2]
+            << "; every worker's next step completed within " << slowest.count() << " ms (lease "
+            << lease.count() << " ms, wait timeout " << wait_timeout.count() << " ms)\n";
+}
+
 // The other side of a lease: the coordinator is SIGSTOPped for longer than the lease (a
 // descheduled or partitioned coordinator). Every replicated primary's lease lapses and it
 // fences itself (nothing applied or published: the coordinator could have promoted its backup
