@@ -184,7 +184,9 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
 }
 
 Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
-  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  // Renewed after a recovery: a failover that took most of the wait is not the servers' delay
+  // in acknowledging (the pull waits hold their deadlines likewise).
+  auto deadline = SteadyClock::now() + options_.wait_timeout;
   while (true) {
     // The servers that still owe an acknowledgement of some chunk's latest push.
     std::vector<uint32_t> servers;
@@ -208,6 +210,7 @@ Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
     for (uint32_t server : servers) failed = failed || sessions_.at(server).failed;
     if (failed) {
       RETURN_IF_ERROR(recover());  // resynchronises known_acked with the servers (Resync)
+      deadline = SteadyClock::now() + options_.wait_timeout;
       continue;
     }
     RETURN_IF_ERROR(st);
@@ -220,7 +223,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
                                  const std::function<Status()>& recover) {
   ChunkPush& c = push_[id];
   const uint32_t server = chunks_[id].server;
-  const auto deadline = SteadyClock::now() + options_.wait_timeout;
+  auto deadline = SteadyClock::now() + options_.wait_timeout;  // renewed after a recovery
   if (c.known_acked < need) {
     // An acks read posted behind an earlier push: its answer is on its way (or here) and
     // costs no round trip of its own.
@@ -241,6 +244,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
         /*stop_if_failed=*/true);
     if (sessions_.at(server).failed) {
       RETURN_IF_ERROR(recover());  // resynchronises known_acked with the server (Resync)
+      deadline = SteadyClock::now() + options_.wait_timeout;
       continue;
     }
     RETURN_IF_ERROR(st);

@@ -258,10 +258,17 @@ Status ServerSessions::ReadAcks(uint32_t server, uint32_t chunk, SteadyClock::ti
 Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
                                 SteadyClock::time_point deadline,
                                 const std::function<Status()>& timeout_error) {
+  auto any_failed = [&] {
+    for (uint32_t server : servers) {
+      if (servers_[server].failed) return true;
+    }
+    return false;
+  };
+  if (any_failed()) return Status::OK();  // recovered first; no read is posted to be abandoned
   BeginReads(0);
   for (uint32_t server : servers) {
     ServerSession& s = servers_[server];
-    if (!s.ep || s.failed) continue;
+    if (!s.ep) continue;
     const uint64_t off = AcksOffset(server);
     Status st = PostWithCredit([&] {
       return s.ep->PostRead({staging_.get(), off, s.layout->acks_of_worker_bytes()},
@@ -275,16 +282,10 @@ Status ServerSessions::ReadAcks(const std::vector<uint32_t>& servers,
     ++acks_pending_;
   }
   // A failed server (above, or declared departed while the reads wait) ends the wait: its
-  // caller recovers it. The healthy servers' reads are left in flight: BeginReads keeps their
-  // completions out of every later wait, and each lands in its server's own acks staging, in
-  // order on its endpoint ahead of any later read of the same server.
-  auto any_failed = [&] {
-    for (uint32_t server : servers) {
-      if (servers_[server].failed) return true;
-    }
-    return false;
-  };
-  if (any_failed()) return Status::OK();
+  // caller recovers it. The healthy servers' reads are left in flight: AwaitRead retires the
+  // wait's generation, which keeps their completions (and errors) out of every later wait, and
+  // each lands in its server's own acks staging, in order on its endpoint ahead of any later
+  // read of the same server.
   return AwaitRead(deadline, timeout_error, any_failed);
 }
 
@@ -331,26 +332,34 @@ void ServerSessions::CheckDepartures() {
 void ServerSessions::BeginReads(int reads) {
   ++acks_gen_;
   acks_pending_ = reads;
-  setup_error_ = Status::OK();
+  read_error_ = Status::OK();
 }
 
 Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
                                  const std::function<Status()>& timeout_error,
                                  const std::function<bool()>& stop) {
+  // A wait that returns with reads still in flight retires its generation: their completions
+  // count in no wait, and their errors fail no other one.
+  struct Retire {
+    ServerSessions* s;
+    ~Retire() {
+      if (s->acks_pending_ > 0) {
+        ++s->acks_gen_;
+        s->acks_pending_ = 0;
+      }
+    }
+  } retire{this};
   while (acks_pending_ > 0) {
     RETURN_IF_ERROR(Progress());
-    if (SteadyClock::now() > deadline) return timeout_error();
+    if (acks_pending_ > 0 && SteadyClock::now() > deadline) return timeout_error();
     // A server declared departed while stopped never answers: its session fails here, and a
     // wait that stops on it (`stop`) returns for the caller to fail over.
     if (stop) {
       CheckDepartures();
-      if (stop()) {
-        acks_pending_ = 0;
-        return Status::OK();
-      }
+      if (stop()) return Status::OK();
     }
   }
-  return setup_error_;
+  return read_error_;
 }
 
 void ServerSessions::BeginSetupOps() {
@@ -409,7 +418,7 @@ void ServerSessions::OnCompletion(const Completion& wc) {
     case kOpAcks:
       if (ContextHandle(wc.context) != acks_gen_) return;  // an abandoned wait's read
       --acks_pending_;
-      if (!wc.ok() && setup_error_.ok()) setup_error_ = err;
+      if (!wc.ok() && read_error_.ok()) read_error_ = err;
       return;
     case kOpAcksAhead:
       servers_[server].ahead_in_flight = false;

@@ -176,8 +176,10 @@ class ServerSessions {
   // failed server, its other reads still in flight) is then not counted in this one.
   void BeginReads(int reads);
   uint64_t AcksContext(uint32_t chunk) const { return MakeContext(kOpAcks, chunk, acks_gen_); }
-  // Waits for the reads of the current wait (acks_pending_). With `stop` set, the membership is
-  // checked every 50 ms (CheckDepartures) and the wait returns OK once stop() is true.
+  // Waits for the reads of the current wait (acks_pending_): their first error, OK, or
+  // timeout_error() past `deadline`. With `stop` set, the membership is checked every 50 ms
+  // (CheckDepartures) and the wait returns OK once stop() is true. Returning with reads still
+  // in flight (stopped, timed out), it retires the wait's generation.
   Status AwaitRead(std::chrono::steady_clock::time_point deadline,
                    const std::function<Status()>& timeout_error,
                    const std::function<bool()>& stop);
@@ -202,6 +204,7 @@ class ServerSessions {
   Status setup_error_;
   int acks_pending_ = 0;
   uint32_t acks_gen_ = 0;  // the wait BeginReads began (context handle of its reads)
+  Status read_error_;      // the first error of the current read wait
   std::function<void()> departure_check_;
   std::chrono::steady_clock::time_point next_departure_check_{};
 };
