@@ -80,6 +80,16 @@ TEST_F(CrashPointCoverageTest, EveryCrashPointInTheCodeIsArmedByATest) {
   }
 }
 
+// Stall points exist for tests only (a descheduled process at a chosen line): one no test arms
+// is a scene nobody checks.
+TEST_F(CrashPointCoverageTest, EveryStallPointInTheCodeIsArmedByATest) {
+  ASSERT_GE(stall_.size(), 5u) << "the scan found too few stall points: is the regex stale?";
+  for (const auto& [name, file] : stall_) {
+    EXPECT_EQ(armed_.count(name), 1u)
+        << "stall point '" << name << "' (" << file << ") is armed by no test in tests/integration";
+  }
+}
+
 TEST_F(CrashPointCoverageTest, EveryPointATestArmsExistsInTheCode) {
   ASSERT_GE(armed_.size(), 20u) << "the scan found too few armed points: is the regex stale?";
   for (const auto& [name, file] : armed_) {
