@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <set>
+#include <string>
 
 namespace shardps::server {
 
@@ -103,6 +104,37 @@ std::optional<DeferredPush> ConsistencyGate::NextDeferred(uint32_t slot) {
   const DeferredPush d = s.deferred[pick];
   s.deferred.erase(s.deferred.begin() + static_cast<std::ptrdiff_t>(pick));
   return d;
+}
+
+std::string ConsistencyGate::DescribeWait(uint32_t slot, const WorkerTable& workers) const {
+  const Slot& s = slots_[slot];
+  std::string out = "applied through clock " + std::to_string(s.applied_through);
+  if (s.inflight) out += "; a version in flight (computed, waiting for its replication)";
+  if (s.pending_clock >= 0) {
+    out += "; clock " + std::to_string(s.pending_clock) + " pending with workers {";
+    bool first = true;
+    for (const auto& [r, c] : s.contrib) {
+      out += (first ? "" : ",") + std::to_string(r);
+      first = false;
+    }
+    out += "}, still waiting for {";
+    first = true;
+    for (uint32_t r : workers.Live()) {
+      if (s.contrib.count(r)) continue;
+      const WorkerState* w = workers.Find(r);
+      out += (first ? "" : ", ") + std::to_string(r) + " (announced clock " +
+             (w != nullptr ? std::to_string(w->clock) : std::string("none")) + ")";
+      first = false;
+    }
+    out += "}";
+  }
+  if (!s.deferred.empty()) {
+    out += "; queued pushes (worker:clock)";
+    for (const DeferredPush& d : s.deferred) {
+      out += " " + std::to_string(d.worker) + ":" + std::to_string(d.clock);
+    }
+  }
+  return out;
 }
 
 bool ConsistencyGate::EarlierClockOwed(const Slot& s, const Contributor& c,

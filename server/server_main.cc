@@ -2,6 +2,7 @@
 // workers write into it.
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 
@@ -42,6 +43,10 @@ DEFINE_string(trace_file, "",
               "Write a timeline trace (Chrome-trace JSON, docs/tracing.md) here; empty = off. "
               "{rank} or %r become <rank>-<pid>");
 DEFINE_uint64(trace_max_events, 1000000, "Trace events kept; later ones are dropped (counted)");
+DEFINE_int64(stall_report_ms, 10000,
+             "Log (once per stall, with what it waits for: the workers a BSP clock lacks, their "
+             "announced clocks, queued pushes) and count any chunk that waits this long without "
+             "publishing a new version; 0: off");
 DEFINE_int64(busy_poll_us, 300,
              "How long the serving loop polls after its last completion before it sleeps "
              "(0: sleep at once; negative: never sleep, a core per server)");
@@ -117,6 +122,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.busy_poll = std::chrono::microseconds(FLAGS_busy_poll_us);
+  o.stall_report = std::chrono::milliseconds(std::max<int64_t>(0, FLAGS_stall_report_ms));
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.restore_dir = FLAGS_restore_from;
   shardps::trace::ScopedTrace tracing;  // flushed and closed when main returns

@@ -44,6 +44,10 @@ void CollectServerMetrics(const ServerStats& stats, uint32_t rank, metrics::Expo
           c.skipped_updates);
   counter("shardps_server_versions_published_total", "Chunk versions published to pulls.",
           c.versions_published);
+  counter("shardps_server_stalled_chunks_total",
+          "Chunks that waited longer than --stall_report_ms for their next version (each "
+          "logged with what it waits for).",
+          c.stalled_chunks);
   counter("shardps_server_endpoints_accepted_total", "Data-path connections accepted.",
           c.endpoints_accepted);
   counter("shardps_server_connections_refused_total",

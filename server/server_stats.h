@@ -47,6 +47,7 @@ struct ShardServerCounters {
   uint64_t checkpoints_written = 0;
   uint64_t checkpoint_failures = 0;  // e.g. disk full: logged, training goes on
   uint64_t restored_clock = 0;       // the checkpoint clock restored at start (0: none)
+  uint64_t stalled_chunks = 0;       // chunks reported stuck (ShardServer::ReportStalls)
   uint64_t checkpoint_bytes = 0;     // bytes of the checkpoints written
   uint64_t heartbeats_sent = 0;      // to the coordinator (copied at housekeeping)
   uint64_t heartbeat_acks = 0;       // leases granted by the coordinator

@@ -702,6 +702,44 @@ bool ShardServer::LeaseLapsed() {
   return lapsed;
 }
 
+void ShardServer::ReportStalls() {
+  if (options_.stall_report.count() <= 0 || backup_ || gate_ == nullptr || chunks_ == nullptr) {
+    return;
+  }
+  const auto now = Clock::now();
+  if (now - stalls_checked_ < std::chrono::milliseconds(100)) return;
+  stalls_checked_ = now;
+  const uint32_t slots = chunks_->slots();
+  if (stall_watch_.size() != slots) stall_watch_.assign(slots, StallWatch{});
+  // One line per pass however many chunks stalled together (a straggler holds every chunk):
+  // their count and the first one's description.
+  uint32_t newly = 0;
+  int64_t first = -1;
+  for (uint32_t slot = 0; slot < slots; ++slot) {
+    StallWatch& w = stall_watch_[slot];
+    const uint64_t version = chunks_->version(slot);
+    if (!gate_->Waiting(slot) || !w.waiting || version != w.version) {
+      w = StallWatch{now, version, gate_->Waiting(slot), false};
+      continue;
+    }
+    if (w.reported || now - w.since < options_.stall_report) continue;
+    w.reported = true;
+    stats_.Bump(&ShardServerCounters::stalled_chunks);
+    if (newly++ == 0) first = slot;
+  }
+  if (newly == 0) return;
+  const auto slot = static_cast<uint32_t>(first);
+  LOG(WARNING) << "server rank " << rank_ << ": STALLED: " << newly << " chunk(s) published no "
+               << "version for over " << options_.stall_report.count() << " ms; chunk "
+               << chunks_->chunk_id(slot) << " (slot " << slot << ", version "
+               << stall_watch_[slot].version << ", for "
+               << std::chrono::duration_cast<std::chrono::milliseconds>(
+                      now - stall_watch_[slot].since)
+                      .count()
+               << " ms): " << gate_->DescribeWait(slot, *workers_)
+               << (lease_lapsed_ ? "; this primary is fenced (its lease lapsed)" : "");
+}
+
 bool ShardServer::Housekeeping(Status* fenced) {
   AcceptPending();
   RefreshMembership();
@@ -722,6 +760,7 @@ bool ShardServer::Housekeeping(Status* fenced) {
   } else {
     epoch_wait_since_ = Clock::time_point{};
   }
+  ReportStalls();
   if (backup_ && awaiting_snapshot_ && Clock::now() - assigned_at_ > options_.setup_timeout) {
     catch_up_error_ = DeadlineExceededError(
         "the primary of group " + std::to_string(group_) + " did not start replicating to this "

@@ -95,6 +95,11 @@ struct ShardServerOptions {
   // wake-up per push (docs/operations.md, "Tuning"). 0: sleep at once, after the transport's
   // own brief spin; negative: never sleep (a core per server).
   std::chrono::microseconds busy_poll{300};
+  // A chunk that waits for something (a BSP clock, queued pushes, a version in flight) and
+  // publishes no new version for this long is logged once, with what it waits for (the
+  // workers a clock lacks, their announced clocks, the queued pushes) and counted
+  // (stalled_chunks): a stuck cluster says why before its workers' waits time out. 0: off.
+  std::chrono::milliseconds stall_report{10000};
 };
 
 class ShardServer {
@@ -149,6 +154,8 @@ class ShardServer {
   Status ConnectReplication();
   Status Serve();
   bool Housekeeping(Status* fenced);  // periodic: accept, membership, liveness; false: stop
+  // Housekeeping's stall report (ShardServerOptions::stall_report), every 100 ms at most.
+  void ReportStalls();
   // A replicated primary without a lease (docs/fault-tolerance.md, "Liveness"): it must not
   // apply or publish anything. Logs and counts the transitions.
   bool LeaseLapsed();
@@ -255,6 +262,16 @@ class ShardServer {
   uint64_t seen_epoch_ = 0;
   uint64_t newest_push_epoch_ = 0;  // the newest membership epoch a BSP push was sent in
   Clock::time_point epoch_wait_since_{};  // since when BSP waits for that epoch
+  // ReportStalls, per slot: since when it waits with its version unchanged, that version, and
+  // whether that wait was reported.
+  struct StallWatch {
+    Clock::time_point since{};
+    uint64_t version = 0;
+    bool waiting = false;
+    bool reported = false;
+  };
+  std::vector<StallWatch> stall_watch_;
+  Clock::time_point stalls_checked_{};
   uint64_t keys_epoch_ = 0;  // the membership epoch whose member keys the authenticator holds
   Clock::time_point min_clock_at_{};      // last min_applied_clock update (Housekeeping)
 

@@ -155,7 +155,11 @@ void PullPipeline::EvaluatePull(uint32_t id) {
                      "chunk " + std::to_string(id) + " on server " + std::to_string(p.server) +
                      " did not reach the consistency bound (" + ConsistencyName(config_) +
                      ", clock " + std::to_string(step_.clock) + ") within " +
-                     std::to_string(options_.wait_timeout.count()) + " ms"));
+                     std::to_string(options_.wait_timeout.count()) + " ms (its header: version " +
+                     std::to_string(v) + ", clocks below " +
+                     std::to_string(h1->min_clock_plus1[b].load(std::memory_order_relaxed)) +
+                     " applied; this pull needs those below " + std::to_string(c.required_plus1) +
+                     "; the server logs STALLED with what it waits for)"));
       return;
     }
     ++pull_retries_;

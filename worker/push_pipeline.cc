@@ -215,6 +215,9 @@ Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
     }
     RETURN_IF_ERROR(st);
     for (uint32_t server : servers) ApplyAcks(server, sessions_.Acks(server));
+    if (SteadyClock::now() > deadline) {
+      return DeadlineExceededError("waiting for the servers to acknowledge this step's pushes");
+    }
     std::this_thread::yield();
   }
 }

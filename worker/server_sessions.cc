@@ -351,7 +351,9 @@ Status ServerSessions::AwaitRead(SteadyClock::time_point deadline,
   } retire{this};
   while (acks_pending_ > 0) {
     RETURN_IF_ERROR(Progress());
-    if (acks_pending_ > 0 && SteadyClock::now() > deadline) return timeout_error();
+    // Checked even when the read just completed: over shm a read completes at once, and a
+    // caller that reads again until the acks move (AwaitAllAcked) relies on this to time out.
+    if (SteadyClock::now() > deadline) return timeout_error();
     // A server declared departed while stopped never answers: its session fails here, and a
     // wait that stops on it (`stop`) returns for the caller to fail over.
     if (stop) {

@@ -538,6 +538,54 @@ TEST_P(ProcessClusterTest, AStoppedPrimaryIsFailedOverWhileWorkersWaitForTheirSt
             << lease.count() << " ms, wait timeout " << wait_timeout.count() << " ms)\n";
 }
 
+// A stuck cluster says why before its workers' waits run out (ShardServerOptions::
+// stall_report): a BSP worker is SIGSTOPped (a descheduled process, short of its lease), so
+// every chunk's next clock lacks its push. Each server logs, once, STALLED with the chunk, the
+// clock pending, and the worker it still waits for with that worker's announced clock; resumed,
+// the worker goes on and every push counts exactly once (counter model).
+TEST_P(ProcessClusterTest, AServerReportsAStalledClockNamingTheWorkerItWaitsFor) {
+  ClusterSpec spec = CounterSpec();
+  spec.servers = 2;
+  spec.workers = 3;
+  // A lease far beyond the report (1 s): the stopped worker is suspected, never declared dead.
+  spec.heartbeat_timeout_ms = Emulated() ? 20000 : 5000;
+  spec.server_extra = {"--stall_report_ms=1000"};
+  const int kSteps = 60;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<ChildProcess*> workers = SpawnWorkers(
+      spec, {"--model=counter", "--steps=" + std::to_string(kSteps), "--step_delay_ms=5"});
+  ASSERT_GE(WaitProgress(Path("progress2"), 5, ProcessBound(), workers[2]), 5) << Tail(workers[2]);
+  workers[2]->Signal(SIGSTOP);
+  const auto t0 = Clock::now();
+  // (A loaded host may have logged an earlier, shorter stall naming another worker: the
+  // report awaited is the one naming worker 2.)
+  const std::string expected = "pending with workers {0,1}, still waiting for {2 (announced clock ";
+  for (int g = 0; g < spec.servers; ++g) {
+    ASSERT_TRUE(WaitForLog(servers_[g], expected, ProcessBound())) << Tail(servers_[g]);
+  }
+  const auto reported = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  workers[2]->Signal(SIGCONT);
+  std::string line;
+  for (int g = 0; g < spec.servers; ++g) {
+    const std::string log = servers_[g]->LogTail(1 << 22);
+    const size_t at = log.rfind("STALLED", log.find(expected));
+    line = log.substr(at, log.find('\n', at) - at);
+    EXPECT_NE(line.find("chunk(s) published no version for over 1000 ms"), std::string::npos)
+        << line;
+  }
+  EXPECT_GE(reported, milliseconds(900)) << "reported before the stall lasted its bound";
+  for (ChildProcess* w : workers) ASSERT_EQ(ExitCode(w, ProcessBound()), 0) << Tail(w);
+  for (int r = 0; r < spec.workers; ++r) {
+    auto res = Result(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    for (int k = 0; k < spec.workers; ++k) {
+      EXPECT_EQ(res->tensors.at("W")[k], static_cast<float>(kSteps)) << "worker " << r << ", W[" << k << "]";
+    }
+  }
+  std::cerr << "[ info ] " << GetParam() << ": reported " << reported.count()
+            << " ms after the stop: " << line << "\n";
+}
+
 // The other side of a lease: the coordinator is SIGSTOPped for longer than the lease (a
 // descheduled or partitioned coordinator). Every replicated primary's lease lapses and it
 // fences itself (nothing applied or published: the coordinator could have promoted its backup

@@ -144,6 +144,7 @@ struct ClusterSpec {
   int stall_rank = -1;
   std::string stall_point;
   std::vector<std::string> coordinator_extra;  // more coordinator flags (e.g. --shard_layout)
+  std::vector<std::string> server_extra;       // more flags for every server of StartCluster
 };
 
 // Starts, tracks and tears down the processes of one test.
@@ -265,7 +266,8 @@ class ProcessTestBase : public ::testing::Test {
       } else {
         unsetenv("SHARDPS_STALL_POINT");
       }
-      servers_.push_back(SpawnServer(spec, i, {}, "server" + std::to_string(i) + ".log"));
+      servers_.push_back(
+          SpawnServer(spec, i, spec.server_extra, "server" + std::to_string(i) + ".log"));
     }
     unsetenv("SHARDPS_CRASH_POINT");
     unsetenv("SHARDPS_STALL_POINT");
