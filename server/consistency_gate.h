@@ -102,15 +102,14 @@ class ConsistencyGate {
   // without a push of it still queued here. Removes the aggregation (the clock is applied).
   std::optional<BspAggregate> TakeBspClock(uint32_t slot, const WorkerTable& workers);
 
-  // BSP: whether `slot` waits for something (a clock pending, pushes queued, a version in
-  // flight), the clock it has applied through (-1: none), and, for the stall report
-  // (ShardServer::ReportStalls), what it waits for in words: the pending clock, the live
-  // workers it still lacks with their announced clocks, the queued pushes.
+  // Whether `slot` waits for something (a BSP clock pending, pushes queued, a version in
+  // flight) and, for the stall report (ShardServer::ReportStalls), what it waits for in words:
+  // the clock applied through, the pending clock, the live workers it still lacks with their
+  // announced clocks, the queued pushes.
   bool Waiting(uint32_t slot) const {
     const Slot& s = slots_[slot];
     return s.pending_clock >= 0 || !s.deferred.empty() || s.inflight;
   }
-  int64_t AppliedThrough(uint32_t slot) const { return slots_[slot].applied_through; }
   std::string DescribeWait(uint32_t slot, const WorkerTable& workers) const;
 
   // A version of `slot` was computed and waits for publication; its pushes are `contributors`.

@@ -718,8 +718,9 @@ void ShardServer::ReportStalls() {
   for (uint32_t slot = 0; slot < slots; ++slot) {
     StallWatch& w = stall_watch_[slot];
     const uint64_t version = chunks_->version(slot);
-    if (!gate_->Waiting(slot) || !w.waiting || version != w.version) {
-      w = StallWatch{now, version, gate_->Waiting(slot), false};
+    const bool waiting = gate_->Waiting(slot);
+    if (!waiting || !w.waiting || version != w.version) {
+      w = StallWatch{now, version, waiting, false};
       continue;
     }
     if (w.reported || now - w.since < options_.stall_report) continue;
