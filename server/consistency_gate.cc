@@ -49,6 +49,16 @@ ConsistencyGate::Decision ConsistencyGate::OnPush(uint32_t slot, const Contribut
   return Decision::kAggregate;
 }
 
+bool ConsistencyGate::ShouldRetryDeferred(uint32_t slot) const {
+  const Slot& s = slots_[slot];
+  if (!bsp() || s.inflight || s.deferred.empty()) return false;
+  if (s.pending_clock < 0) return true;
+  for (const DeferredPush& d : s.deferred) {
+    if (d.clock <= s.pending_clock) return true;
+  }
+  return false;
+}
+
 std::optional<BspAggregate> ConsistencyGate::TakeBspClock(uint32_t slot,
                                                           const WorkerTable& workers) {
   Slot& s = slots_[slot];

@@ -91,12 +91,13 @@ class ConsistencyGate {
   Decision OnPush(uint32_t slot, const Contributor& c, bool from_queue, bool initialised,
                   const WorkerTable& workers);
 
-  // BSP: a deferred push of `slot` may be admissible now that a worker's clock or the
-  // membership changed (no clock pending, nothing in flight, pushes queued): retry the queue.
-  bool ShouldRetryDeferred(uint32_t slot) const {
-    const Slot& s = slots_[slot];
-    return bsp() && !s.inflight && s.pending_clock < 0 && !s.deferred.empty();
-  }
+  // BSP: a deferred push of `slot` may be admissible now: retry the queue. Either no clock is
+  // pending (a worker's clock or the membership changed, so a push held back for an earlier
+  // clock may go in), or a queued push is of the pending clock (or below it), which TakeBspClock
+  // waits for and nothing else would hand back: it was held back while no clock was pending,
+  // and another worker's push of the same clock became the pending one before the queue was
+  // retried. Nothing while a version is in flight (EndVersion's drain retries then).
+  bool ShouldRetryDeferred(uint32_t slot) const;
 
   // BSP: the pending clock, when every live worker has contributed to it or moved past it
   // without a push of it still queued here. Removes the aggregation (the clock is applied).

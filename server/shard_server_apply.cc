@@ -301,6 +301,10 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
       newest_push_epoch_ = std::max(newest_push_epoch_, h.epoch);
       workers_->Consume(worker, slot, h.seq, clock);
       ObservePushApplied(slot, h);
+      // A push of this clock held back while no clock was pending (ConsistencyGate::OnPush)
+      // is admissible now that this one made the clock pending: the clock waits for it, and
+      // only this drain hands it back.
+      if (!from_queue && gate_->ShouldRetryDeferred(slot)) work_.push_back(slot);
       MaybeApplyBsp(slot);
       return true;
     case ConsistencyGate::Decision::kApply:

@@ -282,6 +282,51 @@ TEST(BspGateTest, AHeldBackPushGoesInOnceNoEarlierClockIsOwed) {
   EXPECT_EQ(a->clock, 6);
 }
 
+// A push held back while no clock was pending, whose clock another worker's push then made the
+// pending one (the server retries the queue on a clock change, but a push of the same clock may
+// be taken before that retry runs): the pending clock waits for the held-back push, so the gate
+// must ask for the queue to be retried. Before, ShouldRetryDeferred said no once any clock was
+// pending; only a publication or a membership change retried the queue, and with every worker
+// waiting for this clock neither came: the chunk stalled for ever.
+TEST(BspGateTest, AHeldBackPushOfThePendingClockIsHandedBack) {
+  WorkerTable workers(1);
+  bool fresh = false;
+  workers.Hello(0, 10, 1, &fresh);
+  workers.Hello(1, 11, 2, &fresh);
+  workers.Hello(2, 12, 3, &fresh);
+  workers.SetMembers({0, 1, 2});
+  ConsistencyGate g(ConsistencyMode::kBsp, 1);
+  g.NoteAppliedThrough(0, 5);  // a restored chunk: clocks 0..5 applied
+  for (uint32_t r = 0; r < 3; ++r) workers.AdvanceClock(r, 6);
+  // Worker 0 was restarted at the cluster's clock 7; workers 1 and 2 still owe clock 6 here.
+  workers.Hello(0, 20, 4, &fresh);
+  workers.AdvanceClock(0, 7);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, 7}, false, true, workers), D::kDefer);
+  EXPECT_TRUE(g.ShouldRetryDeferred(0)) << "no clock pending: a clock change retries it";
+  // Workers 1 and 2 had nothing to push here at clock 6 and move on to 7; worker 1's push of
+  // clock 7 comes before the server has retried the queue, and is the pending clock.
+  workers.AdvanceClock(1, 7);
+  workers.AdvanceClock(2, 7);
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 1, 1, 11, 7}, false, true, workers), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{2, 1, 1, 12, 7}, false, true, workers), D::kAggregate);
+  EXPECT_FALSE(g.TakeBspClock(0, workers).has_value()) << "worker 0's push of clock 7 is queued";
+  ASSERT_TRUE(g.ShouldRetryDeferred(0)) << "clock 7 waits for a queued push of clock 7";
+  std::optional<DeferredPush> d = g.NextDeferred(0);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->clock, 7);
+  EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, d->clock}, true, true, workers), D::kAggregate);
+  EXPECT_FALSE(g.ShouldRetryDeferred(0)) << "nothing queued";
+  std::optional<BspAggregate> a = g.TakeBspClock(0, workers);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->clock, 7);
+  ASSERT_EQ(a->contributors.size(), 3u);
+  EXPECT_EQ(a->contributors[0].worker, 0u);
+  // A queued push of a later clock than the pending one is not retried: it would wait again.
+  EXPECT_EQ(g.OnPush(0, Contributor{1, 0, 2, 11, 8}, false, true, workers), D::kAggregate);
+  EXPECT_EQ(g.OnPush(0, Contributor{2, 0, 2, 12, 9}, false, true, workers), D::kDefer);
+  EXPECT_FALSE(g.ShouldRetryDeferred(0)) << "clock 8 pending, only clock 9 queued";
+}
+
 // Nobody will push clock 6 here any more: the restarted worker 0 is past it (at 7), and worker 1,
 // which owed it, departed. The published min clock rises to 7 without a version (a worker
 // pulling at clock 7 would otherwise wait for ever); never while a live worker may still push
