@@ -195,15 +195,17 @@ uint64_t ConsistencyGate::SspMinClockPlus1(uint32_t slot, const WorkerTable& wor
       // Nor is one folded into a version that waits for its replication record: that version
       // is not published yet, and the published one (whose min clock this is while a version
       // is in flight) lacks it.
+      // A state transfer (a set: clock -1) is no clock's push and holds no clock back.
       if (s.inflight) {
         for (const Contributor& k : s.inflight_contributors) {
-          if (k.worker == r) applied = std::min(applied, k.clock - 1);
+          if (k.worker == r && k.clock >= 0) applied = std::min(applied, k.clock - 1);
         }
       }
     }
     m = std::min(m, applied);
   }
-  if (m == INT64_MAX) return 0;
+  // -1 (nothing applied) is the least there is: 0, "none", never a wrapped 2^64 - 1.
+  if (m == INT64_MAX || m < 0) return 0;
   return static_cast<uint64_t>(m + 1);
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "server/worker_table.h"
+#include "wire/region_layout.h"
 
 namespace shardps::server {
 
@@ -43,6 +44,13 @@ struct Contributor {
   uint64_t seq;
   uint64_t incarnation;
   int64_t clock;
+  // BSP: what the push's header said when the push was taken and checked (HandlePush). The
+  // clock's sum uses these, not a second read of the header: the inbox slot stays writable by
+  // its worker until the clock is published, and a rule rewritten there meanwhile was never
+  // checked.
+  layout::UpdateRule rule{};
+  uint32_t flags = 0;
+  uint32_t weight = 1;
 };
 
 // A push that waits in the gate: its inbox slot (worker, parity) and the clock of its header

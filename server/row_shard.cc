@@ -255,7 +255,11 @@ Status RowShard::CheckPayload(const char* payload, uint64_t bytes) const {
   uint64_t n;
   if (bytes < sizeof(n)) return InvalidArgumentError("sparse payload shorter than its count");
   std::memcpy(&n, payload, sizeof(n));
-  if ((!g_.hashed && n > g_.rows) || SparsePayloadBytes(n, g_.dim) != bytes) {
+  // n from the bytes, not the bytes from n: 8 + n * (8 + 4 dim) wraps for a huge n (a hashed
+  // shard has no row count to bound it), which could then match `bytes`.
+  const uint64_t per_row = sizeof(uint64_t) + uint64_t{g_.dim} * sizeof(float);
+  if ((!g_.hashed && n > g_.rows) || n > (bytes - sizeof(n)) / per_row ||
+      SparsePayloadBytes(n, g_.dim) != bytes) {
     return InvalidArgumentError("sparse payload of " + std::to_string(bytes) +
                                 " bytes does not hold its " + std::to_string(n) + " rows");
   }

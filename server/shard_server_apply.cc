@@ -278,7 +278,8 @@ bool ShardServer::HandlePush(uint32_t worker, uint32_t slot, uint32_t parity, bo
     return HandleStateOp(worker, slot, parity, h);
   }
   const int64_t clock = static_cast<int64_t>(h.clock);
-  const Contributor push{worker, parity, h.seq, w->incarnation, clock};
+  const Contributor push{worker, parity, h.seq, w->incarnation, clock, h.rule, h.flags,
+                         std::max<uint32_t>(1, h.weight)};
   switch (gate_->OnPush(slot, push, from_queue, chunks_->initialised(slot), *workers_)) {
     case ConsistencyGate::Decision::kDefer:
       if (!from_queue) stats_.Bump(&ShardServerCounters::deferred_pushes);  // once per push
@@ -614,9 +615,9 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   SparseAccumulator* acc = rows ? row_acc(layout_->rows(slot).dim) : nullptr;
   if (acc != nullptr) acc->Clear();
   for (const Contributor& k : a->contributors) {
-    layout::PushHeader ph;
-    std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
     if (rows) {
+      layout::PushHeader ph;  // its size only: checked again here (the rest is in k)
+      std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
       // Each row's sum over the clock's pushes, in worker-rank order. The header is read again
       // here, from the peer-writable inbox: its size is checked again (within the slot's
       // max_ids) and each id as it is read (Accumulate).
@@ -634,9 +635,9 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
                               sum, !first);
     }
     first = false;
-    non_finite |= (ph.flags & layout::kPushNonFinite) != 0;
-    no_gradient &= (ph.flags & layout::kPushNoGradient) != 0;
-    weight += std::max<uint32_t>(1, ph.weight);  // a host aggregator's push sums its locals
+    non_finite |= (k.flags & layout::kPushNonFinite) != 0;
+    no_gradient &= (k.flags & layout::kPushNoGradient) != 0;
+    weight += std::max<uint32_t>(1, k.weight);  // a host aggregator's push sums its locals
   }
   const uint64_t n = std::max<uint64_t>(1, weight);
   ReplRecord r;
@@ -651,12 +652,8 @@ void ShardServer::MaybeApplyBsp(uint32_t slot) {
   r.min_clock_plus1 = static_cast<uint64_t>(a->clock) + 1;
   if (!a->contributors.empty()) {
     // The clock's update rule and rate: its lowest rank's push carried them (every worker of
-    // one LR schedule carries the same; the inbox slot stays until the version is
-    // acknowledged; it was checked when the push was taken).
-    const Contributor& k = a->contributors.front();
-    layout::PushHeader ph;
-    std::memcpy(&ph, base + layout_->push_header_offset(k.worker, slot, k.parity), sizeof(ph));
-    r.rule = ph.rule;
+    // one LR schedule carries the same), as checked when the push was taken.
+    r.rule = a->contributors.front().rule;
   }
   r.skip = (non_finite || no_gradient) && r.rule.kind() != layout::RuleKind::kStore;
   if (r.skip) stats_.Bump(&ShardServerCounters::skipped_updates);

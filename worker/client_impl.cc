@@ -802,9 +802,29 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   CrashPoint("worker.before_push");
   StallPoint("worker.before_push");
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
+  RETURN_IF_ERROR(RefuseSecondBspPush(t, "Push()"));
   RETURN_IF_ERROR(MaybeRecover());
-  return push_->Push(t, [this] { return RecoverOrBreak(); });
+  StatusOr<Handle> h = push_->Push(t, [this] { return RecoverOrBreak(); });
+  if (h.ok()) NotePushed(t);
+  return h;
 }
+
+// BSP sums one gradient per worker per clock: a second push of a tensor in the same clock
+// would replace the first at the server (its inbox slot's header names the same clock), and
+// the first's gradient would be lost without an error. (ASP and SSP apply every push.)
+Status ClientImpl::RefuseSecondBspPush(uint32_t t, const char* what) const {
+  if (config_.mode() != control::BSP || tensors_[t].pushed_clock_plus1 != step_.clock + 1) {
+    return Status::OK();
+  }
+  return FailedPreconditionError(
+      std::string(what) + ": '" + tensors_[t].name + "' was already pushed at clock " +
+      std::to_string(step_.clock) +
+      ": under BSP a tensor's gradient is pushed once per clock (by Push or by Step, not both; "
+      "Step does not push again what Push sent), and a second push would replace the first. "
+      "Clock() (Step does) before pushing it again");
+}
+
+void ClientImpl::NotePushed(uint32_t t) { tensors_[t].pushed_clock_plus1 = step_.clock + 1; }
 
 StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
   // kStarting: Start() pulls the initial weights.
@@ -840,8 +860,23 @@ StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
   return PostBurst(ts, push, /*step=*/false);
 }
 
-StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>& ts, bool push,
+StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>& all, bool push,
                                                     bool step) {
+  // BSP, one push per tensor per clock: Step() leaves out what Push() already sent in this
+  // clock (a row table's rows added since then would be lost: refused); PushMany refuses.
+  std::vector<uint32_t> ts;
+  ts.reserve(all.size());
+  for (uint32_t t : all) {
+    if (push) {
+      Status second = RefuseSecondBspPush(t, step ? "Step()" : "PushMany()");
+      if (!second.ok() && step && !(tensors_[t].embedding && rows_ != nullptr &&
+                                    rows_->HasPendingGradients(t))) {
+        continue;  // pushed by Push() in this clock: not again
+      }
+      RETURN_IF_ERROR(second);
+    }
+    ts.push_back(t);
+  }
   std::vector<Handle> hs;
   hs.reserve(ts.size());
   Status failed;
@@ -873,6 +908,7 @@ StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>&
       failed = h.status();
       break;
     }
+    if (push) NotePushed(t);
     hs.push_back(*h);
   }
   push ? push_->set_more(false) : pull_->set_more(false);

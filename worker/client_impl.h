@@ -108,7 +108,13 @@ class ClientImpl final : public Client, private CompletionSink {
                                      bool push);
   // Posts the pushes (push) or pulls of tensors `ts` as one burst (kMore; sent by one poll at
   // the end). `step`: Step()'s pushes, which pass the worker.before_push crash and stall points.
+  // Under BSP a tensor is pushed once per clock: Step() leaves out the tensors Push() sent in
+  // this clock, PushMany refuses them.
   StatusOr<std::vector<Handle>> PostBurst(const std::vector<uint32_t>& ts, bool push, bool step);
+  // BSP: FAILED_PRECONDITION if tensor t was pushed in this clock already; NotePushed records
+  // a push.
+  Status RefuseSecondBspPush(uint32_t t, const char* what) const;
+  void NotePushed(uint32_t t);
   // CompletionSink: push and pull completions, from ServerSessions::Progress.
   void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
   void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;

@@ -93,6 +93,14 @@ Status ClientImpl::SetRows(const std::string& table, StatePart part, const int64
   const bool f32_rows = s.elem != 4;
   const uint64_t row_bytes = uint64_t{s.dim} * (f32_rows ? sizeof(float) : s.elem);
   const size_t per_push = static_cast<size_t>(s.geometry.max_set_entries(f32_rows));
+  if (per_push == 0) {
+    // A 16-bit table with max_ids 1: its inbox slot holds one 16-bit entry, less than one
+    // float32 row (the loop below would never advance).
+    return InvalidArgumentError("SetRows('" + table + "'): an inbox slot of max_ids " +
+                                std::to_string(s.max_ids) + " holds no float32 row of dim " +
+                                std::to_string(s.dim) +
+                                ", which a 16-bit table's set sends; register it with max_ids >= 2");
+  }
   const auto op = static_cast<layout::PushOp>(part);  // the same numbers
   rows_->Forget(t, ids, n);  // this worker's cache reads them again
   for (uint32_t k = 0; k < s.shards; ++k) {

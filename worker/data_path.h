@@ -80,6 +80,8 @@ struct Tensor {
   bool staging_prestarted = false;
   layout::UpdateRule rule{};  // what its pushes ask the servers to apply (Client::SetUpdateRule)
   bool no_gradient = false;   // its pushes carry kPushNoGradient (Client::SetNoGradient)
+  // BSP: the clock (+1) of its last gradient push (ClientImpl): one push per tensor per clock.
+  uint64_t pushed_clock_plus1 = 0;
   // A row table (Client::RegisterEmbedding): shape {rows, dim}; no weights or grads buffers
   // (worker/row_tables.h holds its staging).
   bool embedding = false;

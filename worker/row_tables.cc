@@ -62,6 +62,14 @@ Status RowTables::Setup() {
   return Status::OK();
 }
 
+bool RowTables::HasPendingGradients(uint32_t tensor) const {
+  const Table& t = tables_[table_of_tensor_.at(tensor)];
+  for (const Table::Pending& p : t.pending) {
+    if (p.index.size() != 0) return true;
+  }
+  return false;
+}
+
 Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads) {
   Table& t = tables_[table_of_tensor_.at(tensor)];
   const std::string& name = tensors_[tensor].name;

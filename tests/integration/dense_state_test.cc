@@ -199,6 +199,16 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param) + std::string("_") + DTypeName(std::get<1>(info.param));
     });
 
+// A client over `fault`'s injecting fabric, or a plain one when fault is null.
+StatusOr<std::unique_ptr<Client>> ConnectMaybeFaulty(const ClientOptions& o,
+                                                     const test::FaultOptions* fault) {
+  if (fault == nullptr) return Client::Connect(o);
+  auto fabric = transport::Fabric::Open(worker::ClientFabricOptions(o));
+  if (!fabric.ok()) return fabric.status();
+  return worker::ConnectOverFabric(
+      o, std::make_unique<test::FaultInjectingFabric>(std::move(*fabric), *fault));
+}
+
 class DenseStateAttackTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -228,10 +238,9 @@ TEST_P(DenseStateAttackTest, AnOutOfRangeFloat32SetIsRefusedAndAppliesNothing) {
     ts.emplace_back([&, r] {
       ClientOptions o = cluster.WorkerOptions(r);
       std::unique_ptr<Client> owned;
+      test::FaultOptions owned_fault;
       if (r == 0) {
         o.wait_timeout = std::chrono::milliseconds(4000);  // the refused set waits this long
-        auto fabric = transport::Fabric::Open(worker::ClientFabricOptions(o));
-        ASSERT_TRUE(fabric.ok()) << fabric.status();
         test::FaultOptions fault;
         fault.rewrite = [&](char* data, uint64_t length, uint32_t) {
           if (!armed.load() || length < sizeof(layout::PushHeader)) return;
@@ -241,15 +250,11 @@ TEST_P(DenseStateAttackTest, AnOutOfRangeFloat32SetIsRefusedAndAppliesNothing) {
           ph->first = kElems - 10;
           rewritten.fetch_add(1);
         };
-        auto c = worker::ConnectOverFabric(
-            o, std::make_unique<test::FaultInjectingFabric>(std::move(*fabric), fault));
-        ASSERT_TRUE(c.ok()) << c.status();
-        owned = std::move(c).value();
-      } else {
-        auto c = Client::Connect(o);
-        ASSERT_TRUE(c.ok()) << c.status();
-        owned = std::move(c).value();
+        owned_fault = fault;
       }
+      auto c = ConnectMaybeFaulty(o, r == 0 ? &owned_fault : nullptr);
+      ASSERT_TRUE(c.ok()) << c.status();
+      owned = std::move(c).value();
       Client& cl = *owned;
       std::vector<uint16_t> w(kElems, 0), g(kElems, 0);
       ASSERT_TRUE(cl.RegisterTensor("w", w.data(), g.data(), {kElems}, TensorDType::kBFloat16).ok());
@@ -277,6 +282,92 @@ TEST_P(DenseStateAttackTest, AnOutOfRangeFloat32SetIsRefusedAndAppliesNothing) {
   EXPECT_GE(rewritten.load(), 1);
   EXPECT_FALSE(bad_set.ok()) << "the refused set was never acknowledged";
   EXPECT_EQ(seen, a) << "nothing of the refused set was applied";
+}
+
+// BSP sums a clock's pushes once every worker has pushed, straight from the inbox slots, which
+// stay writable by their workers until the clock is published. Worker 0 pushes with lr 0.5 and,
+// while the clock waits for worker 1, writes its push's header again with lr 1000 (a valid
+// rule, so only the value tells). The server must apply the rule it checked when it took the
+// push; before, it read the header again at the sum and applied lr 1000 (and a rewritten
+// invalid rule unchecked, which the backup then refused, breaking replication).
+TEST_P(DenseStateAttackTest, ARuleRewrittenAfterItsPushWasTakenIsNotApplied) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 1;
+  spec.partition_bytes = 4096;  // one chunk of kElems floats
+  Cluster cluster(spec);
+  std::atomic<bool> armed{false};
+  std::atomic<bool> rewritten{false};
+  std::atomic<int64_t> kept_at_ms{0};
+  auto now_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
+  std::vector<std::vector<float>> final_w(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      ClientOptions o = cluster.WorkerOptions(r);
+      std::unique_ptr<Client> owned;
+      test::FaultOptions owned_fault;
+      if (r == 0) {
+        test::FaultOptions fault;
+        fault.keep = [&](const char* data, uint64_t length, uint32_t imm) {
+          if (!armed.load() || kept_at_ms.load() != 0 || length < sizeof(layout::PushHeader) ||
+              (imm >> 28) != static_cast<uint32_t>(layout::ImmKind::kPush)) {
+            return false;
+          }
+          layout::PushHeader ph;
+          std::memcpy(&ph, data, sizeof(ph));
+          if (ph.magic != layout::kPushMagic) return false;
+          kept_at_ms = now_ms();
+          return true;
+        };
+        // Long after the push was taken (the server handles a push within microseconds of
+        // its arrival), while the clock still waits for worker 1.
+        fault.rewrite_now = [&] {
+          return kept_at_ms.load() != 0 && now_ms() - kept_at_ms.load() >= 150;
+        };
+        fault.change = [&](char* data, uint64_t) {
+          auto* ph = reinterpret_cast<layout::PushHeader*>(data);
+          ph->rule.lr = 1000.0f;
+          rewritten = true;
+        };
+        owned_fault = fault;
+      }
+      auto c = ConnectMaybeFaulty(o, r == 0 ? &owned_fault : nullptr);
+      ASSERT_TRUE(c.ok()) << c.status();
+      owned = std::move(c).value();
+      Client& cl = *owned;
+      std::vector<float> w(kElems, 1.0f), g(kElems, 0.0f);
+      ASSERT_TRUE(cl.RegisterTensor("w", w.data(), g.data(), {kElems}).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      UpdateRule sgd;
+      sgd.kind = UpdateRule::Kind::kSgd;
+      sgd.lr = 0.5f;
+      ASSERT_TRUE(cl.SetUpdateRule("w", sgd).ok());
+      std::fill(g.begin(), g.end(), 1.0f);
+      if (cl.rank() == 0) {
+        armed = true;
+      } else {
+        // Worker 1 pushes only once worker 0 has rewritten its header (or after 10 s).
+        for (int i = 0; i < 10000 && !rewritten.load(); ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      }
+      Status st = cl.Step();
+      ASSERT_TRUE(st.ok()) << st;
+      final_w[cl.rank()] = w;
+      cl.Close().IgnoreError();
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_TRUE(rewritten.load()) << "worker 0's pull posted no read after the rewrite time";
+  const std::vector<float> want(kElems, 1.0f - 0.5f * 1.0f);  // lr 0.5, the average of 1 and 1
+  EXPECT_EQ(final_w[0], want) << "the rule applied is not the one checked when taken";
+  EXPECT_EQ(final_w[1], want);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, DenseStateAttackTest,

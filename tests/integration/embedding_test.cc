@@ -151,6 +151,93 @@ TEST_P(EmbeddingTest, BspRowsAfterNStepsAreExact) {
   }
 }
 
+// BSP sums one gradient per worker per clock. A trainer that pushes a table (or a tensor) itself
+// and then calls Step() gets it sent once: Step leaves out what Push sent in that clock. Before,
+// Step pushed the table again, empty (its rows had gone with the first push), the server took
+// the second push of the clock in place of the first, and the step's row gradients were lost
+// without an error. A second explicit push in one clock is refused, and so is a Step after
+// rows were added behind the table's push.
+TEST_P(EmbeddingTest, UnderBspAPushBeforeStepIsSentOnceAndASecondIsRefused) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);
+  EmbeddingOptions eo;
+  eo.max_ids = 16;
+  eo.init = EmbeddingOptions::Init::kUniform;
+  eo.init_scale = 0.5f;
+  eo.init_seed = 42;
+  std::vector<float> init(kRows * kDim);
+  for (int64_t id = 0; id < kRows; ++id) {
+    InitRow(RowInitKind::kUniform, 0.5f, 42, static_cast<uint64_t>(id), kDim, &init[id * kDim]);
+  }
+  std::vector<std::vector<float>> after(2), after2(2);
+  std::vector<float> w_after(2, 0.0f);
+  std::vector<Status> second_push(2), second_many(2), late_rows(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      std::vector<float> w(300, 1.0f), gw(300, 0.0f);
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterTensor("w", w.data(), gw.data(), {300}).ok());
+      ASSERT_TRUE(cl.RegisterEmbedding("emb", kRows, kDim, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      const int me = static_cast<int>(cl.rank());
+      // Clock 0: both pushed by hand (rows 5 and 10 + rank, gradient 1), then Step.
+      const std::vector<int64_t> ids = {5, 10 + me};
+      std::vector<float> ones(ids.size() * kDim, 1.0f);
+      ASSERT_TRUE(cl.AddRowGradients("emb", ids.data(), ids.size(), ones.data()).ok());
+      std::fill(gw.begin(), gw.end(), 0.25f);
+      StatusOr<std::vector<Handle>> hs = cl.PushMany({"emb", "w"});
+      ASSERT_TRUE(hs.ok()) << hs.status();
+      for (Handle h : *hs) ASSERT_TRUE(cl.Wait(h).ok());
+      StatusOr<Handle> again = cl.Push("w");
+      second_push[r] = again.status();
+      second_many[r] = cl.PushMany({"emb"}).status();
+      Status st = cl.Step();
+      ASSERT_TRUE(st.ok()) << st;
+      w_after[r] = w[0];
+      const std::vector<int64_t> look = {5, 10, 11};
+      after[r].resize(look.size() * kDim);
+      st = cl.PullRows("emb", look.data(), look.size(), after[r].data());
+      ASSERT_TRUE(st.ok()) << st;
+      // Clock 1: the table pushed (empty), then rows added behind it: Step refuses, posting
+      // nothing; the rows go with a push of the next clock.
+      StatusOr<Handle> h = cl.Push("emb");
+      ASSERT_TRUE(h.ok()) << h.status();
+      ASSERT_TRUE(cl.Wait(*h).ok());
+      ASSERT_TRUE(cl.AddRowGradients("emb", ids.data(), 1, ones.data()).ok());
+      late_rows[r] = cl.Step();
+      ASSERT_TRUE(cl.Clock().ok());
+      st = cl.Step();  // clock 2: the late rows (row 5, gradient 1 from each worker)
+      ASSERT_TRUE(st.ok()) << st;
+      after2[r].resize(kDim);
+      st = cl.PullRows("emb", ids.data(), 1, after2[r].data());
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(second_push[r].code(), StatusCode::kFailedPrecondition) << second_push[r];
+    EXPECT_EQ(second_many[r].code(), StatusCode::kFailedPrecondition) << second_many[r];
+    EXPECT_EQ(late_rows[r].code(), StatusCode::kFailedPrecondition) << late_rows[r];
+    EXPECT_EQ(w_after[r], 1.0f - 0.5f * 0.25f) << "the dense tensor's clock 0, applied once";
+    ASSERT_EQ(after[r].size(), 3u * kDim);
+    for (int j = 0; j < kDim; ++j) {
+      // Averaged over the 2 workers: row 5 got 1 + 1, rows 10 and 11 got 1 each.
+      EXPECT_EQ(after[r][j], init[5 * kDim + j] - 0.5f * 1.0f) << "row 5, worker " << r;
+      EXPECT_EQ(after[r][kDim + j], init[10 * kDim + j] - 0.5f * 0.5f) << "row 10";
+      EXPECT_EQ(after[r][2 * kDim + j], init[11 * kDim + j] - 0.5f * 0.5f) << "row 11";
+      EXPECT_EQ(after2[r][j], init[5 * kDim + j] - 0.5f * 1.0f - 0.5f * 1.0f) << "row 5, clock 2";
+    }
+  }
+}
+
 // The consistency bound of every row read, per mode: each worker's push adds 1 to row
 // (100 + its rank) and to a shared row 7 (lr 1, sum, gradient -1, zero-initialised rows), so a
 // row counts the pushes applied. At clock c a read must include every push of clocks < c - s
@@ -571,6 +658,34 @@ TEST_P(EmbeddingTest, HalfPrecisionTableKeepsFloat32Master) {
   // 300/1024 = 0.29296875 in bfloat16: 0x3E96 (0.29296875 exactly).
   EXPECT_EQ(out[0], 0x3E96) << std::hex << out[0];
   EXPECT_EQ(out[1], 0x3E96);
+  EXPECT_TRUE(cl.Close().ok());
+}
+
+// A 16-bit table whose inbox slot holds one 16-bit entry (max_ids 1) cannot carry a float32 row,
+// which its sets send: SetRows says so. It looped for ever before, each round committing an
+// empty replicated set.
+TEST_P(EmbeddingTest, ASetThatNoPushCanCarryIsRefused) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 1;
+  Cluster cluster(spec);
+  auto c = Client::Connect(cluster.WorkerOptions(0));
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 1;
+  ASSERT_TRUE(cl.RegisterEmbedding("h", 10, 4, TensorDType::kFloat16, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  const int64_t id = 3;
+  const float v[4] = {1, 2, 3, 4};
+  const Status st = cl.SetRows("h", Client::StatePart::kWeights, &id, 1, v, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("max_ids >= 2"), std::string::npos) << st;
+  // The table still trains: one row per push.
+  const uint16_t g[4] = {0x3C00, 0x3C00, 0x3C00, 0x3C00};  // 1.0
+  ASSERT_TRUE(cl.AddRowGradients("h", &id, 1, g).ok());
+  ASSERT_TRUE(cl.Step().ok());
   EXPECT_TRUE(cl.Close().ok());
 }
 

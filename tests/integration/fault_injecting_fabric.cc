@@ -1,5 +1,7 @@
 #include "tests/integration/fault_injecting_fabric.h"
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include <glog/logging.h>
@@ -19,11 +21,13 @@ constexpr uint32_t kWrongRkeyMask = 0x5a5a5a5au;
 class FaultInjectingEndpoint final : public Endpoint {
  public:
   FaultInjectingEndpoint(std::unique_ptr<Endpoint> inner, const FaultOptions& options,
-                         std::shared_ptr<FaultCounters> counters)
+                         std::shared_ptr<FaultCounters> counters,
+                         std::unique_ptr<transport::MemoryRegion> kept)
       : Endpoint(inner->endpoint_id(), inner->fabric_identity(), inner->max_operation_bytes()),
         inner_(std::move(inner)),
         options_(options),
-        counters_(std::move(counters)) {}
+        counters_(std::move(counters)),
+        kept_(std::move(kept)) {}
 
   Status status() const override { return inner_->status(); }
   int outstanding() const override { return inner_->outstanding(); }
@@ -51,11 +55,28 @@ class FaultInjectingEndpoint final : public Endpoint {
         return inner_->PostWrite(local, remote, context, flags);
       case transport::OpType::kRead:
         ++posts_;
+        if (kept_length_ != 0 && options_.rewrite_now && options_.rewrite_now()) {
+          char* bytes = static_cast<char*>(kept_->data());
+          if (options_.change) options_.change(bytes, kept_length_);
+          Status s = inner_->PostWrite({kept_.get(), 0, kept_length_}, kept_target_, 0,
+                                       transport::kUnsignaled);
+          kept_length_ = 0;
+          if (!s.ok()) return s;
+        }
         return inner_->PostRead(local, remote, context, flags);
       case transport::OpType::kWriteImm: {
         if (options_.rewrite && local.region != nullptr) {
           options_.rewrite(static_cast<char*>(local.region->data()) + local.offset, local.length,
                            imm);
+        }
+        if (kept_ != nullptr && options_.keep && local.region != nullptr &&
+            options_.keep(static_cast<const char*>(local.region->data()) + local.offset,
+                          local.length, imm)) {
+          kept_length_ = std::min<uint64_t>(local.length, FaultOptions::kKeptBytes);
+          std::memcpy(kept_->data(),
+                      static_cast<const char*>(local.region->data()) + local.offset,
+                      kept_length_);
+          kept_target_ = remote;
         }
         const bool inject = Choose(flags);
         RemoteSlice target = remote;
@@ -80,6 +101,10 @@ class FaultInjectingEndpoint final : public Endpoint {
   const std::shared_ptr<FaultCounters> counters_;
   uint64_t posts_ = 0;
   bool injected_ = false;  // one injected error per endpoint
+  // FaultOptions::keep: the kept bytes (registered, to post from) and where they went.
+  const std::unique_ptr<transport::MemoryRegion> kept_;
+  uint64_t kept_length_ = 0;
+  RemoteSlice kept_target_;
 };
 
 }  // namespace
@@ -99,8 +124,13 @@ StatusOr<std::unique_ptr<Endpoint>> FaultInjectingFabric::Connect(
     const std::string& address, transport::CompletionQueue* cq,
     const transport::EndpointOptions& options) {
   ASSIGN_OR_RETURN(std::unique_ptr<Endpoint> ep, inner_->Connect(address, cq, options));
-  return std::unique_ptr<Endpoint>(
-      std::make_unique<FaultInjectingEndpoint>(std::move(ep), options_, counters_));
+  std::unique_ptr<transport::MemoryRegion> kept;
+  if (options_.keep) {
+    ASSIGN_OR_RETURN(kept, inner_->AllocateMemory(FaultOptions::kKeptBytes,
+                                                  transport::Access::kLocalOnly));
+  }
+  return std::unique_ptr<Endpoint>(std::make_unique<FaultInjectingEndpoint>(
+      std::move(ep), options_, counters_, std::move(kept)));
 }
 
 }  // namespace shardps::test

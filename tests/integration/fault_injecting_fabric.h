@@ -33,6 +33,15 @@ struct FaultOptions {
   // A hostile peer's rewrite: called with the local bytes of every write-with-immediate before
   // it is forwarded (the bytes it will carry; a push header comes first), which it may change.
   std::function<void(char* data, uint64_t length, uint32_t imm)> rewrite;
+  // A hostile peer's later rewrite of what it already sent (a worker rewriting a push's header
+  // in its inbox slot while the server still holds the push): `keep` picks writes-with-
+  // immediate whose first bytes (at most kKeptBytes) and target are kept; before each later
+  // read of that endpoint `rewrite_now` is asked whether to write them again now, changed by
+  // `change`, as a plain unsignaled write to the same place (once per kept write).
+  static constexpr uint64_t kKeptBytes = 256;
+  std::function<bool(const char* data, uint64_t length, uint32_t imm)> keep;
+  std::function<bool()> rewrite_now;
+  std::function<void(char* data, uint64_t length)> change;
 };
 
 // What was injected, shared by the fabric and its endpoints; outlives both if the caller holds it.

@@ -119,6 +119,32 @@ TEST_P(AsyncGateTest, DeparturesStopHoldingTheMinClockBack) {
   EXPECT_FALSE(g.TakeBspClock(0, workers_).has_value());  // never for the async modes
 }
 
+// A state transfer (a set of weights, state or rows) is a version whose contributor has no
+// clock (-1). In flight, it once made the min clock -2 + 1 = -1, published as 2^64 - 1: every
+// SSP pull accepted the chunk whatever its clock, and a worker's row cache kept the rows read
+// then for ever. A set holds no clock back, and a min clock never wraps.
+TEST_P(AsyncGateTest, ASetInFlightHoldsNoClockBackAndNeverWrapsTheMinClock) {
+  ConsistencyGate g(GetParam(), 1);
+  Applied(Push(0, 1, 2));
+  Applied(Push(1, 1, 1));
+  workers_.AdvanceClock(0, 3);
+  workers_.AdvanceClock(1, 2);
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 2u);
+  g.BeginVersion(0, {Contributor{1, 0, 2, 11, -1}});  // worker 1's set waits for its record
+  EXPECT_EQ(g.SspMinClockPlus1(0, workers_), 2u);
+  EXPECT_FALSE(g.RaisedMinClockPlus1(0, 2, true, workers_).has_value());
+  g.EndVersion(0);
+  // Nothing applied yet anywhere, a set in flight: "none", not a wrapped clock.
+  ConsistencyGate fresh(GetParam(), 1);
+  WorkerTable none(1);
+  bool f = false;
+  none.Hello(0, 10, 1, &f);
+  none.SetMembers({0});
+  fresh.BeginVersion(0, {Contributor{0, 1, 1, 10, -1}});
+  EXPECT_EQ(fresh.SspMinClockPlus1(0, none), 0u);
+  EXPECT_FALSE(fresh.RaisedMinClockPlus1(0, 0, true, none).has_value());
+}
+
 INSTANTIATE_TEST_SUITE_P(Async, AsyncGateTest,
                          ::testing::Values(ConsistencyMode::kSsp, ConsistencyMode::kAsp,
                                            ConsistencyMode::kVsgd));

@@ -99,6 +99,23 @@ class RowShardStampTest : public ::testing::Test {
   std::unique_ptr<RowShard> shard_;
 };
 
+// A record's sparse payload names its row count n; its bytes must be exactly that many rows.
+// 8 + n * (8 + 4 dim) wraps for a huge n: with dim 4 (24 bytes a row), n = 2 + 2^61 matched
+// the bytes of 2 rows, and the check then walked 2^61 ids past the payload (a hashed shard has
+// no row count to bound n). A backup takes such a payload only from a faulty primary.
+TEST_F(RowShardStampTest, APayloadWhoseRowCountWrapsItsSizeIsRefused) {
+  Make(/*hashed=*/true, 16);
+  std::vector<char> p = Payload({1, 2}, g_.dim, 1.0f);
+  EXPECT_TRUE(shard_->CheckPayload(p.data(), p.size()).ok());
+  const uint64_t wrapped = 2 + (uint64_t{1} << 61);
+  ASSERT_EQ(SparsePayloadBytes(wrapped, g_.dim), p.size()) << "the size wraps to 2 rows'";
+  std::memcpy(p.data(), &wrapped, sizeof(wrapped));
+  EXPECT_FALSE(shard_->CheckPayload(p.data(), p.size()).ok());
+  const uint64_t three = 3;  // more rows than the bytes hold
+  std::memcpy(p.data(), &three, sizeof(three));
+  EXPECT_FALSE(shard_->CheckPayload(p.data(), p.size()).ok());
+}
+
 // An incremental checkpoint takes exactly the rows written after `since`, when the versions
 // cross the stamp's period (a stamp compared as it is would drop rows 2..4 from CaptureSince(P-1):
 // their stamps are 1..3).

@@ -275,6 +275,9 @@ class SHARDPS_EXPORT Client {
 
   // Asynchronous push of a tensor's gradients at the current clock; Wait() before reusing grads.
   // For a row table: its gradient rows added since its last push (AddRowGradients).
+  // BSP sums one push per tensor per worker per clock: a second push of a tensor in the same
+  // clock is refused (FAILED_PRECONDITION), and Step() does not push again what Push() sent in
+  // its clock (a row table with rows added since its push: Step refuses, posting nothing).
   virtual StatusOr<Handle> Push(const std::string& name) = 0;
   // Asynchronous pull of a tensor's weights, satisfying the consistency mode at the current
   // clock; Wait() before reading weights.
