@@ -275,6 +275,11 @@ class PyClient {
     Check(Live().SetUpdateRule(name, r));
   }
   void MarkNonFinite(bool v) { Live().MarkNonFinite(v); }
+  bool ScaleRowGrads(const std::string& name, float factor) {
+    shardps::StatusOr<bool> finite = Live().ScaleRowGradients(name, factor);
+    Check(finite.status());
+    return *finite;
+  }
   void SetNoGradient(const std::string& name, bool v) { Check(Live().SetNoGradient(name, v)); }
   // 'weights', 'state1', 'state2' (and 'none' where `none` is allowed) -> the StatePart.
   static shardps::Client::StatePart ParsePart(const std::string& part, bool none) {
@@ -660,6 +665,9 @@ PYBIND11_MODULE(_shardps, m) {
            "Marks the next pushes of a tensor as carrying no gradient (a frozen parameter, or "
            "none this step): BSP leaves a chunk whose pushes all carry the mark as it is, "
            "optimizer state included (see Client::SetNoGradient).")
+      .def("scale_row_grads", &PyClient::ScaleRowGrads, py::arg("name"), py::arg("factor"),
+           "Multiplies the table's gradient rows of this step (not yet pushed) by `factor` (a "
+           "GradScaler's 1/scale); returns whether all are finite.")
       .def("mark_non_finite", [](PyClient& c, bool v) { c.MarkNonFinite(v); },
            py::arg("non_finite"),
            "The next pushes come from a step whose gradients were not all finite: BSP skips "

@@ -129,6 +129,10 @@ StatusOr<std::vector<Handle>> Client::PullMany(const std::vector<std::string>& n
   return EachThenWait(this, names, [this](const std::string& n) { return Pull(n); });
 }
 
+StatusOr<bool> Client::ScaleRowGradients(const std::string& table, float) {
+  return UnimplementedError("ScaleRowGradients('" + table + "'): this client holds no rows");
+}
+
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
   std::string sources;
   const ClientOptions options = WithEnvironmentDefaults(given, &sources);
@@ -807,6 +811,12 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   StatusOr<Handle> h = push_->Push(t, [this] { return RecoverOrBreak(); });
   if (h.ok()) NotePushed(t);
   return h;
+}
+
+StatusOr<bool> ClientImpl::ScaleRowGradients(const std::string& table, float factor) {
+  RETURN_IF_ERROR(lifecycle_.Require("ScaleRowGradients()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  return rows_->ScalePending(t, factor);
 }
 
 // BSP sums one gradient per worker per clock: a second push of a tensor in the same clock

@@ -61,6 +61,7 @@ class ClientImpl final : public Client, private CompletionSink {
   Status RegisterEmbedding(const std::string& name, int64_t rows, int64_t dim, TensorDType dtype,
                            const EmbeddingOptions& options) override;
   Status PullRows(const std::string& table, const int64_t* ids, size_t n, void* out) override;
+  StatusOr<bool> ScaleRowGradients(const std::string& table, float factor) override;
   Status AddRowGradients(const std::string& table, const int64_t* ids, size_t n,
                          const void* grads) override;
   Status Start() override;

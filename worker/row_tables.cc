@@ -1,6 +1,7 @@
 #include "worker/row_tables.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -68,6 +69,19 @@ bool RowTables::HasPendingGradients(uint32_t tensor) const {
     if (p.index.size() != 0) return true;
   }
   return false;
+}
+
+bool RowTables::ScalePending(uint32_t tensor, float factor) {
+  Table& t = tables_[table_of_tensor_.at(tensor)];
+  bool finite = true;
+  for (Table::Pending& p : t.pending) {
+    const size_t used = p.index.size() * t.dim;  // values may hold more than the rows in use
+    for (size_t i = 0; i < used && i < p.values.size(); ++i) {
+      if (factor != 1.0f) p.values[i] *= factor;
+      finite &= std::isfinite(p.values[i]);
+    }
+  }
+  return finite;
 }
 
 Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads) {

@@ -47,6 +47,8 @@ class RowTables {
   Status AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads);
   // Whether the table has gradient rows added since its last push.
   bool HasPendingGradients(uint32_t tensor) const;
+  // Multiplies those rows by `factor`; whether every value is finite then.
+  bool ScalePending(uint32_t tensor, float factor);
   // PushPipeline: moves a shard's pending gradient rows into its push staging of `parity`
   // (whose previous push the server has acknowledged); returns the bytes staged.
   uint64_t Stage(uint32_t chunk, uint32_t parity);

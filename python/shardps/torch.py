@@ -598,8 +598,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if scaler_state["stage"] is OptState.READY:
                 grad_scaler.unscale_(self)  # divides the gradients, finds infs and NaNs
             non_finite = any(v.item() for v in scaler_state["found_inf_per_device"].values())
+            # Row tables' gradients are not in param_groups: unscale_ never saw them. They are
+            # the scaled loss's too, added in backward: divide them by the same scale here.
+            inv = float(grad_scaler._scale.double().reciprocal().float().item())
+            non_finite |= not self._row_grads_finite(inv)
         elif self._check_finite:
             non_finite = not all(bool(torch.isfinite(g).all()) for _, _, g in self._params)
+            non_finite |= not self._row_grads_finite(1.0)
         # BSP: a clock any worker marks is skipped on every server (server/optimizer.h).
         self.client.mark_non_finite(non_finite)
         self._inf_g.fill_(1.0 if non_finite else 0.0)
@@ -616,6 +621,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for v in scaler_state["found_inf_per_device"].values():
                 v.fill_(1.0 if self.skipped else 0.0)  # every worker's scaler backs off alike
         return loss
+
+    def _row_grads_finite(self, factor):
+        """Multiplies every row table's gradient rows of this step by `factor`; whether all
+        are finite then (an overflow skips the step as a dense one does)."""
+        finite = True
+        for m in self._tables:
+            finite &= self.client.scale_row_grads(m.table_name, factor)
+        return finite
 
     def _send_lr(self):
         for m in self._tables:

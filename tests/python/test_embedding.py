@@ -104,6 +104,64 @@ class EmbeddingTest(unittest.TestCase):
         self.assertLessEqual(counters["rows_pulled"], steps * (48 + 64) + self.ROWS)
         return ours
 
+    def test_row_gradients_are_unscaled_and_checked_like_dense_ones(self):
+        """GradScaler scales the loss, so a table's gradient rows (added in backward, not in
+        param_groups) come scaled too: step(grad_scaler=...) divides them by the scale, and an
+        inf among them skips the step as a dense one does (check_finite likewise). Before, the
+        rows were pushed S times too large and an overflow in them alone was never seen."""
+        try:  # torch >= 2.3
+            from torch.amp.grad_scaler import OptState
+        except ImportError:  # torch 1.13 (Debian 12)
+            from torch.cuda.amp.grad_scaler import OptState
+        ids = torch.tensor([[3, 7], [7, 9]])
+
+        def run(scale, inf_rows, check_finite=False):
+            torch.manual_seed(0)  # the same fc in every run
+            with cluster() as cl:
+                emb = spt.Embedding(self.ROWS, self.DIM, optimizer="sgd", lr=0.5, init="uniform",
+                                    init_scale=0.1, init_seed=3)
+                fc = torch.nn.Linear(self.DIM, 1)
+                m = torch.nn.ModuleDict({"emb": emb, "fc": fc})
+                opt = spt.DistributedOptimizer(torch.optim.SGD(fc.parameters(), lr=0.1), m,
+                                               coordinator=cl.address, cluster_token=cl.token,
+                                               rank=0, transport="tcp",
+                                               check_finite=check_finite)
+                before = emb(torch.arange(10)).detach().clone()
+                opt.zero_grad()
+                loss = fc(emb(ids).sum(1)).sum() * scale
+                if inf_rows:
+                    loss = loss + (emb(torch.tensor([[9]])) * float("inf")).sum()
+                loss.backward()
+                if scale != 1.0 or inf_rows and not check_finite:
+                    # A scaler whose unscale_ the trainer already called (to clip): the dense
+                    # gradients are divided; the rows are left for step() to divide.
+                    for p in fc.parameters():
+                        p.grad.div_(scale)
+                    dev = fc.weight.device
+                    state = {"stage": OptState.UNSCALED,
+                             "found_inf_per_device": {dev: torch.zeros(1)}}
+
+                    class Scaler:
+                        _scale = torch.tensor(float(scale))
+                        _per_optimizer_states = {id(opt): state}
+                    opt.step(grad_scaler=Scaler())
+                else:
+                    opt.step()
+                after = emb(torch.arange(10)).detach().clone()
+                skipped = opt.skipped
+                opt.close()
+                return before, after, skipped
+
+        b1, a1, s1 = run(1.0, False)
+        b2, a2, s2 = run(1024.0, False)
+        self.assertFalse(s1 or s2)
+        self.assertFalse(torch.equal(a1, b1))  # it stepped
+        torch.testing.assert_close(a2, a1, rtol=0, atol=0)  # 1024 is exact: the same step
+        for check_finite in (False, True):
+            b3, a3, s3 = run(1024.0 if not check_finite else 1.0, True, check_finite)
+            self.assertTrue(s3, "an inf among the rows skips the step")
+            torch.testing.assert_close(a3, b3, rtol=0, atol=0)  # nothing applied
+
     def test_sgd_rows_match_torch_sparse(self):
         self.run_pair("sgd", {"lr": 0.3}, lambda p: torch.optim.SGD(p, lr=0.3))
 

@@ -425,6 +425,11 @@ class SHARDPS_EXPORT Client {
 
   // Leaves the cluster cleanly (also done by the destructor). Idempotent: OK in every state.
   virtual Status Close() = 0;
+  // A table's gradient rows of this step not yet pushed (AddRowGradients): every value
+  // multiplied by `factor` (a GradScaler's 1/scale; 1.0 changes nothing), then whether all are
+  // finite (a mixed-precision overflow; MarkNonFinite then skips the step). A client that holds
+  // no rows itself (host mode): UNIMPLEMENTED.
+  virtual StatusOr<bool> ScaleRowGradients(const std::string& table, float factor);
 
  protected:
   Client() = default;
