@@ -314,10 +314,11 @@ void RowShard::Apply(const char* payload, float scale, float lr_scale,
     const double bc2 = 1.0 - std::pow(static_cast<double>(b2), t);
     adam_step = static_cast<double>(lr) * std::sqrt(bc2) / bc1;
   } else if (kind == layout::RuleKind::kAdagrad) {
-    if (s1_.empty()) {
-      s1_init_ = rule.dampening;  // initial_accumulator_value
-      s1_.assign(elems_total, s1_init_);
-    }
+    // initial_accumulator_value: what a row placed from now on starts its sum from. Taken from
+    // every push's rule, not only the first: a restored shard (a checkpoint, a handoff) has
+    // its sums but not this value, and a backup must place rows as its primary does.
+    s1_init_ = rule.dampening;
+    if (s1_.empty()) s1_.assign(elems_total, s1_init_);
     adagrad_clr = static_cast<float>(
         static_cast<double>(lr) /
         (1.0 + static_cast<double>(steps_ - 1) * static_cast<double>(rule.momentum)));

@@ -99,6 +99,41 @@ class RowShardStampTest : public ::testing::Test {
   std::unique_ptr<RowShard> shard_;
 };
 
+// Adagrad's initial_accumulator_value is what a row placed in a hashed shard starts its sum
+// from. A restored shard (checkpoint, handoff) has every row's sum but not that value: it took
+// it only when it allocated the sums, so rows placed after a restore started from 0 on the
+// restored shard and from the value on one that never restarted (a backup diverged from its
+// primary). Every push's rule carries it.
+TEST_F(RowShardStampTest, ARestoredShardPlacesNewRowsWithAdagradsInitialSum) {
+  layout::UpdateRule rule{};
+  rule.kind_flags = static_cast<uint32_t>(layout::RuleKind::kAdagrad);
+  rule.lr = 0.5f;
+  rule.dampening = 0.25f;  // initial_accumulator_value
+  rule.weight_decay = 0.0f;
+  auto apply = [&](RowShard& shard, uint64_t key, uint64_t version) {
+    const std::vector<char> p = Payload({key}, g_.dim, 1.0f);
+    shard.Apply(p.data(), 1.0f, 1.0f, rule, version);
+  };
+  auto read = [&](const RowShard& shard, uint64_t key) {
+    layout::RowOutbox o{1, g_.dim};
+    std::vector<char> out(o.bytes());
+    shard.Read(&key, 1, out.data());
+    return std::vector<char>(out.begin() + o.values(), out.begin() + o.state2());
+  };
+  Make(/*hashed=*/true, 16);
+  apply(*shard_, 1, 1);
+  const ChunkState cs = shard_->Capture();
+  apply(*shard_, 2, 2);  // the shard that never restarted places key 2
+  const std::vector<char> want = read(*shard_, 2);
+  std::vector<uint64_t> keep;
+  keep.swap(area_);
+  std::unique_ptr<RowShard> original = std::move(shard_);
+  Make(/*hashed=*/true, 16);
+  ASSERT_TRUE(shard_->Restore(cs).ok());
+  apply(*shard_, 2, 2);
+  EXPECT_EQ(read(*shard_, 2), want) << "key 2's value and sum after a restore";
+}
+
 // A record's sparse payload names its row count n; its bytes must be exactly that many rows.
 // 8 + n * (8 + 4 dim) wraps for a huge n: with dim 4 (24 bytes a row), n = 2 + 2^61 matched
 // the bytes of 2 rows, and the check then walked 2^61 ids past the payload (a hashed shard has
