@@ -40,7 +40,10 @@ bool WorkerTable::Hello(uint32_t rank, uint64_t incarnation, uint64_t endpoint_i
     w.applied_clock.assign(slots_, -1);
   }
   w.endpoint_id = endpoint_id;
-  departed_.erase(rank);
+  auto gone = departed_.find(rank);
+  if (gone != departed_.end() && (gone->second == 0 || gone->second != incarnation)) {
+    departed_.erase(gone);
+  }
   return known;
 }
 
@@ -80,7 +83,8 @@ std::vector<uint32_t> WorkerTable::SetMembers(const std::set<uint32_t>& now) {
   std::vector<uint32_t> departed;
   for (uint32_t r : members_) {
     if (!now.count(r)) {
-      departed_.insert(r);
+      const WorkerState* w = Find(r);
+      departed_[r] = w != nullptr ? w->incarnation : 0;
       departed.push_back(r);
     }
   }

@@ -43,7 +43,9 @@ class WorkerTable {
 
   // A worker said hello on `endpoint_id`. An incarnation of 0 (an old client) starts fresh
   // sequence state on every hello. Returns true when the worker was known under this same
-  // incarnation (it keeps its sequence numbers). *fresh as for Ensure().
+  // incarnation (it keeps its sequence numbers). *fresh as for Ensure(). A process that
+  // departed stays departed (not Live) until a membership names its rank again; a new
+  // process of the rank is live at once.
   bool Hello(uint32_t rank, uint64_t incarnation, uint64_t endpoint_id, bool* fresh);
 
   // Exactly-once: a push of sequence `seq` was consumed (applied, folded or dropped) already.
@@ -73,7 +75,12 @@ class WorkerTable {
   uint32_t slots_;
   std::map<uint32_t, WorkerState> workers_;  // by rank
   std::set<uint32_t> members_;               // worker ranks in the latest membership
-  std::set<uint32_t> departed_;
+  // Ranks that left a membership, with the incarnation known then (0: none). A hello of that
+  // same process does not make it live again (only a membership that names it, or a new
+  // process of the rank, does): its endpoint may have been accepted before the departure and
+  // its hello polled after, and a process the coordinator let go would then be waited for by
+  // every BSP clock for good.
+  std::map<uint32_t, uint64_t> departed_;
   size_t most_members_seen_ = 0;
 };
 

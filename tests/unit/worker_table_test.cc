@@ -89,5 +89,25 @@ TEST(WorkerTableTest, LiveWorkersFollowMembershipAndDepartures) {
   EXPECT_EQ(t.most_members_seen(), 3u);
 }
 
+// A departed process's late hello (its endpoint accepted before the departure, its hello polled
+// after) does not make it live again: the coordinator let it go, and every BSP clock would wait
+// for it for good (found by review, 2026-12-07). A membership naming the rank, or a new
+// process of the rank, does.
+TEST(WorkerTableTest, ADepartedProcesssLateHelloDoesNotMakeItLive) {
+  WorkerTable t(1);
+  bool fresh = false;
+  t.SetMembers({0, 1});
+  t.Hello(0, 10, 1, &fresh);
+  t.Hello(1, 11, 2, &fresh);
+  EXPECT_EQ(t.SetMembers({0}), std::vector<uint32_t>{1});
+  t.Hello(1, 11, 3, &fresh);  // the same process, on an endpoint accepted before it left
+  EXPECT_EQ(t.Live(), (std::set<uint32_t>{0})) << "the departed process is not waited for";
+  t.SetMembers({0, 1});  // readmitted
+  EXPECT_EQ(t.Live(), (std::set<uint32_t>{0, 1}));
+  t.SetMembers({0});
+  t.Hello(1, 12, 4, &fresh);  // a new process of rank 1: live at once (its membership follows)
+  EXPECT_EQ(t.Live(), (std::set<uint32_t>{0, 1}));
+}
+
 }  // namespace
 }  // namespace shardps::server
