@@ -225,6 +225,9 @@ class ShardServer {
   // "worker-<rank>", "primary" or "endpoint-<id>": whose data-path endpoint `id` is.
   std::string PeerOf(uint64_t endpoint_id) const;
   void Reevaluate();  // BSP completions and SSP min clocks after a clock or membership change
+  // Raises the published min clock of `slot` where the gate allows (ConsistencyGate::
+  // RaisedMinClockPlus1); BSP: marks the clocks passed over as applied.
+  void MaybeRaiseMinClock(uint32_t slot);
   void MaybeApplyBsp(uint32_t slot);
   // A new version of `slot` sits in `r`'s buffer: replicate it, then publish it.
   // `rows`: a row shard's version to write at FinishCommit (its buffer and min clock are set here).

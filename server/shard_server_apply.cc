@@ -573,12 +573,16 @@ void ShardServer::Reevaluate() {
     // A BSP push that waited for the other workers' clocks (ConsistencyGate::OnPush) may go
     // in now: DrainWork retries the slot's queue.
     if (gate_->ShouldRetryDeferred(s)) work_.push_back(s);
-    const std::optional<uint64_t> mc = gate_->RaisedMinClockPlus1(
-        s, chunks_->published_min_clock_plus1(s), chunks_->initialised(s), *workers_);
-    if (mc) {
-      chunks_->RaisePublishedMinClock(s, *mc);
-      gate_->NoteAppliedThrough(s, static_cast<int64_t>(*mc) - 1);  // BSP: those clocks are done
-    }
+    MaybeRaiseMinClock(s);
+  }
+}
+
+void ShardServer::MaybeRaiseMinClock(uint32_t slot) {
+  const std::optional<uint64_t> mc = gate_->RaisedMinClockPlus1(
+      slot, chunks_->published_min_clock_plus1(slot), chunks_->initialised(slot), *workers_);
+  if (mc) {
+    chunks_->RaisePublishedMinClock(slot, *mc);
+    gate_->NoteAppliedThrough(slot, static_cast<int64_t>(*mc) - 1);  // BSP: those clocks are done
   }
 }
 
@@ -774,6 +778,10 @@ void ShardServer::DrainWork() {
       if (!HandlePush(d->worker, slot, d->parity, true)) break;  // it waits again, at the front
     }
     MaybeApplyBsp(slot);  // BSP: the slot's next clock may be complete
+    // The published min clock may rise now too: Reevaluate could not raise it while a clock
+    // was pending or a push queued here, and the clock immediates that would call it again may
+    // all have come already (every worker then waits in its pull for this very raise).
+    if (!backup_ && !gate_->in_flight(slot)) MaybeRaiseMinClock(slot);
   }
 }
 
