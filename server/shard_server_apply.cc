@@ -778,10 +778,12 @@ void ShardServer::DrainWork() {
       if (!HandlePush(d->worker, slot, d->parity, true)) break;  // it waits again, at the front
     }
     MaybeApplyBsp(slot);  // BSP: the slot's next clock may be complete
-    // The published min clock may rise now too: Reevaluate could not raise it while a clock
-    // was pending or a push queued here, and the clock immediates that would call it again may
-    // all have come already (every worker then waits in its pull for this very raise).
-    if (!backup_ && !gate_->in_flight(slot)) MaybeRaiseMinClock(slot);
+    // BSP: the published min clock may rise past clocks no live worker will push now too:
+    // Reevaluate could not raise it while a clock was pending or a push queued here, and the
+    // clock immediates that would call it again may all have come already (every worker then
+    // waits in its pull for this very raise). (SSP/ASP recompute it at every publication; not
+    // here, once per push.)
+    if (gate_->bsp() && !backup_ && !gate_->in_flight(slot)) MaybeRaiseMinClock(slot);
   }
 }
 

@@ -1,5 +1,7 @@
 #include "server/consistency_gate.h"
 
+#include <set>
+
 #include <gtest/gtest.h>
 
 namespace shardps::server {
@@ -266,15 +268,22 @@ TEST(BspGateTest, APushOfALaterClockWaitsWhileAnotherWorkerOwesAnEarlierOne) {
   EXPECT_EQ(a->contributors.size(), 2u);
 }
 
+// Workers 0..n-1 (incarnation 10 + rank) said hello on one slot's table and are members.
+void JoinWorkers(WorkerTable& workers, uint32_t n) {
+  bool fresh = false;
+  std::set<uint32_t> members;
+  for (uint32_t r = 0; r < n; ++r) {
+    workers.Hello(r, 10 + r, r + 1, &fresh);
+    members.insert(r);
+  }
+  workers.SetMembers(members);
+}
+
 // The wait ends without a push too: the other worker announces a clock past it (it had nothing
 // to push here), or departs. ShouldRetryDeferred tells the server to hand the push back.
 TEST(BspGateTest, AHeldBackPushGoesInOnceNoEarlierClockIsOwed) {
   WorkerTable workers(1);
-  bool fresh = false;
-  workers.Hello(0, 10, 1, &fresh);
-  workers.Hello(1, 11, 2, &fresh);
-  workers.Hello(2, 12, 3, &fresh);
-  workers.SetMembers({0, 1, 2});
+  JoinWorkers(workers, 3);
   ConsistencyGate g(ConsistencyMode::kBsp, 1);
   // A restored cluster: every worker starts at clock 4 on a chunk that has applied nothing.
   workers.AdvanceClock(0, 4);
@@ -316,15 +325,12 @@ TEST(BspGateTest, AHeldBackPushGoesInOnceNoEarlierClockIsOwed) {
 // waiting for this clock neither came: the chunk stalled for ever.
 TEST(BspGateTest, AHeldBackPushOfThePendingClockIsHandedBack) {
   WorkerTable workers(1);
-  bool fresh = false;
-  workers.Hello(0, 10, 1, &fresh);
-  workers.Hello(1, 11, 2, &fresh);
-  workers.Hello(2, 12, 3, &fresh);
-  workers.SetMembers({0, 1, 2});
+  JoinWorkers(workers, 3);
   ConsistencyGate g(ConsistencyMode::kBsp, 1);
   g.NoteAppliedThrough(0, 5);  // a restored chunk: clocks 0..5 applied
   for (uint32_t r = 0; r < 3; ++r) workers.AdvanceClock(r, 6);
   // Worker 0 was restarted at the cluster's clock 7; workers 1 and 2 still owe clock 6 here.
+  bool fresh = false;
   workers.Hello(0, 20, 4, &fresh);
   workers.AdvanceClock(0, 7);
   EXPECT_EQ(g.OnPush(0, Contributor{0, 1, 1, 20, 7}, false, true, workers), D::kDefer);
