@@ -280,6 +280,12 @@ class PyClient {
     Check(finite.status());
     return *finite;
   }
+  double RowGradsSquaredNorm(const std::string& name) {
+    shardps::StatusOr<double> sum = Live().RowGradientsSquaredNorm(name);
+    Check(sum.status());
+    return *sum;
+  }
+  void ClearRowGrads(const std::string& name) { Check(Live().ClearRowGradients(name)); }
   void SetNoGradient(const std::string& name, bool v) { Check(Live().SetNoGradient(name, v)); }
   // 'weights', 'state1', 'state2' (and 'none' where `none` is allowed) -> the StatePart.
   static shardps::Client::StatePart ParsePart(const std::string& part, bool none) {
@@ -668,6 +674,11 @@ PYBIND11_MODULE(_shardps, m) {
       .def("scale_row_grads", &PyClient::ScaleRowGrads, py::arg("name"), py::arg("factor"),
            "Multiplies the table's gradient rows of this step (not yet pushed) by `factor` (a "
            "GradScaler's 1/scale); returns whether all are finite.")
+      .def("row_grads_squared_norm", &PyClient::RowGradsSquaredNorm, py::arg("name"),
+           "The sum of the squares of the table's gradient rows of this step (not yet pushed): "
+           "its share of a global gradient norm (inf or nan where one is not finite).")
+      .def("clear_row_grads", &PyClient::ClearRowGrads, py::arg("name"),
+           "Drops the table's gradient rows of this step (not yet pushed): zero_grad().")
       .def("mark_non_finite", [](PyClient& c, bool v) { c.MarkNonFinite(v); },
            py::arg("non_finite"),
            "The next pushes come from a step whose gradients were not all finite: BSP skips "

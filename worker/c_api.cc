@@ -218,6 +218,36 @@ int shardps_client_add_row_gradients(shardps_client* c, const char* name, const 
   });
 }
 
+int shardps_client_scale_row_gradients(shardps_client* c, const char* name, float factor,
+                                       int* finite, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    ASSIGN_OR_RETURN(const bool all_finite, c->impl->ScaleRowGradients(name, factor));
+    if (finite != nullptr) *finite = all_finite ? 1 : 0;
+    return Status::OK();
+  });
+}
+
+int shardps_client_row_gradients_squared_norm(shardps_client* c, const char* name, double* sum,
+                                              shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    if (sum == nullptr) return Null("sum");
+    ASSIGN_OR_RETURN(*sum, c->impl->RowGradientsSquaredNorm(name));
+    return Status::OK();
+  });
+}
+
+int shardps_client_clear_row_gradients(shardps_client* c, const char* name, shardps_error* err) {
+  return Guard(err, [&]() -> Status {
+    RETURN_IF_ERROR(NeedClient(c));
+    if (name == nullptr) return Null("name");
+    return c->impl->ClearRowGradients(name);
+  });
+}
+
 int shardps_client_set_state(shardps_client* c, const char* name, uint32_t part,
                              const float* values, uint64_t steps, shardps_error* err) {
   return Guard(err, [&]() -> Status {

@@ -133,6 +133,14 @@ StatusOr<bool> Client::ScaleRowGradients(const std::string& table, float) {
   return UnimplementedError("ScaleRowGradients('" + table + "'): this client holds no rows");
 }
 
+StatusOr<double> Client::RowGradientsSquaredNorm(const std::string& table) {
+  return UnimplementedError("RowGradientsSquaredNorm('" + table + "'): this client holds no rows");
+}
+
+Status Client::ClearRowGradients(const std::string& table) {
+  return UnimplementedError("ClearRowGradients('" + table + "'): this client holds no rows");
+}
+
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
   std::string sources;
   const ClientOptions options = WithEnvironmentDefaults(given, &sources);
@@ -819,6 +827,19 @@ StatusOr<bool> ClientImpl::ScaleRowGradients(const std::string& table, float fac
   return rows_->ScalePending(t, factor);
 }
 
+StatusOr<double> ClientImpl::RowGradientsSquaredNorm(const std::string& table) {
+  RETURN_IF_ERROR(lifecycle_.Require("RowGradientsSquaredNorm()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  return rows_->SquaredNormOfPending(t);
+}
+
+Status ClientImpl::ClearRowGradients(const std::string& table) {
+  RETURN_IF_ERROR(lifecycle_.Require("ClearRowGradients()", {ClientState::kRunning}));
+  ASSIGN_OR_RETURN(const uint32_t t, TableIndex(table));
+  rows_->DropPending(t);
+  return Status::OK();
+}
+
 // BSP sums one gradient per worker per clock: a second push of a tensor in the same clock
 // would replace the first at the server (its inbox slot's header names the same clock), and
 // the first's gradient would be lost without an error. (ASP and SSP apply every push.)
@@ -872,18 +893,19 @@ StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
 
 StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>& all, bool push,
                                                     bool step) {
-  // BSP, one push per tensor per clock: Step() leaves out what Push() already sent in this
-  // clock (a row table's rows added since then would be lost: refused); PushMany refuses.
+  // Step() pushes what this clock has not pushed yet, in every mode: a tensor Push() or
+  // PushMany() sent in this clock is left out (pushed again, its gradient would count twice in
+  // ASP and SSP, and replace the first in BSP). A row table with rows added since its push is
+  // pushed again in ASP and SSP (those rows) and refused in BSP, as a second PushMany is.
   std::vector<uint32_t> ts;
   ts.reserve(all.size());
   for (uint32_t t : all) {
     if (push) {
-      Status second = RefuseSecondBspPush(t, step ? "Step()" : "PushMany()");
-      if (!second.ok() && step && !(tensors_[t].embedding && rows_ != nullptr &&
-                                    rows_->HasPendingGradients(t))) {
-        continue;  // pushed by Push() in this clock: not again
+      if (step && tensors_[t].pushed_clock_plus1 == step_.clock + 1 &&
+          !(tensors_[t].embedding && rows_ != nullptr && rows_->HasPendingGradients(t))) {
+        continue;  // pushed in this clock: not again
       }
-      RETURN_IF_ERROR(second);
+      RETURN_IF_ERROR(RefuseSecondBspPush(t, step ? "Step()" : "PushMany()"));
     }
     ts.push_back(t);
   }

@@ -62,6 +62,8 @@ class ClientImpl final : public Client, private CompletionSink {
                            const EmbeddingOptions& options) override;
   Status PullRows(const std::string& table, const int64_t* ids, size_t n, void* out) override;
   StatusOr<bool> ScaleRowGradients(const std::string& table, float factor) override;
+  StatusOr<double> RowGradientsSquaredNorm(const std::string& table) override;
+  Status ClearRowGradients(const std::string& table) override;
   Status AddRowGradients(const std::string& table, const int64_t* ids, size_t n,
                          const void* grads) override;
   Status Start() override;

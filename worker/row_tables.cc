@@ -84,6 +84,24 @@ bool RowTables::ScalePending(uint32_t tensor, float factor) {
   return finite;
 }
 
+double RowTables::SquaredNormOfPending(uint32_t tensor) const {
+  const Table& t = tables_[table_of_tensor_.at(tensor)];
+  double sum = 0;
+  for (const Table::Pending& p : t.pending) {
+    const size_t used = std::min(p.index.size() * t.dim, p.values.size());
+    for (size_t i = 0; i < used; ++i) sum += double{p.values[i]} * p.values[i];
+  }
+  return sum;
+}
+
+void RowTables::DropPending(uint32_t tensor) {
+  Table& t = tables_[table_of_tensor_.at(tensor)];
+  for (Table::Pending& p : t.pending) {
+    p.index.Clear();
+    p.values.clear();
+  }
+}
+
 Status RowTables::AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads) {
   Table& t = tables_[table_of_tensor_.at(tensor)];
   const std::string& name = tensors_[tensor].name;

@@ -49,6 +49,10 @@ class RowTables {
   bool HasPendingGradients(uint32_t tensor) const;
   // Multiplies those rows by `factor`; whether every value is finite then.
   bool ScalePending(uint32_t tensor, float factor);
+  // The sum of their squares (double); inf or NaN where one is not finite.
+  double SquaredNormOfPending(uint32_t tensor) const;
+  // Drops them: the table's next push carries none of them.
+  void DropPending(uint32_t tensor);
   // PushPipeline: moves a shard's pending gradient rows into its push staging of `parity`
   // (whose previous push the server has acknowledged); returns the bytes staged.
   uint64_t Stage(uint32_t chunk, uint32_t parity);

@@ -20,6 +20,7 @@ scripts/mpirun.sh --consistency start a cluster in the mode you select.
 Thread safety: one training thread, like shardps.Client.
 """
 import logging
+import math
 import re
 
 import torch
@@ -453,6 +454,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._sync is None:
             client.register(_NONFINITE, self._inf_w, self._inf_g)
         self._check_finite = check_finite
+        self._rows_unscaled = False  # this step's rows divided by a GradScaler's scale already
+        self._rows_finite = True
         self.skipped = False  # whether the last step was skipped (a worker's non-finite grads)
         self._cuda = any(p.is_cuda for _, p, _ in self._params)
         # Row tables of the model: registered (after the dense tensors, in module order, the
@@ -520,8 +523,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sync.synchronize()
 
     def zero_grad(self, set_to_none=True):
-        """Zeroes the registered gradient buffers in place. set_to_none is accepted and not
-        honoured: the registered memory must stay the gradient (zeros push the same as none)."""
+        """Zeroes the registered gradient buffers in place, and drops the row tables' gradient
+        rows not yet pushed (a batch a trainer abandoned, say for a non-finite loss, must not
+        reach the next step through its rows). set_to_none is accepted and not honoured: the
+        registered memory must stay the gradient (zeros push the same as none)."""
+        for m in self._tables:
+            self.client.clear_row_grads(m.table_name)
+        self._rows_unscaled = False
         if self._sync is not None:
             self._sync.zero_grad()
             return
@@ -529,6 +537,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
             g.zero_()
             if p.grad is not g:
                 p.grad = g
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        grad_scaler=None):
+        """torch.nn.utils.clip_grad_norm_ over this step's whole gradient: the dense
+        parameters' .grad and the row tables' gradient rows, which live in the client and which
+        torch's function does not see. Returns the total 2-norm (before clipping), as torch's.
+        Under AMP pass the GradScaler: the dense gradients are unscaled as by
+        grad_scaler.unscale_(opt) (if the trainer has not called it) and the rows alike; then
+        opt.step(grad_scaler=...) or scaler.step(opt) as usual. Before step(), without
+        overlap (overlap=True pushed the dense gradients during backward)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_: only the 2-norm is supported, not {norm_type}")
+        if self._sync is not None:
+            raise RuntimeError("overlap=True pushed the gradients during backward, before they "
+                               "could be clipped: use overlap=False to clip")
+        if grad_scaler is not None:
+            self._unscale_with(grad_scaler)
+        grads = [p.grad for _, p, _ in self._params if p.grad is not None]
+        sq = sum((float(g.detach().double().pow(2).sum()) for g in grads), 0.0)
+        sq += sum(self.client.row_grads_squared_norm(m.table_name) for m in self._tables)
+        total = math.sqrt(sq) if sq >= 0 else float("nan")
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {total}")
+        coef = float(max_norm) / (total + 1e-6)
+        if not coef < 1.0 and math.isfinite(total):
+            return torch.tensor(total)
+        # An inf or nan total scales by 0 or nan, as torch does: inf * 0 is nan, still seen.
+        for g in grads:
+            g.mul_(coef)
+        for m in self._tables:
+            self.client.scale_row_grads(m.table_name, coef)
+        return torch.tensor(total)
+
+    def _unscale_with(self, grad_scaler):
+        """Divides this step's gradients by the scaler's scale, the dense ones once (through
+        the scaler, which records their infs) and the rows once (scale_row_grads)."""
+        try:  # torch >= 2.3 (torch.cuda.amp's is a deprecated alias there)
+            from torch.amp.grad_scaler import OptState
+        except ImportError:  # torch 1.13 (Debian 12)
+            from torch.cuda.amp.grad_scaler import OptState
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            grad_scaler.unscale_(self)  # divides the gradients, finds infs and NaNs
+        finite = True
+        if not self._rows_unscaled:
+            # Row tables' gradients are not in param_groups: unscale_ never saw them. They are
+            # the scaled loss's too, added in backward: divide them by the same scale here.
+            inv = float(grad_scaler._scale.double().reciprocal().float().item())
+            finite = self._row_grads_finite(inv)
+            self._rows_unscaled = True
+        else:
+            finite = self._row_grads_finite(1.0)
+        self._rows_finite = finite
+        return state
 
     def _check_storage(self):
         """A parameter whose storage changed since registration (model.to(), .cuda(), .half()
@@ -590,18 +653,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         non_finite = False
         scaler_state = None
         if grad_scaler is not None:
-            try:  # torch >= 2.3 (torch.cuda.amp's is a deprecated alias there)
-                from torch.amp.grad_scaler import OptState
-            except ImportError:  # torch 1.13 (Debian 12)
-                from torch.cuda.amp.grad_scaler import OptState
-            scaler_state = grad_scaler._per_optimizer_states[id(self)]
-            if scaler_state["stage"] is OptState.READY:
-                grad_scaler.unscale_(self)  # divides the gradients, finds infs and NaNs
+            scaler_state = self._unscale_with(grad_scaler)
             non_finite = any(v.item() for v in scaler_state["found_inf_per_device"].values())
-            # Row tables' gradients are not in param_groups: unscale_ never saw them. They are
-            # the scaled loss's too, added in backward: divide them by the same scale here.
-            inv = float(grad_scaler._scale.double().reciprocal().float().item())
-            non_finite |= not self._row_grads_finite(inv)
+            non_finite |= not self._rows_finite
         elif self._check_finite:
             non_finite = not all(bool(torch.isfinite(g).all()) for _, _, g in self._params)
             non_finite |= not self._row_grads_finite(1.0)
@@ -613,6 +667,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._cuda:
             torch.cuda.synchronize()  # the gradients must be complete before they are copied
         self.client.step()
+        self._rows_unscaled = False
         for p, _, w16, _ in self._shadows:
             p.copy_(w16)
         # The number of workers whose step was non-finite (BSP: this clock's).

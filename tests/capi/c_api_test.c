@@ -309,8 +309,36 @@ static void* worker_main(void* p) {
     /* Row a->rank (this worker's own) and row 5 (everyone's): gradient -1 each. */
     const int64_t ids[2] = {a->rank, 5};
     const float minus[4] = {-1.0f, -1.0f, -1.0f, -1.0f};
+    /* First row 7 (3, 4), scaled, measured and dropped: it never reaches a server. */
+    {
+      const int64_t seven = 7;
+      const float g7[2] = {3.0f, 4.0f};
+      double sq = -1;
+      int finite = -1;
+      rc = shardps_client_add_row_gradients(c, "e", &seven, 1, g7, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_row_gradients_squared_norm(c, "e", &sq, &err);
+      EXPECT(rc == SHARDPS_OK && sq == 25.0, "rank %d row norm %g: %s", a->rank, sq, err.message);
+      rc = shardps_client_scale_row_gradients(c, "e", 2.0f, &finite, &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_row_gradients_squared_norm(c, "e", &sq, &err);
+      EXPECT(rc == SHARDPS_OK && finite == 1 && sq == 100.0, "rank %d scaled norm %g (%d): %s",
+             a->rank, sq, finite, err.message);
+      rc = shardps_client_clear_row_gradients(c, "e", &err);
+      if (rc == SHARDPS_OK) rc = shardps_client_row_gradients_squared_norm(c, "e", &sq, &err);
+      EXPECT(rc == SHARDPS_OK && sq == 0.0, "rank %d norm after clear %g: %s", a->rank, sq,
+             err.message);
+      rc = shardps_client_clear_row_gradients(c, "w", &err);
+      EXPECT(rc == SHARDPS_INVALID_ARGUMENT || rc == SHARDPS_NOT_FOUND,
+             "clear of a dense tensor's rows: %s", shardps_code_name(rc));
+      rc = shardps_client_row_gradients_squared_norm(c, "e", NULL, &err);
+      EXPECT(rc == SHARDPS_INVALID_ARGUMENT, "NULL sum: %s", shardps_code_name(rc));
+    }
     rc = shardps_client_add_row_gradients(c, "e", ids, 2, minus, &err);
     EXPECT(rc == SHARDPS_OK, "rank %d row gradients: %s", a->rank, err.message);
+    {
+      double sq = -1;
+      rc = shardps_client_row_gradients_squared_norm(c, "e", &sq, &err);
+      EXPECT(rc == SHARDPS_OK && sq == 4.0, "rank %d step rows' norm %g", a->rank, sq);
+    }
     if (t % 2 == 1) {
       rc = shardps_client_step(c, &err);
       EXPECT(rc == SHARDPS_OK, "rank %d step %d: %s", a->rank, t, err.message);
@@ -356,6 +384,13 @@ static void* worker_main(void* p) {
          "rank %d own row %g %g, want %g", a->rank, rows[0], rows[1], kSteps * kLr / kWorkers);
   EXPECT(fabsf(rows[2] - kSteps * kLr) < 1e-5f, "rank %d shared row %g, want %g", a->rank,
          rows[2], kSteps * kLr);
+  {
+    const int64_t seven = 7;
+    float r7[2] = {-1, -1};
+    rc = shardps_client_pull_rows(c, "e", &seven, 1, r7, &err);
+    EXPECT(rc == SHARDPS_OK && r7[0] == 0.0f && r7[1] == 0.0f,
+           "rank %d row 7 (its gradients were cleared every step) %g %g", a->rank, r7[0], r7[1]);
+  }
   const int64_t outside = 20;
   rc = shardps_client_pull_rows(c, "e", &outside, 1, rows, &err);
   EXPECT(rc == SHARDPS_INVALID_ARGUMENT && strstr(err.message, "'e'") != NULL,

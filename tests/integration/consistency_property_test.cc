@@ -14,7 +14,10 @@
 // dense pull, whose wait for the clock would otherwise let the servers finish the rows' clock
 // before PullRows reads them, so each row pull's own check of the bound is what is tested.
 // With replicas 2 the primary of group 0 is SIGKILLed mid-run: the guarantee must hold across
-// the failover, for the dense tensors and the row tables alike.
+// the failover, for the dense tensors and the row tables alike. Every odd step pushes its
+// tensors and tables by hand (PushMany) before Step(), the others leave the pushes to Step():
+// under BSP a push sent twice in a clock would replace the first, and a table's second push
+// would carry no rows (the update lost; 2026-12-07).
 // Printed per case: pulls checked, pulls at the bound, the largest staleness seen, chunk pulls
 // served from the other buffer, and rows the worker cache served.
 #include <stdlib.h>
@@ -78,6 +81,7 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
   for (int r = 0; r < spec.workers; ++r) {
     std::vector<std::string> flags = {"--model=signature", "--signature_rows",
                                       rows_only() ? "--nosignature_dense" : "--signature_dense",
+                                      "--signature_push_first",
                                       "--steps=" + std::to_string(kSteps),
                                       std::string("--max_delay_ms=") + (r == 0 ? "30" : "8"),
                                       "--progress_file=" + Path("progress" + std::to_string(r))};

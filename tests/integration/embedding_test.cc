@@ -238,6 +238,80 @@ TEST_P(EmbeddingTest, UnderBspAPushBeforeStepIsSentOnceAndASecondIsRefused) {
   }
 }
 
+// A trainer that abandons a batch (a non-finite loss, say) zeroes its gradients: the rows it
+// added must not reach the servers with the next step. ClearRowGradients drops them, and the
+// squared norm (a global clipping norm's share) counts exactly the rows still pending,
+// duplicates summed. Under BSP, rows added behind a table's push and then cleared let the clock
+// step on (nothing is left behind the push).
+TEST_P(EmbeddingTest, ClearedRowGradientsAreNeverPushedAndTheNormCountsThePendingRows) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 2;
+  spec.servers = 2;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);
+  EmbeddingOptions eo;
+  eo.max_ids = 16;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  std::vector<std::vector<float>> after(2);
+  std::vector<double> norm_dup(2, -1), norm_cleared(2, -1), norm_scaled(2, -1);
+  std::vector<Status> step_after_clear(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      auto c = Client::Connect(cluster.WorkerOptions(r));
+      ASSERT_TRUE(c.ok()) << c.status();
+      Client& cl = **c;
+      ASSERT_TRUE(cl.RegisterEmbedding("emb", kRows, kDim, TensorDType::kFloat32, eo).ok());
+      ASSERT_TRUE(cl.Start().ok());
+      std::vector<float> ones(2 * kDim, 1.0f), twos(kDim, 2.0f);
+      // Clock 0: rows 3 and 999 (both shards) added, row 3 twice; measured; dropped; row 20
+      // added and stepped.
+      const std::vector<int64_t> abandoned = {3, kRows - 1};
+      ASSERT_TRUE(cl.AddRowGradients("emb", abandoned.data(), 2, ones.data()).ok());
+      ASSERT_TRUE(cl.AddRowGradients("emb", abandoned.data(), 1, twos.data()).ok());
+      StatusOr<double> sq = cl.RowGradientsSquaredNorm("emb");
+      ASSERT_TRUE(sq.ok()) << sq.status();
+      norm_dup[r] = *sq;  // row 3: 1 + 2 = 3 per value; row 999: 1
+      StatusOr<bool> finite = cl.ScaleRowGradients("emb", 0.5f);
+      ASSERT_TRUE(finite.ok() && *finite);
+      norm_scaled[r] = *cl.RowGradientsSquaredNorm("emb");
+      ASSERT_TRUE(cl.ClearRowGradients("emb").ok());
+      norm_cleared[r] = *cl.RowGradientsSquaredNorm("emb");
+      const int64_t twenty = 20;
+      ASSERT_TRUE(cl.AddRowGradients("emb", &twenty, 1, ones.data()).ok());
+      Status st = cl.Step();
+      ASSERT_TRUE(st.ok()) << st;
+      // Clock 1: the table pushed, rows added behind the push and cleared: Step goes on.
+      StatusOr<Handle> h = cl.Push("emb");
+      ASSERT_TRUE(h.ok()) << h.status();
+      ASSERT_TRUE(cl.Wait(*h).ok());
+      ASSERT_TRUE(cl.AddRowGradients("emb", abandoned.data(), 1, ones.data()).ok());
+      ASSERT_TRUE(cl.ClearRowGradients("emb").ok());
+      step_after_clear[r] = cl.Step();
+      const std::vector<int64_t> look = {3, 20, kRows - 1};
+      after[r].resize(look.size() * kDim);
+      st = cl.PullRows("emb", look.data(), look.size(), after[r].data());
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(cl.ClearRowGradients("nope").code(), StatusCode::kNotFound);
+      EXPECT_TRUE(cl.Close().ok());
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(norm_dup[r], kDim * (3.0 * 3.0 + 1.0)) << "duplicates summed before the norm";
+    EXPECT_EQ(norm_scaled[r], kDim * (1.5 * 1.5 + 0.25));
+    EXPECT_EQ(norm_cleared[r], 0.0);
+    EXPECT_TRUE(step_after_clear[r].ok()) << step_after_clear[r];
+    ASSERT_EQ(after[r].size(), 3u * kDim);
+    for (int j = 0; j < kDim; ++j) {
+      EXPECT_EQ(after[r][j], 0.0f) << "row 3: its gradients were dropped, worker " << r;
+      EXPECT_EQ(after[r][kDim + j], -0.5f) << "row 20: one step, 1 from each worker, averaged";
+      EXPECT_EQ(after[r][2 * kDim + j], 0.0f) << "row 999 (the other shard): dropped";
+    }
+  }
+}
+
 // The consistency bound of every row read, per mode: each worker's push adds 1 to row
 // (100 + its rank) and to a shared row 7 (lr 1, sum, gradient -1, zero-initialised rows), so a
 // row counts the pushes applied. At clock c a read must include every push of clocks < c - s

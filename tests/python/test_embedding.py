@@ -162,6 +162,86 @@ class EmbeddingTest(unittest.TestCase):
             self.assertTrue(s3, "an inf among the rows skips the step")
             torch.testing.assert_close(a3, b3, rtol=0, atol=0)  # nothing applied
 
+    def test_clipping_covers_the_rows_and_zero_grad_drops_an_abandoned_batch(self):
+        """opt.clip_grad_norm_ clips by the norm of the whole gradient, the rows' included
+        (torch's clip_grad_norm_ never sees them: they live in the client), and zero_grad()
+        drops the rows of a batch the trainer abandoned. The reference: torch's dense
+        nn.Embedding, plain SGD (the same update as sparse SGD), torch's clip_grad_norm_ over
+        every parameter, the abandoned batches never run. Under a loss scale (a GradScaler
+        stand-in whose unscale_ the trainer called) the rows are unscaled once, by the clip,
+        not again by step()."""
+        try:  # torch >= 2.3
+            from torch.amp.grad_scaler import OptState
+        except ImportError:  # torch 1.13 (Debian 12)
+            from torch.cuda.amp.grad_scaler import OptState
+        steps, max_norm, lr = 12, 0.5, 0.5
+        torch.manual_seed(2)
+        fc0 = torch.nn.Linear(self.DIM, 1).state_dict()
+        target = torch.linspace(-1, 1, 16).unsqueeze(1)
+        g = torch.Generator().manual_seed(9)
+        batches = [torch.randint(0, self.ROWS, (16, 3), generator=g) for _ in range(steps)]
+        init = torch.from_numpy(shardps.row_init("uniform", 0.5, 3,
+                                                 np.arange(self.ROWS, dtype=np.int64), self.DIM))
+
+        def ours(scale):
+            with cluster() as cl:
+                emb = spt.Embedding(self.ROWS, self.DIM, optimizer="sgd", lr=lr, init="uniform",
+                                    init_scale=0.5, init_seed=3)
+                fc = torch.nn.Linear(self.DIM, 1)
+                fc.load_state_dict(fc0)
+                m = torch.nn.ModuleDict({"emb": emb, "fc": fc})
+                opt = spt.DistributedOptimizer(torch.optim.SGD(fc.parameters(), lr=lr), m,
+                                               coordinator=cl.address, cluster_token=cl.token,
+                                               rank=0, transport="tcp")
+                norms = []
+                for i, a in enumerate(batches):
+                    opt.zero_grad()
+                    loss = ((fc(emb(a).sum(1)) - target) ** 2).mean() * scale
+                    loss.backward()
+                    if i % 3 == 2:
+                        continue  # abandoned: its rows must not reach the next step
+                    if scale == 1.0:
+                        norms.append(float(opt.clip_grad_norm_(max_norm)))
+                        opt.step()
+                        continue
+                    for p in fc.parameters():  # what scaler.unscale_(opt) did to them
+                        p.grad.div_(scale)
+                    state = {"stage": OptState.UNSCALED,
+                             "found_inf_per_device": {fc.weight.device: torch.zeros(1)}}
+
+                    class Scaler:
+                        _scale = torch.tensor(float(scale))
+                        _per_optimizer_states = {id(opt): state}
+                    norms.append(float(opt.clip_grad_norm_(max_norm, grad_scaler=Scaler())))
+                    opt.step(grad_scaler=Scaler())
+                with torch.no_grad():
+                    rows = emb(torch.arange(self.ROWS)).clone()
+                w = fc.weight.detach().clone()
+                opt.close()
+            return norms, rows, w
+
+        ref_emb = torch.nn.Embedding(self.ROWS, self.DIM)
+        with torch.no_grad():
+            ref_emb.weight.copy_(init)
+        ref_fc = torch.nn.Linear(self.DIM, 1)
+        ref_fc.load_state_dict(fc0)
+        params = list(ref_emb.parameters()) + list(ref_fc.parameters())
+        ref_opt = torch.optim.SGD(params, lr=lr)
+        ref_norms = []
+        for i, a in enumerate(batches):
+            if i % 3 == 2:
+                continue
+            ref_opt.zero_grad()
+            ((ref_fc(ref_emb(a).sum(1)) - target) ** 2).mean().backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            ref_opt.step()
+        self.assertTrue(any(n > max_norm for n in ref_norms), "the clip must bite")
+        for scale in (1.0, 1024.0):
+            norms, rows, w = ours(scale)
+            np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+            np.testing.assert_allclose(rows.numpy(), ref_emb.weight.detach().numpy(), atol=1e-5)
+            np.testing.assert_allclose(w.numpy(), ref_fc.weight.detach().numpy(), atol=1e-5)
+
     def test_sgd_rows_match_torch_sparse(self):
         self.run_pair("sgd", {"lr": 0.3}, lambda p: torch.optim.SGD(p, lr=0.3))
 

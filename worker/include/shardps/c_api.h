@@ -154,6 +154,19 @@ SHARDPS_EXPORT int shardps_client_pull_rows(shardps_client* client, const char* 
 SHARDPS_EXPORT int shardps_client_add_row_gradients(shardps_client* client, const char* name,
                                                     const int64_t* ids, size_t n, const void* grads,
                                                     shardps_error* err);
+/* The table's gradient rows of this step not yet pushed, each value multiplied by factor (a
+ * loss scaler's 1/scale); *finite (may be NULL) set to whether all are finite then
+ * (Client::ScaleRowGradients). */
+SHARDPS_EXPORT int shardps_client_scale_row_gradients(shardps_client* client, const char* name,
+                                                      float factor, int* finite,
+                                                      shardps_error* err);
+/* *sum = the sum of the squares of those values (Client::RowGradientsSquaredNorm). */
+SHARDPS_EXPORT int shardps_client_row_gradients_squared_norm(shardps_client* client,
+                                                             const char* name, double* sum,
+                                                             shardps_error* err);
+/* Drops them: the next push of the table carries none (Client::ClearRowGradients). */
+SHARDPS_EXPORT int shardps_client_clear_row_gradients(shardps_client* client, const char* name,
+                                                      shardps_error* err);
 /* A dense tensor's state (Client::SetState / SetStateValues / GetState), between steps: part 1
  * the master weights, 2 and 3 the optimizer state buffers (momentum or Adam's first moment;
  * Adam's second), 4 (set only, values NULL) drops the state; the step count set to `steps`.

@@ -275,9 +275,10 @@ class SHARDPS_EXPORT Client {
 
   // Asynchronous push of a tensor's gradients at the current clock; Wait() before reusing grads.
   // For a row table: its gradient rows added since its last push (AddRowGradients).
+  // Step() does not push again what Push() sent in its clock, in any mode (a row table with
+  // rows added since its push: ASP and SSP push those rows; BSP refuses, posting nothing).
   // BSP sums one push per tensor per worker per clock: a second push of a tensor in the same
-  // clock is refused (FAILED_PRECONDITION), and Step() does not push again what Push() sent in
-  // its clock (a row table with rows added since its push: Step refuses, posting nothing).
+  // clock is refused (FAILED_PRECONDITION). ASP and SSP apply every explicit push.
   virtual StatusOr<Handle> Push(const std::string& name) = 0;
   // Asynchronous pull of a tensor's weights, satisfying the consistency mode at the current
   // clock; Wait() before reading weights.
@@ -297,8 +298,8 @@ class SHARDPS_EXPORT Client {
   virtual StatusOr<std::vector<Handle>> PullMany(const std::vector<std::string>& names);
   // Advances this worker's clock by one.
   virtual Status Clock() = 0;
-  // One training step: push every tensor (row tables: their gradient rows), wait, Clock(), pull
-  // every dense tensor, wait. Row tables are read with PullRows, for the rows a batch needs.
+  // One training step: push every tensor not pushed yet in this clock (row tables: their
+  // gradient rows), wait, Clock(), pull every dense tensor, wait. Row tables are read with PullRows, for the rows a batch needs.
   virtual Status Step() = 0;
   // Asks every server for a checkpoint at the next clock (after this worker's next Step, in
   // BSP): written to the cluster's checkpoint directory, or `dir` if given. Returns the clock.
@@ -430,6 +431,13 @@ class SHARDPS_EXPORT Client {
   // finite (a mixed-precision overflow; MarkNonFinite then skips the step). A client that holds
   // no rows itself (host mode): UNIMPLEMENTED.
   virtual StatusOr<bool> ScaleRowGradients(const std::string& table, float factor);
+  // The sum of the squares of those values (a global gradient norm's share: clipping that
+  // covers the rows as well as the dense gradients); inf or NaN where one is not finite.
+  virtual StatusOr<double> RowGradientsSquaredNorm(const std::string& table);
+  // Drops them (zero_grad): the table's next push carries none of this step's rows, as a step
+  // a trainer abandoned must not leak its rows into the next one. Under BSP, a table already
+  // pushed in this clock may then be stepped again (nothing is left behind its push).
+  virtual Status ClearRowGradients(const std::string& table);
 
  protected:
   Client() = default;
