@@ -621,7 +621,7 @@ PYBIND11_MODULE(_shardps, m) {
            "Adds gradient rows for `ids` to the table's gradient of this step (duplicates "
            "summed); the next push or step sends it.")
       .def("start", &PyClient::Start)
-      .def("step", &PyClient::Step, "Push every tensor, clock, pull every tensor.")
+      .def("step", &PyClient::Step, "Push every tensor not pushed yet in this clock (row tables: their gradient rows), clock, pull every dense tensor (Client::Step).")
       .def("push", &PyClient::Push, py::arg("name"))
       .def("pull", &PyClient::Pull, py::arg("name"))
       .def("push_many", &PyClient::PushMany, py::arg("names"),

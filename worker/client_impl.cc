@@ -814,11 +814,9 @@ StatusOr<Handle> ClientImpl::Push(const std::string& name) {
   CrashPoint("worker.before_push");
   StallPoint("worker.before_push");
   ASSIGN_OR_RETURN(const uint32_t t, TensorIndex(name));
-  RETURN_IF_ERROR(RefuseSecondBspPush(t, "Push()"));
+  ASSIGN_OR_RETURN(const PushScope scope, ScopeOfPush(t, /*step=*/false, "Push()"));
   RETURN_IF_ERROR(MaybeRecover());
-  StatusOr<Handle> h = push_->Push(t, [this] { return RecoverOrBreak(); });
-  if (h.ok()) NotePushed(t);
-  return h;
+  return push_->Push(t, [this] { return RecoverOrBreak(); }, scope == PushScope::kMissing);
 }
 
 StatusOr<bool> ClientImpl::ScaleRowGradients(const std::string& table, float factor) {
@@ -840,22 +838,31 @@ Status ClientImpl::ClearRowGradients(const std::string& table) {
   return Status::OK();
 }
 
-// BSP sums one gradient per worker per clock: a second push of a tensor in the same clock
-// would replace the first at the server (its inbox slot's header names the same clock), and
-// the first's gradient would be lost without an error. (ASP and SSP apply every push.)
-Status ClientImpl::RefuseSecondBspPush(uint32_t t, const char* what) const {
-  if (config_.mode() != control::BSP || tensors_[t].pushed_clock_plus1 != step_.clock + 1) {
-    return Status::OK();
+// BSP sums one gradient per worker per chunk per clock: a second push of a chunk in the same
+// clock would replace the first at the server (its inbox slot's header names the same clock),
+// and the first's gradient would be lost without an error. ASP and SSP apply every push, so
+// Step() must not push again what was pushed in its clock: it would count twice.
+StatusOr<ClientImpl::PushScope> ClientImpl::ScopeOfPush(uint32_t t, bool step,
+                                                        const char* what) const {
+  const PushPipeline::PushedCount pushed = push_->PushedThisClock(t);
+  if (pushed.none()) return PushScope::kAll;
+  const bool rows_behind = push_->RowsBehindPush(t);
+  // A push that failed part way (a chunk's inbox slot never freed in time) is completed by the
+  // tensor's next push, in every mode: the chunks it left out, not again those it sent.
+  if (!pushed.all() && !rows_behind) return PushScope::kMissing;
+  if (config_.mode() != control::BSP) {
+    return !step || rows_behind ? PushScope::kAll : PushScope::kNone;
   }
+  if (step && !rows_behind) return PushScope::kNone;
   return FailedPreconditionError(
       std::string(what) + ": '" + tensors_[t].name + "' was already pushed at clock " +
       std::to_string(step_.clock) +
+      (rows_behind ? " and gradient rows were added behind its push" : "") +
       ": under BSP a tensor's gradient is pushed once per clock (by Push or by Step, not both; "
       "Step does not push again what Push sent), and a second push would replace the first. "
-      "Clock() (Step does) before pushing it again");
+      "Clock() (Step does) before pushing it again" +
+      (rows_behind ? ", or drop those rows (ClearRowGradients)" : ""));
 }
-
-void ClientImpl::NotePushed(uint32_t t) { tensors_[t].pushed_clock_plus1 = step_.clock + 1; }
 
 StatusOr<Handle> ClientImpl::Pull(const std::string& name) {
   // kStarting: Start() pulls the initial weights.
@@ -893,19 +900,18 @@ StatusOr<std::vector<Handle>> ClientImpl::Many(const char* what,
 
 StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>& all, bool push,
                                                     bool step) {
-  // Step() pushes what this clock has not pushed yet, in every mode: a tensor Push() or
-  // PushMany() sent in this clock is left out (pushed again, its gradient would count twice in
-  // ASP and SSP, and replace the first in BSP). A row table with rows added since its push is
-  // pushed again in ASP and SSP (those rows) and refused in BSP, as a second PushMany is.
+  // Step() pushes what this clock has not pushed yet, in every mode (ScopeOfPush). Every
+  // tensor's scope is decided before anything is posted: a refusal posts nothing.
   std::vector<uint32_t> ts;
+  std::vector<bool> only_missing;
   ts.reserve(all.size());
   for (uint32_t t : all) {
     if (push) {
-      if (step && tensors_[t].pushed_clock_plus1 == step_.clock + 1 &&
-          !(tensors_[t].embedding && rows_ != nullptr && rows_->HasPendingGradients(t))) {
-        continue;  // pushed in this clock: not again
-      }
-      RETURN_IF_ERROR(RefuseSecondBspPush(t, step ? "Step()" : "PushMany()"));
+      ASSIGN_OR_RETURN(const PushScope scope, ScopeOfPush(t, step, step ? "Step()" : "PushMany()"));
+      // A hand push Step leaves out, or completes: a failover during Step may resend it.
+      if (step && scope != PushScope::kAll) push_->AdoptIntoStep(t);
+      if (scope == PushScope::kNone) continue;
+      only_missing.push_back(scope == PushScope::kMissing);
     }
     ts.push_back(t);
   }
@@ -914,7 +920,8 @@ StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>&
   Status failed;
   if (push) push_->Prestart(ts);
   push ? push_->set_more(true) : pull_->set_more(true);
-  for (uint32_t t : ts) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const uint32_t t = ts[i];
     if (push && step) {
       // "@N": the Nth tensor push of this process, as Push(name) counts them. A crash or a
       // stall here comes after the pushes before it have left ("between two pushes").
@@ -935,13 +942,16 @@ StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>&
     // one is recovered (or the client breaks) before this one is posted.
     if (failed = MaybeRecover(); !failed.ok()) break;
     StatusOr<Handle> h =
-        push ? push_->Push(t, [this] { return RecoverOrBreak(); }) : pull_->Pull(t);
+        push ? push_->Push(t, [this] { return RecoverOrBreak(); }, only_missing[i])
+             : pull_->Pull(t);
     if (!h.ok()) {
       failed = h.status();
       break;
     }
-    if (push) NotePushed(t);
     hs.push_back(*h);
+    // A push that failed part way (a chunk's inbox slot never freed): stop here, as a refused
+    // one does; the chunks it left out go with the next push of the tensor.
+    if (push && !(failed = push_->ErrorOf(*h)).ok()) break;
   }
   push ? push_->set_more(false) : pull_->set_more(false);
   if (push) push_->CancelPrestart();  // those no Push took (an early failure)

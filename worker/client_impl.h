@@ -111,13 +111,17 @@ class ClientImpl final : public Client, private CompletionSink {
                                      bool push);
   // Posts the pushes (push) or pulls of tensors `ts` as one burst (kMore; sent by one poll at
   // the end). `step`: Step()'s pushes, which pass the worker.before_push crash and stall points.
-  // Under BSP a tensor is pushed once per clock: Step() leaves out the tensors Push() sent in
-  // this clock, PushMany refuses them.
+  // Which chunks each push sends: ScopeOfPush.
   StatusOr<std::vector<Handle>> PostBurst(const std::vector<uint32_t>& ts, bool push, bool step);
-  // BSP: FAILED_PRECONDITION if tensor t was pushed in this clock already; NotePushed records
-  // a push.
-  Status RefuseSecondBspPush(uint32_t t, const char* what) const;
-  void NotePushed(uint32_t t);
+  // Which chunks of tensor t a push sends now. A push that failed part way is completed by the
+  // next push of the tensor (the chunks it left out), in every mode. Step() (`step`) leaves out
+  // a tensor pushed whole in its clock (by Push or PushMany), in every mode. An explicit push
+  // of a tensor pushed whole: ASP and SSP send every chunk again (each push applies); BSP, which
+  // sums one push per chunk per worker per clock, refuses (FAILED_PRECONDITION). A row table
+  // with rows added behind its push in this clock: ASP and SSP push it whole again (those
+  // rows), BSP refuses.
+  enum class PushScope { kAll, kMissing, kNone };
+  StatusOr<PushScope> ScopeOfPush(uint32_t t, bool step, const char* what) const;
   // CompletionSink: push and pull completions, from ServerSessions::Progress.
   void OnPushCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;
   void OnPullCompletion(uint32_t chunk, uint64_t handle, const Status& err) override;

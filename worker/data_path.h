@@ -80,8 +80,6 @@ struct Tensor {
   bool staging_prestarted = false;
   layout::UpdateRule rule{};  // what its pushes ask the servers to apply (Client::SetUpdateRule)
   bool no_gradient = false;   // its pushes carry kPushNoGradient (Client::SetNoGradient)
-  // BSP: the clock (+1) of its last gradient push (ClientImpl): one push per tensor per clock.
-  uint64_t pushed_clock_plus1 = 0;
   // A row table (Client::RegisterEmbedding): shape {rows, dim}; no weights or grads buffers
   // (worker/row_tables.h holds its staging).
   bool embedding = false;
@@ -113,6 +111,10 @@ class HandleTable {
   uint64_t Create() { return next_++ & 0xffffffffull; }
   HandleState& operator[](uint64_t h) { return handles_[h]; }
   HandleState* Find(uint64_t h) {
+    auto it = handles_.find(h);
+    return it == handles_.end() ? nullptr : &it->second;
+  }
+  const HandleState* Find(uint64_t h) const {
     auto it = handles_.find(h);
     return it == handles_.end() ? nullptr : &it->second;
   }

@@ -470,7 +470,12 @@ Status HostClient::Clock() {
 
 Status HostClient::Step() {
   RETURN_IF_ERROR(life_.Require("Step()", {ClientState::kRunning}));
-  for (const Tensor& t : tensors_) RETURN_IF_ERROR(Push(t.name).status());
+  // What Push() sent in this clock is not copied again (Client::Step): the trainer may have
+  // reused its gradient buffer since.
+  for (uint32_t i = 0; i < tensors_.size(); ++i) {
+    if (my_control(i)->pushed_clock == clock_ + 1) continue;
+    RETURN_IF_ERROR(Push(tensors_[i].name).status());
+  }
   RETURN_IF_ERROR(Clock());
   RETURN_IF_ERROR(WaitForWeights(clock_));
   for (Tensor& t : tensors_) {

@@ -80,20 +80,62 @@ void PushPipeline::CancelPrestart() {
   for (Tensor& t : tensors_) t.staging_prestarted = false;
 }
 
-StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status()>& recover) {
+StatusOr<Handle> PushPipeline::Push(uint32_t tensor, const std::function<Status()>& recover,
+                                     bool only_missing) {
   Tensor& t = tensors_[tensor];
   RETURN_IF_ERROR(StageGradients(t, "Push"));
   const uint64_t h = handles_.Create();
-  HandleState& hs = handles_[h];
+  handles_[h];  // entered now: a Wait on it before any chunk completes waits
   t.push_handle = h;
-  for (uint32_t id : t.chunks) {
-    Status st = PushChunk(id, h, recover);
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    if (only_missing && push_[t.chunks[i]].PushedIn(step_.clock)) continue;
+    Status st = PushChunk(t.chunks[i], h, recover);
     if (!st.ok()) {
-      hs.error = st;
+      handles_[h].error = st;
+      // This chunk and those after it lack this gradient (PushChunk left this one as it was).
+      for (size_t j = i; j < t.chunks.size(); ++j) {
+        if (!only_missing || !push_[t.chunks[j]].PushedIn(step_.clock)) {
+          push_[t.chunks[j]].left_out = true;
+        }
+      }
       break;
     }
+    push_[t.chunks[i]].left_out = false;
   }
   return Handle{h};
+}
+
+PushPipeline::PushedCount PushPipeline::PushedThisClock(uint32_t tensor) const {
+  PushedCount n;
+  for (uint32_t id : tensors_[tensor].chunks) {
+    ++n.chunks;
+    if (push_[id].PushedIn(step_.clock)) ++n.pushed;
+  }
+  return n;
+}
+
+bool PushPipeline::RowsBehindPush(uint32_t tensor) const {
+  if (rows_ == nullptr || !tensors_[tensor].embedding) return false;
+  for (uint32_t id : tensors_[tensor].chunks) {
+    if (push_[id].PushedIn(step_.clock) && rows_->HasPendingRows(id)) return true;
+  }
+  return false;
+}
+
+void PushPipeline::AdoptIntoStep(uint32_t tensor) {
+  const Tensor& t = tensors_[tensor];
+  if (!step_.in_step || !handles_.Contains(t.push_handle)) return;
+  for (uint32_t id : t.chunks) {
+    ChunkPush& c = push_[id];
+    if (c.PushedIn(step_.clock) && c.last_op == layout::PushOp::kGradient) {
+      c.step = step_.step_id;
+    }
+  }
+}
+
+Status PushPipeline::ErrorOf(Handle h) const {
+  const HandleState* hs = handles_.Find(h.id);
+  return hs != nullptr ? hs->error : Status::OK();
 }
 
 Status PushPipeline::PushOpAndAwait(uint32_t id, layout::PushOp op, uint64_t arg,
@@ -133,6 +175,11 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
     handles_.FinishChunk(c.handle[parity], Status::OK());
     c.handle[parity] = 0;
   }
+  // A post that fails with its server's session intact sent nothing the server will take
+  // (no header, no immediate): the chunk is left as it was, its sequence number included, so
+  // that neither a resend after a later failover nor the next push sends a push numbered
+  // seq that never left (and a row shard's rows stay pending).
+  const ChunkPush before = c;
   // A row shard: this step's gradient rows go into the staging of this parity, which push
   // seq-2 (acknowledged above) no longer needs.
   // A state transfer's payload instead (RowTables::SetOpPayload): the gradient rows added this
@@ -168,12 +215,17 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   if (st.ok() && ahead) {
     sessions_.PostAcksAhead(server, more_ ? transport::kMore : transport::kSignaled);
   }
-  if (!st.ok()) {
-    if (sessions_.at(chunks_[id].server).failed) return Status::OK();  // resent after recovery
-    c.handle[parity] = 0;
+  if (!st.ok() && !sessions_.at(server).failed) {
+    c = before;
     --hs.pending;
     return st;
   }
+  // Posted, or left to be resent after the recovery: this clock has the chunk's gradient.
+  if (op == layout::PushOp::kGradient) {
+    c.grad_clock_plus1 = step_.clock + 1;
+    if (chunks_[id].rows.rows_kind()) rows_->CommitStage(id);
+  }
+  if (!st.ok()) return Status::OK();  // the session failed: resent after the recovery
   // Training traffic only: a state transfer (SetState, SetRows, GetRows) is not a push of a
   // gradient.
   if (op == layout::PushOp::kGradient) {
@@ -192,7 +244,7 @@ Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
     std::vector<uint32_t> servers;
     for (uint32_t id = 0; id < push_.size(); ++id) {
       const uint32_t server = chunks_[id].server;
-      if (push_[id].known_acked < push_[id].seq &&
+      if (std::max(push_[id].known_acked, push_[id].lost_through) < push_[id].seq &&
           std::find(servers.begin(), servers.end(), server) == servers.end()) {
         servers.push_back(server);
       }
@@ -227,7 +279,10 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
   ChunkPush& c = push_[id];
   const uint32_t server = chunks_[id].server;
   auto deadline = SteadyClock::now() + options_.wait_timeout;  // renewed after a recovery
-  if (c.known_acked < need) {
+  // A push counted lost in a failover is never acknowledged: not waited for (the new server
+  // never had it, so its inbox slot is free).
+  auto settled = [&c] { return std::max(c.known_acked, c.lost_through); };
+  if (settled() < need) {
     // An acks read posted behind an earlier push: its answer is on its way (or here) and
     // costs no round trip of its own.
     while (sessions_.acks_ahead_in_flight(server) && !sessions_.at(server).failed &&
@@ -237,7 +292,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
     }
     if (const uint64_t* acks = sessions_.TakeAcksAhead(server)) ApplyAcks(server, acks);
   }
-  while (c.known_acked < need) {
+  while (settled() < need) {
     Status st = sessions_.ReadAcks(
         server, id, deadline,
         [&] {
@@ -252,7 +307,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
     }
     RETURN_IF_ERROR(st);
     ApplyAcks(server, sessions_.Acks(server));
-    if (c.known_acked < need) std::this_thread::yield();
+    if (settled() < need) std::this_thread::yield();
   }
   return Status::OK();
 }
@@ -436,11 +491,15 @@ Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
                           (step_.in_step && c.step == step_.step_id) ||
                           chunks_[id].rows.rows_kind() || c.op_awaited ||
                           c.last_values.payload.region != nullptr;
-  const uint64_t lost = resendable ? c.seq - 1 - a : c.seq - a;
-  if (lost > 0) {
-    pushes_lost_ += lost;
-    LOG(WARNING) << "worker rank " << rank_ << ": chunk " << id << ": pushes " << a + 1 << ".."
-                 << (resendable ? c.seq - 1 : c.seq)
+  // Lost: those after the acknowledged ones, up to the latest unless it is resent; those an
+  // earlier failover counted lost already are not counted again.
+  const uint64_t last_lost = resendable ? c.seq - 1 : c.seq;
+  const uint64_t first_lost = std::max(a, c.lost_through) + 1;
+  if (last_lost >= first_lost) {
+    pushes_lost_ += last_lost - first_lost + 1;
+    c.lost_through = last_lost;
+    LOG(WARNING) << "worker rank " << rank_ << ": chunk " << id << ": pushes " << first_lost << ".."
+                 << last_lost
                  << " were not replicated before the failover and cannot be resent (their "
                     "gradient buffer may have been reused)";
   }

@@ -39,9 +39,29 @@ class PushPipeline {
   uint64_t SmallStagingBytes() const;
   void PlaceSmallStaging(uint64_t base);
 
-  // Pushes every chunk of a tensor at the current clock. `recover` is called when a server
-  // fails while an inbox slot is awaited (it reconnects or fails over, or reports why not).
-  StatusOr<Handle> Push(uint32_t tensor, const std::function<Status()>& recover);
+  // Pushes every chunk of a tensor at the current clock (`only_missing`: those whose gradient
+  // was not pushed in this clock yet, e.g. left out by a push that failed part way). `recover`
+  // is called when a server fails while an inbox slot is awaited (it reconnects or fails over,
+  // or reports why not). A chunk that could not be pushed fails the handle (its error), and
+  // the chunks after it are not pushed either.
+  StatusOr<Handle> Push(uint32_t tensor, const std::function<Status()>& recover,
+                        bool only_missing = false);
+  // How many of a tensor's chunks had their gradient pushed in the current clock (a posted
+  // push, or one left to be resent after a recovery), of how many.
+  struct PushedCount {
+    size_t pushed = 0, chunks = 0;
+    bool none() const { return pushed == 0; }
+    bool all() const { return pushed == chunks; }
+  };
+  PushedCount PushedThisClock(uint32_t tensor) const;
+  // A row table: whether a shard pushed in this clock has gradient rows added since.
+  bool RowsBehindPush(uint32_t tensor) const;
+  // Step() leaves out a tensor pushed by hand in its clock: while the caller has not waited
+  // for that push, its gradient is still in the caller's buffer for as long as Step runs, so
+  // a failover during Step may resend it, as it resends Step's own pushes.
+  void AdoptIntoStep(uint32_t tensor);
+  // The error of a push handle so far (OK while none of its chunks failed).
+  Status ErrorOf(Handle h) const;
   // Starts the device->host copies of the CUDA-staged tensors among `tensors` that are about to
   // be pushed one after the other (Step, PushMany), so that they run back to back on the copy
   // engine while the first ones are on the wire, instead of one copy per Push call. Tensors
@@ -107,6 +127,15 @@ class PushPipeline {
     layout::PushOp last_op = layout::PushOp::kGradient;  // (the same when resent)
     uint64_t last_arg = 0;
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
+    uint64_t grad_clock_plus1 = 0;  // the clock (+1) of its latest gradient push (0: none)
+    // The tensor's latest push failed before this chunk was posted: the chunk lacks it (the
+    // tensor's next push completes it).
+    bool left_out = false;
+    // Its gradient for this clock is posted (or left to be resent after a recovery).
+    bool PushedIn(uint64_t clock) const { return grad_clock_plus1 == clock + 1 && !left_out; }
+    // Pushes up to this one were counted lost in a failover (never resent): no ack of them
+    // will come, and AwaitAllAcked does not wait for one (the next push's ack covers them).
+    uint64_t lost_through = 0;
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;
     uint64_t last_bytes = 0;  // a row shard's latest push: its staged entries' bytes

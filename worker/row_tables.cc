@@ -71,6 +71,11 @@ bool RowTables::HasPendingGradients(uint32_t tensor) const {
   return false;
 }
 
+bool RowTables::HasPendingRows(uint32_t chunk) const {
+  const auto [ti, k] = shard_of_chunk_[chunk];
+  return tables_[ti].pending[k].index.size() != 0;
+}
+
 bool RowTables::ScalePending(uint32_t tensor, float factor) {
   Table& t = tables_[table_of_tensor_.at(tensor)];
   bool finite = true;
@@ -195,10 +200,15 @@ uint64_t RowTables::Stage(uint32_t chunk, uint32_t parity) {
     EncodeHalf(static_cast<uint32_t>(tensors_[t.tensor].dtype), p.values.data(),
                reinterpret_cast<uint16_t*>(rows), p.values.size());
   }
-  rows_pushed_ += n;
+  return n * (sizeof(uint64_t) + uint64_t{t.dim} * t.elem);
+}
+
+void RowTables::CommitStage(uint32_t chunk) {
+  const auto [ti, k] = shard_of_chunk_[chunk];
+  Table::Pending& p = tables_[ti].pending[k];
+  rows_pushed_ += p.index.size();
   p.index.Clear();
   p.values.clear();
-  return n * (sizeof(uint64_t) + uint64_t{t.dim} * t.elem);
 }
 
 RowTables::Shape RowTables::shape(uint32_t tensor) const {

@@ -47,15 +47,20 @@ class RowTables {
   Status AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads);
   // Whether the table has gradient rows added since its last push.
   bool HasPendingGradients(uint32_t tensor) const;
+  // Whether the shard of row chunk `chunk` has gradient rows added since its last push.
+  bool HasPendingRows(uint32_t chunk) const;
   // Multiplies those rows by `factor`; whether every value is finite then.
   bool ScalePending(uint32_t tensor, float factor);
   // The sum of their squares (double); inf or NaN where one is not finite.
   double SquaredNormOfPending(uint32_t tensor) const;
   // Drops them: the table's next push carries none of them.
   void DropPending(uint32_t tensor);
-  // PushPipeline: moves a shard's pending gradient rows into its push staging of `parity`
-  // (whose previous push the server has acknowledged); returns the bytes staged.
+  // PushPipeline: copies a shard's pending gradient rows into its push staging of `parity`
+  // (whose previous push the server has acknowledged); returns the bytes staged. They stay
+  // pending until CommitStage (the push was posted, or left to be resent): a post that fails
+  // loses no row.
   uint64_t Stage(uint32_t chunk, uint32_t parity);
+  void CommitStage(uint32_t chunk);
   // Where Stage put them.
   transport::LocalSlice Staged(uint32_t chunk, uint32_t parity, uint64_t bytes) const;
 

@@ -553,9 +553,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._sync is not None:
             raise RuntimeError("overlap=True pushed the gradients during backward, before they "
                                "could be clipped: use overlap=False to clip")
-        if grad_scaler is not None:
+        if grad_scaler is not None and grad_scaler.is_enabled():
             self._unscale_with(grad_scaler)
         grads = [p.grad for _, p, _ in self._params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
         sq = sum((float(g.detach().double().pow(2).sum()) for g in grads), 0.0)
         sq += sum(self.client.row_grads_squared_norm(m.table_name) for m in self._tables)
         total = math.sqrt(sq) if sq >= 0 else float("nan")
@@ -563,13 +564,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {total}")
         coef = float(max_norm) / (total + 1e-6)
         if not coef < 1.0 and math.isfinite(total):
-            return torch.tensor(total)
+            return torch.tensor(total, device=device)
         # An inf or nan total scales by 0 or nan, as torch does: inf * 0 is nan, still seen.
         for g in grads:
             g.mul_(coef)
         for m in self._tables:
             self.client.scale_row_grads(m.table_name, coef)
-        return torch.tensor(total)
+        return torch.tensor(total, device=device)
 
     def _unscale_with(self, grad_scaler):
         """Divides this step's gradients by the scaler's scale, the dense ones once (through
@@ -580,6 +581,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             from torch.cuda.amp.grad_scaler import OptState
         state = grad_scaler._per_optimizer_states[id(self)]
         if state["stage"] is OptState.READY:
+            # A new step's first unscale: whatever an abandoned step left does not count.
+            self._rows_unscaled = False
             grad_scaler.unscale_(self)  # divides the gradients, finds infs and NaNs
         finite = True
         if not self._rows_unscaled:
@@ -667,6 +670,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._cuda:
             torch.cuda.synchronize()  # the gradients must be complete before they are copied
         self.client.step()
+        # The next step's rows come scaled again. (A step that raised keeps the mark: a retry of
+        # scaler.step(opt) must not divide the rows again; zero_grad() or the scaler's next
+        # READY stage clears it.)
         self._rows_unscaled = False
         for p, _, w16, _ in self._shadows:
             p.copy_(w16)

@@ -81,7 +81,7 @@ TEST_P(ConsistencyPropertyTest, EveryPullHoldsWhatTheModeGuarantees) {
   for (int r = 0; r < spec.workers; ++r) {
     std::vector<std::string> flags = {"--model=signature", "--signature_rows",
                                       rows_only() ? "--nosignature_dense" : "--signature_dense",
-                                      "--signature_push_first",
+                                      "--signature_push_by_hand_every=2",
                                       "--steps=" + std::to_string(kSteps),
                                       std::string("--max_delay_ms=") + (r == 0 ? "30" : "8"),
                                       "--progress_file=" + Path("progress" + std::to_string(r))};
@@ -208,6 +208,68 @@ TEST_P(RowVisibilityTest, ARowIsNeverReadBeforeItsBackupHasIt) {
     }
   }
 }
+
+// A push by hand that Step() leaves out (Push, then Step, then Wait: overlapping the push with
+// the rest of backward) is resent after a failover during that Step, as Step's own pushes are:
+// the caller has not waited for it, so its gradient is still in the buffer. ASP, one group of
+// a primary and a backup, one worker pushing every step by hand; the primary stops at its 10th
+// Commit (a hand push's, not replicated yet) and is killed in the stop, while the worker waits
+// in Step for the acknowledgements (ASP with a backup). Before, that push was counted lost.
+// `waited`: the worker waits for its hand pushes before Step (Push, Wait, Step), after which it
+// may have reused the buffer: the push is counted lost (pushes_lost 1, a warning), and Step
+// goes on; before, Step then waited for that push's acknowledgement, which never comes, and
+// failed with DEADLINE_EXCEEDED.
+class HandPushFailoverTest : public ProcessTestBase,
+                             public ::testing::WithParamInterface<std::tuple<std::string, bool>> {
+ protected:
+  void SetUp() override { SetUpFor(std::get<0>(GetParam())); }
+};
+
+TEST_P(HandPushFailoverTest, AHandPushStepLeftOutIsResentAfterAFailoverInIt) {
+  const auto& [transport, waited] = GetParam();
+  const bool emulated = transport == "verbs";
+  ClusterSpec spec;
+  spec.transport = transport;
+  spec.consistency = "asp";
+  spec.servers = 1;
+  spec.replicas = 2;
+  spec.workers = 1;
+  spec.lr = 1.0;
+  spec.aggregation = "sum";
+  spec.heartbeat_timeout_ms = emulated ? 6000 : 1500;
+  spec.stall_rank = 0;
+  spec.stall_point = "server.before_record@10:600000";  // killed in it
+  const int kSteps = 12;
+  const milliseconds bound = emulated ? 4 * kProcessBound : kProcessBound;
+  ASSERT_TRUE(StartCluster(spec));
+  std::vector<std::string> flags = {"--model=signature", "--steps=" + std::to_string(kSteps),
+                                    "--max_delay_ms=2", "--signature_push_by_hand_every=1"};
+  if (waited) flags.push_back("--signature_wait_hand_pushes");
+  ChildProcess* worker = SpawnWorker(WorkerArgs(spec, 0), "worker0.log", flags);
+  ASSERT_TRUE(WaitForLog(servers_[0], "stall point server.before_record", bound))
+      << Tail(servers_[0]);
+  servers_[0]->Kill();
+  ASSERT_EQ(ExitCode(worker, bound), 0) << Tail(worker);
+  auto res = Result(0);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->Int("steps"), kSteps);
+  EXPECT_EQ(res->Int("failovers"), 1);
+  if (waited) {
+    EXPECT_EQ(res->Int("pushes_lost"), 1) << "the waited hand push the primary died on";
+  } else {
+    EXPECT_EQ(res->Int("pushes_lost"), 0) << Tail(worker);
+    EXPECT_GE(res->Int("pushes_resent"), 1) << "the hand push the primary died on";
+  }
+  EXPECT_EQ(res->Int("violations"), 0) << Tail(worker);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, HandPushFailoverTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "verbs"),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) +
+                                  (std::get<1>(info.param) ? "_waited" : "");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Transports, RowVisibilityTest, ::testing::Values("tcp", "shm", "verbs"),
                          [](const auto& info) { return info.param; });

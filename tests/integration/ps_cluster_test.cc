@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/stall_point.h"
 #include "shardps/client.h"
 #include "tests/integration/in_process_cluster.h"
 #include "worker/pull_pipeline.h"
@@ -635,6 +636,73 @@ TEST_P(PsClusterTest, BspDoesNotWaitForChunksAWorkerSkipped) {
   // b gets only rank 0's gradient each step, averaged over its one contributor.
   EXPECT_FLOAT_EQ(final_b[0][5], 4 * 4.0f);
   EXPECT_EQ(final_b[0], final_b[1]);
+}
+
+// A push that fails part way (a chunk's inbox slot not freed within wait_timeout: its server
+// was descheduled) is completed by the tensor's next push, chunk by chunk: the chunks it left
+// out are pushed, those it sent are not sent again. ASP, where a chunk pushed twice counts
+// twice; the failed push is the clock's first, or (`second`) the second push of its clock, after
+// one that went whole. Before, Step() pushed the whole tensor again (the sent chunk counted
+// twice) or, once it left out tensors pushed in its clock, nothing (the chunk left out lost).
+TEST_P(PsClusterTest, APushThatFailedPartWayIsCompletedNotRepeated) {
+  for (const bool second : {false, true}) {
+    SCOPED_TRACE(second ? "the clock's second push failed" : "the clock's first push failed");
+    ClusterSpec spec;
+    spec.transport = GetParam();
+    spec.mode = control::ASP;
+    spec.workers = 1;
+    spec.servers = 1;
+    spec.partition_bytes = 64;  // "w": 2 chunks of 16 floats, on the one server
+    spec.optimizer.lr = 0.5f;
+    Cluster cluster(spec);
+    std::vector<float> w(32, 1.0f), g(32, 1.0f);
+    ClientOptions o = cluster.WorkerOptions(0);
+    o.wait_timeout = milliseconds(300);
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    Client& cl = **c;
+    ASSERT_TRUE(cl.RegisterTensor("w", w.data(), g.data(), {32}).ok());
+    ASSERT_TRUE(cl.Start().ok());
+    const long long served = StallPointsServed();
+    // The server's second Commit from now, chunk 1's first push, stops it for 1.5 s.
+    ArmStallPointForTest("server.before_record", 2, milliseconds(1500));
+    // Pushes 1 and 2 of each chunk go whole (clocks 0 and 1, or both in clock 0).
+    for (int k = 0; k < 2; ++k) {
+      StatusOr<Handle> h = cl.Push("w");
+      ASSERT_TRUE(h.ok()) << h.status();
+      ASSERT_TRUE(cl.Wait(*h).ok());
+      if (!second || k == 0) {
+        ASSERT_TRUE(cl.Clock().ok());
+      }
+    }
+    // Push 3: chunk 0's goes (its first is acknowledged); chunk 1's waits for its first to be
+    // acknowledged, which the stalled server cannot do in 300 ms.
+    StatusOr<Handle> h = cl.Push("w");
+    ASSERT_TRUE(h.ok()) << h.status();
+    const Status failed = cl.Wait(*h);
+    EXPECT_EQ(failed.code(), StatusCode::kDeadlineExceeded) << failed;
+    EXPECT_EQ(cl.counters().pushes, 5u) << "chunk 0's third push sent, chunk 1's not";
+    std::this_thread::sleep_for(milliseconds(1600));  // the server runs again
+    Status st = cl.Step();  // chunk 1's third push, and only it
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(cl.counters().pushes, 6u);
+    EXPECT_EQ(StallPointsServed(), served + 1);
+    // Every push applied once: 3 of each chunk, lr 0.5, gradient 1 (ASP pulls need not hold
+    // the last ones yet: read until they do, then once more, later, for one applied twice).
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    do {
+      StatusOr<Handle> p = cl.Pull("w");
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE(cl.Wait(*p).ok());
+    } while ((w[0] > -0.5f || w[16] > -0.5f) && std::chrono::steady_clock::now() < until &&
+             (std::this_thread::sleep_for(milliseconds(5)), true));
+    std::this_thread::sleep_for(milliseconds(300));
+    StatusOr<Handle> p = cl.Pull("w");
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(cl.Wait(*p).ok());
+    EXPECT_EQ(w, std::vector<float>(32, 1.0f - 3 * 0.5f));
+    EXPECT_TRUE(cl.Close().ok());
+  }
 }
 
 // VSGD end to end: a gradient computed on weights that have since moved is applied with

@@ -30,7 +30,8 @@
 //            violation too). Written: row_sig_pulls, row_cache_hits; violations, sig_at_bound
 //            and sig_max_staleness include them. --nosignature_dense leaves W and b out;
 //            --signature_reader_ms=D makes a worker that only reads the tables, for D ms.
-//            --signature_push_first: odd steps push everything by hand before Step().
+//            --signature_push_by_hand_every=N: every Nth step pushes everything by hand
+//            before Step().
 //
 // Result file (--out), written atomically (tmp + rename), one "key value..." per line:
 //   mode, rank, steps, workers (standalone) or workers_before_last_step (train), consistency,
@@ -165,10 +166,15 @@ DEFINE_int32(signature_reader_ms, 0,
 DEFINE_bool(signature_dense, true,
             "--model=signature: register W and b (false, with --signature_rows: the row tables "
             "only, so that no dense pull in Step() waits for the clock before a row pull does)");
-DEFINE_bool(signature_push_first, false,
-            "--model=signature: at every odd step push the step's tensors and tables by hand "
-            "(PushMany, awaited) before Step(), which must not push them again (BSP: a second "
-            "push of a clock would replace the first; docs/consistency.md)");
+DEFINE_bool(signature_wait_hand_pushes, false,
+            "--signature_push_by_hand_every: wait for the pushes by hand before Step() (the "
+            "caller may reuse the buffers then: a failover during Step counts them lost if "
+            "they were not replicated) instead of after it");
+DEFINE_int32(signature_push_by_hand_every, 0,
+             "--model=signature: every Nth step (steps t with t % N == N - 1; 0: none) pushes "
+             "the step's tensors and tables by hand (PushMany, awaited after Step) before "
+             "Step(), which must not push them again (a second push of a clock would replace "
+             "the first in BSP, count twice in ASP/SSP)");
 DEFINE_string(reference, "", "compare: the standalone run's result file");
 DEFINE_string(results, "", "compare: comma-separated result files of the cluster's workers");
 
@@ -893,20 +899,38 @@ int RunCluster() {
       if (FLAGS_count_in_b && me < static_cast<int>(gb.size())) gb[me] = -1.0f;
     }
     if (t == FLAGS_steps - 1) r.workers = c.num_workers();
-    if (signature && FLAGS_signature_push_first && t % 2 == 1) {
+    // Pushed by hand, awaited after Step (which leaves them out, and resends them after a
+    // failover during it, as its own: they are not awaited yet).
+    std::vector<shardps::Handle> by_hand;
+    const int hand_every = FLAGS_signature_push_by_hand_every;
+    if (signature && hand_every > 0 && t % hand_every == hand_every - 1) {
       std::vector<std::string> names;
       if (FLAGS_signature_dense) names = {"W", "b"};
       for (const SigTable& tb : sig_tables) names.push_back(tb.name);
       shardps::StatusOr<std::vector<shardps::Handle>> hs = c.PushMany(names);
-      st = hs.status();
-      for (size_t i = 0; st.ok() && i < hs->size(); ++i) st = c.Wait((*hs)[i]);
-      if (!st.ok()) {
+      if (!hs.ok()) {
         fprintf(stderr, "ps_test_worker rank %d: pushes by hand of step %d: %s\n", me, t,
-                st.ToString().c_str());
+                hs.status().ToString().c_str());
         return 5;
+      }
+      by_hand = *hs;
+      if (FLAGS_signature_wait_hand_pushes) {
+        for (shardps::Handle h : by_hand) {
+          st = c.Wait(h);
+          if (!st.ok()) {
+            fprintf(stderr, "ps_test_worker rank %d: pushes by hand of step %d: %s\n", me, t,
+                    st.ToString().c_str());
+            return 5;
+          }
+        }
+        by_hand.clear();
       }
     }
     st = c.Step();
+    for (shardps::Handle h : by_hand) {
+      Status waited = c.Wait(h);
+      if (st.ok()) st = waited;
+    }
     if (st.ok()) st = refresh();
     if (!st.ok()) {
       fprintf(stderr, "ps_test_worker rank %d: step %d failed: %s\n", me, t, st.ToString().c_str());
@@ -1141,7 +1165,9 @@ int main(int argc, char** argv) {
   if (FLAGS_steps < 0 || FLAGS_workers < 1 || FLAGS_batch < 1 || FLAGS_dim < 1 ||
       FLAGS_outputs < 1 ||
       (FLAGS_model != "linreg" && FLAGS_model != "counter" && FLAGS_model != "signature") ||
-      ((FLAGS_signature_rows || FLAGS_signature_push_first) && FLAGS_model != "signature") ||
+      ((FLAGS_signature_rows || FLAGS_signature_push_by_hand_every != 0) &&
+       FLAGS_model != "signature") ||
+      FLAGS_signature_push_by_hand_every < 0 ||
       (!FLAGS_signature_dense && !(FLAGS_model == "signature" && FLAGS_signature_rows)) ||
       (FLAGS_signature_reader_ms > 0 && !(FLAGS_model == "signature" && FLAGS_signature_rows))) {
     fprintf(stderr, "ps_test_worker: bad flags (see --help)\n");

@@ -212,6 +212,9 @@ class EmbeddingTest(unittest.TestCase):
                     class Scaler:
                         _scale = torch.tensor(float(scale))
                         _per_optimizer_states = {id(opt): state}
+
+                        def is_enabled(self):
+                            return True
                     norms.append(float(opt.clip_grad_norm_(max_norm, grad_scaler=Scaler())))
                     opt.step(grad_scaler=Scaler())
                 with torch.no_grad():
