@@ -908,8 +908,6 @@ StatusOr<std::vector<Handle>> ClientImpl::PostBurst(const std::vector<uint32_t>&
   for (uint32_t t : all) {
     if (push) {
       ASSIGN_OR_RETURN(const PushScope scope, ScopeOfPush(t, step, step ? "Step()" : "PushMany()"));
-      // A hand push Step leaves out, or completes: a failover during Step may resend it.
-      if (step && scope != PushScope::kAll) push_->AdoptIntoStep(t);
       if (scope == PushScope::kNone) continue;
       only_missing.push_back(scope == PushScope::kMissing);
     }

@@ -122,17 +122,6 @@ bool PushPipeline::RowsBehindPush(uint32_t tensor) const {
   return false;
 }
 
-void PushPipeline::AdoptIntoStep(uint32_t tensor) {
-  const Tensor& t = tensors_[tensor];
-  if (!step_.in_step || !handles_.Contains(t.push_handle)) return;
-  for (uint32_t id : t.chunks) {
-    ChunkPush& c = push_[id];
-    if (c.PushedIn(step_.clock) && c.last_op == layout::PushOp::kGradient) {
-      c.step = step_.step_id;
-    }
-  }
-}
-
 Status PushPipeline::ErrorOf(Handle h) const {
   const HandleState* hs = handles_.Find(h.id);
   return hs != nullptr ? hs->error : Status::OK();
@@ -203,6 +192,7 @@ Status PushPipeline::PushChunk(uint32_t id, uint64_t h, const std::function<Stat
   c.last_op = op;
   c.last_arg = arg;
   c.step = step_.in_step ? step_.step_id : 0;
+  c.last_handle = h;
   c.handle[parity] = h;
   c.seq_of[parity] = seq;
   HandleState& hs = handles_[h];
@@ -479,15 +469,17 @@ Status PushPipeline::ResyncChunk(uint32_t id, uint64_t a) {
     return Status::OK();
   }
   // The latest push is resent from the caller's gradient buffer only when its bytes are
-  // certainly still there: its handle has not completed (the caller may not touch the
-  // buffer yet), or it was pushed by the Step() we are inside, or the mode is BSP (where a
-  // gradient buffer is rewritten only after the pull that needs this push). Otherwise the
-  // caller may have reused the buffer: resending would apply other bytes — never twice,
-  // never wrong: count it lost instead.
+  // certainly still there: its handle has not completed, or the caller has not waited for it
+  // (the caller may not touch the buffer until Wait returns: a push by hand that Step left
+  // out, a PushMany still being posted), or it was pushed by the Step() we are inside, or the
+  // mode is BSP (where a gradient buffer is rewritten only after the pull that needs this
+  // push). Otherwise the caller may have reused the buffer: resending would apply other
+  // bytes — never twice, never wrong: count it lost instead.
   // A row shard's push is in the client's own staging until the push after next: always.
   // A state op being awaited (PushOpAndAwait), and float32 values (SetStateValues' staging,
   // rewritten only once every push is acknowledged): always.
-  const bool resendable = c.handle[p] != 0 || config_.mode() == control::BSP ||
+  const bool resendable = c.handle[p] != 0 || handles_.Contains(c.last_handle) ||
+                          config_.mode() == control::BSP ||
                           (step_.in_step && c.step == step_.step_id) ||
                           chunks_[id].rows.rows_kind() || c.op_awaited ||
                           c.last_values.payload.region != nullptr;

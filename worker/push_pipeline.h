@@ -56,10 +56,6 @@ class PushPipeline {
   PushedCount PushedThisClock(uint32_t tensor) const;
   // A row table: whether a shard pushed in this clock has gradient rows added since.
   bool RowsBehindPush(uint32_t tensor) const;
-  // Step() leaves out a tensor pushed by hand in its clock: while the caller has not waited
-  // for that push, its gradient is still in the caller's buffer for as long as Step runs, so
-  // a failover during Step may resend it, as it resends Step's own pushes.
-  void AdoptIntoStep(uint32_t tensor);
   // The error of a push handle so far (OK while none of its chunks failed).
   Status ErrorOf(Handle h) const;
   // Starts the device->host copies of the CUDA-staged tensors among `tensors` that are about to
@@ -127,6 +123,7 @@ class PushPipeline {
     layout::PushOp last_op = layout::PushOp::kGradient;  // (the same when resent)
     uint64_t last_arg = 0;
     uint64_t step = 0;  // the Step() that pushed it (0: pushed outside Step())
+    uint64_t last_handle = 0;  // the latest push's handle (the caller's until it is waited for)
     uint64_t grad_clock_plus1 = 0;  // the clock (+1) of its latest gradient push (0: none)
     // The tensor's latest push failed before this chunk was posted: the chunk lacks it (the
     // tensor's next push completes it).

@@ -211,7 +211,8 @@ TEST_P(RowVisibilityTest, ARowIsNeverReadBeforeItsBackupHasIt) {
 
 // A push by hand that Step() leaves out (Push, then Step, then Wait: overlapping the push with
 // the rest of backward) is resent after a failover during that Step, as Step's own pushes are:
-// the caller has not waited for it, so its gradient is still in the buffer. ASP, one group of
+// the caller has not waited for it, so its gradient is still in the buffer (PushPipeline::
+// ResyncChunk: a push whose handle is not waited for is resendable). ASP, one group of
 // a primary and a backup, one worker pushing every step by hand; the primary stops at its 10th
 // Commit (a hand push's, not replicated yet) and is killed in the stop, while the worker waits
 // in Step for the acknowledgements (ASP with a backup). Before, that push was counted lost.

@@ -277,8 +277,8 @@ class SHARDPS_EXPORT Client {
   // For a row table: its gradient rows added since its last push (AddRowGradients).
   // Step() does not push again what Push() sent in its clock, in any mode (a row table with
   // rows added since its push: ASP and SSP push those rows; BSP refuses, posting nothing). A
-  // push not yet waited for when Step() runs is resent after a failover during it, as Step's
-  // own pushes are. A push that failed part way (a chunk's inbox slot not freed in time: its
+  // push not yet waited for is resent after a failover, in Step() or not (its buffer is the
+  // caller's to reuse only once Wait returns). A push that failed part way (a chunk's inbox slot not freed in time: its
   // Wait fails) is completed by the tensor's next Push or Step: the chunks it left out only.
   // BSP sums one push per tensor per worker per clock: a second push of a tensor in the same
   // clock is refused (FAILED_PRECONDITION). ASP and SSP apply every explicit push.
