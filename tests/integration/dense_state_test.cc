@@ -370,6 +370,61 @@ TEST_P(DenseStateAttackTest, ARuleRewrittenAfterItsPushWasTakenIsNotApplied) {
   EXPECT_EQ(final_w[1], want);
 }
 
+// A push whose post the provider refuses (the session stays healthy) leaves its chunk as it
+// was: a row shard's rows stay pending, and the sequence number is not spent. BSP, one worker,
+// a table over 2 servers: Push(table) posts shard 0's push and has shard 1's refused; Step()
+// then pushes shard 1 only, with its rows. Before, the refused shard's rows had already left
+// pending for the staging, so Step pushed it empty and its rows were lost.
+TEST_P(DenseStateAttackTest, ARefusedPostLosesNoRowsAndTheNextPushSendsThem) {
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.workers = 1;
+  spec.servers = 2;
+  spec.optimizer.lr = 0.5f;
+  Cluster cluster(spec);
+  std::atomic<bool> armed{false};
+  std::atomic<int> pushes_seen{0}, refused{0};
+  test::FaultOptions fault;
+  fault.refuse = [&](const char* data, uint64_t length, uint32_t imm) {
+    if (!armed.load() || length < sizeof(layout::PushHeader) ||
+        (imm >> 28) != static_cast<uint32_t>(layout::ImmKind::kPush)) {
+      return false;
+    }
+    layout::PushHeader ph;
+    std::memcpy(&ph, data, sizeof(ph));
+    if (ph.magic != layout::kPushMagic || pushes_seen.fetch_add(1) != 1) return false;
+    ++refused;
+    return true;  // the table's second shard push after arming
+  };
+  auto c = ConnectMaybeFaulty(cluster.WorkerOptions(0), &fault);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& cl = **c;
+  EmbeddingOptions eo;
+  eo.max_ids = 64;
+  eo.init = EmbeddingOptions::Init::kZeros;
+  constexpr int kDim = 4;
+  ASSERT_TRUE(cl.RegisterEmbedding("emb", 100, kDim, TensorDType::kFloat32, eo).ok());
+  ASSERT_TRUE(cl.Start().ok());
+  std::vector<int64_t> ids(20);
+  for (int i = 0; i < 20; ++i) ids[i] = 5 * i;  // rows on both shards
+  const std::vector<float> ones(ids.size() * kDim, 1.0f);
+  ASSERT_TRUE(cl.AddRowGradients("emb", ids.data(), ids.size(), ones.data()).ok());
+  armed = true;
+  StatusOr<Handle> h = cl.Push("emb");
+  ASSERT_TRUE(h.ok()) << h.status();
+  const Status failed = cl.Wait(*h);
+  EXPECT_EQ(failed.code(), StatusCode::kUnavailable) << failed;
+  EXPECT_EQ(refused.load(), 1);
+  Status st = cl.Step();  // the refused shard's push, with its rows
+  ASSERT_TRUE(st.ok()) << st;
+  std::vector<float> rows(ids.size() * kDim, 99.0f);
+  st = cl.PullRows("emb", ids.data(), ids.size(), rows.data());
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(rows, std::vector<float>(ids.size() * kDim, -0.5f)) << "every row once, lr 0.5";
+  EXPECT_EQ(refused.load(), 1);
+  EXPECT_TRUE(cl.Close().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, DenseStateAttackTest,
                          ::testing::Values("tcp", "shm", "verbs"),
                          [](const auto& info) { return info.param; });

@@ -65,6 +65,11 @@ class FaultInjectingEndpoint final : public Endpoint {
         }
         return inner_->PostRead(local, remote, context, flags);
       case transport::OpType::kWriteImm: {
+        if (options_.refuse && local.region != nullptr &&
+            options_.refuse(static_cast<const char*>(local.region->data()) + local.offset,
+                            local.length, imm)) {
+          return UnavailableError("fault injection: a write-with-immediate refused, not posted");
+        }
         if (options_.rewrite && local.region != nullptr) {
           options_.rewrite(static_cast<char*>(local.region->data()) + local.offset, local.length,
                            imm);

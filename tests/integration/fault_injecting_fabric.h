@@ -42,6 +42,10 @@ struct FaultOptions {
   std::function<bool(const char* data, uint64_t length, uint32_t imm)> keep;
   std::function<bool()> rewrite_now;
   std::function<void(char* data, uint64_t length)> change;
+  // A provider that refuses a post (its send queue full past the caller's patience, a transient
+  // local error): a write-with-immediate `refuse` picks is not posted, its post returns
+  // UNAVAILABLE, and the endpoint stays healthy (nothing of it reached the peer).
+  std::function<bool(const char* data, uint64_t length, uint32_t imm)> refuse;
 };
 
 // What was injected, shared by the fabric and its endpoints; outlives both if the caller holds it.
