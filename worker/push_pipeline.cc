@@ -234,7 +234,7 @@ Status PushPipeline::AwaitAllAcked(const std::function<Status()>& recover) {
     std::vector<uint32_t> servers;
     for (uint32_t id = 0; id < push_.size(); ++id) {
       const uint32_t server = chunks_[id].server;
-      if (std::max(push_[id].known_acked, push_[id].lost_through) < push_[id].seq &&
+      if (push_[id].Settled() < push_[id].seq &&
           std::find(servers.begin(), servers.end(), server) == servers.end()) {
         servers.push_back(server);
       }
@@ -271,8 +271,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
   auto deadline = SteadyClock::now() + options_.wait_timeout;  // renewed after a recovery
   // A push counted lost in a failover is never acknowledged: not waited for (the new server
   // never had it, so its inbox slot is free).
-  auto settled = [&c] { return std::max(c.known_acked, c.lost_through); };
-  if (settled() < need) {
+  if (c.Settled() < need) {
     // An acks read posted behind an earlier push: its answer is on its way (or here) and
     // costs no round trip of its own.
     while (sessions_.acks_ahead_in_flight(server) && !sessions_.at(server).failed &&
@@ -282,7 +281,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
     }
     if (const uint64_t* acks = sessions_.TakeAcksAhead(server)) ApplyAcks(server, acks);
   }
-  while (settled() < need) {
+  while (c.Settled() < need) {
     Status st = sessions_.ReadAcks(
         server, id, deadline,
         [&] {
@@ -297,7 +296,7 @@ Status PushPipeline::EnsureAcked(uint32_t id, uint64_t need,
     }
     RETURN_IF_ERROR(st);
     ApplyAcks(server, sessions_.Acks(server));
-    if (settled() < need) std::this_thread::yield();
+    if (c.Settled() < need) std::this_thread::yield();
   }
   return Status::OK();
 }

@@ -133,6 +133,8 @@ class PushPipeline {
     // Pushes up to this one were counted lost in a failover (never resent): no ack of them
     // will come, and AwaitAllAcked does not wait for one (the next push's ack covers them).
     uint64_t lost_through = 0;
+    // The pushes up to this one need no acknowledgement any more: acknowledged, or lost.
+    uint64_t Settled() const { return known_acked > lost_through ? known_acked : lost_through; }
     // Small chunks: staging offset of [PushHeader | data] x 2 parities (0 = not small).
     uint64_t small_staging = 0;
     uint64_t last_bytes = 0;  // a row shard's latest push: its staged entries' bytes

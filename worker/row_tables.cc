@@ -63,14 +63,6 @@ Status RowTables::Setup() {
   return Status::OK();
 }
 
-bool RowTables::HasPendingGradients(uint32_t tensor) const {
-  const Table& t = tables_[table_of_tensor_.at(tensor)];
-  for (const Table::Pending& p : t.pending) {
-    if (p.index.size() != 0) return true;
-  }
-  return false;
-}
-
 bool RowTables::HasPendingRows(uint32_t chunk) const {
   const auto [ti, k] = shard_of_chunk_[chunk];
   return tables_[ti].pending[k].index.size() != 0;

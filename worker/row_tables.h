@@ -45,8 +45,6 @@ class RowTables {
   Status Setup();
 
   Status AddGradients(uint32_t tensor, const int64_t* ids, size_t n, const void* grads);
-  // Whether the table has gradient rows added since its last push.
-  bool HasPendingGradients(uint32_t tensor) const;
   // Whether the shard of row chunk `chunk` has gradient rows added since its last push.
   bool HasPendingRows(uint32_t chunk) const;
   // Multiplies those rows by `factor`; whether every value is finite then.
